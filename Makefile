@@ -1,0 +1,36 @@
+# Both targets do all of their own set-up on a fresh machine: .venv, torch (pinned CPU wheel), the package.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+LINT_PATHS := src tests benchmarks examples
+
+.PHONY: test demo lint typecheck bench slow clean
+
+$(STAMP): pyproject.toml constraints-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -c constraints-dev.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints-dev.txt -e '.[dev]'
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+test: lint typecheck
+	$(VENV)/bin/pytest -q
+
+slow: $(STAMP)
+	$(VENV)/bin/pytest -q -m slow
+
+demo: $(STAMP)
+	$(VENV)/bin/safepoint demo
+
+bench: $(STAMP)
+	$(VENV)/bin/safepoint bench
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache demo-out bench-out

@@ -1,0 +1,254 @@
+"""commit: the on-disk layout and the commit protocol for local and network file systems.
+
+    ROOT/step-<N>/           committed: a plain DCP directory plus safepoint.json (written last)
+    ROOT/.pending/<name>/    saves in progress, and checkpoints on their way out; never listed or loaded
+    ROOT/.lease              who owns ROOT (see lease.py)
+
+Commit = fsync data files (DCP does), write + fsync the manifest, fsync the directory, rename it into
+place, fsync ROOT. Removal = one rename into .pending (atomic: the step is listed or it is not), then
+delete. Replacing an existing step swaps the two directories atomically (renameat2 RENAME_EXCHANGE) so the
+committed copy is never gone before the new one is in place.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import ctypes
+import ctypes.util
+import dataclasses
+import errno
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from safepoint.checksum import file_crc32c
+from safepoint.errors import CheckpointError, CorruptCheckpointError
+from safepoint.manifest import MANIFEST_NAME, Manifest
+
+PENDING_DIR = ".pending"
+STEP_PREFIX = "step-"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_REPLACED_PREFIX = "replaced-"
+_DELETING_PREFIX = "deleting-"
+_VERIFY_THREADS = 4
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """A committed checkpoint as listed (the manifest parsed; file checksums not yet verified)."""
+
+    step: int
+    path: str
+    time: float
+    bytes: int
+    metrics: dict[str, float]
+    world_size: int = 1
+
+
+def step_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step}"
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_durably(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class Layout:
+    """Local/NFS checkpoint root. All paths and the commit protocol live here and nowhere else."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+
+    @property
+    def pending_root(self) -> Path:
+        return self.root / PENDING_DIR
+
+    def step_path(self, step: int) -> Path:
+        return self.root / step_name(step)
+
+    def ensure_root(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.pending_root.mkdir(exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"cannot create checkpoint root {self.root}: {e.strerror or e}") from e
+
+    def check_readable(self) -> None:
+        if not self.root.exists():
+            return
+        if not self.root.is_dir():
+            raise CheckpointError(f"checkpoint root {self.root} exists but is not a directory")
+        if not os.access(self.root, os.R_OK | os.X_OK):
+            raise CheckpointError(f"checkpoint root {self.root} is not readable (permission denied)")
+
+    # ---- discovery -----------------------------------------------------------------------------------
+
+    def committed_steps(self) -> list[int]:
+        """Steps whose directory holds a manifest, oldest first (manifest not yet parsed)."""
+        self.check_readable()
+        steps = []
+        try:
+            entries = list(os.scandir(self.root))
+        except FileNotFoundError:
+            return []
+        for entry in entries:
+            m = _STEP_RE.match(entry.name)
+            if m and entry.is_dir() and os.path.exists(os.path.join(entry.path, MANIFEST_NAME)):
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def read_manifest(self, step: int) -> Manifest:
+        path = self.step_path(step) / MANIFEST_NAME
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise CorruptCheckpointError(
+                step, MANIFEST_NAME, f"cannot read manifest ({e.strerror or e})"
+            ) from e
+        return Manifest.from_json(data, step_hint=step)
+
+    def info(self, step: int, manifest: Manifest) -> CheckpointInfo:
+        return CheckpointInfo(
+            step=step,
+            path=str(self.step_path(step)),
+            time=manifest.time,
+            bytes=manifest.total_bytes,
+            metrics=dict(manifest.metrics),
+            world_size=manifest.world_size,
+        )
+
+    def verify(self, step: int, files: list[str] | None = None) -> Manifest:
+        """Parse the manifest and check size + crc32c of every listed file (or the subset ``files``).
+
+        Raises CorruptCheckpointError naming the first bad file.
+        """
+        manifest = self.read_manifest(step)
+        names = sorted(manifest.files) if files is None else files
+        base = self.step_path(step)
+
+        def check(name: str) -> None:
+            entry = manifest.files[name]
+            path = base / name
+            try:
+                actual = path.stat().st_size
+            except FileNotFoundError:
+                raise CorruptCheckpointError(step, name, "file is missing") from None
+            if actual != entry.size:
+                raise CorruptCheckpointError(
+                    step, name, f"size {actual} != {entry.size} (truncated or extended)"
+                )
+            _, crc = file_crc32c(path)
+            if crc != entry.crc32c:
+                raise CorruptCheckpointError(step, name, f"crc32c {crc} != {entry.crc32c} (contents altered)")
+
+        # Threads overlap reads with crc32c (which releases the GIL on large buffers).
+        with concurrent.futures.ThreadPoolExecutor(
+            max_workers=min(_VERIFY_THREADS, max(1, len(names)))
+        ) as ex:
+            for fut in [ex.submit(check, n) for n in names]:
+                fut.result()
+        return manifest
+
+    # ---- saving --------------------------------------------------------------------------------------
+
+    def new_pending(self, step: int, save_id: str) -> Path:
+        return self.pending_root / f"{step_name(step)}-{save_id}"
+
+    def commit(self, pending: Path, manifest: Manifest) -> Path:
+        """Write the manifest into ``pending`` and move it into place as step-N, durably."""
+        write_file_durably(pending / MANIFEST_NAME, manifest.to_json())
+        fsync_dir(pending)
+        final = self.step_path(manifest.step)
+        if final.exists():
+            self._replace(pending, final)
+        else:
+            os.rename(pending, final)
+        fsync_dir(self.root)
+        fsync_dir(self.pending_root)
+        return final
+
+    def _replace(self, pending: Path, final: Path) -> None:
+        if _rename_exchange(pending, final):
+            # pending now holds the old copy; it is unlisted, so removing it is safe at any moment.
+            fsync_dir(self.root)
+            shutil.rmtree(pending, ignore_errors=True)
+            return
+        # No atomic exchange (e.g. NFS): park the old copy where recovery puts it back if we crash before
+        # the new one lands.
+        parked = self.pending_root / f"{_REPLACED_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(final, parked)
+        os.rename(pending, final)
+        fsync_dir(self.root)
+        shutil.rmtree(parked, ignore_errors=True)
+
+    # ---- removal and cleanup -------------------------------------------------------------------------
+
+    def remove(self, step: int) -> None:
+        """Delete a committed checkpoint; crash-safe (it is listed intact, or not at all)."""
+        src = self.step_path(step)
+        doomed = self.pending_root / f"{_DELETING_PREFIX}{src.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(src, doomed)
+        fsync_dir(self.root)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def clean_pending(self) -> list[str]:
+        """Run by a new owner: recover parked replacements, delete abandoned saves. Returns what it did."""
+        done: list[str] = []
+        for entry in self._pending_entries():
+            if entry.name.startswith(_REPLACED_PREFIX):
+                original = entry.name[len(_REPLACED_PREFIX) :].rsplit("-", 1)[0]
+                target = self.root / original
+                if not (target / MANIFEST_NAME).exists() and (entry / MANIFEST_NAME).exists():
+                    if target.exists():
+                        shutil.rmtree(target)
+                    os.rename(entry, target)
+                    fsync_dir(self.root)
+                    done.append(f"recovered {original} from an interrupted replacement")
+                    continue
+            shutil.rmtree(entry, ignore_errors=True)
+            done.append(f"removed abandoned {entry.name}")
+        return done
+
+    def _pending_entries(self) -> Iterator[Path]:
+        with contextlib.suppress(FileNotFoundError):
+            yield from sorted(self.pending_root.iterdir())
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _rename_exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths with Linux renameat2(RENAME_EXCHANGE); False where unsupported.
+
+    The stdlib has no binding for renameat2, hence ctypes.
+    """
+    libc_name = ctypes.util.find_library("c")
+    if not libc_name:
+        return False
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is None:
+        return False
+    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))

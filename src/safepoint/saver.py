@@ -1,0 +1,153 @@
+"""The synchronous save pipeline: capture -> write (+crc32c) -> commit -> retain."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+import uuid
+from typing import Any
+
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from safepoint.dist import Comm
+from safepoint.errors import CheckpointError, SaveError
+from safepoint.layout import CheckpointInfo, Layout
+from safepoint.manifest import FileEntry, Manifest
+from safepoint.policy import Retention
+from safepoint.storage import SafepointWriter
+
+log = logging.getLogger("safepoint")
+
+
+def describe_exception(e: BaseException) -> str:
+    """DCP wraps per-rank failures in CheckpointException; surface the root cause (e.g. ENOSPC)."""
+    if isinstance(e, CheckpointException):
+        parts = []
+        for rank, (exc, _tb) in sorted(e.failures.items()):
+            parts.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+        return "; ".join(parts) or str(e)
+    return f"{type(e).__name__}: {e}"
+
+
+class SyncSaver:
+    def __init__(self, layout: Layout, comm: Comm, retention: Retention, *, writer_threads: int = 1) -> None:
+        self.layout = layout
+        self.comm = comm
+        self.retention = retention
+        self.writer_threads = writer_threads
+
+    def write(
+        self,
+        step: int,
+        state_dict: dict[str, Any],
+        sections: list[str],
+        metrics: dict[str, float],
+        timings: dict[str, float],
+    ) -> CheckpointInfo:
+        """Write a captured (or staged) state dict and commit it. Collective: every rank calls it."""
+        t0 = time.perf_counter()
+        save_id = self.comm.broadcast(uuid.uuid4().hex[:12] if self.comm.is_coordinator else "")
+        pending = self.layout.new_pending(step, save_id)
+        writer = SafepointWriter(pending, thread_count=self.writer_threads)
+        error: str | None = None
+        try:
+            dcp_save(
+                state_dict,
+                storage_writer=writer,
+                planner=DefaultSavePlanner(),
+                process_group=self.comm.group,
+                no_dist=not self.comm.distributed,
+            )
+        except (CheckpointException, OSError, RuntimeError, ValueError) as e:
+            error = describe_exception(e)
+        gathered = self.comm.all_gather((writer.written_files(), error))
+        errors = [err for _, err in gathered if err]
+        info: CheckpointInfo | None = None
+        if self.comm.is_coordinator:
+            if not errors:
+                try:
+                    info = self._commit(
+                        step,
+                        pending,
+                        save_id,
+                        [f for f, _ in gathered],
+                        sections,
+                        metrics,
+                        dict(timings, write_s=time.perf_counter() - t0),
+                    )
+                except (OSError, CheckpointError) as e:
+                    errors.append(describe_exception(e))
+            if errors:
+                shutil.rmtree(pending, ignore_errors=True)
+        outcome = self.comm.broadcast((info, errors))
+        info, errors = outcome
+        if errors or info is None:
+            raise SaveError(
+                f"save of step {step} failed and was not committed ({'; '.join(dict.fromkeys(errors))}). "
+                "Older checkpoints are intact."
+            )
+        if self.comm.is_coordinator:
+            self._retain()
+        return info
+
+    def _commit(
+        self,
+        step: int,
+        pending: Any,
+        save_id: str,
+        per_rank: list[dict[str, tuple[int, str]]],
+        sections: list[str],
+        metrics: dict[str, float],
+        timings: dict[str, float],
+    ) -> CheckpointInfo:
+        files: dict[str, FileEntry] = {}
+        for rank, rank_files in enumerate(per_rank):
+            for name, (size, crc) in rank_files.items():
+                if name in files:
+                    raise SaveError(
+                        f"two ranks wrote the same file {name!r} (rank {rank}); refusing to commit"
+                    )
+                files[name] = FileEntry(size=size, crc32c=crc)
+        # Every rank's files must be visible here, or the checkpoint could never be loaded as a whole.
+        for name, entry in files.items():
+            path = pending / name
+            if not path.exists():
+                raise SaveError(
+                    f"file {name} written by another rank is not visible from rank 0 at {pending}: the "
+                    "checkpoint root looks node-local. Use a shared file system (or object storage) for a "
+                    "multi-node job, or a per-node root with local_root=... and a shared durable root."
+                )
+            if path.stat().st_size != entry.size:
+                raise SaveError(f"file {name} has size {path.stat().st_size}, expected {entry.size}")
+        manifest = Manifest(
+            step=step,
+            files=files,
+            world_size=self.comm.world_size,
+            metrics=metrics,
+            keys=sections,
+            save_id=save_id,
+            extra={"timings": {k: round(v, 6) for k, v in timings.items()}},
+        )
+        self.layout.commit(pending, manifest)
+        log.info(
+            "safepoint: committed step %d (%d files, %.1f MB)", step, len(files), manifest.total_bytes / 1e6
+        )
+        return self.layout.info(step, manifest)
+
+    def _retain(self) -> None:
+        try:
+            history = []
+            for s in self.layout.committed_steps():
+                try:
+                    history.append(self.layout.info(s, self.layout.read_manifest(s)))
+                except CheckpointError:
+                    continue  # unreadable manifests are never counted as kept or deleted
+            for step in self.retention.to_delete(history):
+                self.layout.remove(step)
+                log.info("safepoint: retention removed step %d", step)
+        except OSError as e:
+            # The new checkpoint is committed; a failed cleanup costs space, not correctness.
+            log.warning("safepoint: retention pass failed (%s); will retry after the next save", e)

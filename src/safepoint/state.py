@@ -1,0 +1,195 @@
+"""capture/apply: TrainState <-> a DCP state dict.
+
+Top-level sections are the constants below. Rank-local sections (RNG, data position, extra) are keyed by
+rank (``rng.rank_1....``) because DCP deduplicates values that look replicated across ranks: without the
+key, one rank's RNG would silently stand in for all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from safepoint import rng
+
+MODEL = "model"
+OPTIMIZER = "optimizer"
+SCHEDULER = "scheduler"
+DATALOADER = "dataloader"
+RNG = "rng"
+EXTRA = "extra"
+SECTIONS = (MODEL, OPTIMIZER, SCHEDULER, DATALOADER, RNG, EXTRA)
+PER_RANK_SECTIONS = frozenset({DATALOADER, RNG, EXTRA})
+RANK_PREFIX = "rank_"
+
+
+def rank_key(rank: int) -> str:
+    return f"{RANK_PREFIX}{rank}"
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class TrainState:
+    """Everything a training loop needs to continue exactly where it stopped."""
+
+    model: nn.Module | None = None
+    """Any nn.Module: plain, DDP, FSDP2 (``fully_shard``) or FSDP1. Saved sharded, without gathering."""
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None
+    """One optimizer or a list (requires ``model``)."""
+    scheduler: Any = None
+    """Any object with ``state_dict()``/``load_state_dict()`` (LR scheduler); replicated across ranks."""
+    dataloader: Any = None
+    """Stateful data position (e.g. ``safepoint.ResumableSampler``); saved per rank."""
+    extra: dict[str, Any] | None = None
+    """Stateful objects and JSON-able values, saved per rank and restored into this same dict."""
+    rng: bool = True
+    """Save and restore Python, NumPy, torch CPU and CUDA RNG state, per rank."""
+
+    def __post_init__(self) -> None:
+        if self.model is not None and not isinstance(self.model, nn.Module):
+            raise ValueError(f"TrainState(model=...) must be an nn.Module, got {type(self.model).__name__}")
+        if self.optimizer is not None:
+            if self.model is None:
+                raise ValueError(
+                    "TrainState(optimizer=...) needs model=... too (optimizer state is keyed by "
+                    "parameter names)"
+                )
+            for opt in self._optimizers():
+                if not isinstance(opt, torch.optim.Optimizer):
+                    raise ValueError(
+                        f"TrainState(optimizer=...) must be an Optimizer or a list of them, got "
+                        f"{type(opt).__name__}"
+                    )
+        for name in (SCHEDULER, DATALOADER):
+            obj = getattr(self, name)
+            if obj is not None and not isinstance(obj, Stateful):
+                raise ValueError(
+                    f"TrainState({name}=...) needs state_dict() and load_state_dict(); "
+                    f"{type(obj).__name__} has not"
+                )
+        if self.extra is not None:
+            if not isinstance(self.extra, dict):
+                raise ValueError("TrainState(extra=...) must be a dict")
+            for k, v in self.extra.items():
+                if not isinstance(k, str):
+                    raise ValueError(f"TrainState(extra=...) keys must be strings, got {k!r}")
+                _check_extra_value(k, v)
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        if self.optimizer is None:
+            return []
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            return [self.optimizer]
+        return list(self.optimizer)
+
+    def sections(self) -> list[str]:
+        present = {
+            MODEL: self.model is not None,
+            OPTIMIZER: self.optimizer is not None,
+            SCHEDULER: self.scheduler is not None,
+            DATALOADER: self.dataloader is not None,
+            RNG: self.rng,
+            EXTRA: bool(self.extra),
+        }
+        return [s for s in SECTIONS if present[s]]
+
+    # ---- capture -------------------------------------------------------------------------------------
+
+    def capture(self, rank: int) -> dict[str, Any]:
+        """The DCP state dict for a save. Tensors alias live state: stage or write before training goes on."""
+        sd: dict[str, Any] = {}
+        if self.model is not None:
+            model_sd, optim_sd = get_state_dict(self.model, self._optimizers())
+            sd[MODEL] = model_sd
+            if self.optimizer is not None:
+                sd[OPTIMIZER] = optim_sd
+        if self.scheduler is not None:
+            sd[SCHEDULER] = self.scheduler.state_dict()
+        if self.dataloader is not None:
+            sd[DATALOADER] = {rank_key(rank): self.dataloader.state_dict()}
+        if self.rng:
+            sd[RNG] = {rank_key(rank): rng.capture_rng()}
+        if self.extra:
+            sd[EXTRA] = {rank_key(rank): _capture_extra(self.extra)}
+        return sd
+
+    # ---- restore -------------------------------------------------------------------------------------
+
+    def load_template(self, sections: Iterable[str], sources: dict[str, int], rank: int) -> dict[str, Any]:
+        """A state dict shaped like what was saved, for DCP to load into in place.
+
+        ``sources`` maps each per-rank section to the saved rank whose entry this rank reads.
+        """
+        sd: dict[str, Any] = {}
+        wanted = set(sections)
+        if MODEL in wanted and self.model is not None:
+            model_sd, optim_sd = get_state_dict(self.model, self._optimizers())
+            sd[MODEL] = model_sd
+            if OPTIMIZER in wanted and self.optimizer is not None:
+                sd[OPTIMIZER] = optim_sd
+        if SCHEDULER in wanted:
+            sd[SCHEDULER] = self.scheduler.state_dict()
+        if DATALOADER in wanted:
+            sd[DATALOADER] = {rank_key(sources[DATALOADER]): self.dataloader.state_dict()}
+        if RNG in wanted:
+            sd[RNG] = {rank_key(sources[RNG]): rng.capture_rng()}
+        if EXTRA in wanted and self.extra:
+            sd[EXTRA] = {rank_key(sources[EXTRA]): _capture_extra(self.extra)}
+        return sd
+
+    def apply(self, sd: dict[str, Any], sources: dict[str, int], derived_rng_seed: int | None) -> None:
+        """Push loaded values back into the live objects."""
+        if MODEL in sd and self.model is not None:
+            set_state_dict(
+                self.model,
+                self._optimizers(),
+                model_state_dict=sd[MODEL],
+                optim_state_dict=sd.get(OPTIMIZER, {}),
+            )
+        if SCHEDULER in sd:
+            self.scheduler.load_state_dict(sd[SCHEDULER])
+        if DATALOADER in sd:
+            self.dataloader.load_state_dict(sd[DATALOADER][rank_key(sources[DATALOADER])])
+        if EXTRA in sd and self.extra is not None:
+            loaded = sd[EXTRA][rank_key(sources[EXTRA])]
+            for k, v in loaded.items():
+                current = self.extra.get(k)
+                if isinstance(current, Stateful):
+                    current.load_state_dict(v)
+                else:
+                    self.extra[k] = v
+        if RNG in sd:
+            rng.restore_rng(sd[RNG][rank_key(sources[RNG])])
+            if derived_rng_seed is not None:
+                rng.seed_all(derived_rng_seed)
+
+
+def _check_extra_value(key: str, value: Any) -> None:
+    if isinstance(value, (Stateful, torch.Tensor)):
+        return
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"TrainState(extra={{{key!r}: ...}}) must be a Stateful object, a tensor or a JSON-able value; "
+            f"got {type(value).__name__}"
+        ) from None
+
+
+def _capture_extra(extra: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in extra.items():
+        _check_extra_value(k, v)
+        out[k] = v.state_dict() if isinstance(v, Stateful) else v
+    return out

@@ -1,0 +1,23 @@
+"""Shared fixtures: tiny models and helpers for real-process tests."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "ckpt"
+
+
+@pytest.fixture(autouse=True)
+def _quiet_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 2-core CI machines: keep torch from oversubscribing when several processes run.
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
