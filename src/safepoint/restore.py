@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
@@ -16,6 +17,7 @@ from safepoint.dist import Comm
 from safepoint.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from safepoint.layout import Layout
 from safepoint.manifest import Manifest
+from safepoint.saver import describe_exception
 from safepoint.state import (
     DATALOADER,
     MODEL,
@@ -119,13 +121,21 @@ class Restorer:
         sources = {s: (rank if rank < manifest.world_size else 0) for s in PER_RANK_SECTIONS}
         template = state.load_template(sections, sources, rank)
         check_compat(step, template, metadata)
-        dcp_load(
-            template,
-            storage_reader=SafeReader(path),
-            planner=SafeLoadPlanner(),
-            process_group=self.comm.group,
-            no_dist=not self.comm.distributed,
-        )
+        try:
+            dcp_load(
+                template,
+                storage_reader=SafeReader(path),
+                planner=SafeLoadPlanner(),
+                process_group=self.comm.group,
+                no_dist=not self.comm.distributed,
+            )
+        except CheckpointException as e:
+            # DCP's exception is a BaseException; hand the caller our own error (the first rank's cause).
+            causes = [exc for exc, _tb in (v for _, v in sorted(e.failures.items()))]
+            ours = [c for c in causes if isinstance(c, CheckpointError)]
+            if ours:
+                raise ours[0] from None
+            raise CheckpointError(f"loading step {step} failed: {describe_exception(e)}") from None
         derived = None
         if RNG in template and rank >= manifest.world_size:
             derived = rng.derived_seed(template[RNG][rank_key(0)], rank)

@@ -150,8 +150,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
+            # torch's message is a page long; its last line names the offending global.
+            detail = str(e).strip().splitlines()
+            why = next(
+                (ln.strip() for ln in detail if "WeightsUnpickler error" in ln), detail[-1] if detail else ""
+            )
             raise UnsafeCheckpointError(
-                None, None, f"refusing to load item {fqn!r}: it is not plain data ({e})"
+                None, None, f"refusing to load item {fqn!r}: it is not plain data ({why})"
             ) from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)

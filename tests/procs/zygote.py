@@ -1,0 +1,37 @@
+"""Imports torch + safepoint once, then forks one training child per request.
+
+Forking from this single-threaded process is safe (unlike forking pytest, whose torch threads can leave
+locks held in the child), and saves the ~1-2 s import per kill in long SIGKILL campaigns.
+Protocol on stdin: "RUN <root> <start>"; on stdout: "PID <pid>", the child's BEGIN/END lines, "EXIT <status>".
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch  # noqa: F401 - imported before forking on purpose
+
+import safepoint  # noqa: F401
+from tests.procs import saver_child
+
+
+def main() -> None:
+    for line in sys.stdin:
+        cmd, root, start = line.split()
+        assert cmd == "RUN"
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            sys.argv = ["saver_child", root, start]
+            try:
+                saver_child.main()
+            finally:
+                os._exit(0)
+        print(f"PID {pid}", flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(f"EXIT {status}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

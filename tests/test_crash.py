@@ -1,0 +1,123 @@
+"""Real SIGKILLs at random points during saves (and retention): restore always returns a committed step
+whose tensors are exactly that step's, and no pending state is ever listed or loaded."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import safepoint
+from tests.conftest import REPO
+
+
+def _check_restorable(root: Path) -> int:
+    """In this (fresh) process: restore and check the restored state is exactly one step's."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    extra: dict[str, object] = {"step": -1}
+    with safepoint.CheckpointManager(root) as mgr:
+        listed = [c.step for c in mgr.list()]
+        step = mgr.restore(safepoint.TrainState(model=model, optimizer=opt, extra=extra))
+        # Taking ownership cleaned every abandoned save.
+        assert not list((root / ".pending").iterdir())
+    if step == 0:
+        assert listed == []
+        return 0
+    assert step == max(listed)
+    assert extra["step"] == step
+    for p in model.parameters():
+        assert torch.all(p == step), "parameters from another step: torn checkpoint"
+    for st in opt.state.values():
+        assert torch.all(st["exp_avg"] == step) and torch.all(st["exp_avg_sq"] == step)
+    return step
+
+
+def _kill_campaign(root: Path, kills: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    zygote = subprocess.Popen(
+        [sys.executable, "-m", "tests.procs.zygote"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}"),
+    )
+    assert zygote.stdin is not None and zygote.stdout is not None
+    restored = []
+    last = 0
+    try:
+        for _ in range(kills):
+            zygote.stdin.write(f"RUN {root} {last}\n")
+            zygote.stdin.flush()
+            pid = int(zygote.stdout.readline().split()[1])
+            # Let it complete a random number of saves, then kill at a random moment inside the next one.
+            target = rng.randint(1, 3)
+            ends = 0
+            durations: list[float] = []
+            began = time.monotonic()
+            for line in zygote.stdout:
+                if line.startswith("BEGIN"):
+                    began = time.monotonic()
+                elif line.startswith("END"):
+                    durations.append(time.monotonic() - began)
+                    ends += 1
+                    if ends >= target:
+                        break
+            typical = sorted(durations)[len(durations) // 2] if durations else 0.05
+            time.sleep(rng.uniform(0, typical * 1.2))
+            os.kill(pid, signal.SIGKILL)
+            for line in zygote.stdout:
+                if line.startswith("EXIT"):
+                    assert os.waitstatus_to_exitcode(int(line.split()[1])) == -signal.SIGKILL
+                    break
+            last = _check_restorable(root)
+            restored.append(last)
+    finally:
+        zygote.stdin.close()
+        zygote.wait(timeout=30)
+    return restored
+
+
+def test_sigkill_during_save_20_times(tmp_path: Path) -> None:
+    restored = _kill_campaign(tmp_path / "ckpt", kills=20, seed=1)
+    assert restored[-1] > 0
+    assert restored == sorted(restored), "a committed checkpoint was lost"
+
+
+@pytest.mark.slow
+def test_sigkill_during_save_200_times(tmp_path: Path) -> None:
+    restored = _kill_campaign(tmp_path / "ckpt", kills=200, seed=2)
+    assert restored == sorted(restored)
+
+
+def test_kill_mid_delete_leaves_no_half_checkpoint(tmp_path: Path) -> None:
+    """Retention moves a step out of sight in one rename, then deletes: a kill between the two leaves
+    nothing that looks valid, and the next owner cleans up."""
+    root = tmp_path / "ckpt"
+    script = f"""
+import os, signal, shutil, torch, safepoint, safepoint.layout as L
+m = torch.nn.Linear(4, 4)
+with safepoint.CheckpointManager({str(root)!r}, keep_last=1) as mgr:
+    st = safepoint.TrainState(model=m)
+    mgr.save(1, st)
+    L.shutil.rmtree = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    mgr.save(2, st)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=str(REPO / "src")))
+    assert proc.returncode == -signal.SIGKILL
+    assert not (root / "step-1").exists()
+    leftovers = list((root / ".pending").iterdir())
+    assert len(leftovers) == 1 and leftovers[0].name.startswith("deleting-step-1")
+    with safepoint.CheckpointManager(root) as mgr:
+        assert [c.step for c in mgr.list()] == [2]
+        assert mgr.restore(safepoint.TrainState(model=torch.nn.Linear(4, 4))) == 2
+    assert not list((root / ".pending").iterdir())

@@ -1,0 +1,94 @@
+"""Retention policies: pure functions of the history, and the manager applying them after each commit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import safepoint
+from safepoint.layout import CheckpointInfo
+from safepoint.policy import Retention, build_retention
+from tests._train import Setup
+
+
+def _hist(steps: list[int], losses: dict[int, float] | None = None) -> list[CheckpointInfo]:
+    losses = losses or {}
+    return [
+        CheckpointInfo(
+            step=s,
+            path=f"/r/step-{s}",
+            time=float(s),
+            bytes=1,
+            metrics={"loss": losses[s]} if s in losses else {},
+        )
+        for s in steps
+    ]
+
+
+def test_keep_last() -> None:
+    r = build_retention(2, None, None, None, "min")
+    assert r.to_delete(_hist([1, 2, 3, 4])) == [1, 2]
+
+
+def test_keep_every_milestones_union_with_last() -> None:
+    r = build_retention(1, 10, None, None, "min")
+    assert r.to_delete(_hist([5, 10, 15, 20, 25])) == [5, 15]
+
+
+def test_keep_best_never_evicts_newest() -> None:
+    # Orbax's best_fn + max_to_keep evicted the newest checkpoint; ours must never.
+    r = build_retention(None, None, 1, "loss", "min")
+    assert r.to_delete(_hist([1, 2, 3], {1: 0.1, 2: 0.5, 3: 0.9})) == [2]
+    r = build_retention(None, None, 2, "acc", "max")
+    hist = _hist([1, 2, 3, 4])
+    hist = [
+        CheckpointInfo(c.step, c.path, c.time, 1, {"acc": a})
+        for c, a in zip(hist, [0.9, 0.1, 0.8, 0.2], strict=True)
+    ]
+    assert r.to_delete(hist) == [2]
+
+
+def test_keep_best_ignores_checkpoints_without_metric() -> None:
+    r = build_retention(None, None, 1, "loss", "min")
+    assert r.to_delete(_hist([1, 2, 3], {2: 0.3})) == [1]
+
+
+def test_no_policy_keeps_everything() -> None:
+    assert Retention().to_delete(_hist([1, 2, 3])) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "msg"),
+    [
+        ({"keep_last": 0}, "keep_last must be a positive"),
+        ({"keep_every_steps": -5}, "keep_every_steps"),
+        ({"keep_best": 2}, "keep_best needs best_metric"),
+        ({"best_metric": "loss"}, "keep_best is not"),
+        ({"keep_best": 1, "best_metric": "loss", "best_mode": "lowest"}, "best_mode must be"),
+        ({"save_every_steps": 0}, "save_every_steps"),
+        ({"save_every_seconds": -1.0}, "save_every_seconds"),
+        ({"keep_last": True}, "keep_last"),
+    ],
+)
+def test_bad_arguments_name_the_argument(root: Path, kwargs: dict[str, object], msg: str) -> None:
+    with pytest.raises(ValueError, match=msg):
+        safepoint.CheckpointManager(root, **kwargs)  # type: ignore[arg-type]
+    assert not root.exists() or not (root / ".lease").exists()
+
+
+def test_manager_applies_retention_after_commit(root: Path) -> None:
+    s = Setup()
+    with safepoint.CheckpointManager(
+        root, keep_last=2, keep_every_steps=4, keep_best=1, best_metric="loss"
+    ) as mgr:
+        losses = {1: 0.5, 2: 0.1, 3: 0.7, 4: 0.6, 5: 0.9, 6: 0.8, 7: 0.95}
+        for step, loss in losses.items():
+            mgr.save(step, s.state(), metrics={"loss": loss})
+        assert [c.step for c in mgr.list()] == [2, 4, 6, 7]
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
+        "step-2",
+        "step-4",
+        "step-6",
+        "step-7",
+    ]

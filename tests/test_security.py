@@ -1,0 +1,80 @@
+"""Loading never unpickles arbitrary objects: a crafted .metadata or non-tensor item runs no code, even
+when its checksums were forged to match."""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+import safepoint
+from safepoint.checksum import file_crc32c
+from safepoint.manifest import MANIFEST_NAME, FileEntry, Manifest
+from safepoint.storage import read_metadata_file
+
+
+class _Evil:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        # Unpickling this writes a marker file: proof that code ran.
+        return (Path.write_text, (str(self.marker), "pwned"))  # type: ignore[return-value]
+
+
+def _reforge_manifest(step_dir: Path) -> None:
+    """Recompute checksums so verification passes: only the loader's own defences remain."""
+    m = Manifest.from_json((step_dir / MANIFEST_NAME).read_bytes())
+    for name in m.files:
+        size, crc = file_crc32c(step_dir / name)
+        m.files[name] = FileEntry(size=size, crc32c=crc)
+    (step_dir / MANIFEST_NAME).write_bytes(m.to_json())
+
+
+def _save(root: Path, extra: dict[str, object] | None = None) -> Path:
+    with safepoint.CheckpointManager(root) as mgr:
+        return Path(mgr.save(1, safepoint.TrainState(model=torch.nn.Linear(3, 3), extra=extra)).path)
+
+
+def test_malicious_metadata_pickle_runs_no_code(root: Path, tmp_path: Path) -> None:
+    step_dir = _save(root)
+    marker = tmp_path / "marker"
+    md = read_metadata_file(step_dir / ".metadata")
+    md.storage_meta = _Evil(marker)  # type: ignore[assignment]
+    (step_dir / ".metadata").write_bytes(pickle.dumps(md))
+    _reforge_manifest(step_dir)
+    with safepoint.CheckpointManager(root) as mgr:
+        with pytest.raises(safepoint.UnsafeCheckpointError, match=r"references pathlib\..*write_text"):
+            mgr.restore(safepoint.TrainState(model=torch.nn.Linear(3, 3)))
+    assert not marker.exists()
+
+
+def test_malicious_non_tensor_item_runs_no_code(root: Path, tmp_path: Path) -> None:
+    step_dir = _save(root, extra={"note": "hello-hello-hello"})
+    marker = tmp_path / "marker"
+    # Replace the torch.save'd bytes of the 'note' item in place with a malicious pickle of equal length.
+    md = read_metadata_file(step_dir / ".metadata")
+    [(idx, info)] = [(k, v) for k, v in md.storage_data.items() if k.fqn == "extra.rank_0.note"]
+    data_path = step_dir / info.relative_path
+    blob = bytearray(data_path.read_bytes())
+    buf = io.BytesIO()
+    torch.save(_Evil(marker), buf)
+    evil = buf.getvalue()
+    md.storage_data[idx] = type(info)(info.relative_path, len(blob), len(evil))
+    blob += evil
+    data_path.write_bytes(bytes(blob))
+    (step_dir / ".metadata").write_bytes(pickle.dumps(md))
+    _reforge_manifest(step_dir)
+    with safepoint.CheckpointManager(root) as mgr:
+        with pytest.raises(safepoint.UnsafeCheckpointError, match="extra.rank_0.note.*not plain data"):
+            mgr.restore(safepoint.TrainState(model=torch.nn.Linear(3, 3), extra={"note": ""}))
+    assert not marker.exists()
+
+
+def test_genuine_checkpoint_metadata_passes_the_allowlist(root: Path) -> None:
+    step_dir = _save(root)
+    md = read_metadata_file(step_dir / ".metadata")
+    assert "model.weight" in md.state_dict_metadata
