@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -9,6 +10,7 @@ import time
 from types import TracebackType
 from typing import Any
 
+from safepoint.background import BackgroundWriter
 from safepoint.dist import Comm
 from safepoint.errors import CheckpointError
 from safepoint.layout import CheckpointInfo, Layout
@@ -17,6 +19,7 @@ from safepoint.manifest import clean_metrics
 from safepoint.policy import EveryNSeconds, EveryNSteps, SavePolicy, build_retention
 from safepoint.restore import Restorer
 from safepoint.saver import SyncSaver
+from safepoint.staging import Stager, tensor_bytes
 from safepoint.state import TrainState
 
 log = logging.getLogger("safepoint")
@@ -44,6 +47,10 @@ class CheckpointManager:
         collective_timeout_s: bound on every collective safepoint runs among ranks.
         writer_threads: DCP writer threads per rank.
         lease_stale_after_s: a lease whose heartbeat is older than this (other host) is taken over.
+        async_save: ``save``/``maybe_save`` block only while the state is copied into reused host buffers;
+            writing, checksums, commit and retention run on a background thread.
+        if_busy: with async_save, what a save does while the previous one is still writing: "wait"
+            (default; logs how long) or "skip" (warns, saves nothing). Never two staged copies.
     """
 
     def __init__(
@@ -60,6 +67,8 @@ class CheckpointManager:
         collective_timeout_s: float = 600.0,
         writer_threads: int = 1,
         lease_stale_after_s: float = 120.0,
+        async_save: bool = False,
+        if_busy: str = "wait",
     ) -> None:
         self.root = _local_root(root)
         self._save_policies: list[SavePolicy] = []
@@ -71,12 +80,30 @@ class CheckpointManager:
         retention = build_retention(keep_last, keep_every_steps, keep_best, best_metric, best_mode)
         if not isinstance(writer_threads, int) or writer_threads < 1:
             raise ValueError(f"writer_threads must be a positive int, got {writer_threads!r}")
+        if if_busy not in ("wait", "skip"):
+            raise ValueError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
         if collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s must be positive, got {collective_timeout_s!r}")
         self.layout = Layout(self.root)
         self.comm = Comm(collective_timeout_s)
         self._saver = SyncSaver(self.layout, self.comm, retention, writer_threads=writer_threads)
         self._restorer = Restorer(self.layout, self.comm)
+        self._async = bool(async_save)
+        self._if_busy = if_busy
+        self._stager = Stager()
+        self._writer = BackgroundWriter()
+        # The writer thread runs collectives; it gets its own group so they never interleave with the
+        # training thread's (maybe_save agreement, restore) on the same group.
+        self._bg_comm = Comm(collective_timeout_s) if self._async else None
+        self._bg_saver = (
+            SyncSaver(self.layout, self._bg_comm, retention, writer_threads=writer_threads)
+            if self._bg_comm is not None
+            else None
+        )
+        if self._async:
+            # A script that ends without close() must not kill the writer mid-file at interpreter
+            # shutdown (torch's C++ writer aborts the process then): let the save in flight finish.
+            atexit.register(self._finish_at_exit)
         self._lease: Lease | None = None
         self._last_step: int | None = None
         self._last_time = time.monotonic()
@@ -122,15 +149,25 @@ class CheckpointManager:
         self.save(step, state, metrics)
         return True
 
-    def save(self, step: int, state: TrainState, metrics: dict[str, Any] | None = None) -> CheckpointInfo:
-        """Save now (collective under torchrun). Raises SaveError if it failed; nothing is then committed."""
+    def save(
+        self, step: int, state: TrainState, metrics: dict[str, Any] | None = None
+    ) -> CheckpointInfo | None:
+        """Save now (collective under torchrun). Raises SaveError if it failed; nothing is then committed.
+
+        Returns the committed checkpoint; with ``async_save`` returns None once the state is staged (a
+        failure in the background is raised by the next save/maybe_save/wait/close).
+        """
         self._check_open()
         self._check_step(step)
         if not isinstance(state, TrainState):
             raise ValueError(f"state must be a safepoint.TrainState, got {type(state).__name__}")
         if self._lease is not None:
             self._lease.check()
+        self._writer.raise_failure()
         clean = clean_metrics(metrics)
+        if self._async:
+            self._save_async(step, state, clean)
+            return None
         t0 = time.perf_counter()
         sd = state.capture(self.comm.rank)
         info = self._saver.write(step, sd, state.sections(), clean, {"capture_s": time.perf_counter() - t0})
@@ -138,6 +175,29 @@ class CheckpointManager:
         self._last_step = step
         self._last_time = time.monotonic()
         return info
+
+    def _save_async(self, step: int, state: TrainState, metrics: dict[str, float]) -> None:
+        busy = self._writer.busy
+        if self._if_busy == "skip":
+            if self.comm.distributed:
+                busy = self.comm.any(busy)  # all ranks skip together, or none does
+            if busy:
+                log.warning("safepoint: skipping save of step %d: the previous save is still writing", step)
+                return
+        elif busy:
+            waited = self._writer.wait()
+            log.info("safepoint: waited %.2fs for the previous save before saving step %d", waited, step)
+            self._writer.raise_failure()
+        assert self._bg_saver is not None
+        saver = self._bg_saver
+        t0 = time.perf_counter()
+        staged = self._stager.stage(state.capture(self.comm.rank))
+        blocking = time.perf_counter() - t0
+        sections = state.sections()
+        self._writer.submit(step, lambda: saver.write(step, staged, sections, metrics, {"stage_s": blocking}))
+        self.saves.append(SaveRecord(step=step, blocking_s=blocking, bytes=tensor_bytes(staged)))
+        self._last_step = step
+        self._last_time = time.monotonic()
 
     # ---- restoring -----------------------------------------------------------------------------------
 
@@ -151,6 +211,8 @@ class CheckpointManager:
             raise ValueError(f"state must be a safepoint.TrainState, got {type(state).__name__}")
         if step is not None:
             self._check_step(step)
+        self._writer.wait()
+        self._writer.raise_failure()
         manifest = self._restorer.choose(step)
         if manifest is None:
             return 0
@@ -179,17 +241,34 @@ class CheckpointManager:
     # ---- lifecycle -----------------------------------------------------------------------------------
 
     def wait(self) -> None:
-        """Block until no save is in flight (saves are synchronous in this mode)."""
+        """Block until no save is in flight; raise the failure of a background save, if any."""
         self._check_open()
+        self._writer.wait()
+        self._writer.raise_failure()
+
+    def _finish_at_exit(self) -> None:
+        if self._writer.busy:
+            log.info("safepoint: interpreter exiting; waiting for the save in flight")
+        self._writer.wait()
 
     def close(self) -> None:
+        """Wait for the save in flight, then release the root. Raises a background failure, if any."""
         if self._closed:
             return
         self._closed = True
-        if self._lease is not None:
-            self._lease.release()
-            self._lease = None
-        self.comm.destroy()
+        if self._async:
+            atexit.unregister(self._finish_at_exit)
+        try:
+            self._writer.wait()
+            self._writer.raise_failure()
+        finally:
+            self._stager.release()
+            if self._lease is not None:
+                self._lease.release()
+                self._lease = None
+            if self._bg_comm is not None:
+                self._bg_comm.destroy()
+            self.comm.destroy()
 
     def __enter__(self) -> CheckpointManager:
         return self
