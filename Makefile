@@ -7,10 +7,11 @@ LINT_PATHS := src tests benchmarks examples
 
 .PHONY: test demo lint typecheck bench slow clean
 
-$(STAMP): pyproject.toml constraints-dev.txt
+$(STAMP): pyproject.toml constraints-dev.txt requirements-dev.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints-dev.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints-dev.txt -e '.[dev]'
+	$(PY) -m pip install -q -c constraints-dev.txt -r requirements-dev.lock
+	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
 lint: $(STAMP)
