@@ -25,6 +25,9 @@ MANIFEST_NAME = "safepoint.json"
 FORMAT_NAME = "safepoint-checkpoint"
 FORMAT_VERSION = 1
 _SELF_CRC_KEY = "manifest_crc32c"
+# manifest.extra[ORIGIN_KEY]: how a checkpoint came to be ("import" = made by `safepoint import`).
+ORIGIN_KEY = "origin"
+ORIGIN_IMPORT = "import"
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

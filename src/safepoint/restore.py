@@ -16,7 +16,7 @@ from safepoint import rng
 from safepoint.dist import Comm
 from safepoint.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from safepoint.layout import Layout
-from safepoint.manifest import Manifest
+from safepoint.manifest import ORIGIN_IMPORT, ORIGIN_KEY, Manifest
 from safepoint.saver import describe_exception
 from safepoint.state import (
     DATALOADER,
@@ -104,15 +104,19 @@ class Restorer:
         metadata = read_metadata_file(path / METADATA_NAME)
         saved = set(manifest.keys)
         wanted = state.sections()
+        # An imported checkpoint (safepoint import) holds weights only: a run starting from it keeps its
+        # fresh optimizer, scheduler and data position instead of refusing to start.
+        imported = manifest.extra.get(ORIGIN_KEY) == ORIGIN_IMPORT
         for section in wanted:
-            if section not in saved and section in _REQUIRED:
+            if section not in saved and section in _REQUIRED and not imported:
                 raise StateMismatchError(
                     f"checkpoint step {step} has no {section!r} state (it holds {sorted(saved)}); restore "
                     f"without {section}=... or pick a checkpoint that has it"
                 )
             if section not in saved:
                 warnings.warn(
-                    f"safepoint: checkpoint step {step} has no {section!r} state; leaving it as is",
+                    f"safepoint: checkpoint step {step} has no {section!r} state; leaving it as is"
+                    + (" (an imported checkpoint holds weights only)" if imported else ""),
                     CheckpointWarning,
                     stacklevel=3,
                 )

@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from safepoint.dist import Comm
+from safepoint.dist import Comm, PeerTimeoutError
 from safepoint.errors import CheckpointError, SaveError
 from safepoint.layout import CheckpointInfo, Layout
 from safepoint.manifest import FileEntry, Manifest
@@ -46,6 +46,7 @@ class SyncSaver:
         sections: list[str],
         metrics: dict[str, float],
         timings: dict[str, float],
+        manifest_extra: dict[str, Any] | None = None,
     ) -> CheckpointInfo:
         """Write a captured (or staged) state dict and commit it. Collective: every rank calls it."""
         t0 = time.perf_counter()
@@ -63,7 +64,13 @@ class SyncSaver:
             )
         except (CheckpointException, OSError, RuntimeError, ValueError) as e:
             error = describe_exception(e)
-        gathered = self.comm.all_gather((writer.written_files(), error))
+        try:
+            gathered = self.comm.all_gather((writer.written_files(), error))
+        except PeerTimeoutError as e:
+            if error is None:
+                raise
+            # DCP's own collective usually timed out first (same group); its message names the cause.
+            raise PeerTimeoutError(f"{e} This rank's write had already failed: {error}") from e
         errors = [err for _, err in gathered if err]
         info: CheckpointInfo | None = None
         if self.comm.is_coordinator:
@@ -76,6 +83,7 @@ class SyncSaver:
                         [f for f, _ in gathered],
                         sections,
                         metrics,
+                        manifest_extra or {},
                         dict(timings, write_s=time.perf_counter() - t0),
                     )
                 except (OSError, CheckpointError) as e:
@@ -101,6 +109,7 @@ class SyncSaver:
         per_rank: list[dict[str, tuple[int, str]]],
         sections: list[str],
         metrics: dict[str, float],
+        manifest_extra: dict[str, Any],
         timings: dict[str, float],
     ) -> CheckpointInfo:
         files: dict[str, FileEntry] = {}
@@ -129,7 +138,7 @@ class SyncSaver:
             metrics=metrics,
             keys=sections,
             save_id=save_id,
-            extra={"timings": {k: round(v, 6) for k, v in timings.items()}},
+            extra={**manifest_extra, "timings": {k: round(v, 6) for k, v in timings.items()}},
         )
         self.layout.commit(pending, manifest)
         log.info(

@@ -151,9 +151,10 @@ class TrainState:
     def apply(self, sd: dict[str, Any], sources: dict[str, int], derived_rng_seed: int | None) -> None:
         """Push loaded values back into the live objects."""
         if MODEL in sd and self.model is not None:
+            # Optimizers only when their state was loaded (an imported checkpoint holds weights only).
             set_state_dict(
                 self.model,
-                self._optimizers(),
+                self._optimizers() if OPTIMIZER in sd else [],
                 model_state_dict=sd[MODEL],
                 optim_state_dict=sd.get(OPTIMIZER, {}),
             )
