@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-LINT_PATHS := src tests benchmarks examples
+LINT_PATHS := $(wildcard src tests benchmarks examples)
 
 .PHONY: test demo lint typecheck bench slow clean
 
