@@ -66,8 +66,13 @@ def test_memory_is_bounded_and_flat_over_100_saves(tmp_path: Path) -> None:
     shm = Path("/dev/shm")
     root = (shm if shm.is_dir() else tmp_path) / f"safepoint-mem-{os.getpid()}"
     try:
-        out = subprocess.run([sys.executable, str(REPO / "tests" / "procs" / "async_memory.py"), str(root), "100", "16"],
-                             capture_output=True, text=True, env=ENV, check=True)
+        out = subprocess.run(
+            [sys.executable, str(REPO / "tests" / "procs" / "async_memory.py"), str(root), "100", "16"],
+            capture_output=True,
+            text=True,
+            env=ENV,
+            check=True,
+        )
     finally:
         subprocess.run(["rm", "-rf", str(root)], check=False)
     r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -93,7 +98,10 @@ def test_if_busy_skip_never_stages_twice(root: Path, caplog: pytest.LogCaptureFi
 
 def test_if_busy_wait_logs_and_saves_both(root: Path, caplog: pytest.LogCaptureFixture) -> None:
     _, st = _big_state(128)
-    with safepoint.CheckpointManager(root, async_save=True) as mgr, caplog.at_level(logging.INFO, logger="safepoint"):
+    with (
+        safepoint.CheckpointManager(root, async_save=True) as mgr,
+        caplog.at_level(logging.INFO, logger="safepoint"),
+    ):
         mgr.save(1, st)
         mgr.save(2, st)
         mgr.wait()

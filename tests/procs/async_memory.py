@@ -41,8 +41,18 @@ def main() -> None:
         mgr.wait()
         allocations = mgr._stager.allocations  # the test checks the reuse it promises
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"state_bytes": state_bytes, "base_rss": base_rss, "base_peak": base_peak, "peak": peak,
-                      "rss_after": rss_after, "allocations": allocations}))
+    print(
+        json.dumps(
+            {
+                "state_bytes": state_bytes,
+                "base_rss": base_rss,
+                "base_peak": base_peak,
+                "peak": peak,
+                "rss_after": rss_after,
+                "allocations": allocations,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":
