@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 
+# S3 on loopback (moto server) and a fault-injecting proxy, for tests/test_object_store.py.
+from tests.s3_fixtures import bucket, moto_endpoint, proxy  # noqa: F401
+
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 

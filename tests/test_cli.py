@@ -580,3 +580,11 @@ def test_end_to_end_subprocess(trained: Any, root: Path) -> None:
     assert proc.returncode == 1
     assert "step 30" in proc.stdout and data_file(root, 30).name in proc.stdout
     assert "Traceback" not in proc.stderr
+
+
+def test_bench_rejects_unknown_suite(capsys: pytest.CaptureFixture[str]) -> None:
+    from safepoint import bench
+
+    with pytest.raises(SystemExit) as e:
+        bench.main(["nosuch"])
+    assert e.value.code == 2 and "unknown suite 'nosuch'" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import threading
 from typing import IO, Any
@@ -9,6 +10,25 @@ from typing import IO, Any
 import crc32c
 
 _CHUNK = 8 * 1024 * 1024
+# Local files are checksummed in 1 MiB pieces read into one reused buffer: the crc32c then reads what the
+# copy just left in the CPU cache (8 MiB pieces measured ~10% slower with a warm page cache).
+_READ_CHUNK = 1024 * 1024
+# Files bigger than this are verified as several ranges read concurrently: one sequential reader leaves
+# a virtual disk mostly idle (measured 2x faster from a cold cache with 4-8 readers).
+_MIN_RANGE = 32 * 1024 * 1024
+# A write at least this big gets its crc32c computed on a helper thread while the bytes go to the file
+# (both release the GIL), so checksumming hides behind the write instead of adding to it (~0.16 s of CPU
+# per GiB at 6 GB/s). Only with a core to spare: on a busy 2-core VM every hand-off waited for a core and
+# saves got ~1.2x slower than checksumming inline, so below _OVERLAP_MIN_CPUS usable CPUs it runs inline.
+_OVERLAP_MIN = 1024 * 1024
+_OVERLAP_MIN_CPUS = 3
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 def crc_hex(value: int) -> str:
@@ -18,13 +38,13 @@ def crc_hex(value: int) -> str:
 def file_crc32c(path: str | os.PathLike[str]) -> tuple[int, str]:
     """Return (size, crc32c hex) of a local file, reading it in chunks (bounded memory)."""
     with open(path, "rb", buffering=0) as f:
-        return stream_crc32c(f)
+        return stream_crc32c(f, chunk_size=_READ_CHUNK)
 
 
-def stream_crc32c(f: IO[bytes]) -> tuple[int, str]:
+def stream_crc32c(f: IO[bytes], chunk_size: int = _CHUNK) -> tuple[int, str]:
     value = 0
     size = 0
-    buf = bytearray(_CHUNK)
+    buf = bytearray(chunk_size)
     view = memoryview(buf)
     readinto = getattr(f, "readinto", None)
     while True:
@@ -34,13 +54,84 @@ def stream_crc32c(f: IO[bytes]) -> tuple[int, str]:
                 break
             value = crc32c.crc32c(view[:n], value)
         else:
-            chunk = f.read(_CHUNK)
+            chunk = f.read(chunk_size)
             if not chunk:
                 break
             n = len(chunk)
             value = crc32c.crc32c(chunk, value)
         size += n
     return size, crc_hex(value)
+
+
+def crc_ranges(size: int, max_parts: int) -> list[tuple[int, int]]:
+    """Split a file of ``size`` bytes into (offset, length) ranges, at most ``max_parts``, none tiny."""
+    parts = max(1, min(max_parts, size // _MIN_RANGE))
+    step = -(-size // parts) if size else 0
+    return [(off, min(step, size - off)) for off in range(0, size, step)] if size else [(0, 0)]
+
+
+def range_crc32c(path: str | os.PathLike[str], offset: int, length: int) -> int:
+    """crc32c (int) of ``length`` bytes at ``offset`` of a local file, read through its own descriptor.
+
+    Combine the ranges of one file with ``crc32c_combine``. Raises EOFError if the file ends early.
+    """
+    buf = bytearray(max(1, min(_READ_CHUNK, length)))
+    view = memoryview(buf)
+    value = 0
+    end = offset + length
+    with open(path, "rb", buffering=0) as f:
+        f.seek(offset)
+        pos = offset
+        while pos < end:
+            n = f.readinto(view[: min(len(buf), end - pos)])
+            if not n:
+                raise EOFError(f"{os.fspath(path)} ends at byte {pos}, expected at least {end}")
+            value = crc32c.crc32c(view[:n], value)
+            pos += n
+    return value
+
+
+# crc32c_combine: zlib's crc32_combine (x^(8*len2) mod P by repeated squaring), for the Castagnoli
+# polynomial (reflected). _X2N[k] = x^(2^k) mod P; unlike zlib's CRC-32 table it does not repeat with
+# period 32 for this polynomial, so it is built for every bit of a 64-bit length.
+_POLY = 0x82F63B78
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a * b modulo P, polynomials as reflected 32-bit ints."""
+    m = 1 << 31
+    p = 0
+    while m:
+        if a & m:
+            p ^= b
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return p
+
+
+def _x2n_table() -> list[int]:
+    table = []
+    p = 1 << 30  # x^1
+    for _ in range(64):
+        table.append(p)
+        p = _multmodp(p, p)
+    return table
+
+
+_X2N = _x2n_table()
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """crc32c(A + B) from crc1 = crc32c(A), crc2 = crc32c(B) and len2 = len(B), without the bytes."""
+    op = 1 << 31  # x^0
+    k = 3  # 8 bits per byte: x^(8 * len2) = product of x^(2^(k)) over the set bits of len2, shifted by 3
+    n = len2
+    while n:
+        if n & 1:
+            op = _multmodp(_X2N[k], op)
+        n >>= 1
+        k += 1
+    return _multmodp(op, crc1) ^ crc2
 
 
 class ChecksumRecorder:
@@ -81,11 +172,30 @@ class ChecksummingWriter:
         self._crc = 0
         self._size = 0
         self._closed = False
+        self._helper: concurrent.futures.ThreadPoolExecutor | None = None
+        self._overlap = _usable_cpus() >= _OVERLAP_MIN_CPUS
 
     def write(self, data: Any) -> int:
-        n = self._raw.write(data)
-        written = memoryview(data).cast("B")[: n if n is not None else None]
-        self._crc = crc32c.crc32c(written, self._crc)
+        view = memoryview(data).cast("B")
+        if view.nbytes < _OVERLAP_MIN or not self._overlap:
+            n = self._raw.write(data)
+            written = view[: n if n is not None else None]
+            self._crc = crc32c.crc32c(written, self._crc)
+        else:
+            # Tensor payloads: checksum on the helper thread while this one writes the same bytes.
+            if self._helper is None:
+                self._helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="safepoint-crc")
+            pending = self._helper.submit(crc32c.crc32c, view, self._crc)
+            try:
+                n = self._raw.write(data)
+            finally:
+                # Always wait: the helper reads the caller's buffer, which must not be reused under it.
+                concurrent.futures.wait([pending])
+            written = view[: n if n is not None else None]
+            if len(written) == view.nbytes:
+                self._crc = pending.result()
+            else:  # a short write: the checksum covers only what reached the file
+                self._crc = crc32c.crc32c(written, self._crc)
         self._size += len(written)
         return len(written)
 
@@ -93,6 +203,9 @@ class ChecksummingWriter:
         return self._size
 
     def fileno(self) -> int:
+        # DCP calls os.fsync(stream.fileno()) before close(): bytes still in Python's buffer would not be
+        # durable. Flushing here makes that fsync cover everything written so far.
+        self._raw.flush()
         return self._raw.fileno()
 
     def flush(self) -> None:
@@ -115,6 +228,7 @@ class ChecksummingWriter:
         if self._closed:
             return
         self._closed = True
+        self._stop_helper()
         self._raw.close()
         # Recorded only on a clean close: a stream that died mid-write never gets a checksum, so its
         # file can never be listed in a manifest.
@@ -126,6 +240,12 @@ class ChecksummingWriter:
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         if exc_type is not None:
             self._closed = True
+            self._stop_helper()
             self._raw.close()
             return
         self.close()
+
+    def _stop_helper(self) -> None:
+        if self._helper is not None:
+            self._helper.shutdown(wait=True)
+            self._helper = None

@@ -50,7 +50,7 @@ EXIT_PROBLEMS = 1
 EXIT_ERROR = 2
 # Subcommands implemented in their own modules, imported only when used; they parse their own arguments.
 _PASSTHROUGH = {
-    "demo": "run the fault-injection demo (a real torchrun job that survives kills, preemption, corruption)",
+    "demo": "train, get SIGKILLed partway, resume, and check the final weights bit for bit",
     "bench": "run the benchmark suite (save/restore against plain DCP, torch.save, dd)",
 }
 _STATUS_STYLE = {tools.OK: "green", tools.CORRUPT: "bold red", tools.PARTIAL: "yellow"}
@@ -113,7 +113,7 @@ def _load(layout: Layout, step: int, err: Console, include: tools.Include) -> di
 
 
 def cmd_ls(args: argparse.Namespace, out: Console, err: Console) -> int:
-    layout = tools.open_root(args.root)
+    layout = tools.open_any_root(args.root)
     entries = tools.scan(layout, verify=args.verify)
     if args.json:
         print(json.dumps([e.to_json() for e in entries], indent=2))
@@ -140,7 +140,7 @@ def cmd_ls(args: argparse.Namespace, out: Console, err: Console) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, out: Console, err: Console) -> int:
-    layout = tools.open_root(args.root)
+    layout = tools.open_any_root(args.root)
     if args.all:
         steps = layout.committed_steps()
         if not steps:

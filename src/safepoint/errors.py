@@ -38,3 +38,29 @@ class UnsafeCheckpointError(CorruptCheckpointError):
 
 class SaveError(CheckpointError):
     """A save failed; nothing was committed and older checkpoints are intact."""
+
+
+class Preempted(SystemExit):
+    """Raised by ``maybe_save`` after a preemption notice, once the emergency save is committed (or skipped).
+
+    A ``SystemExit``: it passes through ``except Exception`` and, uncaught, ends the process with ``code``
+    (default 143) so that torchrun, Slurm or Kubernetes restart the job, which then resumes from
+    ``saved_step`` (or from the previous checkpoint if the save had to be skipped).
+    """
+
+    def __init__(self, code: int, *, step: int, saved_step: int | None, resume_step: int | None, reason: str):
+        super().__init__(code)  # one int argument: SystemExit's exit status
+        self.step = step
+        """The step at which the ranks agreed to stop."""
+        self.saved_step = saved_step
+        """The step saved by the emergency save (or already committed); None if the save was skipped."""
+        self.resume_step = resume_step
+        """The newest committed step: where a restart resumes."""
+        self.reason = reason
+
+    def __str__(self) -> str:
+        saved = f"saved step {self.saved_step}" if self.saved_step is not None else "nothing saved"
+        return (
+            f"preempted at step {self.step} ({self.reason}); {saved}; a restart resumes at step "
+            f"{self.resume_step if self.resume_step is not None else 0}; exit code {self.code}"
+        )

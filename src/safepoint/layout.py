@@ -24,17 +24,25 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, Protocol
 
-from safepoint.checksum import file_crc32c
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.storage import StorageReader
+
+from safepoint.checksum import crc32c_combine, crc_hex, crc_ranges, range_crc32c
 from safepoint.errors import CheckpointError, CorruptCheckpointError
+from safepoint.lease import Lease
 from safepoint.manifest import MANIFEST_NAME, Manifest
+from safepoint.storage import METADATA_NAME, SafepointWriter, SafeReader, read_metadata_file
 
 PENDING_DIR = ".pending"
 STEP_PREFIX = "step-"
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _REPLACED_PREFIX = "replaced-"
 _DELETING_PREFIX = "deleting-"
-_VERIFY_THREADS = 4
+# Concurrent readers when verifying: big files are split into ranges so the disk sees several requests
+# at once (cold-cache reads measured ~2x faster than one sequential reader); crc32c releases the GIL.
+_VERIFY_THREADS = 8
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,6 +55,29 @@ class CheckpointInfo:
     bytes: int
     metrics: dict[str, float]
     world_size: int = 1
+
+
+class CheckpointStore(Protocol):
+    """What SyncSaver and Restorer need from a checkpoint root: ``Layout`` (local and network file
+    systems) and ``remote.RemoteLayout`` (object stores) both provide it. ``pending`` is whatever
+    ``new_pending`` returned (a Path here, a store path there)."""
+
+    @property
+    def root(self) -> Any: ...
+    def step_path(self, step: int) -> Any: ...
+    def committed_steps(self) -> list[int]: ...
+    def read_manifest(self, step: int) -> Manifest: ...
+    def manifest_bytes(self, step: int) -> bytes: ...
+    def info(self, step: int, manifest: Manifest) -> CheckpointInfo: ...
+    def verify(self, step: int, files: list[str] | None = None) -> Manifest: ...
+    def read_metadata(self, step: int) -> Metadata: ...
+    def make_reader(self, step: int) -> StorageReader: ...
+    def new_pending(self, step: int, save_id: str) -> Any: ...
+    def make_writer(self, pending: Any, *, thread_count: int = 1) -> Any: ...
+    def written_sizes(self, pending: Any) -> dict[str, int]: ...
+    def commit(self, pending: Any, manifest: Manifest) -> Any: ...
+    def discard(self, pending: Any) -> None: ...
+    def remove(self, step: int) -> None: ...
 
 
 def step_name(step: int) -> str:
@@ -82,9 +113,14 @@ class Layout:
         return self.root / step_name(step)
 
     def ensure_root(self) -> None:
+        # Every directory created here gets its parent fsynced: otherwise a power loss after the first
+        # commits could lose ROOT's own directory entry, and every checkpoint with it.
+        missing = [p for p in (self.pending_root, self.root, *self.root.parents) if not p.exists()]
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             self.pending_root.mkdir(exist_ok=True)
+            for created in reversed(missing):
+                fsync_dir(created.parent)
         except OSError as e:
             raise CheckpointError(f"cannot create checkpoint root {self.root}: {e.strerror or e}") from e
 
@@ -140,28 +176,47 @@ class Layout:
         manifest = self.read_manifest(step)
         names = sorted(manifest.files) if files is None else files
         base = self.step_path(step)
-
-        def check(name: str) -> None:
+        problems: dict[str, str] = {}
+        ranges: dict[str, list[tuple[int, int]]] = {}
+        for name in names:
             entry = manifest.files[name]
-            path = base / name
             try:
-                actual = path.stat().st_size
+                actual = (base / name).stat().st_size
             except FileNotFoundError:
-                raise CorruptCheckpointError(step, name, "file is missing") from None
+                problems[name] = "file is missing"
+                continue
             if actual != entry.size:
-                raise CorruptCheckpointError(
-                    step, name, f"size {actual} != {entry.size} (truncated or extended)"
-                )
-            _, crc = file_crc32c(path)
-            if crc != entry.crc32c:
-                raise CorruptCheckpointError(step, name, f"crc32c {crc} != {entry.crc32c} (contents altered)")
+                problems[name] = f"size {actual} != {entry.size} (truncated or extended)"
+                continue
+            ranges[name] = crc_ranges(entry.size, _VERIFY_THREADS)
 
-        # Threads overlap reads with crc32c (which releases the GIL on large buffers).
-        with concurrent.futures.ThreadPoolExecutor(
-            max_workers=min(_VERIFY_THREADS, max(1, len(names)))
-        ) as ex:
-            for fut in [ex.submit(check, n) for n in names]:
-                fut.result()
+        # Every range of every file is one task: a checkpoint's single big file is read by several
+        # threads at once (crc32c releases the GIL), and the ranges' checksums are combined.
+        workers = min(_VERIFY_THREADS, max(1, sum(len(parts) for parts in ranges.values())))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as ex:
+            futures = {
+                name: [(length, ex.submit(range_crc32c, base / name, off, length)) for off, length in parts]
+                for name, parts in ranges.items()
+            }
+        for name, parts in futures.items():
+            value = 0
+            for i, (length, fut) in enumerate(parts):
+                try:
+                    part = fut.result()
+                except FileNotFoundError:
+                    problems[name] = "file is missing"
+                    break
+                except EOFError:
+                    problems[name] = "file shrank while being verified (truncated)"
+                    break
+                value = part if i == 0 else crc32c_combine(value, part, length)
+            else:
+                crc, expected = crc_hex(value), manifest.files[name].crc32c
+                if crc != expected:
+                    problems[name] = f"crc32c {crc} != {expected} (contents altered)"
+        for name in names:
+            if name in problems:
+                raise CorruptCheckpointError(step, name, problems[name])
         return manifest
 
     # ---- saving --------------------------------------------------------------------------------------
@@ -178,14 +233,25 @@ class Layout:
             self._replace(pending, final)
         else:
             os.rename(pending, final)
-        fsync_dir(self.root)
-        fsync_dir(self.pending_root)
+            try:
+                fsync_dir(self.root)
+            except OSError:
+                # Not durable, so not committed: take it back out of sight before reporting the failure.
+                os.rename(final, pending)
+                raise
+        # Housekeeping only: .pending's entries are never listed, so this cannot un-commit anything.
+        with contextlib.suppress(OSError):
+            fsync_dir(self.pending_root)
         return final
 
     def _replace(self, pending: Path, final: Path) -> None:
         if _rename_exchange(pending, final):
             # pending now holds the old copy; it is unlisted, so removing it is safe at any moment.
-            fsync_dir(self.root)
+            try:
+                fsync_dir(self.root)
+            except OSError:
+                _rename_exchange(pending, final)  # the old copy back in place: "older checkpoints intact"
+                raise
             shutil.rmtree(pending, ignore_errors=True)
             return
         # No atomic exchange (e.g. NFS): park the old copy where recovery puts it back if we crash before
@@ -193,8 +259,39 @@ class Layout:
         parked = self.pending_root / f"{_REPLACED_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
         os.rename(final, parked)
         os.rename(pending, final)
-        fsync_dir(self.root)
+        try:
+            fsync_dir(self.root)
+        except OSError:
+            os.rename(final, pending)
+            os.rename(parked, final)
+            raise
         shutil.rmtree(parked, ignore_errors=True)
+
+    # ---- the seam SyncSaver/Restorer use (RemoteLayout has the same methods) ---------------------------
+
+    def make_writer(self, pending: Path, *, thread_count: int = 1) -> SafepointWriter:
+        return SafepointWriter(pending, thread_count=thread_count)
+
+    def written_sizes(self, pending: Path) -> dict[str, int]:
+        """{name: size} of the files a save left in ``pending`` (what rank 0 can see)."""
+        with contextlib.suppress(FileNotFoundError):
+            return {e.name: e.stat().st_size for e in os.scandir(pending) if e.is_file()}
+        return {}
+
+    def discard(self, pending: Path) -> None:
+        shutil.rmtree(pending, ignore_errors=True)
+
+    def manifest_bytes(self, step: int) -> bytes:
+        return (self.step_path(step) / MANIFEST_NAME).read_bytes()
+
+    def read_metadata(self, step: int) -> Metadata:
+        return read_metadata_file(self.step_path(step) / METADATA_NAME)
+
+    def make_reader(self, step: int) -> SafeReader:
+        return SafeReader(self.step_path(step))
+
+    def lease(self, stale_after_s: float) -> Lease:
+        return Lease(self.root, stale_after_s=stale_after_s)
 
     # ---- removal and cleanup -------------------------------------------------------------------------
 

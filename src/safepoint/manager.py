@@ -7,20 +7,34 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn, cast
 
 from safepoint.background import BackgroundWriter
-from safepoint.dist import Comm
-from safepoint.errors import CheckpointError
+from safepoint.dist import Agreement, Comm
+from safepoint.errors import CheckpointError, SaveError
+from safepoint.history import RunHistory, adaptive_policy, outcome_of
 from safepoint.layout import CheckpointInfo, Layout
-from safepoint.lease import Lease
 from safepoint.manifest import clean_metrics
-from safepoint.policy import EveryNSeconds, EveryNSteps, SavePolicy, build_retention
+from safepoint.policy import (
+    TIME_POLICIES,
+    AdaptiveInterval,
+    EveryNSeconds,
+    EveryNSteps,
+    Retention,
+    SavePolicy,
+    build_retention,
+    parse_interval,
+)
+from safepoint.preemption import DEFAULT_EXIT_CODE, Preemption
 from safepoint.restore import Restorer
 from safepoint.saver import SyncSaver
 from safepoint.staging import Stager, tensor_bytes
 from safepoint.state import TrainState
+from safepoint.tiering import Tiering
+from safepoint.tiers import DurabilityLag, SingleTier, plan_tiers
+from safepoint.upload import TransferConfig
 
 log = logging.getLogger("safepoint")
 
@@ -38,7 +52,12 @@ class CheckpointManager:
     """Saves a TrainState atomically and verifiably; restores the newest intact checkpoint.
 
     Args:
-        root: checkpoint directory (created if missing).
+        root: checkpoint directory (created if missing), or a URL (``s3://bucket/run``; any fsspec URL).
+        local_root: with a URL ``root``: saves commit here first (fast local disk), and a background
+            uploader makes each one durable at ``root``. keep_local_last: local copies kept (default 1;
+            never one that is not durable yet). storage_options: passed to fsspec (endpoint, credentials).
+            upload_retries / upload_concurrency: retries per request on transient errors, requests in
+            flight (or ``transfer=safepoint.TransferConfig(...)`` for every knob). See docs/storage.md.
         save_every_steps: ``maybe_save`` saves when ``step`` is a multiple of this.
         save_every_seconds: ``maybe_save`` saves when this many seconds passed since the last save
             (ranks agree: due on all or on none).
@@ -51,6 +70,13 @@ class CheckpointManager:
             writing, checksums, commit and retention run on a background thread.
         if_busy: with async_save, what a save does while the previous one is still writing: "wait"
             (default; logs how long) or "skip" (warns, saves nothing). Never two staged copies.
+        save_every_seconds="auto" (or a ``safepoint.AdaptiveInterval``): the interval from the measured
+            blocking cost of recent saves and the MTBF, by Daly's formula; ``mtbf_seconds`` gives M, else
+            it is learned from the restarts recorded in ``ROOT/.attempts.json``. See docs/preemption.md.
+        preemption_signals / preemption_file / preemption_poll (+ preemption_poll_interval_s): notice
+            sources (default: none). On a notice, the next ``maybe_save`` (all ranks agree) saves the
+            current step synchronously and raises ``safepoint.Preempted`` (exit ``preempted_exit_code``).
+        grace_seconds: time from a notice to SIGKILL; a save expected not to fit is skipped and logged.
     """
 
     def __init__(
@@ -58,7 +84,7 @@ class CheckpointManager:
         root: str | os.PathLike[str],
         *,
         save_every_steps: int | None = None,
-        save_every_seconds: float | None = None,
+        save_every_seconds: float | str | AdaptiveInterval | None = None,
         keep_last: int | None = None,
         keep_every_steps: int | None = None,
         keep_best: int | None = None,
@@ -69,13 +95,32 @@ class CheckpointManager:
         lease_stale_after_s: float = 120.0,
         async_save: bool = False,
         if_busy: str = "wait",
+        mtbf_seconds: float | None = None,
+        preemption_signals: Iterable[int] | None = None,
+        preemption_file: str | os.PathLike[str] | None = None,
+        preemption_poll: Callable[[], object] | None = None,
+        preemption_poll_interval_s: float = 5.0,
+        grace_seconds: float | None = None,
+        preempted_exit_code: int = DEFAULT_EXIT_CODE,
+        local_root: str | os.PathLike[str] | None = None,
+        keep_local_last: int = 1,
+        storage_options: dict[str, Any] | None = None,
+        upload_retries: int = 4,
+        upload_concurrency: int = 10,
+        transfer: TransferConfig | None = None,
     ) -> None:
-        self.root = _local_root(root)
+        transfer = transfer or TransferConfig(attempts=upload_retries + 1, concurrency=upload_concurrency)
+        self.root, self.layout, durable = plan_tiers(root, local_root, storage_options, transfer)
         self._save_policies: list[SavePolicy] = []
         if save_every_steps is not None:
             self._save_policies.append(EveryNSteps(save_every_steps))
-        if save_every_seconds is not None:
-            self._save_policies.append(EveryNSeconds(save_every_seconds))
+        every_s, auto = parse_interval(save_every_seconds, mtbf_seconds)
+        if auto is not None and not isinstance(self.layout, Layout):
+            raise ValueError(
+                "save_every_seconds='auto' keeps its run history on a local disk: set local_root"
+            )
+        if every_s is not None:
+            self._save_policies.append(EveryNSeconds(every_s))
         self._time_based = save_every_seconds is not None
         retention = build_retention(keep_last, keep_every_steps, keep_best, best_metric, best_mode)
         if not isinstance(writer_threads, int) or writer_threads < 1:
@@ -84,9 +129,21 @@ class CheckpointManager:
             raise ValueError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
         if collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s must be positive, got {collective_timeout_s!r}")
-        self.layout = Layout(self.root)
         self.comm = Comm(collective_timeout_s)
-        self._saver = SyncSaver(self.layout, self.comm, retention, writer_threads=writer_threads)
+        # Ranks compare their clocks about every 1% of the interval (at most once a second), not every step.
+        self._agreement = Agreement(self.comm, min(1.0, (auto.min_s if auto else every_s or 0.0) / 100))
+        self._preemption = Preemption.build(
+            self.comm,
+            signals=preemption_signals,
+            file=preemption_file,
+            poll=preemption_poll,
+            poll_interval_s=preemption_poll_interval_s,
+            grace_seconds=grace_seconds,
+            exit_code=preempted_exit_code,
+        )
+        # With tiering, local copies are pruned by the uploader (keep_local_last); `retention` is durable's.
+        saver_retention = Retention() if durable is not None else retention
+        self._saver = SyncSaver(self.layout, self.comm, saver_retention, writer_threads=writer_threads)
         self._restorer = Restorer(self.layout, self.comm)
         self._async = bool(async_save)
         self._if_busy = if_busy
@@ -96,29 +153,46 @@ class CheckpointManager:
         # training thread's (maybe_save agreement, restore) on the same group.
         self._bg_comm = Comm(collective_timeout_s) if self._async else None
         self._bg_saver = (
-            SyncSaver(self.layout, self._bg_comm, retention, writer_threads=writer_threads)
+            SyncSaver(self.layout, self._bg_comm, saver_retention, writer_threads=writer_threads)
             if self._bg_comm is not None
             else None
         )
-        if self._async:
+        self._at_exit = self._async or durable is not None
+        if self._at_exit:
             # A script that ends without close() must not kill the writer mid-file at interpreter
             # shutdown (torch's C++ writer aborts the process then): let the save in flight finish.
             atexit.register(self._finish_at_exit)
-        self._lease: Lease | None = None
+        # The uploader's collectives get their own group too (created here: same order on every rank).
+        self._tiers = (
+            Tiering(self.layout, durable, retention, keep_local_last, Comm(collective_timeout_s))
+            if durable is not None and isinstance(self.layout, Layout)
+            else SingleTier(self.layout)
+        )
+        self._lease: Any = None
         self._last_step: int | None = None
         self._last_time = time.monotonic()
         self.saves: list[SaveRecord] = []
         self._closed = False
         self._take_ownership(lease_stale_after_s)
+        self._runs: RunHistory | None = None
+        if auto is not None:
+            local = cast(Layout, self.layout)  # "auto" was refused above for a URL root without local_root
+            policy, self._runs = adaptive_policy(
+                auto, mtbf_seconds, local, self.comm, lambda: [s.blocking_s for s in self.saves]
+            )
+            self._save_policies.append(policy)
+        if self._preemption is not None:
+            self._preemption.start()
 
     def _take_ownership(self, stale_after_s: float) -> None:
         error: CheckpointError | None = None
         if self.comm.is_coordinator:
             try:
                 self.layout.ensure_root()
-                self._lease = Lease(self.layout.root, stale_after_s=stale_after_s)
-                self._lease.acquire()
-                for line in self.layout.clean_pending():
+                self._lease = self.layout.lease(stale_after_s)
+                if self._lease is not None:
+                    self._lease.acquire()
+                for line in [*self.layout.clean_pending(), *self._tiers.take_ownership(stale_after_s)]:
                     log.info("safepoint: %s", line)
             except CheckpointError as e:
                 error = e
@@ -128,22 +202,37 @@ class CheckpointManager:
         if error is not None:
             if self._lease is not None:
                 self._lease.release()
+            self._tiers.close(raise_failure=False)
             self.comm.destroy()
             self._closed = True
             raise error
+        self._tiers.start()
 
     # ---- saving --------------------------------------------------------------------------------------
 
     def maybe_save(self, step: int, state: TrainState, metrics: dict[str, Any] | None = None) -> bool:
         """Save if a policy says it is due. Returns whether a save happened."""
         self._check_step(step)
+        self._tiers.observe(step)  # durability_lag() counts steps trained since the last durable save
+        if self._preemption is not None and self._preemption.agreed(step):
+            self._preempt(step, state, metrics)
         if step == self._last_step or not self._save_policies:
             return False
         now = time.monotonic()
-        due = any(p.due(step, now, self._last_step, self._last_time) for p in self._save_policies)
-        if self._time_based and self.comm.distributed:
-            # Clocks differ between ranks; a save due on some ranks only would deadlock the collective.
-            due = self.comm.broadcast(due)
+        due = any(
+            p.due(step, now, self._last_step, self._last_time)
+            for p in self._save_policies
+            if not isinstance(p, TIME_POLICIES)
+        )
+        if not due and self._time_based:
+            # Elapsed time differs between ranks (clocks, step times); a save due on some ranks only would
+            # deadlock the collective. Step policies need no agreement: every rank sees the same steps.
+            timed = any(
+                p.due(step, now, self._last_step, self._last_time)
+                for p in self._save_policies
+                if isinstance(p, TIME_POLICIES)
+            )
+            due = self._agreement.agree(step, timed)
         if not due:
             return False
         self.save(step, state, metrics)
@@ -164,17 +253,56 @@ class CheckpointManager:
         if self._lease is not None:
             self._lease.check()
         self._writer.raise_failure()
+        self._tiers.raise_failure()
         clean = clean_metrics(metrics)
         if self._async:
             self._save_async(step, state, clean)
             return None
-        t0 = time.perf_counter()
-        sd = state.capture(self.comm.rank)
-        info = self._saver.write(step, sd, state.sections(), clean, {"capture_s": time.perf_counter() - t0})
+        return self._save_sync(step, state, clean)
+
+    def _save_sync(
+        self, step: int, state: TrainState, metrics: dict[str, float], extra: dict[str, Any] | None = None
+    ) -> CheckpointInfo:
+        with self._tiers.paused():  # uploads hold off while training waits for this save
+            t0 = time.perf_counter()
+            sd = state.capture(self.comm.rank)
+            timings = {"capture_s": time.perf_counter() - t0}
+            info = self._saver.write(step, sd, state.sections(), metrics, timings, extra)
+        self._tiers.committed(info)  # queued for upload (tiering)
         self.saves.append(SaveRecord(step=step, blocking_s=time.perf_counter() - t0, bytes=info.bytes))
         self._last_step = step
         self._last_time = time.monotonic()
         return info
+
+    def _preempt(self, step: int, state: TrainState, metrics: dict[str, Any] | None) -> NoReturn:
+        """Every rank agreed on a notice: finish the save in flight, save this step synchronously, exit."""
+        assert self._preemption is not None
+        self._writer.wait()
+        try:
+            self._writer.raise_failure()
+        except SaveError as e:
+            log.error("safepoint: the save in flight failed (%s); the emergency save replaces it", e)
+            self._last_step = None
+        saved, plan = (step if step == self._last_step else None), None
+        cause: SaveError | None = None
+        if saved is None:
+            plan = self._preemption.plan(cast(Layout, self.layout), step)  # reads manifests: either layout
+            if plan.saves:  # today: the one tier; with tiering, plan.tiers names the tiers to write
+                try:
+                    t0 = time.perf_counter()
+                    emergency = {"reason": "; ".join(self._preemption.reasons), "plan": plan.action}
+                    self._save_sync(step, state, clean_metrics(metrics), {"emergency": emergency})
+                    saved = step
+                    log.warning(
+                        "safepoint: emergency save of step %d took %.2fs", step, time.perf_counter() - t0
+                    )
+                except SaveError as e:
+                    log.error("safepoint: emergency save of step %d failed: %s", step, e)
+                    cause = e
+        exc = self._preemption.exit(step, saved, self.latest_step(), plan)
+        if self._runs is not None:
+            self._runs.end(outcome_of(exc))
+        raise exc from cause
 
     def _save_async(self, step: int, state: TrainState, metrics: dict[str, float]) -> None:
         busy = self._writer.busy
@@ -191,10 +319,13 @@ class CheckpointManager:
         assert self._bg_saver is not None
         saver = self._bg_saver
         t0 = time.perf_counter()
-        staged = self._stager.stage(state.capture(self.comm.rank))
+        with self._tiers.paused():
+            staged = self._stager.stage(state.capture(self.comm.rank))
         blocking = time.perf_counter() - t0
-        sections = state.sections()
-        self._writer.submit(step, lambda: saver.write(step, staged, sections, metrics, {"stage_s": blocking}))
+        sections, tiers = state.sections(), self._tiers
+        self._writer.submit(
+            step, lambda: tiers.committed(saver.write(step, staged, sections, metrics, {"stage_s": blocking}))
+        )
         self.saves.append(SaveRecord(step=step, blocking_s=blocking, bytes=tensor_bytes(staged)))
         self._last_step = step
         self._last_time = time.monotonic()
@@ -213,10 +344,9 @@ class CheckpointManager:
             self._check_step(step)
         self._writer.wait()
         self._writer.raise_failure()
-        manifest = self._restorer.choose(step)
+        manifest = self._tiers.restore(self._restorer, state, step)
         if manifest is None:
             return 0
-        self._restorer.load(manifest, state)
         self._last_step = manifest.step
         self._last_time = time.monotonic()
         log.info("safepoint: restored step %d from %s", manifest.step, self.layout.step_path(manifest.step))
@@ -225,14 +355,12 @@ class CheckpointManager:
     # ---- listing -------------------------------------------------------------------------------------
 
     def list(self) -> list[CheckpointInfo]:
-        """Committed checkpoints, oldest first (manifests parsed; use the CLI's verify for full checks)."""
-        out = []
-        for s in self.layout.committed_steps():
-            try:
-                out.append(self.layout.info(s, self.layout.read_manifest(s)))
-            except CheckpointError as e:
-                log.warning("safepoint: not listing step %d: %s", s, e)
-        return out
+        """Committed checkpoints (of both tiers), oldest first (manifests parsed; the CLI's verify checks)."""
+        return self._tiers.list()
+
+    def durability_lag(self) -> DurabilityLag:
+        """Steps and seconds of training not yet covered by a durable checkpoint (see tiering.py)."""
+        return self._tiers.lag()
 
     def latest_step(self) -> int | None:
         infos = self.list()
@@ -241,27 +369,35 @@ class CheckpointManager:
     # ---- lifecycle -----------------------------------------------------------------------------------
 
     def wait(self) -> None:
-        """Block until no save is in flight; raise the failure of a background save, if any."""
+        """Block until no save or upload is in flight; raise the failure of a background one, if any."""
         self._check_open()
         self._writer.wait()
         self._writer.raise_failure()
+        self._tiers.wait()
+        self._tiers.raise_failure()
 
     def _finish_at_exit(self) -> None:
         if self._writer.busy:
             log.info("safepoint: interpreter exiting; waiting for the save in flight")
         self._writer.wait()
+        self._tiers.wait()  # and for uploads: the last checkpoint is the one a restart needs
 
     def close(self) -> None:
         """Wait for the save in flight, then release the root. Raises a background failure, if any."""
         if self._closed:
             return
         self._closed = True
-        if self._async:
+        if self._at_exit:
             atexit.unregister(self._finish_at_exit)
         try:
             self._writer.wait()
             self._writer.raise_failure()
         finally:
+            self._tiers.close(raise_failure=False)  # uploads in flight or queued finish first
+            if self._preemption is not None:
+                self._preemption.stop()  # previous signal handlers back, poller stopped
+            if self._runs is not None:
+                self._runs.end(outcome_of(None))
             self._stager.release()
             if self._lease is not None:
                 self._lease.release()
@@ -269,6 +405,7 @@ class CheckpointManager:
             if self._bg_comm is not None:
                 self._bg_comm.destroy()
             self.comm.destroy()
+        self._tiers.raise_failure()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -276,6 +413,8 @@ class CheckpointManager:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if self._runs is not None:
+            self._runs.end(outcome_of(exc))  # an exception out of the loop is a failure for the MTBF
         self.close()
 
     def _check_open(self) -> None:
@@ -286,14 +425,3 @@ class CheckpointManager:
     def _check_step(step: int) -> None:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-
-
-def _local_root(root: str | os.PathLike[str]) -> str:
-    if not isinstance(root, (str, os.PathLike)) or not str(root):
-        raise ValueError(f"root must be a non-empty path, got {root!r}")
-    s = os.fspath(root)
-    if s.startswith("file://"):
-        s = s[len("file://") :]
-    elif "://" in s:
-        raise ValueError(f"root {s!r}: only local and network file system paths are supported by this build")
-    return s

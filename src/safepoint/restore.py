@@ -15,8 +15,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from safepoint import rng
 from safepoint.dist import Comm
 from safepoint.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
-from safepoint.layout import Layout
-from safepoint.manifest import ORIGIN_IMPORT, ORIGIN_KEY, Manifest
+from safepoint.layout import CheckpointStore
+from safepoint.manifest import MANIFEST_NAME, ORIGIN_IMPORT, ORIGIN_KEY, Manifest
 from safepoint.saver import describe_exception
 from safepoint.state import (
     DATALOADER,
@@ -28,7 +28,7 @@ from safepoint.state import (
     TrainState,
     rank_key,
 )
-from safepoint.storage import METADATA_NAME, SafeLoadPlanner, SafeReader, read_metadata_file
+from safepoint.storage import SafeLoadPlanner
 
 log = logging.getLogger("safepoint")
 _REQUIRED = (MODEL, OPTIMIZER, SCHEDULER, DATALOADER)
@@ -40,7 +40,7 @@ class CheckpointWarning(UserWarning):
 
 
 class Restorer:
-    def __init__(self, layout: Layout, comm: Comm) -> None:
+    def __init__(self, layout: CheckpointStore, comm: Comm) -> None:
         self.layout = layout
         self.comm = comm
 
@@ -75,7 +75,7 @@ class Restorer:
         raw: bytes | str
         if self.comm.is_coordinator:
             try:
-                raw = (self.layout.step_path(step) / "safepoint.json").read_bytes()
+                raw = self.layout.manifest_bytes(step)
             except OSError as e:
                 raw = f"cannot read manifest ({e.strerror or e})"
         else:
@@ -91,17 +91,42 @@ class Restorer:
             self.layout.verify(step, files=mine)
         except CorruptCheckpointError as e:
             problem = (e.file, e.reason)
-        problems = [p for p in self.comm.all_gather(problem) if p is not None]
-        if problems:
-            raise CorruptCheckpointError(step, problems[0][0], problems[0][1])
-        return manifest
+        problems = [(r, p) for r, p in enumerate(self.comm.all_gather(problem)) if p is not None]
+        if not problems:
+            return manifest
+        # Every rank holds the same list, so this extra exchange happens on all ranks or on none.
+        hidden = self.comm.broadcast(self._visible_here(step, problems) if self.comm.is_coordinator else None)
+        if hidden is not None:
+            raise CheckpointError(
+                f"checkpoint step {step}: file {hidden[1]!r} is intact as seen from rank 0, but rank "
+                f"{hidden[0]} reports: {hidden[2]}. The checkpoint root {self.layout.root} is not shared by "
+                "every rank (node-local?) or that rank's view of it is failing. Use a root every node can "
+                "read (a shared file system or object storage), or copy the checkpoint to each node."
+            )
+        rank, (file, reason) = problems[0]
+        where = f" (found by rank {rank})" if self.comm.distributed else ""
+        raise CorruptCheckpointError(step, file, reason + where)
+
+    def _visible_here(
+        self, step: int, problems: list[tuple[int, tuple[str | None, str]]]
+    ) -> tuple[int, str, str] | None:
+        """A file another rank could not verify that verifies here: the root is not shared, not corrupt."""
+        for rank, (file, reason) in problems:
+            if rank == self.comm.rank or file is None:
+                continue
+            if file != MANIFEST_NAME:  # the manifest was read here already
+                try:
+                    self.layout.verify(step, files=[file])
+                except CorruptCheckpointError:
+                    continue
+            return rank, file, reason
+        return None
 
     # ---- read + apply --------------------------------------------------------------------------------
 
     def load(self, manifest: Manifest, state: TrainState) -> None:
         step = manifest.step
-        path = self.layout.step_path(step)
-        metadata = read_metadata_file(path / METADATA_NAME)
+        metadata = self.layout.read_metadata(step)
         saved = set(manifest.keys)
         wanted = state.sections()
         # An imported checkpoint (safepoint import) holds weights only: a run starting from it keeps its
@@ -124,11 +149,19 @@ class Restorer:
         rank = self.comm.rank
         sources = {s: (rank if rank < manifest.world_size else 0) for s in PER_RANK_SECTIONS}
         template = state.load_template(sections, sources, rank)
-        check_compat(step, template, metadata)
+        mismatch: str | None = None
+        try:
+            check_compat(step, template, metadata)
+        except StateMismatchError as e:
+            mismatch = str(e)
+        # Shards differ per rank: if any rank cannot load, none may enter DCP's collective load.
+        mismatches = [m for m in self.comm.all_gather(mismatch) if m is not None]
+        if mismatches:
+            raise StateMismatchError(mismatches[0])
         try:
             dcp_load(
                 template,
-                storage_reader=SafeReader(path),
+                storage_reader=self.layout.make_reader(step),
                 planner=SafeLoadPlanner(),
                 process_group=self.comm.group,
                 no_dist=not self.comm.distributed,

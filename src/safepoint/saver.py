@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 import uuid
 from typing import Any
@@ -14,10 +13,9 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from safepoint.dist import Comm, PeerTimeoutError
 from safepoint.errors import CheckpointError, SaveError
-from safepoint.layout import CheckpointInfo, Layout
+from safepoint.layout import CheckpointInfo, CheckpointStore
 from safepoint.manifest import FileEntry, Manifest
 from safepoint.policy import Retention
-from safepoint.storage import SafepointWriter
 
 log = logging.getLogger("safepoint")
 
@@ -33,7 +31,9 @@ def describe_exception(e: BaseException) -> str:
 
 
 class SyncSaver:
-    def __init__(self, layout: Layout, comm: Comm, retention: Retention, *, writer_threads: int = 1) -> None:
+    def __init__(
+        self, layout: CheckpointStore, comm: Comm, retention: Retention, *, writer_threads: int = 1
+    ) -> None:
         self.layout = layout
         self.comm = comm
         self.retention = retention
@@ -52,7 +52,7 @@ class SyncSaver:
         t0 = time.perf_counter()
         save_id = self.comm.broadcast(uuid.uuid4().hex[:12] if self.comm.is_coordinator else "")
         pending = self.layout.new_pending(step, save_id)
-        writer = SafepointWriter(pending, thread_count=self.writer_threads)
+        writer = self.layout.make_writer(pending, thread_count=self.writer_threads)
         error: str | None = None
         try:
             dcp_save(
@@ -89,7 +89,7 @@ class SyncSaver:
                 except (OSError, CheckpointError) as e:
                     errors.append(describe_exception(e))
             if errors:
-                shutil.rmtree(pending, ignore_errors=True)
+                self.layout.discard(pending)
         outcome = self.comm.broadcast((info, errors))
         info, errors = outcome
         if errors or info is None:
@@ -121,16 +121,16 @@ class SyncSaver:
                     )
                 files[name] = FileEntry(size=size, crc32c=crc)
         # Every rank's files must be visible here, or the checkpoint could never be loaded as a whole.
+        present = self.layout.written_sizes(pending)
         for name, entry in files.items():
-            path = pending / name
-            if not path.exists():
+            if name not in present:
                 raise SaveError(
                     f"file {name} written by another rank is not visible from rank 0 at {pending}: the "
-                    "checkpoint root looks node-local. Use a shared file system (or object storage) for a "
-                    "multi-node job, or a per-node root with local_root=... and a shared durable root."
+                    "checkpoint root (or local_root) looks node-local. Use a shared file system, or a URL "
+                    "root (object storage) that every rank writes to, for a multi-node job."
                 )
-            if path.stat().st_size != entry.size:
-                raise SaveError(f"file {name} has size {path.stat().st_size}, expected {entry.size}")
+            if present[name] != entry.size:
+                raise SaveError(f"file {name} has size {present[name]}, expected {entry.size}")
         manifest = Manifest(
             step=step,
             files=files,

@@ -2,8 +2,12 @@
 
 The copy is the only part of an async save that blocks training. Buffers are reused while the state keeps
 its shape, so 100 saves cost one buffer set, not 100 (the Orbax #1640 / NeMo OOM failure). On CUDA they
-are pinned, so the device-to-host copy runs at full bandwidth. The traversal (DTensor, ShardedTensor,
-nested containers) is DCP's own, from torch.distributed._state_dict_utils, not a re-implementation.
+are pinned, so the device-to-host copy runs at full bandwidth. The copy and the buffer allocation (DTensor,
+ShardedTensor, nested containers) are DCP's own, from torch.distributed._state_dict_utils. The "can these
+buffers take this state?" check is ours: torch's ``_check_state_dict_similarity`` walks the state with
+the buffers as companion object, and that walk ``copy_``s every tensor into the companion as a side effect,
+so using it made every save copy the whole state twice (2x the blocking time; measured in
+benchmarks/bench_async.py).
 """
 
 from __future__ import annotations
@@ -12,11 +16,9 @@ import logging
 from typing import Any
 
 import torch
-from torch.distributed._state_dict_utils import (
-    _check_state_dict_similarity,
-    _copy_state_dict,
-    _create_cpu_state_dict,
-)
+from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.tensor import DTensor
 
 log = logging.getLogger("safepoint")
 
@@ -70,8 +72,45 @@ class Stager:
         self._buffers = None
 
 
-def _similar(sd: dict[str, Any], buffers: dict[str, Any]) -> bool:
-    try:
-        return bool(_check_state_dict_similarity(sd, buffers))
-    except Exception:  # a structural mismatch in any form means "reallocate"
-        return False
+def _similar(sd: Any, buffers: Any) -> bool:
+    """Whether ``buffers`` can receive ``sd``: same keys, lengths, tensor kinds, shapes and dtypes.
+
+    Structural only, it touches no tensor data (see the module docstring for why not torch's check).
+    Non-tensor leaves are copied by value, so any buffer entry will do for them.
+    """
+    if isinstance(sd, ShardedTensor):
+        if not isinstance(buffers, ShardedTensor):
+            return False
+        mine, theirs = sd.local_shards(), buffers.local_shards()
+        return len(mine) == len(theirs) and all(
+            _same_tensor(a.tensor, b.tensor) for a, b in zip(mine, theirs, strict=True)
+        )
+    if isinstance(sd, DTensor):
+        return (
+            isinstance(buffers, DTensor)
+            and _same_tensor(sd, buffers)
+            and _same_tensor(sd._local_tensor, buffers._local_tensor)
+        )
+    if isinstance(sd, torch.Tensor):
+        return (
+            isinstance(buffers, torch.Tensor)
+            and not isinstance(buffers, (DTensor, ShardedTensor))
+            and _same_tensor(sd, buffers)
+        )
+    if isinstance(sd, dict):
+        return (
+            isinstance(buffers, dict)
+            and sd.keys() == buffers.keys()
+            and all(_similar(v, buffers[k]) for k, v in sd.items())
+        )
+    if isinstance(sd, (list, tuple)):
+        return (
+            isinstance(buffers, (list, tuple))
+            and len(sd) == len(buffers)
+            and all(_similar(a, b) for a, b in zip(sd, buffers, strict=True))
+        )
+    return True
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.size() == b.size()

@@ -24,7 +24,9 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import ReadItem, SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from safepoint.checksum import ChecksummingWriter, ChecksumRecorder
 from safepoint.errors import UnsafeCheckpointError
@@ -122,6 +124,18 @@ class SafepointWriter(FileSystemWriter):
         )
         self.recorder = ChecksumRecorder()
         self.fs = _ChecksummingFileSystem(self.recorder)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        fut = super().write_data(plan, planner)
+        results = fut.wait()
+        # DCP's extra writer threads (thread_count > 1) swallow their exceptions (they only reach
+        # threading.excepthook) and their items' results go missing: count them, never report success.
+        if len(results) != len(plan.items):
+            raise OSError(
+                f"DCP writer threads wrote {len(results)} of {len(plan.items)} items; a writer thread failed "
+                "(its error is in the log above)"
+            )
+        return fut
 
     def written_files(self) -> dict[str, tuple[int, str]]:
         return self.recorder.snapshot()

@@ -34,6 +34,7 @@ from safepoint.layout import STEP_PREFIX, CheckpointInfo, Layout
 from safepoint.lease import Lease
 from safepoint.manifest import MANIFEST_NAME, ORIGIN_IMPORT, ORIGIN_KEY, Manifest
 from safepoint.policy import Retention
+from safepoint.remote import RemoteLayout, is_url
 from safepoint.saver import SyncSaver, describe_exception
 from safepoint.state import MODEL, SECTIONS
 from safepoint.storage import METADATA_NAME, SafeLoadPlanner, SafeReader, safe_load_metadata
@@ -42,6 +43,7 @@ OK = "ok"
 CORRUPT = "corrupt"
 PARTIAL = "partial"
 TIER_LOCAL = "local"
+TIER_DURABLE = "durable"  # a URL root (object store): ls and verify read it through RemoteLayout
 _STEP_DIR = re.compile(rf"^{re.escape(STEP_PREFIX)}(\d+)$")
 # Marks a safetensors file written by a full (not --model-only) export, whose keys carry section prefixes.
 SAFETENSORS_LAYOUT_KEY = "safepoint.layout"
@@ -64,12 +66,36 @@ def open_root(root: str, *, must_exist: bool = True) -> Layout:
     """A Layout for a local root; a clear error for URLs and missing or unreadable roots."""
     path = root[len("file://") :] if root.startswith("file://") else root
     if "://" in path:
-        raise CheckpointError(f"{root}: only local and network file system paths are supported by this build")
+        raise CheckpointError(f"{root}: this command reads local roots only (ls and verify also read URLs)")
     layout = Layout(path)
     if must_exist and not layout.root.exists():
         raise CheckpointError(f"checkpoint root {path} does not exist")
     layout.check_readable()
     return layout
+
+
+def open_any_root(root: str) -> Layout | RemoteLayout:
+    """``open_root``, or for a URL a RemoteLayout that verifies by reading every byte (endpoint and
+    credentials come from the environment and AWS config, e.g. AWS_ENDPOINT_URL_S3, AWS_PROFILE)."""
+    if is_url(root) and not root.startswith("file://"):
+        try:
+            return RemoteLayout(root, deep_verify=True)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+    return open_root(root)
+
+
+def _remote_steps(layout: RemoteLayout) -> dict[int, tuple[str, int, bool]]:
+    """step -> (URL, bytes, has a manifest) for every ``step-N/`` prefix, from one listing."""
+    out: dict[int, tuple[str, int, bool]] = {}
+    for key, size in layout.store.sizes(layout.base).items():
+        top, _, rest = key.partition("/")
+        m = _STEP_DIR.match(top)
+        if m and rest:
+            step = int(m.group(1))
+            _, total, has = out.get(step, (layout.step_path(step), 0, False))
+            out[step] = (layout.step_path(step), total + size, has or rest == MANIFEST_NAME)
+    return dict(sorted(out.items()))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -101,9 +127,11 @@ def _dir_bytes(path: Path) -> int:
     return total
 
 
-def step_dirs(layout: Layout) -> dict[int, Path]:
+def step_dirs(layout: Layout | RemoteLayout) -> dict[int, Path | str]:
     """Every ``step-N`` directory, committed or not (Layout.committed_steps lists only committed ones)."""
-    out: dict[int, Path] = {}
+    if isinstance(layout, RemoteLayout):
+        return {step: url for step, (url, _, _) in _remote_steps(layout).items()}
+    out: dict[int, Path | str] = {}
     for entry in os.scandir(layout.root):
         m = _STEP_DIR.match(entry.name)
         if m and entry.is_dir():
@@ -111,20 +139,26 @@ def step_dirs(layout: Layout) -> dict[int, Path]:
     return dict(sorted(out.items()))
 
 
-def scan(layout: Layout, *, verify: bool = False) -> list[Entry]:
+def scan(layout: Layout | RemoteLayout, *, verify: bool = False) -> list[Entry]:
     """Every step directory, oldest first: ok, corrupt (manifest, or with ``verify`` a file) or partial."""
     entries = []
-    for step, path in step_dirs(layout).items():
-        if not (path / MANIFEST_NAME).exists():
+    if isinstance(layout, RemoteLayout):
+        tier, found = TIER_DURABLE, _remote_steps(layout)
+    else:
+        tier = TIER_LOCAL
+        found = {s: (str(p), -1, (Path(p) / MANIFEST_NAME).exists()) for s, p in step_dirs(layout).items()}
+    for step, (path, size, committed) in found.items():
+        nbytes = size if size >= 0 else _dir_bytes(Path(path))
+        if not committed:
             # A save that never committed, or a removal interrupted mid-way: never loaded by restore.
             entries.append(
-                Entry(step, str(path), PARTIAL, _dir_bytes(path), reason="no manifest (never committed)")
+                Entry(step, path, PARTIAL, nbytes, reason="no manifest (never committed)", tier=tier)
             )
             continue
         try:
             manifest = layout.read_manifest(step)
         except CorruptCheckpointError as e:
-            entries.append(Entry(step, str(path), CORRUPT, _dir_bytes(path), reason=_where(e)))
+            entries.append(Entry(step, path, CORRUPT, nbytes, reason=_where(e), tier=tier))
             continue
         info = layout.info(step, manifest)
         status, reason = OK, None
@@ -134,19 +168,21 @@ def scan(layout: Layout, *, verify: bool = False) -> list[Entry]:
             except CorruptCheckpointError as e:
                 status, reason = CORRUPT, _where(e)
         entries.append(
-            Entry(step, info.path, status, info.bytes, info.time, info.metrics, info.world_size, reason)
+            Entry(step, info.path, status, info.bytes, info.time, info.metrics, info.world_size, reason, tier)
         )
     return entries
 
 
-def pending_saves(layout: Layout) -> list[str]:
+def pending_saves(layout: Layout | RemoteLayout) -> list[str]:
+    if isinstance(layout, RemoteLayout):
+        return sorted({k.split("/")[0] for k in layout.store.sizes(layout.pending_key)})
     try:
         return sorted(p.name for p in layout.pending_root.iterdir())
     except (FileNotFoundError, NotADirectoryError):
         return []
 
 
-def resolve_step(layout: Layout, step: int | None) -> int:
+def resolve_step(layout: Layout | RemoteLayout, step: int | None) -> int:
     """``step`` if it is committed, else the newest committed step; a clear error otherwise."""
     committed = layout.committed_steps()
     if step is None:
@@ -155,7 +191,7 @@ def resolve_step(layout: Layout, step: int | None) -> int:
         return committed[-1]
     if step not in committed:
         why = ""
-        if layout.step_path(step).is_dir():
+        if isinstance(layout, Layout) and layout.step_path(step).is_dir():
             why = f" ({layout.step_path(step)} has no manifest: a save that never committed)"
         shown = committed[-10:] if committed else "none"
         raise CheckpointError(
@@ -182,7 +218,7 @@ def _where(e: CorruptCheckpointError) -> str:
 
 
 def verify_step(
-    layout: Layout, step: int, on_file: Callable[[str, int], None] | None = None
+    layout: Layout | RemoteLayout, step: int, on_file: Callable[[str, int], None] | None = None
 ) -> tuple[Manifest | None, list[Problem]]:
     """Check every file of ``step`` (size + crc32c) and report all problems, not only the first.
 

@@ -1,0 +1,173 @@
+"""Ownership of a checkpoint root on S3: one live writer at a time, by conditional writes.
+
+S3 has no O_EXCL, but it has conditional writes: ``If-None-Match: *`` creates ``ROOT/.lease`` only if it
+does not exist, and ``If-Match: <etag>`` replaces it only if nobody changed it since we read it. So:
+acquire = create-if-absent; a stale lease (same host and its pid is gone, or no heartbeat for
+``stale_after_s``, measured on the store's clock) is taken over by a replace-if-unchanged, which succeeds
+for exactly one contender; the heartbeat is a replace-if-unchanged too, so a lease taken by someone else is
+noticed at the next beat. Stores without conditional writes (gs://, az:// through fsspec here) get no lease:
+the manager logs that the root is unprotected, and the local tier's lease still guards the local root.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+from safepoint.errors import LeaseError
+from safepoint.lease import _pid_alive, _proc_start_ticks
+from safepoint.retry import UploadError, cause_code
+
+LEASE_NAME = ".lease"
+log = logging.getLogger("safepoint")
+_CONFLICT = ("PreconditionFailed", "ConditionalRequestConflict")
+
+
+class RemoteLease:
+    def __init__(
+        self, store: Any, key: str, *, stale_after_s: float = 120.0, heartbeat_s: float = 15.0
+    ) -> None:
+        self.store, self.key = store, key
+        self.bucket, self.obj = store._split(key)
+        self.stale_after_s, self.heartbeat_s = stale_after_s, heartbeat_s
+        self.token = uuid.uuid4().hex
+        self.etag: str | None = None
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def for_layout(cls, layout: Any, stale_after_s: float) -> RemoteLease | None:
+        from safepoint.s3store import S3Store
+
+        if isinstance(layout.store, S3Store):
+            return cls(layout.store, layout._p(LEASE_NAME), stale_after_s=stale_after_s)
+        log.warning(
+            "safepoint: %s has no conditional writes through fsspec; nothing stops a second job from "
+            "writing to it at the same time",
+            layout.root,
+        )
+        return None
+
+    def _record(self) -> bytes:
+        rec = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "start_ticks": _proc_start_ticks(os.getpid()),
+        }
+        return json.dumps({**rec, "heartbeat": time.time(), "token": self.token}).encode()
+
+    def _put(self, **cond: str) -> str:
+        s = self.store
+        r = s.run(
+            s.aretry,
+            f"lease {s.url(self.key)}",
+            lambda: s.call("put_object", Bucket=self.bucket, Key=self.obj, Body=self._record(), **cond),
+        )
+        return str(r["ETag"])
+
+    def _read(self) -> tuple[dict[str, Any] | None, str | None, float]:
+        """(holder record or None if unreadable, its etag or None if absent, its age on the store clock)."""
+        s = self.store
+
+        async def get() -> tuple[bytes, str, float]:
+            r = await s.call("get_object", Bucket=self.bucket, Key=self.obj)
+            async with r["Body"] as body:
+                data = bytes(await body.read())
+            date = r["ResponseMetadata"]["HTTPHeaders"].get("date")
+            now = email.utils.parsedate_to_datetime(date).timestamp() if date else time.time()
+            return data, str(r["ETag"]), now - r["LastModified"].timestamp()
+
+        try:
+            data, etag, age = s.run(s.aretry, f"lease {s.url(self.key)}", get)
+        except UploadError as e:
+            if cause_code(e) in ("404", "NoSuchKey"):
+                return None, None, 0.0
+            raise
+        try:
+            rec = json.loads(data)
+        except ValueError:
+            return None, etag, age
+        return (rec if isinstance(rec, dict) else None), etag, age
+
+    def acquire(self) -> None:
+        for _ in range(20):
+            try:
+                self.etag = self._put(IfNoneMatch="*")
+            except UploadError as e:
+                if cause_code(e) not in _CONFLICT:
+                    raise
+            else:
+                self._start()
+                return
+            holder, etag, age = self._read()
+            if etag is None:
+                continue  # released in between: try to create again
+            if holder is not None and holder.get("token") == self.token:
+                self.etag = etag  # our create landed, but its answer was lost and the retry bounced off it
+                self._start()
+                return
+            if holder is not None and not self._stale(holder, age):
+                raise LeaseError(
+                    f"checkpoint root {self.store.url(self.key).rsplit('/', 1)[0]} is in use by pid "
+                    f"{holder.get('pid')} on host {holder.get('host')!r} (lease written {age:.0f}s ago). "
+                    "Stop the other job or use another root; a dead job's lease expires after "
+                    f"{self.stale_after_s:.0f}s, or delete {self.store.url(self.key)} by hand."
+                )
+            try:
+                self.etag = self._put(IfMatch=etag)  # only one contender replaces this exact version
+            except UploadError as e:
+                if cause_code(e) not in _CONFLICT:
+                    raise
+                continue
+            log.warning("safepoint: took over the stale lease of %s", holder)
+            self._start()
+            return
+        raise LeaseError(f"could not acquire {self.store.url(self.key)}: it keeps changing hands")
+
+    def _stale(self, holder: dict[str, Any], age: float) -> bool:
+        if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
+            if holder["pid"] == os.getpid() and holder.get("token") != self.token:
+                return False  # another manager in this very process: alive by definition
+            return not _pid_alive(holder["pid"], holder.get("start_ticks"))
+        return age > self.stale_after_s
+
+    def _start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._beat, name="safepoint-remote-lease", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                assert self.etag is not None
+                self.etag = self._put(IfMatch=self.etag)
+            except UploadError as e:
+                if cause_code(e) in _CONFLICT or cause_code(e) in ("404", "NoSuchKey"):
+                    self.lost = f"lease {self.store.url(self.key)} was taken by another process"
+                    log.error("safepoint: %s", self.lost)
+                    return
+                log.warning("safepoint: lease heartbeat failed: %s", e)
+
+    def check(self) -> None:
+        if self.lost:
+            raise LeaseError(self.lost)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        try:
+            holder, _, _ = self._read()
+            if holder is not None and holder.get("token") == self.token:
+                self.store.delete([self.key])
+        except (UploadError, OSError) as e:
+            log.warning("safepoint: could not release %s: %s", self.store.url(self.key), e)

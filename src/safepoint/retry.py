@@ -1,0 +1,188 @@
+"""retry: which store errors are worth retrying, backoff with jitter, and the transfer settings.
+
+Every request (a whole file on a generic store, a part on S3) is retried on transient errors (throttling,
+5xx, timeouts, connection resets) with exponential backoff and jitter; after the last attempt an
+``UploadError`` names what failed, the number of attempts and the last error. Errors that retrying cannot
+fix (access denied, no such bucket, a local file that no longer matches its manifest) fail at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from safepoint.errors import SaveError
+
+log = logging.getLogger("safepoint")
+T = TypeVar("T")
+MiB = 1024 * 1024
+
+# Error codes S3 and S3-compatible stores use for "try again" (throttling, overload, internal trouble).
+# BadDigest: the body arrived altered in transit; resending fixes it.
+_RETRY_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "TooManyRequestsException",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "InternalError",
+        "ServiceUnavailable",
+        "BadDigest",
+        "XAmzContentSHA256Mismatch",
+        "OperationAborted",
+    }
+)
+# Exception classes (by name, so no client library is imported here) that mean the connection failed.
+_TRANSIENT_CLASSES = frozenset(
+    {
+        "HTTPClientError",  # botocore: EndpointConnectionError, ConnectionClosedError, ReadTimeoutError ...
+        "ClientConnectionError",  # aiohttp: ServerDisconnectedError, ClientOSError ...
+        "ClientPayloadError",
+        "ServerTimeoutError",
+        "IncompleteRead",
+        "ResponseStreamingError",
+        "FSTimeoutError",
+    }
+)
+_TRANSIENT_ERRNOS = frozenset(
+    {errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE, errno.EBUSY}
+    | {errno.EAGAIN, errno.EREMOTEIO}
+)
+
+
+class UploadError(SaveError):
+    """Copying a checkpoint to (or from) the durable tier failed; nothing was committed there."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class TransferConfig:
+    """How files move between tiers."""
+
+    concurrency: int = 10
+    """Requests in flight at once per process (parts of big files and small files alike)."""
+    part_size: int = 8 * MiB
+    """Files above this go up as multipart uploads of parts this big (S3 needs at least 5 MiB)."""
+    attempts: int = 5
+    """Tries per request before giving up (1 = no retries)."""
+    backoff_s: float = 0.25
+    """Delay before the first retry; doubles with every further attempt (with jitter)."""
+    max_backoff_s: float = 10.0
+    full_object_checksum: bool = True
+    """S3 multipart uploads carry a CRC32C of the whole object, which S3 checks and keeps (verifying later
+    needs no download). False: S3's per-part "composite" checksum, for S3-compatible stores that lack
+    full-object checksums; parts are still checked, but verifying a stored object then reads it."""
+    background: bool = False
+    """Run the transfer threads at a lower CPU priority (tiering's uploads yield to the training loop)."""
+
+    def __post_init__(self) -> None:
+        for name in ("concurrency", "part_size", "attempts"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.part_size < 5 * MiB:
+            raise ValueError(f"part_size must be at least 5 MiB (S3's minimum part), got {self.part_size}")
+        if self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
+            raise ValueError("need 0 <= backoff_s <= max_backoff_s")
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt number ``attempt`` (1-based): half fixed, half random.
+
+        The random half spreads the retries of many ranks hitting the same throttled prefix.
+        """
+        cap = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
+        return float(cap / 2 + random.uniform(0, cap / 2))
+
+
+def lower_priority(nice: int = 10) -> None:
+    """Make the calling thread yield the CPU to the training loop when both want it.
+
+    Linux keeps a nice value per thread; raising it needs no privilege. Elsewhere this does nothing.
+    """
+    with contextlib.suppress(AttributeError, OSError):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether retrying may help: throttling, 5xx, timeouts, resets (looked for along the cause chain)."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if _transient_one(cur):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+def _transient_one(e: BaseException) -> bool:
+    if isinstance(e, UploadError):
+        return False
+    resp = getattr(e, "response", None)
+    if isinstance(resp, dict) and isinstance(resp.get("Error"), dict):  # botocore ClientError
+        code = str(resp["Error"].get("Code", ""))
+        status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        return code in _RETRY_CODES or status in (408, 429) or status >= 500
+    if isinstance(e, (TimeoutError, ConnectionError)):
+        return True
+    if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
+        return True
+    return any(c.__name__ in _TRANSIENT_CLASSES for c in type(e).__mro__)
+
+
+def describe(e: BaseException) -> str:
+    resp = getattr(e, "response", None)
+    if isinstance(resp, dict) and isinstance(resp.get("Error"), dict):
+        status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return f"{resp['Error'].get('Code')} (HTTP {status}): {resp['Error'].get('Message', '')}".strip()
+    return f"{type(e).__name__}: {e}"
+
+
+def next_delay(what: str, e: Exception, attempt: int, cfg: TransferConfig) -> float:
+    """After failed attempt ``attempt``: the pause before the next one, or the UploadError to raise."""
+    if isinstance(e, UploadError):
+        raise e
+    if not is_transient(e):
+        raise UploadError(f"{what} failed: {describe(e)} (not retried: not a transient error)") from e
+    if attempt >= cfg.attempts:
+        raise UploadError(f"{what} failed after {attempt} attempts; last error: {describe(e)}") from e
+    pause = cfg.delay(attempt)
+    log.warning(
+        "safepoint: %s: %s; retry %d of %d in %.2fs", what, describe(e), attempt, cfg.attempts - 1, pause
+    )
+    return pause
+
+
+def retry(what: str, fn: Callable[[], T], cfg: TransferConfig) -> T:
+    """Run ``fn``; retry transient failures with backoff; raise UploadError naming ``what`` at the end."""
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return fn()
+        except Exception as e:
+            time.sleep(next_delay(what, e, attempt, cfg))
+
+
+def cause_code(e: BaseException) -> str | None:
+    """The store's error code (``NoSuchKey``, ``404`` ...) somewhere along the cause chain, if any."""
+    cur: BaseException | None = e
+    for _ in range(8):
+        if cur is None:
+            return None
+        resp = getattr(cur, "response", None)
+        if isinstance(resp, dict) and isinstance(resp.get("Error"), dict):
+            return str(resp["Error"].get("Code", ""))
+        cur = cur.__cause__
+    return None

@@ -1,0 +1,163 @@
+"""A torchrun worker for tests/test_preemption.py: small DDP jobs that get preempted or SIGKILLed.
+
+    python -m torch.distributed.run --standalone --nproc-per-node=N [--max-restarts=R] worker.py PLAN.json
+
+PLAN.json: {"out": DIR, "jobs": [JOB, ...]}. Jobs run in order; a job finished in an earlier attempt
+(``DIR/<name>.done``) is skipped, so a torchrun restart resumes the interrupted job. A JOB:
+
+    name, root, steps        the run: DDP model with dropout, data drawn from every RNG
+    save_every               periodic saves every N steps (null: none; only the emergency save)
+    preempt                  install SIGTERM/SIGUSR1 handlers (preemption_signals)
+    ready_after              after this many steps past the restored one, write DIR/<name>.ready.rank<R>
+                             (this rank's pid) and go on training slowly (step_sleep_s) until signalled
+    kills                    [{attempt, rank, step}]: that rank SIGKILLs itself after that step
+                             (before maybe_save), in that torchrun attempt only
+    vanish                   {attempt, step}: in that attempt rank 0 sends itself SIGUSR1 after that step,
+                             and rank 1 SIGKILLs itself when it reads a manifest to plan the emergency
+                             save (found with a CPython audit hook): a peer gone inside a collective
+
+Signals come from the test, for real. Everything the test checks is written under DIR: JSON lines per rank
+(``log.rank<R>.jsonl``) and the final full state (``<name>.final.pt``, rank 0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+
+import safepoint
+
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+_VANISH: dict[str, str] = {}  # {"root": ...} once armed
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    if event == "open" and _VANISH and isinstance(args[0], str):
+        path = args[0]
+        if path.startswith(_VANISH["root"]) and path.endswith("safepoint.json"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Log:
+    def __init__(self, out: Path, rank: int) -> None:
+        self.path = out / f"log.rank{rank}.jsonl"
+
+    def __call__(self, job: str, event: str, **fields: Any) -> None:
+        with open(self.path, "a") as f:
+            record = {"job": job, "event": event, "attempt": ATTEMPT, "t": time.time(), **fields}
+            f.write(json.dumps(record) + "\n")
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def train_job(job: dict[str, Any], out: Path, log: Log) -> None:
+    name, rank = job["name"], dist.get_rank()
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = nn.parallel.DistributedDataParallel(
+        nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+    seed_all(1000 + rank)  # every rank its own dropout and data stream
+    state = safepoint.TrainState(model=model, optimizer=opt, scheduler=sched, extra={"seen": 0})
+    signals = (signal.SIGTERM, signal.SIGUSR1) if job.get("preempt") else None
+    with safepoint.CheckpointManager(
+        job["root"],
+        save_every_steps=job.get("save_every"),
+        preemption_signals=signals,
+        collective_timeout_s=30,
+    ) as mgr:
+        step = mgr.restore(state)
+        log(name, "restored", step=step, committed=[c.step for c in mgr.list()])
+        start = step
+        vanish = job.get("vanish") or {}
+        vanishing = vanish.get("attempt") == ATTEMPT
+        noticed = 0.0
+        while step < job["steps"]:
+            x = torch.randn(4, 8) + float(np.random.rand()) + random.random()
+            y = torch.randn(4, 2)
+            loss = ((model(x) - y) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            step += 1
+            for kill in job.get("kills", []):
+                if (kill["attempt"], kill["rank"], kill["step"]) == (ATTEMPT, rank, step):
+                    log(name, "killing", step=step)
+                    os.kill(os.getpid(), signal.SIGKILL)
+            if vanishing and step == vanish.get("step"):
+                if rank == 0:
+                    os.kill(os.getpid(), signal.SIGUSR1)
+                    noticed = time.monotonic()
+                else:
+                    _VANISH["root"] = job["root"]
+            if vanishing:
+                time.sleep(0.05)  # steps slow enough that the ranks compare flags every few steps
+            if "ready_after" in job and step - start >= job["ready_after"]:
+                ready = out / f"{name}.ready.rank{rank}"
+                if not ready.exists():
+                    ready.write_text(str(os.getpid()))
+                time.sleep(job.get("step_sleep_s", 0.02))
+            try:
+                mgr.maybe_save(step, state)
+            except safepoint.Preempted as e:
+                log(name, "preempted", step=e.step, saved=e.saved_step, code=e.code, reason=e.reason)
+                raise
+            except safepoint.CheckpointError as e:
+                since = time.monotonic() - noticed if vanishing and rank == 0 else None
+                log(name, "collective_failed", step=step, error=type(e).__name__, msg=str(e), since=since)
+                raise
+    opts = StateDictOptions(full_state_dict=True)
+    full = {
+        "model": get_model_state_dict(model, options=opts),
+        "optim": get_optimizer_state_dict(model, opt, options=opts),
+    }
+    if rank == 0:
+        torch.save(full, out / f"{name}.final.pt")
+    log(name, "finished", step=step)
+
+
+def main() -> None:
+    plan = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(plan["out"])
+    # Keys the store by torchrun attempt: without it restarted workers can read the dead attempt's gloo
+    # addresses and hang or fail to connect (see safepoint.init_process_group).
+    safepoint.init_process_group("gloo", timeout_s=60)
+    sys.addaudithook(_audit)
+    rank = dist.get_rank()
+    log = Log(out, rank)
+    for job in plan["jobs"]:
+        done = out / f"{job['name']}.done"
+        if done.exists():
+            continue
+        train_job(job, out, log)
+        dist.barrier()
+        if rank == 0:
+            done.touch()
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""ENOSPC and EIO injected at each operation of a save (tests/torture/faults.py), sync and async.
+
+A clean run of the workload (baseline steps 1, 2; save 3, replace 3, save 4, then one more save; keep_last=2)
+counts its operations; then one child per (operation, errno) fails exactly that operation. ENOSPC is
+sticky (a full disk stays full: every later open/write/mkdir fails too until the save has failed and
+space is freed); a failed write first writes half its bytes. Invariants, per fault:
+
+- the process neither dies nor hangs, and the error is a ``SaveError`` naming the cause;
+- a save that raised changed nothing that is listed (nothing committed, older checkpoints intact) and
+  left nothing of itself in .pending; a save that returned is listed; a fault before the commit point
+  always raises;
+- training continues: every later save succeeds (retention left behind is retried);
+- in this (never patched) process, the final tree verifies, lists what the child last listed, and
+  restores the newest save exactly.
+
+The default run fails every non-write operation and the first and last write of each file, with ENOSPC
+for open/write/mkdir and EIO for the rest, in the first save (sync and async) and from the commit point
+of the replacement on (sync). ``-m slow`` fails every operation of the first save with both errnos, and every other
+operation position of all saves, sync, async and with two writer threads.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.torture import checks, durable, scenarios
+from tests.torture.harness import Zygote, shared_zygote
+
+SHORT = scenarios.PLAN[:2]
+WRITE_KINDS = ("open", "write", "mkdir")
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory: pytest.TempPathFactory) -> Zygote:
+    return shared_zygote(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture(scope="module")
+def scratch() -> Iterator[Path]:
+    with checks.fast_dir("faults") as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def template(scratch: Path) -> Path:
+    path = scratch / "template"
+    scenarios.make_baseline(path / "ckpt")
+    return path
+
+
+Windows = list[tuple[checks.Save, int, int, int | None]]
+
+
+def targets(saves: int, *, full_first: bool = False, both: bool = False, light: bool = False) -> Any:
+    """Pick (op, errno) pairs inside the first ``saves`` saves.
+
+    Default: one errno per operation (ENOSPC for open/write/mkdir, EIO otherwise), writes reduced to the
+    first and last of each file. ``both``: ENOSPC too for fsyncs and EIO for writes. ``full_first``: every
+    operation of the first save, with both errnos. ``light``: in saves after the first, only the
+    operations from the commit point on.
+    """
+
+    def pick(ops: list[dict[str, Any]], windows: Windows) -> list[tuple[int, int]]:
+        kind = {op["i"]: op["op"] for op in ops}
+        out: list[tuple[int, int]] = []
+        for n, (_, first, last, commit) in enumerate(windows[:saves]):
+            ks = list(range(commit if light and n and commit else first, last + 1))
+            every = full_first and n == 0
+            if not every:
+                ks = checks.reduce_writes(ops, ks)
+            for k in ks:
+                if kind[k] in WRITE_KINDS:
+                    out.append((k, errno.ENOSPC))
+                    if every or both:
+                        out.append((k, errno.EIO))
+                else:
+                    out.append((k, errno.EIO))
+                    if (every or both) and kind[k] == "fsync":
+                        out.append((k, errno.ENOSPC))
+        return out
+
+    return pick
+
+
+def _run(
+    zygote: Zygote, scratch: Path, template: Path, name: str, pick: Any, **kw: Any
+) -> checks.FaultResult:
+    base = scratch / name
+    base.mkdir()
+    r = checks.fault_campaign(zygote, base, template, pick, **kw)
+    checks.record_figures(
+        f"faults-{name}", injected=r.injected, failed_saves=r.failed_saves, violations=len(r.violations)
+    )
+    return r
+
+
+def _without(r: checks.FaultResult, *tags: str) -> list[str]:
+    return [v for v in r.violations if not any(f"[{t}]" in v for t in tags)]
+
+
+# The commit point is the rename into ROOT. A later failure (the fsync of ROOT or of .pending that
+# follows it) is reported as "not committed" while the new checkpoint is already listed -- see the xfail.
+LIE = "lie"
+# A failure in the middle of torch.save's writes reaches the user as torch's "unexpected pos" RuntimeError,
+# the OSError only in its __context__ -- see the xfail.
+CAUSE = "cause"
+
+
+@pytest.fixture(scope="module")
+def sync_faults(zygote: Zygote, scratch: Path, template: Path) -> checks.FaultResult:
+    return _run(zygote, scratch, template, "sync", targets(2, light=True), plan=SHORT)
+
+
+def test_enospc_and_eio_at_each_operation_sync(sync_faults: checks.FaultResult) -> None:
+    assert sync_faults.injected >= 25, sync_faults.injected
+    assert sync_faults.failed_saves >= 15
+    assert _without(sync_faults, LIE) == []
+
+
+def test_no_save_error_for_a_committed_checkpoint(sync_faults: checks.FaultResult) -> None:
+    assert [v for v in sync_faults.violations if f"[{LIE}]" in v] == []
+
+
+def test_the_save_error_names_a_full_disk_mid_tensor(zygote: Zygote, scratch: Path, template: Path) -> None:
+    def pick(ops: list[dict[str, Any]], windows: Windows) -> list[tuple[int, int]]:
+        _, first, last, _ = windows[0]
+        data = [
+            op["i"]
+            for op in ops
+            if first <= op["i"] <= last and op["op"] == "write" and op["path"].endswith(".distcp")
+        ]
+        # Writes 12-15 of the data file fall inside torch.save's records (the first ones carry the small
+        # non-tensor items, which fail with a clear OSError).
+        return [(k, err) for k in data[12:16] for err in (errno.ENOSPC, errno.EIO)]
+
+    r = _run(zygote, scratch, template, "mid-tensor", pick, plan=SHORT[:1])
+    assert r.injected == 8 and r.failed_saves == 8
+    assert r.violations == []
+
+
+def test_enospc_and_eio_at_each_operation_async(zygote: Zygote, scratch: Path, template: Path) -> None:
+    r = _run(zygote, scratch, template, "async", targets(1), plan=SHORT, async_save=True)
+    assert r.injected >= 20 and r.failed_saves >= 15
+    assert _without(r, LIE) == []
+
+
+def _async_next_call(
+    zygote: Zygote, scratch: Path, template: Path, pick: Any
+) -> list[tuple[str, dict[str, Any]]]:
+    base = scratch / "next-call"
+    base.mkdir()
+    counted = checks.new_case(base, "count", template)
+    cmd = checks.workload_cmd(counted, {"mode": "count"}, scenario="async_next_call")
+    assert zygote.run(cmd) == 0, zygote.log_tail()
+    ops = durable.read(counted.journal).ops
+    results = []
+    for label, k, err in pick(ops):
+        case = checks.new_case(base, f"k{k}", template)
+        fault = {"mode": "fail", "at": k, "err": err}
+        assert zygote.run(checks.workload_cmd(case, fault, scenario="async_next_call")) == 0, (
+            zygote.log_tail()
+        )
+        out = json.loads(case.out.read_text())
+        problems = checks.check_tree(case.root, checks.Expect({2: 20, 4: 40}, None, [], set(), []), "kill")
+        results.append((label, {**out, "problems": problems}))
+    return results
+
+
+def test_async_failure_surfaces_on_the_next_save_and_training_continues(
+    zygote: Zygote, scratch: Path, template: Path
+) -> None:
+    def pick(ops: list[dict[str, Any]]) -> list[tuple[str, int, int]]:
+        step3 = [op for op in ops if "/.pending/step-3-" in op["path"]]
+        first_write = next(op["i"] for op in step3 if op["op"] == "write" and op["path"].endswith(".distcp"))
+        data_fsync = next(op["i"] for op in step3 if op["op"] == "fsync" and op["path"].endswith(".distcp"))
+        manifest = next(
+            op["i"] for op in step3 if op["op"] == "fsync" and op["path"].endswith("safepoint.json")
+        )
+        commit = next(op["i"] for op in step3 if op["op"] == "rename" and op["dst"].endswith("/step-3"))
+        return [
+            ("ENOSPC writing data", first_write, errno.ENOSPC),
+            ("EIO on the data fsync", data_fsync, errno.EIO),
+            ("EIO on the manifest fsync", manifest, errno.EIO),
+            ("EIO on the commit rename", commit, errno.EIO),
+        ]
+
+    for label, out in _async_next_call(zygote, scratch, template, pick):
+        assert out["ok"], (label, out)
+        # save(4) waited for step 3's writer, raised its failure, and the retry of save(4) was accepted.
+        assert out["second"].startswith("SaveError: ") and "step 3" in out["second"], (label, out)
+        assert out["wait"] == "ok" and out["listed"] == [2, 4], (label, out)
+        assert out["problems"] == [], (label, out)
+
+
+def test_writer_thread_failure_fails_the_save(zygote: Zygote, scratch: Path, template: Path) -> None:
+    """Two writer threads; the first write of the file DCP's extra thread writes fails."""
+    base = scratch / "extra-thread"
+    base.mkdir()
+    problems = []
+    for err in (errno.ENOSPC, errno.EIO):
+        case = checks.new_case(base, f"e{err}", template)
+        fault = {"mode": "fail", "in_thread": True, "err": err}
+        cmd = checks.workload_cmd(case, fault, plan=[(3, 30)], writer_threads=2)
+        assert zygote.run(cmd) == 0, zygote.log_tail()
+        assert any(ev["ev"] == "fail" for ev in durable.read(case.journal).events), "no fault injected"
+        first = json.loads(case.out.read_text())["outcomes"][0]
+        if first["ok"]:
+            problems.append(f"{checks.ERRNO_NAMES[err]} in the extra writer thread: save() returned")
+        exp = checks.Expect({2: 20, 3: 30} if first["ok"] else {1: 10, 2: 20}, None, [], set(), [])
+        problems += checks.check_tree(case.root, exp, "kill")
+    assert problems == []
+
+
+# ---- slow --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_enospc_and_eio_at_every_operation_sync_full(zygote: Zygote, scratch: Path, template: Path) -> None:
+    r = _run(zygote, scratch, template, "sync-full", targets(3, full_first=True), plan=scenarios.PLAN)
+    assert r.injected >= 300
+    assert _without(r, LIE, CAUSE) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_enospc_and_eio_async_full(zygote: Zygote, scratch: Path, template: Path) -> None:
+    r = _run(
+        zygote, scratch, template, "async-full", targets(3, both=True), plan=scenarios.PLAN, async_save=True
+    )
+    assert r.injected >= 100
+    assert _without(r, LIE) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_enospc_and_eio_two_writer_threads(zygote: Zygote, scratch: Path, template: Path) -> None:
+    """Everything but the known writer-thread bug (and what follows from it) holds with two threads."""
+    r = _run(zygote, scratch, template, "two-threads-full", targets(3), plan=scenarios.PLAN, writer_threads=2)
+    assert r.injected >= 80
+    assert _without(r, LIE, "swallowed", CAUSE) == []
+
+
+# Each mutation removes one guarantee inside the child; the fault campaign must notice.
+MUTATIONS = {"no_failed_cleanup": "pending", "swallow_write_errors": "swallowed"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mutation", sorted(MUTATIONS))
+def test_the_fault_campaign_catches_each_mutation(
+    zygote: Zygote, scratch: Path, template: Path, mutation: str
+) -> None:
+    r = _run(zygote, scratch, template, f"mutant-{mutation}", targets(1), plan=SHORT[:1], patches=[mutation])
+    assert any(f"[{MUTATIONS[mutation]}]" in v for v in r.violations), (
+        f"the campaign did not notice {mutation}"
+    )

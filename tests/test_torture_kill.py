@@ -1,0 +1,86 @@
+"""Random SIGKILL campaigns against real training, with the exactness check at the end.
+
+Single process (tests/torture/kills.py): a real training loop (dropout, every RNG in play) saving every
+step with retention; killed at random moments aimed from its own begin/end-of-save lines. After each kill
+this process restores and compares the state bitwise with an uninterrupted run at that step; at the end
+a child resumes and trains to the last step, matching the uninterrupted run at every step.
+(tests/test_crash.py has the campaign on step-filled tensors -- 20 kills, 200 with -m slow; this one adds
+real training and bitwise exactness.)
+
+Two ranks: ``torch.distributed.run --standalone --nproc-per-node=2`` (gloo, CPU) with --max-restarts; a
+random rank is SIGKILLed at a random moment and torchrun restarts both. Every attempt must resume the
+newest committed step (never older than a save both ranks finished), and the final model, optimizer, RNG
+draws and data position must equal an uninterrupted run's, bitwise.
+
+Default: 8 single-process kills, 2 two-rank kills. ``-m slow``: 200 and 20.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.torture import checks, kills
+from tests.torture.harness import Zygote, shared_zygote
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory: pytest.TempPathFactory) -> Zygote:
+    return shared_zygote(tmp_path_factory.getbasetemp())
+
+
+def _single(zygote: Zygote, tmp_path: Path, n: int, seed: int) -> kills.KillResult:
+    total = 3 * n + 10
+    ref = kills.reference(zygote, tmp_path / "ref", total, tmp_path / "ref.pt")
+    r = kills.single_process_campaign(zygote, tmp_path / "ckpt", ref, n, seed, tmp_path / "final.pt")
+    checks.record_figures(
+        f"kill-single-{n}",
+        kills=r.kills,
+        restores=r.restores,
+        lost=r.lost,
+        corrupt=r.corrupt,
+        violations=len(r.violations),
+    )
+    assert r.violations == []
+    assert r.kills == n and r.lost == 0 and r.corrupt == 0
+    assert r.restored_steps == sorted(r.restored_steps) and r.restored_steps[-1] > 0
+    return r
+
+
+def test_sigkill_real_training_is_exact(zygote: Zygote, tmp_path: Path) -> None:
+    _single(zygote, tmp_path, 8, seed=3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_sigkill_real_training_200_times(zygote: Zygote, tmp_path: Path) -> None:
+    _single(zygote, tmp_path, 200, seed=4)
+
+
+def _two_ranks(tmp_path: Path, n: int, seed: int, timeout: float) -> kills.DistResult:
+    r = kills.dist_campaign(tmp_path / "dist", kills=n, seed=seed, steps=8 * n + 12, timeout=timeout)
+    checks.record_figures(
+        f"kill-2rank-{n}",
+        kills=r.kills,
+        attempts=r.attempts,
+        unplanned_restarts=r.unplanned_restarts,
+        lost=r.lost,
+        seconds=round(r.seconds, 1),
+        violations=len(r.violations),
+    )
+    assert r.violations == []
+    assert r.kills == n and r.lost == 0
+    assert r.attempts >= n + 1
+    return r
+
+
+@pytest.mark.timeout(300)
+def test_two_rank_sigkill_and_torchrun_restart_are_exact(tmp_path: Path) -> None:
+    _two_ranks(tmp_path, 2, seed=5, timeout=240)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_two_rank_sigkill_20_times(tmp_path: Path) -> None:
+    _two_ranks(tmp_path, 20, seed=6, timeout=1100)

@@ -1,0 +1,9 @@
+"""The crash-consistency and fault torture suite's harness (test-only; not shipped).
+
+- ``faults``: a fault-injecting layer under every storage operation of a child process (safepoint's and
+  DCP's own): crash at the k-th operation (a real SIGKILL), or fail it with ENOSPC/EIO; it journals what
+  was made durable (fsync) so the parent can roll back what was not.
+- ``durable``: in the parent, rebuild the tree a power loss could leave from that journal.
+- ``zygote`` / ``scenarios``: a clean process that imports torch once and forks one child per case.
+- ``checks``: the invariants, checked in the parent (which never had the patches).
+"""

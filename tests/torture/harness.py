@@ -1,0 +1,134 @@
+"""Parent side: drive the zygote, with a timeout on every child (a hang is a failure, not a stuck suite)."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent.parent
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}")
+
+
+class ChildHung(AssertionError):
+    pass
+
+
+class Zygote:
+    def __init__(self, log: Path) -> None:
+        self.log = log
+        self._err = open(log, "ab")  # noqa: SIM115 - lives as long as the zygote
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.torture.zygote"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            cwd=REPO,
+            env=ENV,
+        )
+        self._buf = b""
+        self.pid: int | None = None
+        self.running = False
+
+    def _readline(self, deadline: float) -> dict[str, Any] | None:
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            ready, _, _ = select.select([fd], [], [], left)
+            if ready:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    raise AssertionError(f"the zygote died; its log:\n{self.log_tail()}")
+                self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        out: dict[str, Any] = json.loads(line)
+        return out
+
+    def start(self, cmd: dict[str, Any], timeout: float = 60.0) -> int:
+        assert self.proc.stdin is not None
+        if self.running:  # a previous caller failed between start() and wait(): end that child first
+            assert self.pid is not None
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            with contextlib.suppress(ChildHung):
+                self.wait(60)
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        self.proc.stdin.flush()
+        msg = self._readline(time.monotonic() + timeout)
+        assert msg is not None and "pid" in msg, msg
+        self.pid = int(msg["pid"])
+        self.running = True
+        return self.pid
+
+    def messages(self, timeout: float) -> Iterator[dict[str, Any]]:
+        """The child's JSON lines, then its {"status": ...}; kills the child (ChildHung) past ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = self._readline(deadline)
+            if msg is None:
+                assert self.pid is not None
+                os.kill(self.pid, signal.SIGKILL)
+                while msg is None or "status" not in msg:
+                    msg = self._readline(time.monotonic() + 30)
+                self.running = False
+                raise ChildHung(f"child {self.pid} hung for {timeout}s and was killed")
+            if "status" in msg:
+                self.running = False
+            yield msg
+            if "status" in msg:
+                return
+
+    def wait(self, timeout: float = 120.0) -> int:
+        """The child's exit code (negative: killed by that signal)."""
+        status = None
+        for msg in self.messages(timeout):
+            status = msg.get("status")
+        assert status is not None
+        return os.waitstatus_to_exitcode(status)
+
+    def run(self, cmd: dict[str, Any], timeout: float = 120.0) -> int:
+        self.start(cmd)
+        return self.wait(timeout)
+
+    def log_tail(self, n: int = 4000) -> str:
+        self._err.flush()
+        return self.log.read_bytes()[-n:].decode(errors="replace")
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        finally:
+            self.proc.stdout.close()
+            self._err.close()
+
+    def __enter__(self) -> Zygote:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_shared: Zygote | None = None
+
+
+def shared_zygote(log_dir: Path) -> Zygote:
+    """One zygote for every torture test module in this pytest process (its start costs seconds)."""
+    global _shared
+    if _shared is None or _shared.proc.poll() is not None:
+        _shared = Zygote(log_dir / "zygote.log")
+        atexit.register(_shared.close)
+    return _shared

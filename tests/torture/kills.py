@@ -1,0 +1,321 @@
+"""Random SIGKILL campaigns against real training processes, with exactness checks.
+
+Single process: training children forked by the zygote (scenarios.train), killed at random moments
+(aimed from their own begin/end-of-save lines); after every kill this process restores and compares the
+state bitwise with an uninterrupted run at that step; at the end a child trains to the last step and
+every step it trained matches the uninterrupted run.
+
+Two ranks: one torchrun launch (dist_train.py) with ``--max-restarts``; a random rank is SIGKILLed at a
+random moment, torchrun restarts both, they resume. Everything is checked from the ranks' logs after the
+launch, and the final model and optimizer are compared bitwise with an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import safepoint
+from safepoint.layout import Layout
+from tests._train import Setup, assert_bitwise_equal
+from tests.torture.harness import ENV, REPO, Zygote
+
+
+@dataclasses.dataclass
+class KillResult:
+    kills: int = 0
+    restores: int = 0  # restores checked bitwise against the uninterrupted run
+    lost: int = 0  # committed checkpoints lost (must stay 0)
+    corrupt: int = 0  # restores that loaded a state differing from that step's (must stay 0)
+    restored_steps: list[int] = dataclasses.field(default_factory=list)
+    violations: list[str] = dataclasses.field(default_factory=list)
+
+
+def reference(zygote: Zygote, root: Path, total: int, out: Path) -> dict[int, dict[str, torch.Tensor]]:
+    """An uninterrupted run: the state after every step."""
+    code = zygote.run(
+        {"scenario": "train", "args": {"root": str(root), "total": total, "snapshots": str(out)}}, timeout=300
+    )
+    assert code == 0, zygote.log_tail()
+    ref: dict[int, dict[str, torch.Tensor]] = torch.load(out, weights_only=True)
+    return ref
+
+
+def _restore_here(root: Path) -> tuple[int, dict[str, torch.Tensor], list[int], list[str]]:
+    s = Setup(seed=9)
+    with safepoint.CheckpointManager(root) as mgr:
+        listed = [c.step for c in mgr.list()]
+        step = mgr.restore(s.state(rng=False))
+    leftovers = sorted(p.name for p in (root / ".pending").iterdir())
+    return step, s.snapshot(), listed, leftovers
+
+
+def single_process_campaign(
+    zygote: Zygote,
+    root: Path,
+    ref: dict[int, dict[str, torch.Tensor]],
+    kills: int,
+    seed: int,
+    snapshots: Path,
+) -> KillResult:
+    rng = random.Random(seed)
+    total = max(ref)
+    result = KillResult()
+    committed = 0  # the newest step whose save returned before the last kill
+    while result.kills < kills:
+        pid = zygote.start({"scenario": "train", "args": {"root": str(root), "total": total}})
+        target, ends, durations, began = rng.randint(1, 3), 0, [], time.monotonic()
+        finished = False
+        for msg in zygote.messages(timeout=120):
+            ev = msg.get("ev")
+            if ev == "restored" and msg["step"] < committed:
+                result.violations.append(
+                    f"a child restored step {msg['step']} after {committed} was committed"
+                )
+            elif ev == "begin":
+                began = time.monotonic()
+            elif ev == "end":
+                durations.append(time.monotonic() - began)
+                committed = msg["step"]
+                ends += 1
+                if ends >= target:
+                    break
+            elif "status" in msg:
+                finished = True
+                break
+        if finished:
+            break  # trained to the end before the kill budget was spent
+        typical = sorted(durations)[len(durations) // 2] if durations else 0.05
+        time.sleep(rng.uniform(0, typical * 1.2))
+        os.kill(pid, signal.SIGKILL)
+        for msg in zygote.messages(timeout=60):
+            if msg.get("ev") == "end":
+                committed = msg["step"]  # finished before the signal landed
+        result.kills += 1
+        step, snap, listed, leftovers = _restore_here(root)
+        result.restores += 1
+        result.restored_steps.append(step)
+        if step < committed:
+            result.lost += 1
+            result.violations.append(
+                f"kill {result.kills}: restored step {step}, but {committed} was committed"
+            )
+        if listed and step != listed[-1]:
+            result.violations.append(
+                f"kill {result.kills}: restored {step}, not the newest listed {listed[-1]}"
+            )
+        if leftovers:
+            result.violations.append(f"kill {result.kills}: .pending not cleaned: {leftovers}")
+        if step:
+            try:
+                assert_bitwise_equal(ref[step], snap)
+            except AssertionError as e:
+                result.corrupt += 1
+                result.violations.append(f"kill {result.kills}: step {step} restored a different state: {e}")
+        committed = max(committed, step)
+    # The exactness check: resume once more and train to the end; every step matches the uninterrupted run.
+    code = zygote.run(
+        {"scenario": "train", "args": {"root": str(root), "total": total, "snapshots": str(snapshots)}},
+        timeout=300,
+    )
+    if code != 0:
+        result.violations.append(f"the final run exited {code}")
+        return result
+    trained: dict[int, dict[str, torch.Tensor]] = torch.load(snapshots, weights_only=True)
+    if total not in trained and result.restored_steps and result.restored_steps[-1] != total:
+        result.violations.append("the final run did not reach the last step")
+    for step, snap in trained.items():
+        try:
+            assert_bitwise_equal(ref[step], snap)
+        except AssertionError as e:
+            result.violations.append(f"after the kills, step {step} differs from the uninterrupted run: {e}")
+            break
+    return result
+
+
+# ---- two ranks under torchrun -----------------------------------------------------------------------------
+
+WORKER = REPO / "tests" / "torture" / "dist_train.py"
+
+
+@dataclasses.dataclass
+class DistResult:
+    kills: int = 0
+    attempts: int = 0
+    unplanned_restarts: int = 0  # attempts that failed without a kill of ours (e.g. a gloo connect error)
+    lost: int = 0
+    violations: list[str] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+
+
+class _Tail:
+    """New JSON lines of the ranks' logs since the last call."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.offsets: dict[Path, int] = {}
+        self.partial: dict[Path, bytes] = {}
+
+    def poll(self) -> list[dict[str, Any]]:
+        events = []
+        for path in sorted(self.out.glob("log.rank*.jsonl")):
+            rank = int(path.stem.split("rank")[1])
+            with open(path, "rb") as f:
+                f.seek(self.offsets.get(path, 0))
+                data = self.partial.get(path, b"") + f.read()
+                self.offsets[path] = f.tell()
+            *lines, self.partial[path] = data.split(b"\n")
+            events += [{**json.loads(line), "rank": rank} for line in lines if line]
+        return events
+
+
+def events(out: Path) -> list[dict[str, Any]]:
+    return _Tail(out).poll()
+
+
+def dist_campaign(out: Path, kills: int, seed: int, steps: int, timeout: float) -> DistResult:
+    out.mkdir(parents=True, exist_ok=True)
+    plan = out / "plan.json"
+    plan.write_text(json.dumps({"out": str(out), "steps": steps, "jobs": ["ref", "run"]}))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        f"--max-restarts={kills + 5}",
+        "--monitor-interval=0.1",
+        str(WORKER),
+        str(plan),
+    ]
+    rng = random.Random(seed)
+    result = DistResult()
+    t0 = time.monotonic()
+    with open(out / "torchrun.log", "wb") as log:
+        proc = subprocess.Popen(cmd, env=ENV, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        tail = _Tail(out)
+        armed = False
+        attempt = floor = -1  # the armed attempt; the next one to arm must be newer than floor
+        starts: dict[int, dict[int, int]] = {}  # attempt -> rank -> pid
+        target = ends = 0
+        durations: list[float] = []
+        began = 0.0
+        try:
+            while proc.poll() is None:
+                if time.monotonic() - t0 > timeout:
+                    raise AssertionError(f"the 2-rank campaign ran past {timeout}s")
+                for ev in tail.poll():
+                    if ev["job"] != "run":
+                        continue
+                    if not armed and ev["event"] == "restored" and ev["attempt"] > floor:
+                        starts.setdefault(ev["attempt"], {})[ev["rank"]] = ev["pid"]
+                        if len(starts[ev["attempt"]]) == 2:  # both ranks resumed: aim the next kill
+                            armed, attempt = True, ev["attempt"]
+                            target, ends, durations = rng.randint(1, 3), 0, []
+                    elif armed and ev["attempt"] == attempt and ev["rank"] == 0 and ev["event"] == "begin":
+                        began = ev["t"]
+                    elif armed and ev["attempt"] == attempt and ev["rank"] == 0 and ev["event"] == "end":
+                        durations.append(ev["t"] - began)
+                        ends += 1
+                if armed and ends >= target and result.kills < kills:
+                    typical = sorted(durations)[len(durations) // 2] if durations else 0.05
+                    time.sleep(rng.uniform(0, typical * 1.2))
+                    victim = starts[attempt][rng.randrange(2)]
+                    try:
+                        os.kill(victim, signal.SIGKILL)
+                        result.kills += 1
+                    except ProcessLookupError:
+                        pass  # it had just finished
+                    armed, floor = False, attempt
+                time.sleep(0.005)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=60)
+    result.seconds = time.monotonic() - t0
+    if proc.returncode != 0:
+        result.violations.append(
+            f"torchrun exited {proc.returncode}: {(out / 'torchrun.log').read_text()[-3000:]}"
+        )
+        return result
+    _check_dist_logs(out, result)
+    return result
+
+
+def _check_dist_logs(out: Path, result: DistResult) -> None:
+    evs = events(out)
+    run = [e for e in evs if e["job"] == "run"]
+    attempts = sorted({e["attempt"] for e in run})
+    result.attempts = len(attempts)
+    result.unplanned_restarts = max(0, len(attempts) - 1 - result.kills)
+    previous_end = 0
+    previous_begin = 0
+    for a in attempts:
+        starts = {e["rank"]: e for e in run if e["attempt"] == a and e["event"] == "restored"}
+        if sorted(starts) != [0, 1]:
+            if a != attempts[-1] or starts:
+                result.violations.append(f"attempt {a}: restored on ranks {sorted(starts)} only")
+            continue
+        step = starts[0]["step"]
+        if starts[1]["step"] != step:
+            result.violations.append(
+                f"attempt {a}: ranks restored different steps {starts[0]['step']}, {starts[1]['step']}"
+            )
+        listed = starts[0]["listed"]
+        if listed and step != max(listed):
+            result.violations.append(
+                f"attempt {a}: restored {step}, not the newest listed {max(listed)} (corrupt?)"
+            )
+        if step < previous_end:
+            result.lost += 1
+            result.violations.append(
+                f"attempt {a}: restored {step}, but {previous_end} was committed before the kill"
+            )
+        if step > max(previous_begin, previous_end):
+            result.violations.append(
+                f"attempt {a}: restored {step}, never saved before (last began {previous_begin})"
+            )
+        mine = [e for e in run if e["attempt"] == a and e["rank"] == 0]
+        previous_end = max([e["step"] for e in mine if e["event"] == "end"], default=step)
+        previous_begin = max([e["step"] for e in mine if e["event"] == "begin"], default=step)
+    ref_final = torch.load(out / "ref.final.pt", weights_only=True)
+    run_final = torch.load(out / "run.final.pt", weights_only=True)
+    try:
+        _assert_bitwise(ref_final, run_final, "final")
+    except AssertionError as e:
+        result.violations.append(f"final state after the kills differs from the uninterrupted run: {e}")
+    for rank in (0, 1):
+        fin = {e["job"]: e for e in evs if e["event"] == "finished" and e["rank"] == rank}
+        if fin["ref"]["draw"] != fin["run"]["draw"] or fin["ref"]["seen"] != fin["run"]["seen"]:
+            result.violations.append(f"rank {rank}: RNG or data position differs from the uninterrupted run")
+    layout = Layout(out / "run" / "ckpt")
+    for s in layout.committed_steps():
+        layout.verify(s)
+    leftovers = list((out / "run" / "ckpt" / ".pending").iterdir())
+    if leftovers:
+        result.violations.append(f".pending not empty at the end: {leftovers}")
+
+
+def _assert_bitwise(a: Any, b: Any, where: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys differ"
+        for k in a:
+            _assert_bitwise(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_bitwise(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
