@@ -8,7 +8,7 @@ be exactly the baseline's and RSS must not have grown beyond allocator noise. Tw
 long-lived manager, and a manager opened and closed every cycle (lease thread, process group, staging
 buffers); sync and async.
 
-Default: 50 cycles (sync, one manager) and 25 (async, a manager per cycle); ``-m slow``: 500 each.
+Default: 50 cycles of each; ``-m slow``: 500.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def test_soak_sync_one_manager(zygote: Zygote) -> None:
 
 
 def test_soak_async_manager_per_cycle(zygote: Zygote) -> None:
-    _soak(zygote, 25, async_save=True, per_cycle_manager=True)
+    _soak(zygote, 50, async_save=True, per_cycle_manager=True)
 
 
 @pytest.mark.slow

@@ -258,14 +258,26 @@ class Layout:
         # the new one lands.
         parked = self.pending_root / f"{_REPLACED_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
         os.rename(final, parked)
-        os.rename(pending, final)
+        try:
+            os.rename(pending, final)
+        except OSError:
+            os.rename(parked, final)  # the old copy back in place before reporting "not committed"
+            raise
         try:
             fsync_dir(self.root)
         except OSError:
             os.rename(final, pending)
             os.rename(parked, final)
             raise
-        shutil.rmtree(parked, ignore_errors=True)
+        # The replacement is done: first make the parked copy unrecoverable (recovery puts back only
+        # "replaced-" copies), so a failed delete can never resurrect it later.
+        doomed = self.pending_root / f"{_DELETING_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(parked, doomed)
+        except OSError:
+            _remove_manifest_first(parked)
+            return
+        shutil.rmtree(doomed, ignore_errors=True)
 
     # ---- the seam SyncSaver/Restorer use (RemoteLayout has the same methods) ---------------------------
 
@@ -324,6 +336,16 @@ class Layout:
     def _pending_entries(self) -> Iterator[Path]:
         with contextlib.suppress(FileNotFoundError):
             yield from sorted(self.pending_root.iterdir())
+
+
+def _remove_manifest_first(path: Path) -> None:
+    """Delete a checkpoint directory so it never looks whole while half-deleted: the manifest goes first,
+    and if that fails the directory is left intact (recovery may then put back only complete copies)."""
+    try:
+        (path / MANIFEST_NAME).unlink(missing_ok=True)
+    except OSError:
+        return
+    shutil.rmtree(path, ignore_errors=True)
 
 
 _RENAME_EXCHANGE = 2

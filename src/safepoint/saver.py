@@ -25,9 +25,24 @@ def describe_exception(e: BaseException) -> str:
     if isinstance(e, CheckpointException):
         parts = []
         for rank, (exc, _tb) in sorted(e.failures.items()):
-            parts.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+            cause = _os_error_in_chain(exc)
+            parts.append(f"rank {rank}: {type(cause).__name__}: {cause}")
         return "; ".join(parts) or str(e)
-    return f"{type(e).__name__}: {e}"
+    cause = _os_error_in_chain(e)
+    return f"{type(cause).__name__}: {cause}"
+
+
+def _os_error_in_chain(e: BaseException) -> BaseException:
+    """torch's zip writer turns a failed write (ENOSPC, EIO) into "unexpected pos" RuntimeError and keeps the
+    OSError only as __context__: name the OSError, so a full disk is called a full disk."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, OSError):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return e
 
 
 class SyncSaver:

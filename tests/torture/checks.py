@@ -414,6 +414,7 @@ def fault_campaign(
     *,
     plan: list[Save],
     baseline: list[Save] = scenarios.BASELINE,
+    fault_extra: dict[str, Any] | None = None,
     **args: Any,
 ) -> FaultResult:
     """Count a clean run, then fail each (op, errno) that ``targets`` picks, one child per fault.
@@ -426,7 +427,10 @@ def fault_campaign(
     # A last save after the ones under test: retention left behind by a fault is retried there.
     plan = [*plan, (max(s for s, _ in plan) + 1, 99)]
     counted = new_case(base, "count", template)
-    assert run_workload(zygote, counted, {"mode": "count"}, plan=plan, **args) == 0, zygote.log_tail()
+    extra = fault_extra or {}
+    assert run_workload(zygote, counted, {"mode": "count", **extra}, plan=plan, **args) == 0, (
+        zygote.log_tail()
+    )
     clean = durable.read(counted.journal)
     windows = save_windows(clean)[:-1]
     by_i = {op["i"]: op for op in clean.ops}
@@ -483,7 +487,7 @@ def fault_campaign(
         for k, err in targets(clean.ops, windows):
             assert any(w[1] <= k <= w[2] for w in windows), f"op {k} is not inside a save under test"
             case = new_case(base, f"k{k}-{err}", template)
-            fault: dict[str, Any] = {"mode": "fail", "at": k, "err": err}
+            fault: dict[str, Any] = {"mode": "fail", "at": k, "err": err, **extra}
             if err == errno.ENOSPC:
                 fault["sticky"] = ("open", "write", "mkdir")  # a full disk stays full until space is freed
             yield workload_cmd(case, fault, plan=plan, **args), functools.partial(check, k, err, case)
