@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -102,15 +103,6 @@ def _run(
     return r
 
 
-def _without(r: checks.FaultResult, *tags: str) -> list[str]:
-    return [v for v in r.violations if not any(f"[{t}]" in v for t in tags)]
-
-
-# A failure inside torch.save's records reaches the user as torch's "unexpected pos" RuntimeError, the
-# OSError only in its __context__: tracked by the xfail below, left out of the other tests' checks.
-CAUSE = "cause"
-
-
 def test_enospc_and_eio_at_each_operation_sync(zygote: Zygote, scratch: Path, template: Path) -> None:
     """Including the fsyncs after the commit rename: an error there takes the new step back out of sight
     (or swaps the old one back) before raising "not committed". This found a bug, since fixed: the error
@@ -118,10 +110,12 @@ def test_enospc_and_eio_at_each_operation_sync(zygote: Zygote, scratch: Path, te
     puts it back)."""
     r = _run(zygote, scratch, template, "sync", targets(2, light=True), plan=SHORT)
     assert r.injected >= 25 and r.failed_saves >= 15, r
-    assert _without(r, CAUSE) == []
+    assert r.violations == []
 
 
-def test_the_save_error_names_a_full_disk_mid_tensor(zygote: Zygote, scratch: Path, template: Path) -> None:
+def _mid_tensor(
+    zygote: Zygote, scratch: Path, template: Path, name: str, patches: list[str]
+) -> checks.FaultResult:
     def pick(ops: list[dict[str, Any]], windows: Windows) -> list[tuple[int, int]]:
         _, first, last, _ = windows[0]
         data = [
@@ -130,10 +124,17 @@ def test_the_save_error_names_a_full_disk_mid_tensor(zygote: Zygote, scratch: Pa
             if first <= op["i"] <= last and op["op"] == "write" and op["path"].endswith(".distcp")
         ]
         # Writes 12-15 of the data file are inside torch.save's first tensor record (the writes before it
-        # carry the small non-tensor items, which fail with a clear OSError).
+        # carry the small non-tensor items).
         return [(k, err) for k in data[12:16] for err in (errno.ENOSPC, errno.EIO)]
 
-    r = _run(zygote, scratch, template, "mid-tensor", pick, plan=SHORT[:1])
+    return _run(zygote, scratch, template, name, pick, plan=SHORT[:1], patches=patches)
+
+
+def test_the_save_error_names_a_full_disk_mid_tensor(zygote: Zygote, scratch: Path, template: Path) -> None:
+    """ENOSPC/EIO inside a tensor's record: torch's zip writer raises "unexpected pos" with the OSError as
+    its __context__. This found a bug, since fixed: the SaveError named only torch's RuntimeError
+    (test_the_fault_campaign_catches_each_mutation[describe_top_exception_only] puts it back)."""
+    r = _mid_tensor(zygote, scratch, template, "mid-tensor", [])
     assert r.injected == 8 and r.failed_saves == 8
     assert r.violations == []
 
@@ -141,7 +142,7 @@ def test_the_save_error_names_a_full_disk_mid_tensor(zygote: Zygote, scratch: Pa
 def test_enospc_and_eio_at_each_operation_async(zygote: Zygote, scratch: Path, template: Path) -> None:
     r = _run(zygote, scratch, template, "async", targets(1), plan=SHORT, async_save=True)
     assert r.injected >= 20 and r.failed_saves >= 15
-    assert _without(r, CAUSE) == []
+    assert r.violations == []
 
 
 def _async_next_call(
@@ -194,11 +195,13 @@ def test_async_failure_surfaces_on_the_next_save_and_training_continues(
 
 def _extra_thread_faults(
     zygote: Zygote, scratch: Path, template: Path, name: str, patches: list[str]
-) -> list[str]:
-    """Two writer threads; the first write of the file DCP's extra thread writes fails (ENOSPC, EIO)."""
+) -> tuple[list[str], list[str]]:
+    """Two writer threads; the first write of the file DCP's extra thread writes fails (ENOSPC, EIO).
+
+    Returns the violations, and the SaveErrors that do not name the injected error."""
     base = scratch / name
     base.mkdir()
-    problems = []
+    problems, unnamed = [], []
     for err in (errno.ENOSPC, errno.EIO):
         case = checks.new_case(base, f"e{err}", template)
         fault = {"mode": "fail", "in_thread": True, "err": err}
@@ -208,18 +211,47 @@ def _extra_thread_faults(
         first = json.loads(case.out.read_text())["outcomes"][0]
         if first["ok"]:
             problems.append(f"{checks.ERRNO_NAMES[err]} in the extra writer thread: save() returned")
+        elif os.strerror(err) not in first["error"]:
+            unnamed.append(first["error"])
         exp = checks.Expect({2: 20, 3: 30} if first["ok"] else {1: 10, 2: 20}, None, [], set(), [])
         problems += checks.check_tree(case.root, exp, "kill")
-    return problems
+    return problems, unnamed
 
 
-def test_writer_thread_failure_fails_the_save(zygote: Zygote, scratch: Path, template: Path) -> None:
+@pytest.fixture(scope="module")
+def extra_thread(zygote: Zygote, scratch: Path, template: Path) -> tuple[list[str], list[str]]:
+    return _extra_thread_faults(zygote, scratch, template, "extra-thread", [])
+
+
+def test_writer_thread_failure_fails_the_save(extra_thread: tuple[list[str], list[str]]) -> None:
     """DCP's extra writer threads swallow their exceptions (pytorch#191391); safepoint must not.
 
     This found a bug, since fixed: the save returned, the manifest left the failed file out, verify passed,
     and restore raised a KeyError instead of falling back
     (test_the_extra_thread_check_catches_its_mutation puts it back)."""
-    assert _extra_thread_faults(zygote, scratch, template, "extra-thread", []) == []
+    assert extra_thread[0] == []
+
+
+# The SaveError of a failure in DCP's extra writer thread does not name it (see the xfail below).
+THREAD_CAUSE = "a writer thread failed (its error is in the log above)"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "BUG (found by this suite; diagnostics; open): with writer_threads >= 2, ENOSPC or EIO in DCP's "
+        "extra writer thread now fails the save (the earlier fix), but the SaveError reads 'save of step 3 "
+        "failed and was not committed (rank 0: OSError: DCP writer threads wrote 8 of 15 items; a writer "
+        "thread failed (its error is in the log above))': the cause is only in the thread's traceback on "
+        "stderr. safepoint.storage.SafepointWriter.write_data raises without it. Fix: have "
+        "_ChecksummingFileSystem.create_stream record the exception of a stream that fails (catch, record "
+        "in the ChecksumRecorder, re-raise) and put the first recorded one into the write_data error, e.g. "
+        "'... a writer thread failed: OSError: [Errno 28] No space left on device: .../__0_0.distcp'. "
+        "28 of the 435 faults of the slow two-thread campaign end this way."
+    ),
+)
+def test_writer_thread_failure_names_the_cause(extra_thread: tuple[list[str], list[str]]) -> None:
+    assert extra_thread[1] == []
 
 
 # ---- without renameat2 (NFS): the old copy is parked in .pending, the new one renamed in -----------------
@@ -235,11 +267,22 @@ def _in_replacement(select: Any) -> Any:
     return pick
 
 
+def _park_rename(
+    zygote: Zygote, scratch: Path, template: Path, name: str, patches: list[str]
+) -> checks.FaultResult:
+    pick = _in_replacement(lambda ops, commit: [commit])
+    return _run(
+        zygote, scratch, template, name, pick, plan=scenarios.PLAN, fault_extra=NO_EXCHANGE, patches=patches
+    )
+
+
 def test_without_renameat2_a_failed_replacement_keeps_the_old_copy(
     zygote: Zygote, scratch: Path, template: Path
 ) -> None:
-    pick = _in_replacement(lambda ops, commit: [commit])
-    r = _run(zygote, scratch, template, "park-rename", pick, plan=scenarios.PLAN, fault_extra=NO_EXCHANGE)
+    """EIO on renaming the new copy in, after the old one was parked. This found a bug, since fixed: the
+    old copy stayed parked, unlisted, while SaveError said older checkpoints were intact
+    (test_the_fault_campaign_catches_each_mutation[park_rename_no_undo] puts it back)."""
+    r = _park_rename(zygote, scratch, template, "park-rename", [])
     assert r.injected == 1
     assert r.violations == []
 
@@ -250,7 +293,9 @@ def test_a_partly_deleted_parked_copy_is_never_put_back(
 ) -> None:
     """After a replacement the parked old copy is renamed to deleting-* (never recovered) before it is
     removed; if that rename fails it is removed manifest first. Either way a failure mid-delete never
-    lets the next owner resurrect it."""
+    lets the next owner resurrect it. This found a bug, since fixed: a parked copy whose manifest survived
+    a failed rmtree was put back, half deleted, and listed
+    (test_the_campaign_catches_a_resurrected_parked_copy puts it back)."""
 
     def select(ops: list[dict[str, Any]], commit: int) -> list[int]:
         if where == "rename-aside":
@@ -280,7 +325,7 @@ def test_a_partly_deleted_parked_copy_is_never_put_back(
 def test_enospc_and_eio_at_every_operation_sync_full(zygote: Zygote, scratch: Path, template: Path) -> None:
     r = _run(zygote, scratch, template, "sync-full", targets(3, full_first=True), plan=scenarios.PLAN)
     assert r.injected >= 300
-    assert _without(r, CAUSE) == []
+    assert r.violations == []
 
 
 @pytest.mark.slow
@@ -290,7 +335,7 @@ def test_enospc_and_eio_async_full(zygote: Zygote, scratch: Path, template: Path
         zygote, scratch, template, "async-full", targets(3, both=True), plan=scenarios.PLAN, async_save=True
     )
     assert r.injected >= 100
-    assert _without(r, CAUSE) == []
+    assert r.violations == []
 
 
 @pytest.mark.slow
@@ -298,14 +343,7 @@ def test_enospc_and_eio_async_full(zygote: Zygote, scratch: Path, template: Path
 def test_enospc_and_eio_two_writer_threads(zygote: Zygote, scratch: Path, template: Path) -> None:
     r = _run(zygote, scratch, template, "two-threads-full", targets(3), plan=scenarios.PLAN, writer_threads=2)
     assert r.injected >= 80
-    assert _without(r, CAUSE) == []
-
-
-def _park_bugs(v: str) -> bool:
-    """Violations from the two open bugs of the park-and-rename replacement (see the xfails below)."""
-    return "/.pending/replaced-" in v or (
-        "(rename " in v and "in save (3, 31)" in v and "/.pending/step-3-" in v
-    )
+    assert [v for v in r.violations if not ("[cause]" in v and THREAD_CAUSE in v)] == []
 
 
 @pytest.mark.slow
@@ -316,14 +354,29 @@ def test_enospc_and_eio_without_renameat2(zygote: Zygote, scratch: Path, templat
         zygote, scratch, template, "no-exchange", targets(3), plan=scenarios.PLAN, fault_extra=NO_EXCHANGE
     )
     assert r.injected >= 60
-    assert [v for v in _without(r, CAUSE) if not _park_bugs(v)] == []
+    assert r.violations == []
 
 
-# Each mutation removes one guarantee inside the child; the fault campaign must notice.
-MUTATIONS = {
-    "no_failed_cleanup": "pending",  # a failed save's pending directory is left behind
-    "swallow_write_errors": "swallowed",  # DCP's errors ignored
-    "commit_no_rollback": "lie",  # an fsync error after the commit rename, the step left listed (fixed bug)
+# Each mutation removes one guarantee inside the child; the fault campaign must notice. Four of them put
+# back bugs this suite found (since fixed).
+def _first_save(
+    zygote: Zygote, scratch: Path, template: Path, name: str, patches: list[str]
+) -> checks.FaultResult:
+    return _run(zygote, scratch, template, name, targets(1), plan=SHORT[:1], patches=patches)
+
+
+def _save_and_replace(
+    zygote: Zygote, scratch: Path, template: Path, name: str, patches: list[str]
+) -> checks.FaultResult:
+    return _run(zygote, scratch, template, name, targets(2, light=True), plan=SHORT, patches=patches)
+
+
+MUTATIONS: dict[str, tuple[Any, str]] = {
+    "no_failed_cleanup": (_first_save, "pending"),  # a failed save's pending directory is left behind
+    "swallow_write_errors": (_first_save, "swallowed"),  # DCP's errors ignored
+    "commit_no_rollback": (_save_and_replace, "lie"),  # an fsync error after the commit rename: step listed
+    "describe_top_exception_only": (_mid_tensor, "cause"),  # torch's "unexpected pos", not the OSError
+    "park_rename_no_undo": (_park_rename, "lie"),  # no renameat2: failed rename leaves the old copy parked
 }
 
 
@@ -333,24 +386,41 @@ MUTATIONS = {
 def test_the_fault_campaign_catches_each_mutation(
     zygote: Zygote, scratch: Path, template: Path, mutation: str
 ) -> None:
-    r = _run(
-        zygote,
-        scratch,
-        template,
-        f"mutant-{mutation}",
-        targets(2, light=True),
-        plan=SHORT,
-        patches=[mutation],
-    )
-    assert any(f"[{MUTATIONS[mutation]}]" in v for v in r.violations), (
-        f"the campaign did not notice {mutation}"
+    run, tag = MUTATIONS[mutation]
+    r = run(zygote, scratch, template, f"mutant-{mutation}", [mutation])
+    assert any(f"[{tag}]" in v for v in r.violations), (
+        f"the campaign did not notice {mutation}: {r.violations}"
     )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+def test_the_campaign_catches_a_resurrected_parked_copy(
+    zygote: Zygote, scratch: Path, template: Path
+) -> None:
+    """The old deletion of a parked copy (rmtree, ignoring errors) with EIO on unlinking its manifest."""
+
+    def select(ops: list[dict[str, Any]], commit: int) -> list[int]:
+        return [next(op["i"] for op in ops if op["op"] == "unlink" and "/.pending/replaced-" in op["path"])]
+
+    pick = _in_replacement(select)
+    r = _run(
+        zygote,
+        scratch,
+        template,
+        "mutant-parked",
+        pick,
+        plan=scenarios.PLAN,
+        fault_extra=NO_EXCHANGE,
+        patches=["parked_rmtree"],
+    )
+    assert any("does not verify" in v for v in r.violations), r.violations
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_the_extra_thread_check_catches_its_mutation(zygote: Zygote, scratch: Path, template: Path) -> None:
-    problems = _extra_thread_faults(
+    problems, _ = _extra_thread_faults(
         zygote, scratch, template, "extra-thread-mutant", ["writer_threads_unchecked"]
     )
     assert any("save() returned" in p for p in problems), problems

@@ -365,7 +365,8 @@ def _shape(op: dict[str, Any], scope: Path) -> tuple[str, str, str]:
 
 
 def _short(path: str, scope: Path) -> str:
-    return path.replace(os.path.realpath(scope) + os.sep, "")
+    real = os.path.realpath(scope)
+    return "<scope>" if path == real else path.replace(real + os.sep, "")
 
 
 # ---- injected errors (ENOSPC / EIO) -----------------------------------------------------------------------

@@ -242,14 +242,14 @@ class Layer:
         if not self.armed:
             return i
         if self.mode == "crash" and i == self.at:
+            # Under the lock: another thread's create is never half journalled when the signal lands.
+            self._lock.acquire()
             self.log(ev="crash", i=i)
             os.kill(os.getpid(), signal.SIGKILL)
             while True:  # pragma: no cover - the signal is on its way
                 time.sleep(1)
         if self.in_thread:
             main = threading.current_thread() is threading.main_thread()
-            if main and kind == "open" and path.endswith(".distcp") and not self._other_wrote.is_set():
-                self._other_wrote.wait(5)
             hit = not main and kind == "write" and not self.tripped
             if hit:
                 self._other_wrote.set()
@@ -298,20 +298,28 @@ class Layer:
             return _open(file, mode, *args, **kwargs)
         if isinstance(file, int):  # os.fdopen: the descriptor was opened (and counted) by os.open
             return _File(self, _open(file, mode, *args, **kwargs), path)
-        existed = os.path.lexists(path)
-        f = self.run("open", path, lambda: _open(file, mode, *args, **kwargs))
-        if not existed:
-            self._new_inode(os.fstat(f.fileno()).st_ino, path)
+        if (
+            self.in_thread
+            and path.endswith(".distcp")
+            and threading.current_thread() is threading.main_thread()
+        ):
+            self._other_wrote.wait(5)  # let DCP's extra writer thread take a file first (see __init__)
+        with self._lock:  # the file and its journal entry appear together (see begin)
+            existed = os.path.lexists(path)
+            f = self.run("open", path, lambda: _open(file, mode, *args, **kwargs))
+            if not existed:
+                self._new_inode(os.fstat(f.fileno()).st_ino, path)
         return _File(self, f, path)
 
     def os_open(self, path: Any, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
         if not flags & _WRITE_FLAGS:
             return int(_os["open"](path, flags, mode, dir_fd=dir_fd))
         p = _path(path, dir_fd)
-        existed = self.in_scope(p) and os.path.lexists(p)
-        fd = int(self.run("open", p, lambda: _os["open"](path, flags, mode, dir_fd=dir_fd)))
-        if self.in_scope(p) and not existed:
-            self._new_inode(os.fstat(fd).st_ino, p)
+        with self._lock:
+            existed = self.in_scope(p) and os.path.lexists(p)
+            fd = int(self.run("open", p, lambda: _os["open"](path, flags, mode, dir_fd=dir_fd)))
+            if self.in_scope(p) and not existed:
+                self._new_inode(os.fstat(fd).st_ino, p)
         return fd
 
     def os_write(self, fd: int, data: Any) -> int:
@@ -354,9 +362,10 @@ class Layer:
 
     def mkdir(self, path: Any, mode: int = 0o777, *, dir_fd: int | None = None) -> None:
         p = _path(path, dir_fd)
-        self.run("mkdir", p, lambda: _os["mkdir"](path, mode, dir_fd=dir_fd))
-        if self.in_scope(p):
-            self._new_inode(os.lstat(p).st_ino, p)
+        with self._lock:
+            self.run("mkdir", p, lambda: _os["mkdir"](path, mode, dir_fd=dir_fd))
+            if self.in_scope(p):
+                self._new_inode(os.lstat(p).st_ino, p)
 
     def exchange(self, a: Path, b: Path) -> bool:
         if self.no_exchange:

@@ -36,24 +36,34 @@ class Zygote:
             env=ENV,
         )
         self._buf = b""
+        self._queue: list[dict[str, Any]] = []
+        self._decoder = json.JSONDecoder()
         self.pid: int | None = None
         self.running = False
 
     def _readline(self, deadline: float) -> dict[str, Any] | None:
+        """The next JSON message, None at the deadline."""
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            ready, _, _ = select.select([fd], [], [], left)
-            if ready:
-                chunk = os.read(fd, 65536)
-                if not chunk:
-                    raise AssertionError(f"the zygote died; its log:\n{self.log_tail()}")
-                self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        out: dict[str, Any] = json.loads(line)
+        while not self._queue:
+            while b"\n" not in self._buf:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                ready, _, _ = select.select([fd], [], [], left)
+                if ready:
+                    chunk = os.read(fd, 65536)
+                    if not chunk:
+                        raise AssertionError(f"the zygote died; its log:\n{self.log_tail()}")
+                    self._buf += chunk
+            line, self._buf = self._buf.split(b"\n", 1)
+            # Defensive: should a killed child ever leave a line without its newline, the objects glued
+            # together are still read one by one.
+            text, pos = line.decode(), 0
+            while pos < len(text):
+                obj, pos = self._decoder.raw_decode(text, pos)
+                self._queue.append(obj)
+        out: dict[str, Any] = self._queue.pop(0)
         return out
 
     def start(self, cmd: dict[str, Any], timeout: float = 60.0) -> int:
@@ -79,9 +89,13 @@ class Zygote:
             msg = self._readline(deadline)
             if msg is None:
                 assert self.pid is not None
-                os.kill(self.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signal.SIGKILL)
+                end = time.monotonic() + 30
                 while msg is None or "status" not in msg:
-                    msg = self._readline(time.monotonic() + 30)
+                    msg = self._readline(end)
+                    if msg is None and time.monotonic() >= end:
+                        break
                 self.running = False
                 raise ChildHung(f"child {self.pid} hung for {timeout}s and was killed")
             if "status" in msg:

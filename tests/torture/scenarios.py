@@ -6,6 +6,7 @@ and ``extra["version"]`` records it: a restored state is checked to be exactly o
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -171,12 +172,53 @@ def _commit_no_rollback(self: Any, pending: Path, manifest: Any) -> Path:
     return final
 
 
+def _describe_top_only(e: BaseException) -> str:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(e, CheckpointException):
+        return "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, (x, _tb) in sorted(e.failures.items()))
+    return f"{type(e).__name__}: {e}"
+
+
+def _park_replace(self: Any, pending: Path, final: Path, *, undo: bool, rmtree: bool) -> None:
+    """Layout._replace without renameat2 (the fault layer's no_exchange), before two fixes: ``undo=False``
+    does not put the old copy back when renaming the new one in fails; ``rmtree=True`` deletes the parked
+    copy in place, ignoring errors."""
+    import shutil
+    import uuid
+
+    from safepoint import layout
+
+    assert not layout._rename_exchange(pending, final), "only for runs without renameat2"
+    parked = self.pending_root / f"replaced-{final.name}-{uuid.uuid4().hex[:8]}"
+    os.rename(final, parked)
+    try:
+        os.rename(pending, final)
+    except OSError:
+        if undo:
+            os.rename(parked, final)
+        raise
+    try:
+        layout.fsync_dir(self.root)
+    except OSError:
+        os.rename(final, pending)
+        os.rename(parked, final)
+        raise
+    if rmtree:
+        shutil.rmtree(parked, ignore_errors=True)
+        return
+    doomed = self.pending_root / f"deleting-{final.name}-{uuid.uuid4().hex[:8]}"
+    os.rename(parked, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def apply_patches(names: tuple[str, ...] | list[str]) -> None:
     """*Mutations*: change safepoint's behaviour inside this child only (never in the source tree).
 
     Each removes one guarantee, and the campaigns must catch every one of them (test_torture_crash,
-    test_torture_faults). Four of them put back bugs this suite found and that were then fixed:
-    ``metadata_not_flushed``, ``writer_threads_unchecked``, ``commit_no_rollback``, ``ensure_root_no_fsync``.
+    test_torture_faults). Seven of them put back bugs this suite found and that were then fixed:
+    ``metadata_not_flushed``, ``writer_threads_unchecked``, ``commit_no_rollback``, ``ensure_root_no_fsync``,
+    ``describe_top_exception_only``, ``park_rename_no_undo``, ``parked_rmtree``.
     """
     import shutil
     import types
@@ -197,6 +239,12 @@ def apply_patches(names: tuple[str, ...] | list[str]) -> None:
                 self.pending_root.mkdir(exist_ok=True)
 
             layout.Layout.ensure_root = ensure_root  # type: ignore[method-assign]
+        elif name == "describe_top_exception_only":  # name torch's RuntimeError, not the OSError behind it
+            saver.describe_exception = _describe_top_only
+        elif name in ("park_rename_no_undo", "parked_rmtree"):  # the park-and-rename replacement, as it was
+            layout.Layout._replace = functools.partialmethod(
+                _park_replace, undo=name != "park_rename_no_undo", rmtree=name == "parked_rmtree"
+            )  # type: ignore[method-assign,assignment]
         elif name == "no_data_fsync":
             init = storage.SafepointWriter.__init__
 
@@ -251,8 +299,11 @@ def apply_patches(names: tuple[str, ...] | list[str]) -> None:
 
 
 def emit(**fields: Any) -> None:
-    """A progress line for the parent (the zygote's stdout is the protocol pipe; JSON lines pass through)."""
-    print(json.dumps(fields), flush=True)
+    """A progress line for the parent (the zygote's stdout is the protocol pipe; JSON lines pass through).
+
+    One write() of the whole line: print() may issue the text and its newline as two writes (unbuffered
+    stdout), and a SIGKILL between them would glue this line to the zygote's next one."""
+    faults._os["write"](1, (json.dumps(fields) + "\n").encode())
 
 
 def train(

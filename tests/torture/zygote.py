@@ -35,9 +35,9 @@ def main() -> None:
             finally:
                 sys.stdout.flush()
                 os._exit(code)
-        print(json.dumps({"pid": pid}), flush=True)
+        os.write(1, (json.dumps({"pid": pid}) + "\n").encode())
         _, status = os.waitpid(pid, 0)
-        print(json.dumps({"status": status}), flush=True)
+        os.write(1, (json.dumps({"status": status}) + "\n").encode())
 
 
 if __name__ == "__main__":
