@@ -185,7 +185,9 @@ def test_async_failure_surfaces_on_the_next_save_and_training_continues(
             ("EIO on the commit rename", commit, errno.EIO),
         ]
 
-    for label, out in _async_next_call(zygote, scratch, template, pick):
+    results = _async_next_call(zygote, scratch, template, pick)
+    checks.record_figures("faults-async-next-call", injected=len(results), failed_saves=len(results))
+    for label, out in results:
         assert out["ok"], (label, out)
         # save(4) waited for step 3's writer, raised its failure, and the retry of save(4) was accepted.
         assert out["second"].startswith("SaveError: ") and "step 3" in out["second"], (label, out)
@@ -215,6 +217,9 @@ def _extra_thread_faults(
             unnamed.append(first["error"])
         exp = checks.Expect({2: 20, 3: 30} if first["ok"] else {1: 10, 2: 20}, None, [], set(), [])
         problems += checks.check_tree(case.root, exp, "kill")
+    checks.record_figures(
+        f"faults-{name}", injected=2, failed_saves=2 - len([p for p in problems if "returned" in p])
+    )
     return problems, unnamed
 
 

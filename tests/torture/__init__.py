@@ -4,6 +4,12 @@
   DCP's own): crash at the k-th operation (a real SIGKILL), or fail it with ENOSPC/EIO; it journals what
   was made durable (fsync) so the parent can roll back what was not.
 - ``durable``: in the parent, rebuild the tree a power loss could leave from that journal.
-- ``zygote`` / ``scenarios``: a clean process that imports torch once and forks one child per case.
-- ``checks``: the invariants, checked in the parent (which never had the patches).
+- ``zygote`` / ``harness`` / ``scenarios``: a clean process that imports torch once and forks one child
+  per case; the parent's side of it (with a timeout on every child); the workloads the children run.
+- ``checks``: the invariants, checked in the parent (which never had the patches), and the crash and
+  fault campaigns.
+- ``kills`` / ``dist_train``: random SIGKILL campaigns against real training, single process and 2-rank
+  torchrun, with bitwise exactness checks.
+
+docs/reliability.md describes what the suite proves and its latest figures.
 """

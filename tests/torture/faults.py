@@ -19,6 +19,10 @@ the process issues them. Modes:
     crash     SIGKILL this process just before operation ``at`` (a real signal; nothing is cleaned up)
     fail      operation ``at`` raises OSError(errno); a failed write first writes half its bytes, as a
               disk filling up mid-write does. ``sticky`` kinds keep failing until ``disarm()``.
+              ``in_thread``: instead of ``at``, the first write issued by a thread other than the main
+              one (DCP's extra writer thread) fails.
+
+``no_exchange`` simulates a file system without renameat2 (the exchange fails with EINVAL).
 
 The journal (JSON lines, written with the unpatched ``os.write`` to a descriptor outside ``scope``):
 
@@ -30,8 +34,9 @@ The journal (JSON lines, written with the unpatched ``os.write`` to a descriptor
     {"ev": "file", "ino": i, "gen": g, "blob": b}            a file's contents when it was fsynced (copied)
     {"ev": "mark", ...}                                      the workload's own progress markers
 
-The baseline (everything under ``scope`` at install time, after a real ``os.sync()``) is journalled as
-durable. ``durable.py`` rebuilds, in the parent, what a power loss at the crash point could leave.
+The baseline (everything under ``scope`` at install time) is journalled as durable: that is the model's
+starting assumption, no real sync is needed. ``durable.py`` rebuilds, in the parent, what a power loss at
+the crash point could leave.
 """
 
 from __future__ import annotations
@@ -225,7 +230,6 @@ class Layer:
             self._snapshot_dir(dirpath, os.lstat(dirpath).st_ino)
 
     def baseline(self) -> None:
-        _os["sync"]()
         self.log(ev="scope", path=self.scope, ino=os.lstat(self.scope).st_ino)
         self._snapshot_tree()
 
