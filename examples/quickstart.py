@@ -1,4 +1,9 @@
-"""The README quickstart, as a program: run it, kill -9 it at any time, run it again."""
+"""The plain example: one process, no torchrun. The README quickstart as a program.
+
+    python examples/quickstart.py ckpt
+
+Run it, kill -9 it at any time, run it again: it continues from the last committed checkpoint.
+"""
 
 from __future__ import annotations
 
@@ -32,4 +37,4 @@ def main(root: str = "ckpt", total_steps: int = 200) -> int:
 
 
 if __name__ == "__main__":
-    main(*(sys.argv[1:2] or ["ckpt"]))
+    main(sys.argv[1] if len(sys.argv) > 1 else "ckpt")

@@ -114,6 +114,18 @@ def test_ls_json_lists_every_checkpoint(trained: Any, root: Path, capsys: pytest
         assert e["world_size"] == 1
 
 
+def test_json_paths_are_absolute_for_a_relative_root(
+    trained: Any, root: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A script consuming the JSON may run elsewhere; a path relative to our cwd would point nowhere.
+    (root / "step-40").mkdir()  # partial: its path comes from the directory listing, not a manifest
+    monkeypatch.chdir(root.parent)
+    entries = ls_json(capsys, Path(root.name))
+    assert [(e["step"], e["path"]) for e in entries] == [(s, str(root / f"step-{s}")) for s in (*STEPS, 40)]
+    rc, out, _ = cli(capsys, "inspect", f"./{root.name}", "--json")
+    assert rc == 0 and json.loads(out)["path"] == str(root / "step-30")
+
+
 def test_ls_table(trained: Any, root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = cli(capsys, "ls", root)
     assert rc == 0

@@ -1,0 +1,89 @@
+"""FSDP2 (``fully_shard``) under torchrun: every rank saves only its shards, and a restore at another world
+size reshards them.
+
+    torchrun --standalone --nproc-per-node=2 examples/fsdp2.py ckpt
+    torchrun --standalone --nproc-per-node=3 examples/fsdp2.py ckpt --steps 300   # resumes with 3 ranks
+
+NCCL on GPUs, gloo on CPU: the program is the same. Kill it (or one rank) at any time and run it again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, TensorDataset
+
+import safepoint
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("root", help="checkpoint directory, shared by every rank")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--save-every", type=int, default=50)
+    args = p.parse_args()
+
+    cuda = torch.cuda.is_available()
+    # Not dist.init_process_group: this one also survives torchrun --max-restarts (docs/elastic.md).
+    safepoint.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+
+    # A toy regression data set, the same on every rank.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 16, generator=g)
+    dataset = TensorDataset(x, x @ torch.randn(16, 1, generator=g))
+    # Like DistributedSampler, but its position is global: a restore continues with the next unseen
+    # samples at any world size.
+    sampler = safepoint.ResumableSampler(len(dataset), shuffle=True, seed=0)
+    loader = DataLoader(dataset, batch_size=16, sampler=sampler)
+
+    torch.manual_seed(0)  # the same full weights on every rank, before each keeps only its shards
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).to(device)
+    mesh = init_device_mesh(device.type, (world,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)  # one all-gather per layer in forward, freed after use
+    fully_shard(model, mesh=mesh)
+    # Built after fully_shard: the parameters are sharded DTensors now, so the optimizer state is too.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = safepoint.TrainState(model=model, optimizer=opt, dataloader=sampler)
+
+    # Every rank constructs the manager, restores and saves at the same steps; rank 0 commits.
+    with safepoint.CheckpointManager(args.root, save_every_steps=args.save_every, keep_last=2) as mgr:
+        step = mgr.restore(state)  # resharded by DCP if the world size changed
+        if rank == 0:
+            print(f"resumed at step {step} with {world} ranks", flush=True)
+        batches = endless(loader, sampler)
+        while step < args.steps:
+            xb, yb = (t.to(device) for t in next(batches))
+            loss = (model(xb) - yb).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            step += 1
+            mgr.maybe_save(step, state, metrics={"loss": loss.item()})
+        if mgr.latest_step() != step:
+            mgr.save(step, state)  # the final state, so a rerun has nothing left to do
+    if rank == 0:
+        print(f"finished at step {step}", flush=True)
+    dist.destroy_process_group()
+
+
+def endless(loader: DataLoader[Any], sampler: safepoint.ResumableSampler) -> Iterator[list[torch.Tensor]]:
+    """Batches forever, a new shuffle each epoch; the first epoch after a restore continues mid-way."""
+    while True:
+        yield from loader
+        sampler.set_epoch(sampler.epoch + 1)
+
+
+if __name__ == "__main__":
+    main()
