@@ -86,7 +86,7 @@ def test_learned_mtbf_formula() -> None:
 
 
 def _adaptive(mgr: safepoint.CheckpointManager) -> AdaptiveSeconds:
-    [policy] = [p for p in mgr._save_policies if isinstance(p, AdaptiveSeconds)]
+    [policy] = [p for p in mgr._schedule.policies if isinstance(p, AdaptiveSeconds)]
     return policy
 
 

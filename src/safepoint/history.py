@@ -1,4 +1,5 @@
-"""The run's history: save timings read from manifests, and the attempts file behind the learned MTBF."""
+"""The run's history: save timings read from manifests, upload timings (tiering), and the attempts file
+behind the learned MTBF. The emergency-save plan (preemption.py) and the adaptive interval read it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from safepoint.dist import Comm
@@ -21,9 +23,22 @@ from safepoint.policy import AdaptiveInterval, AdaptiveSeconds, learned_mtbf
 
 log = logging.getLogger("safepoint")
 ATTEMPTS_NAME = ".attempts.json"
+UPLOADS_NAME = ".uploads.json"
 SAFETY_FACTOR = 1.25
 """An emergency save is expected to take this times the slowest of the recent saves."""
 RECENT_SAVES = 3
+_KEEP_UPLOADS = 10
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TierEstimate:
+    """A storage tier an emergency save writes (fastest first) and its expected duration (None: unknown).
+
+    ``basis`` says where the estimate comes from, for the log ("1.25x the slowest of the last 3 saves")."""
+
+    name: str
+    expected_s: float | None
+    basis: str = ""
 
 
 def _recent_manifests(layout: CheckpointStore, n: int) -> list[Manifest]:
@@ -73,13 +88,64 @@ def expected_save_seconds(layout: CheckpointStore) -> float | None:
     return SAFETY_FACTOR * max(durations) if durations else None
 
 
+def save_estimate(name: str, layout: CheckpointStore) -> TierEstimate:
+    """The tier saves commit to, estimated from its manifests (either layout: only the protocol is read)."""
+    return TierEstimate(
+        name,
+        expected_save_seconds(layout),
+        f"{SAFETY_FACTOR:g}x the slowest of the last {RECENT_SAVES} saves",
+    )
+
+
+def write_json_atomically(path: Path, data: object) -> None:
+    """Temporary file, fsync, rename, fsync of the directory: a crash leaves the old file or the new one.
+    Advisory files only: a failure is logged, never raised (they must not fail training)."""
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        write_file_durably(tmp, json.dumps(data, indent=1).encode())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        log.warning("safepoint: cannot record the run history in %s: %s", path, e)
+
+
+class UploadHistory:
+    """How long recent uploads to the durable tier took: ``LOCAL_ROOT/.uploads.json`` (tiering).
+
+    The upload is not in the manifest (the manifest is committed locally before it starts), so its
+    durations are kept here, written by rank 0 after each durable commit, so a restarted job plans its
+    emergency save with its predecessor's measurements. Advisory: unreadable means no history."""
+
+    def __init__(self, local_root: Path) -> None:
+        self.path = local_root / UPLOADS_NAME
+        self.seconds: list[float] = []
+        try:
+            raw = json.loads(self.path.read_text())["uploads"]
+            self.seconds = [float(u["seconds"]) for u in raw if math.isfinite(float(u["seconds"]))]
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("safepoint: ignoring unreadable %s (%s)", self.path, e)
+
+    def record(self, seconds: float, *, persist: bool) -> None:
+        self.seconds = [*self.seconds, seconds][-_KEEP_UPLOADS:]
+        if persist:
+            write_json_atomically(
+                self.path, {"version": 1, "uploads": [{"seconds": s} for s in self.seconds]}
+            )
+
+    def expected(self) -> float | None:
+        """One upload's expected duration: SAFETY_FACTOR x the slowest of the recent ones (as for saves)."""
+        recent = self.seconds[-RECENT_SAVES:]
+        return SAFETY_FACTOR * max(recent) if recent else None
+
+
 def recorded_blocking_cost(layout: CheckpointStore) -> list[float]:
     """Blocking times of the newest checkpoints, oldest first: C for the adaptive interval after a restart."""
     costs = [c for m in _recent_manifests(layout, RECENT_SAVES) if (c := blocking_seconds(m)) is not None]
     return costs[::-1]
-
-
-# ---- the coordinator -------------------------------------------------------------------------------------
 
 
 # ---- the run's attempts (for a learned MTBF) ------------------------------------------------------------
@@ -166,15 +232,7 @@ class RunHistory:
         return start
 
     def _write(self) -> None:
-        tmp = self.path.with_name(f"{ATTEMPTS_NAME}.{uuid.uuid4().hex[:8]}.tmp")
-        try:
-            write_file_durably(tmp, json.dumps({"version": 1, "attempts": self.attempts}, indent=1).encode())
-            os.replace(tmp, self.path)
-            fsync_dir(self.layout.root)
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            log.warning("safepoint: cannot record the restart history in %s: %s", self.path, e)
+        write_json_atomically(self.path, {"version": 1, "attempts": self.attempts})
 
     def begin(self) -> RunStats:
         """Rank 0: close out earlier attempts, record this one, return the stats."""

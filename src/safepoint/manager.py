@@ -3,33 +3,24 @@
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import os
 import time
 from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import Any, NoReturn, cast
+from typing import Any, NoReturn
 
 from safepoint.background import BackgroundWriter
-from safepoint.dist import Agreement, Comm
+from safepoint.dist import Comm
 from safepoint.errors import CheckpointError, SaveError
-from safepoint.history import RunHistory, adaptive_policy, outcome_of
+from safepoint.history import RunHistory, outcome_of
 from safepoint.layout import CheckpointInfo, Layout
 from safepoint.manifest import clean_metrics
-from safepoint.policy import (
-    TIME_POLICIES,
-    AdaptiveInterval,
-    EveryNSeconds,
-    EveryNSteps,
-    Retention,
-    SavePolicy,
-    build_retention,
-    parse_interval,
-)
+from safepoint.policy import AdaptiveInterval, Retention, build_retention
 from safepoint.preemption import DEFAULT_EXIT_CODE, Preemption
 from safepoint.restore import Restorer
 from safepoint.saver import SyncSaver
+from safepoint.schedule import SaveSchedule
 from safepoint.staging import Stager, tensor_bytes
 from safepoint.state import TrainState
 from safepoint.tiering import Tiering
@@ -37,15 +28,6 @@ from safepoint.tiers import DurabilityLag, SingleTier, plan_tiers
 from safepoint.upload import TransferConfig
 
 log = logging.getLogger("safepoint")
-
-
-@dataclasses.dataclass(slots=True)
-class SaveRecord:
-    """One save as the training loop saw it."""
-
-    step: int
-    blocking_s: float
-    bytes: int
 
 
 class CheckpointManager:
@@ -76,7 +58,8 @@ class CheckpointManager:
         preemption_signals / preemption_file / preemption_poll (+ preemption_poll_interval_s): notice
             sources (default: none). On a notice, the next ``maybe_save`` (all ranks agree) saves the
             current step synchronously and raises ``safepoint.Preempted`` (exit ``preempted_exit_code``).
-        grace_seconds: time from a notice to SIGKILL; a save expected not to fit is skipped and logged.
+        grace_seconds: time from a notice to SIGKILL; a save expected not to fit is skipped and logged
+            (with tiering, one whose upload alone does not fit is committed locally only).
     """
 
     def __init__(
@@ -111,17 +94,6 @@ class CheckpointManager:
     ) -> None:
         transfer = transfer or TransferConfig(attempts=upload_retries + 1, concurrency=upload_concurrency)
         self.root, self.layout, durable = plan_tiers(root, local_root, storage_options, transfer)
-        self._save_policies: list[SavePolicy] = []
-        if save_every_steps is not None:
-            self._save_policies.append(EveryNSteps(save_every_steps))
-        every_s, auto = parse_interval(save_every_seconds, mtbf_seconds)
-        if auto is not None and not isinstance(self.layout, Layout):
-            raise ValueError(
-                "save_every_seconds='auto' keeps its run history on a local disk: set local_root"
-            )
-        if every_s is not None:
-            self._save_policies.append(EveryNSeconds(every_s))
-        self._time_based = save_every_seconds is not None
         retention = build_retention(keep_last, keep_every_steps, keep_best, best_metric, best_mode)
         if not isinstance(writer_threads, int) or writer_threads < 1:
             raise ValueError(f"writer_threads must be a positive int, got {writer_threads!r}")
@@ -130,8 +102,15 @@ class CheckpointManager:
         if collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s must be positive, got {collective_timeout_s!r}")
         self.comm = Comm(collective_timeout_s)
-        # Ranks compare their clocks about every 1% of the interval (at most once a second), not every step.
-        self._agreement = Agreement(self.comm, min(1.0, (auto.min_s if auto else every_s or 0.0) / 100))
+        self._schedule = SaveSchedule(
+            self.comm,
+            save_every_steps,
+            save_every_seconds,
+            mtbf_seconds,
+            local=isinstance(self.layout, Layout),
+        )
+        self._agreement = self._schedule.agreement
+        self.saves = self._schedule.saves  # the same list: what the training loop's saves cost
         self._preemption = Preemption.build(
             self.comm,
             signals=preemption_signals,
@@ -169,18 +148,11 @@ class CheckpointManager:
             else SingleTier(self.layout)
         )
         self._lease: Any = None
-        self._last_step: int | None = None
-        self._last_time = time.monotonic()
-        self.saves: list[SaveRecord] = []
         self._closed = False
         self._take_ownership(lease_stale_after_s)
         self._runs: RunHistory | None = None
-        if auto is not None:
-            local = cast(Layout, self.layout)  # "auto" was refused above for a URL root without local_root
-            policy, self._runs = adaptive_policy(
-                auto, mtbf_seconds, local, self.comm, lambda: [s.blocking_s for s in self.saves]
-            )
-            self._save_policies.append(policy)
+        if isinstance(self.layout, Layout):  # "auto" was refused above for a URL root alone
+            self._runs = self._schedule.add_adaptive(self.layout, self.comm)
         if self._preemption is not None:
             self._preemption.start()
 
@@ -216,24 +188,7 @@ class CheckpointManager:
         self._tiers.observe(step)  # durability_lag() counts steps trained since the last durable save
         if self._preemption is not None and self._preemption.agreed(step):
             self._preempt(step, state, metrics)
-        if step == self._last_step or not self._save_policies:
-            return False
-        now = time.monotonic()
-        due = any(
-            p.due(step, now, self._last_step, self._last_time)
-            for p in self._save_policies
-            if not isinstance(p, TIME_POLICIES)
-        )
-        if not due and self._time_based:
-            # Elapsed time differs between ranks (clocks, step times); a save due on some ranks only would
-            # deadlock the collective. Step policies need no agreement: every rank sees the same steps.
-            timed = any(
-                p.due(step, now, self._last_step, self._last_time)
-                for p in self._save_policies
-                if isinstance(p, TIME_POLICIES)
-            )
-            due = self._agreement.agree(step, timed)
-        if not due:
+        if not self._schedule.due(step):
             return False
         self.save(step, state, metrics)
         return True
@@ -261,17 +216,22 @@ class CheckpointManager:
         return self._save_sync(step, state, clean)
 
     def _save_sync(
-        self, step: int, state: TrainState, metrics: dict[str, float], extra: dict[str, Any] | None = None
+        self,
+        step: int,
+        state: TrainState,
+        metrics: dict[str, float],
+        emergency: dict[str, str] | None = None,
+        *,
+        upload: bool = True,
     ) -> CheckpointInfo:
         with self._tiers.paused():  # uploads hold off while training waits for this save
             t0 = time.perf_counter()
             sd = state.capture(self.comm.rank)
             timings = {"capture_s": time.perf_counter() - t0}
+            extra = {"emergency": emergency} if emergency is not None else None
             info = self._saver.write(step, sd, state.sections(), metrics, timings, extra)
-        self._tiers.committed(info)  # queued for upload (tiering)
-        self.saves.append(SaveRecord(step=step, blocking_s=time.perf_counter() - t0, bytes=info.bytes))
-        self._last_step = step
-        self._last_time = time.monotonic()
+        self._tiers.committed(info, upload=upload)  # queued for upload (tiering)
+        self._schedule.saved(step, time.perf_counter() - t0, info.bytes)
         return info
 
     def _preempt(self, step: int, state: TrainState, metrics: dict[str, Any] | None) -> NoReturn:
@@ -282,16 +242,18 @@ class CheckpointManager:
             self._writer.raise_failure()
         except SaveError as e:
             log.error("safepoint: the save in flight failed (%s); the emergency save replaces it", e)
-            self._last_step = None
-        saved, plan = (step if step == self._last_step else None), None
+            self._schedule.at(None)
+        saved, plan = (step if step == self._schedule.last_step else None), None
         cause: SaveError | None = None
         if saved is None:
-            plan = self._preemption.plan(cast(Layout, self.layout), step)  # reads manifests: either layout
-            if plan.saves:  # today: the one tier; with tiering, plan.tiers names the tiers to write
+            plan = self._preemption.plan(self._tiers.estimates(), step)
+            if plan.saves:
                 try:
                     t0 = time.perf_counter()
                     emergency = {"reason": "; ".join(self._preemption.reasons), "plan": plan.action}
-                    self._save_sync(step, state, clean_metrics(metrics), {"emergency": emergency})
+                    # A plan that skips the durable tier commits locally and never starts the upload.
+                    upload = not plan.skipped
+                    self._save_sync(step, state, clean_metrics(metrics), emergency, upload=upload)
                     saved = step
                     log.warning(
                         "safepoint: emergency save of step %d took %.2fs", step, time.perf_counter() - t0
@@ -299,6 +261,7 @@ class CheckpointManager:
                 except SaveError as e:
                     log.error("safepoint: emergency save of step %d failed: %s", step, e)
                     cause = e
+        self._tiers.preempted(plan, self._preemption.end_of_grace())
         exc = self._preemption.exit(step, saved, self.latest_step(), plan)
         if self._runs is not None:
             self._runs.end(outcome_of(exc))
@@ -326,9 +289,7 @@ class CheckpointManager:
         self._writer.submit(
             step, lambda: tiers.committed(saver.write(step, staged, sections, metrics, {"stage_s": blocking}))
         )
-        self.saves.append(SaveRecord(step=step, blocking_s=blocking, bytes=tensor_bytes(staged)))
-        self._last_step = step
-        self._last_time = time.monotonic()
+        self._schedule.saved(step, blocking, tensor_bytes(staged))
 
     # ---- restoring -----------------------------------------------------------------------------------
 
@@ -347,8 +308,7 @@ class CheckpointManager:
         manifest = self._tiers.restore(self._restorer, state, step)
         if manifest is None:
             return 0
-        self._last_step = manifest.step
-        self._last_time = time.monotonic()
+        self._schedule.at(manifest.step)
         log.info("safepoint: restored step %d from %s", manifest.step, self.layout.step_path(manifest.step))
         return manifest.step
 

@@ -19,8 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from safepoint.dist import Agreement, Comm
 from safepoint.errors import Preempted
-from safepoint.history import RECENT_SAVES, SAFETY_FACTOR, expected_save_seconds
-from safepoint.layout import CheckpointStore
+from safepoint.history import TierEstimate
 from safepoint.notices import FileNotice, Notice, NoticeSource, PollNotice, SignalNotice
 
 log = logging.getLogger("safepoint")
@@ -38,14 +37,6 @@ per check, ~0.4 ms on gloo here, so <0.2% of the time; the notice is acted on th
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class TierEstimate:
-    """A storage tier an emergency save writes (fastest first) and its expected duration (None: unknown)."""
-
-    name: str
-    expected_s: float | None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
 class EmergencyPlan:
     """What the emergency save does: ``full`` (every tier), ``fastest-tier`` or ``skip``."""
 
@@ -54,6 +45,7 @@ class EmergencyPlan:
     skipped: tuple[str, ...]
     expected_s: float | None
     remaining_s: float | None
+    estimates: tuple[TierEstimate, ...] = ()
 
     @property
     def saves(self) -> bool:
@@ -65,21 +57,20 @@ def plan_emergency_save(tiers: Sequence[TierEstimate], remaining_s: float | None
 
     ``tiers`` are written in order, fastest first; a full save costs their sum. With no grace deadline
     (``remaining_s`` None) or no measured history the full save is attempted: refusing to save without
-    evidence would lose work for sure. Today there is one tier (the root), so the choice is full or skip;
-    with a local tier and a durable one, a save that fits only locally writes the local tier and leaves
-    the upload for the next attempt.
+    evidence would lose work for sure. With one tier (the root) the choice is full or skip; with tiering
+    (``local`` then ``durable``) a save that fits only locally is committed locally and not uploaded.
     """
     if not tiers:
         raise ValueError("no tier to save to")
-    names = tuple(t.name for t in tiers)
+    names, est = tuple(t.name for t in tiers), tuple(tiers)
     known = [t.expected_s for t in tiers]
     full_s = None if any(e is None for e in known) else sum(e for e in known if e is not None)
     if remaining_s is None or full_s is None or full_s <= remaining_s:
-        return EmergencyPlan("full", names, (), full_s, remaining_s)
+        return EmergencyPlan("full", names, (), full_s, remaining_s, est)
     fastest = tiers[0].expected_s
     if len(tiers) > 1 and fastest is not None and fastest <= remaining_s:
-        return EmergencyPlan("fastest-tier", names[:1], names[1:], fastest, remaining_s)
-    return EmergencyPlan("skip", (), names, full_s, remaining_s)
+        return EmergencyPlan("fastest-tier", names[:1], names[1:], fastest, remaining_s, est)
+    return EmergencyPlan("skip", (), names, full_s, remaining_s, est)
 
 
 class Preemption:
@@ -97,6 +88,8 @@ class Preemption:
         # ranks compare flags about every CHECK_EVERY_S instead, at steps they all agree on.
         self.agreement = Agreement(comm, CHECK_EVERY_S)
         self.reasons: list[str] = []
+        self.deadline: float | None = None
+        """time.monotonic() at which the grace ends (set by :meth:`plan`; None without grace_seconds)."""
 
     @classmethod
     def build(
@@ -150,22 +143,28 @@ class Preemption:
             s.check()
         return self.agreement.agree(step, self.notice.is_set)
 
-    def plan(self, layout: CheckpointStore, step: int) -> EmergencyPlan:
-        """Collective (one all_gather): the same plan on every rank, from the earliest notice and the
-        slowest estimate among ranks."""
+    def plan(self, tiers: Sequence[TierEstimate], step: int) -> EmergencyPlan:
+        """Collective (one all_gather): the same plan on every rank, from the earliest notice and, per tier,
+        the slowest estimate among ranks. ``tiers``: this rank's estimates, fastest tier first (the
+        manager's tiers object measures them from history: manifests, and uploads with tiering)."""
         now = time.monotonic()
         elapsed = now - self.notice.at if self.notice.at is not None else 0.0
-        gathered = self.comm.all_gather((elapsed, expected_save_seconds(layout), self.notice.reason))
+        mine = [t.expected_s for t in tiers]
+        gathered = self.comm.all_gather((elapsed, mine, self.notice.reason))
         elapsed = max(g[0] for g in gathered)
-        estimates = [g[1] for g in gathered if g[1] is not None]
-        expected = max(estimates) if estimates else None
+        worst = []
+        for i, t in enumerate(tiers):
+            known = [e for g in gathered if (e := g[1][i]) is not None]
+            worst.append(dataclasses.replace(t, expected_s=max(known) if known else None))
         self.reasons = [
             f"{r}" if self.comm.world_size == 1 else f"{r} on rank {i}"
             for i, (_, _, r) in enumerate(gathered)
             if r
         ]
         remaining = None if self.grace_seconds is None else self.grace_seconds - elapsed
-        plan = plan_emergency_save([TierEstimate("root", expected)], remaining)
+        # Counted from this rank's clock now: the earliest notice's elapsed time is already subtracted.
+        self.deadline = None if remaining is None else now + remaining
+        plan = plan_emergency_save(worst, remaining)
         grace = (
             f"{max(0.0, remaining):.1f}s of the {self.grace_seconds:g}s grace left"
             if remaining is not None
@@ -178,24 +177,33 @@ class Preemption:
             step,
             elapsed,
             grace,
-            f"{expected:.2f}s" if expected is not None else "unknown (no save measured yet)",
+            ", ".join(_describe(t) for t in worst),
             plan.action,
         )
         return plan
+
+    def end_of_grace(self) -> float | None:
+        """When the grace ends (time.monotonic()): as planned, or, where no plan was needed (the step was
+        committed already), from this rank's own notice, or from now if it learned of it from another."""
+        if self.deadline is None and self.grace_seconds is not None:
+            start = self.notice.at if self.notice.at is not None else time.monotonic()
+            self.deadline = start + self.grace_seconds
+        return self.deadline
 
     def exit(
         self, step: int, saved_step: int | None, resume_step: int | None, plan: EmergencyPlan | None
     ) -> Preempted:
         reason = "; ".join(self.reasons) or self.notice.reason or "a notice on another rank"
         if plan is not None and not plan.saves:
+            fastest = plan.estimates[0] if plan.estimates else TierEstimate("root", plan.expected_s)
             log.error(
-                "safepoint: NOT saving step %d: the save is expected to take %.2fs (%.2fx the slowest of "
-                "the last %d saves) but only %.2fs of the %gs grace remain; skipped tier(s): %s. A restart "
-                "resumes from the previous checkpoint (step %s), so steps %s-%d will be redone.",
+                "safepoint: NOT saving step %d: %s is expected to take %.2fs (%s) but only %.2fs of the %gs "
+                "grace remain; skipped tier(s): %s. A restart resumes from the previous checkpoint "
+                "(step %s), so steps %s-%d will be redone.",
                 step,
-                plan.expected_s or 0.0,
-                SAFETY_FACTOR,
-                RECENT_SAVES,
+                "the save" if len(plan.estimates) <= 1 else f"even the fastest tier ({fastest.name})",
+                fastest.expected_s or 0.0,
+                fastest.basis or "measured",
                 max(0.0, plan.remaining_s or 0.0),
                 self.grace_seconds or 0.0,
                 ", ".join(plan.skipped),
@@ -204,7 +212,15 @@ class Preemption:
                 step,
             )
         elif plan is not None and plan.skipped:
-            log.warning("safepoint: emergency save wrote %s only; skipped %s", plan.tiers, plan.skipped)
+            log.warning(
+                "safepoint: emergency save of step %d wrote %s only; skipped %s: the full save is expected "
+                "to take %s, more than the %.2fs of grace left",
+                step,
+                ", ".join(plan.tiers),
+                ", ".join(plan.skipped),
+                " + ".join(_describe(t) for t in plan.estimates),
+                max(0.0, plan.remaining_s or 0.0),
+            )
         exc = Preempted(
             self.exit_code, step=step, saved_step=saved_step, resume_step=resume_step, reason=reason
         )
@@ -214,3 +230,9 @@ class Preemption:
     def stop(self) -> None:
         for s in self.sources:
             s.stop()
+
+
+def _describe(t: TierEstimate) -> str:
+    if t.expected_s is None:
+        return f"{t.name} unknown (nothing measured yet)"
+    return f"{t.name} {t.expected_s:.2f}s" + (f" ({t.basis})" if t.basis else "")

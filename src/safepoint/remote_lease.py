@@ -14,15 +14,11 @@ from __future__ import annotations
 import email.utils
 import json
 import logging
-import os
-import socket
-import threading
 import time
-import uuid
 from typing import Any
 
 from safepoint.errors import LeaseError
-from safepoint.lease import _pid_alive, _proc_start_ticks
+from safepoint.lease import HeartbeatLease
 from safepoint.retry import UploadError, cause_code
 
 LEASE_NAME = ".lease"
@@ -30,18 +26,18 @@ log = logging.getLogger("safepoint")
 _CONFLICT = ("PreconditionFailed", "ConditionalRequestConflict")
 
 
-class RemoteLease:
+class RemoteLease(HeartbeatLease):
+    """``ROOT/.lease`` on S3: conditional create, replace-if-unchanged takeover and heartbeat."""
+
+    thread_name = "safepoint-remote-lease"
+
     def __init__(
         self, store: Any, key: str, *, stale_after_s: float = 120.0, heartbeat_s: float = 15.0
     ) -> None:
+        super().__init__(stale_after_s, heartbeat_s)
         self.store, self.key = store, key
         self.bucket, self.obj = store._split(key)
-        self.stale_after_s, self.heartbeat_s = stale_after_s, heartbeat_s
-        self.token = uuid.uuid4().hex
         self.etag: str | None = None
-        self.lost: str | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     @classmethod
     def for_layout(cls, layout: Any, stale_after_s: float) -> RemoteLease | None:
@@ -57,12 +53,7 @@ class RemoteLease:
         return None
 
     def _record(self) -> bytes:
-        rec = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "start_ticks": _proc_start_ticks(os.getpid()),
-        }
-        return json.dumps({**rec, "heartbeat": time.time(), "token": self.token}).encode()
+        return json.dumps({**self._owner(), "heartbeat": time.time(), "token": self.token}).encode()
 
     def _put(self, **cond: str) -> str:
         s = self.store
@@ -105,22 +96,18 @@ class RemoteLease:
                 if cause_code(e) not in _CONFLICT:
                     raise
             else:
-                self._start()
+                self._start_heartbeat()
                 return
             holder, etag, age = self._read()
             if etag is None:
                 continue  # released in between: try to create again
             if holder is not None and holder.get("token") == self.token:
                 self.etag = etag  # our create landed, but its answer was lost and the retry bounced off it
-                self._start()
+                self._start_heartbeat()
                 return
-            if holder is not None and not self._stale(holder, age):
-                raise LeaseError(
-                    f"checkpoint root {self.store.url(self.key).rsplit('/', 1)[0]} is in use by pid "
-                    f"{holder.get('pid')} on host {holder.get('host')!r} (lease written {age:.0f}s ago). "
-                    "Stop the other job or use another root; a dead job's lease expires after "
-                    f"{self.stale_after_s:.0f}s, or delete {self.store.url(self.key)} by hand."
-                )
+            if holder is not None and not self._is_stale(holder, age):
+                url = self.store.url(self.key)
+                raise self._in_use(url.rsplit("/", 1)[0], url, holder, age)
             try:
                 self.etag = self._put(IfMatch=etag)  # only one contender replaces this exact version
             except UploadError as e:
@@ -128,43 +115,21 @@ class RemoteLease:
                     raise
                 continue
             log.warning("safepoint: took over the stale lease of %s", holder)
-            self._start()
+            self._start_heartbeat()
             return
         raise LeaseError(f"could not acquire {self.store.url(self.key)}: it keeps changing hands")
 
-    def _stale(self, holder: dict[str, Any], age: float) -> bool:
-        if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
-            if holder["pid"] == os.getpid() and holder.get("token") != self.token:
-                return False  # another manager in this very process: alive by definition
-            return not _pid_alive(holder["pid"], holder.get("start_ticks"))
-        return age > self.stale_after_s
+    def _renew(self) -> str | None:
+        try:
+            assert self.etag is not None
+            self.etag = self._put(IfMatch=self.etag)
+        except UploadError as e:
+            if cause_code(e) in _CONFLICT or cause_code(e) in ("404", "NoSuchKey"):
+                return f"lease {self.store.url(self.key)} was taken by another process"
+            log.warning("safepoint: lease heartbeat failed: %s", e)
+        return None
 
-    def _start(self) -> None:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._beat, name="safepoint-remote-lease", daemon=True)
-        self._thread.start()
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self.heartbeat_s):
-            try:
-                assert self.etag is not None
-                self.etag = self._put(IfMatch=self.etag)
-            except UploadError as e:
-                if cause_code(e) in _CONFLICT or cause_code(e) in ("404", "NoSuchKey"):
-                    self.lost = f"lease {self.store.url(self.key)} was taken by another process"
-                    log.error("safepoint: %s", self.lost)
-                    return
-                log.warning("safepoint: lease heartbeat failed: %s", e)
-
-    def check(self) -> None:
-        if self.lost:
-            raise LeaseError(self.lost)
-
-    def release(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+    def _drop(self) -> None:
         try:
             holder, _, _ = self._read()
             if holder is not None and holder.get("token") == self.token:

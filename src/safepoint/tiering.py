@@ -12,9 +12,9 @@ retention would not keep it anyway ("superseded": a newer checkpoint made it red
 uploaded, e.g. ``keep_last=3`` and five checkpoints waiting). Durable retention applies the user's policy
 objects (keep_last, keep_every_steps, keep_best) to the durable tier, after each durable commit.
 
-Restore takes the newest intact checkpoint of either tier: the local one if it verifies, else a newer or
-intact durable one, downloaded into the local tier first (crc32c checked as the bytes arrive, committed
-locally with the local protocol), then loaded from local disk.
+Restore takes the newest intact checkpoint of either tier (tier_transfer.py). On a preemption the
+emergency save is planned with both tiers' estimates (local saves from the manifests, uploads from
+``.uploads.json``); one whose upload does not fit in the grace stays local-only until the next run.
 """
 
 from __future__ import annotations
@@ -22,27 +22,26 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import re
 import threading
 import time
-import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from safepoint.dist import Comm
-from safepoint.errors import CheckpointError, CorruptCheckpointError
+from safepoint.errors import CheckpointError
+from safepoint.history import RECENT_SAVES, SAFETY_FACTOR, TierEstimate, UploadHistory, save_estimate
 from safepoint.layout import CheckpointInfo, Layout
 from safepoint.manifest import Manifest
 from safepoint.policy import Retention
+from safepoint.preemption import EmergencyPlan
 from safepoint.remote import RemoteLayout
-from safepoint.restore import CheckpointWarning, Restorer
+from safepoint.restore import Restorer
 from safepoint.retry import UploadError, lower_priority
 from safepoint.state import TrainState
+from safepoint.tier_transfer import choose_across_tiers, upload_checkpoint
 from safepoint.tiers import DurabilityLag, SingleTier, infos
 
 log = logging.getLogger("safepoint")
-_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
 class Tiering(SingleTier):
@@ -70,6 +69,12 @@ class Tiering(SingleTier):
         self._lease: Any = None
         self._scan: tuple[list[int], dict[int, tuple[str, CheckpointInfo]]] = ([], {})
         self.uploaded: list[int] = []
+        self._history = UploadHistory(local.root)
+        # Committed locally, not queued: the preemption's grace left no time to upload them (next run does).
+        self._local_only: set[int] = set()
+        self._cutoff: str | None = None  # set on a preemption whose plan skips the durable tier
+        self._deadline: float | None = None  # the grace's end (monotonic): close() waits no longer
+        self._gave_up = False  # close() abandoned the upload in flight at the deadline
 
     # ---- lifecycle (manager's __init__ / close) ---------------------------------------------------------
 
@@ -121,11 +126,54 @@ class Tiering(SingleTier):
                 if not self._pauses:
                     self.durable.store.gate.set()
 
-    def committed(self, info: CheckpointInfo) -> CheckpointInfo:
-        """A checkpoint was committed locally (called on every rank, in the same order): queue it."""
+    def committed(self, info: CheckpointInfo, *, upload: bool = True) -> CheckpointInfo:
+        """A checkpoint was committed locally (called on every rank, in the same order): queue it, or with
+        ``upload=False`` (an emergency save whose upload does not fit in the grace) keep it local-only."""
         self.observe(info.step)
-        self._enqueue(info.step)
+        if upload:
+            self._enqueue(info.step)
+        else:
+            with self._cv:
+                self._local_only.add(info.step)
         return info
+
+    # ---- preemption -------------------------------------------------------------------------------------
+
+    def estimates(self) -> list[TierEstimate]:
+        """local: from the local manifests' save timings; durable: from recorded uploads, times the uploads
+        it would queue behind (uploads go in commit order, so the emergency one waits for those)."""
+        with self._cv:
+            ahead = len(self._queue) + (self._busy is not None)
+        one = self._history.expected()
+        basis = f"{SAFETY_FACTOR:g}x the slowest of the last {RECENT_SAVES} uploads"
+        if ahead:
+            basis += f", behind {ahead} upload(s) in flight or queued"
+        durable = None if one is None else one * (ahead + 1)
+        return [save_estimate("local", self.local), TierEstimate("durable", durable, basis)]
+
+    def preempted(self, plan: EmergencyPlan | None, deadline: float | None) -> None:
+        """After the emergency save: close() waits for uploads until ``deadline`` at most; if the plan left
+        the durable tier out, no further upload starts (what is queued stays local-only, like the emergency
+        checkpoint, and the next run on this node uploads it)."""
+        self._deadline = deadline
+        if plan is None or plan.action == "full":
+            return
+        with self._cv:
+            self._cutoff = f"the preemption's grace leaves no time to upload it ({plan.action} plan)"
+            queued, busy, local_only = list(self._queue), self._busy, sorted(self._local_only)
+        if not (local_only or queued or busy is not None):
+            return  # nothing saved, nothing waiting: the skip plan's own log says it all
+        log.warning(
+            "safepoint: preempted with too little grace to upload: not uploading step(s) %s%s%s. They stay "
+            "on the local tier only (%s; durability_lag() counts them): a restart on this node restores "
+            "from there and uploads them; a restart elsewhere resumes from the newest durable checkpoint "
+            "(step %s).",
+            local_only or "-",
+            f", nor the queued step(s) {queued}" if queued else "",
+            "" if busy is None else f"; the upload of step {busy} in flight may run until the deadline",
+            self.local.root,
+            self.lag().durable_step,
+        )
 
     def _enqueue(self, step: int) -> None:
         with self._cv:
@@ -156,13 +204,31 @@ class Tiering(SingleTier):
             self._cv.notify_all()
             thread = self._thread
         if thread is not None:
-            thread.join()
+            thread.join(None if self._deadline is None else max(0.0, self._deadline - time.monotonic()))
+            if thread.is_alive():
+                self._abandon()
         if self._lease is not None:
             self._lease.release()
             self._lease = None
-        self.comm.destroy()
+        if not self._gave_up:  # an abandoned uploader may still be inside one of this group's collectives
+            self.comm.destroy()
         if raise_failure:
             self.raise_failure()
+
+    def _abandon(self) -> None:
+        """The grace ends with an upload still running: leave it rather than be SIGKILLed waiting. No new
+        request starts (the gate stays shut) and no manifest is written, so the durable tier gets nothing;
+        the next owner deletes the partial objects and uploads the step again from the local copy."""
+        with self._cv:
+            self._cutoff = self._cutoff or "abandoned at the preemption's grace deadline"
+            self._gave_up = True
+            busy = self._busy
+        self.durable.store.gate.clear()
+        log.error(
+            "safepoint: the grace is over and the upload of step %s is still running: abandoned (nothing is "
+            "committed on the durable tier; the next run uploads it again from the local copy)",
+            busy,
+        )
 
     # ---- the uploader thread ----------------------------------------------------------------------------
 
@@ -201,41 +267,25 @@ class Tiering(SingleTier):
         kind, detail = self.comm.broadcast(decision)
         if kind == "error":
             raise UploadError(f"cannot upload step {step} to {self.durable.root}: {detail}")
+        if kind == "later":
+            log.warning("safepoint: not uploading step %d: %s; it stays local-only", step, detail)
+            with self._cv:
+                self._local_only.add(step)
+            return
         if kind != "upload":
             log.info("safepoint: not uploading step %d: %s", step, detail)
             if self.comm.is_coordinator:
                 self._prune_local()
             return
-        pending, t0 = detail, time.perf_counter()
-        error: str | None = None
-        manifest: Manifest | None = None
-        try:
-            manifest = self.local.read_manifest(step)
-            base = self.local.step_path(step)
-            mine = [n for n in sorted(manifest.files) if self._owner(n) == self.comm.rank]
-            files = [(str(base / n), n, manifest.files[n].size, manifest.files[n].crc32c) for n in mine]
-            self.durable.put_files(pending, files)
-        except (CheckpointError, OSError) as e:
-            error = f"rank {self.comm.rank}: {e}"
-        errors = [e for e in self.comm.all_gather(error) if e]
-        if self.comm.is_coordinator:
-            if not errors and manifest is not None:
-                try:
-                    self.durable.commit(pending, manifest)
-                except (CheckpointError, OSError) as e:
-                    errors.append(f"commit: {e}")
-            if errors:
-                self.durable.discard(pending)
-        errors = self.comm.broadcast(errors)
-        if errors or manifest is None:
-            raise UploadError(
-                f"upload of step {step} to {self.durable.root} failed; nothing was committed there and the "
-                f"local copy is kept ({'; '.join(errors)})"
-            )
+        t0 = time.perf_counter()
+        # Once close() gave up on this upload it released the durable lease: a commit would race a new owner.
+        manifest = upload_checkpoint(self.comm, self.local, self.durable, step, detail, lambda: self._gave_up)
         info = self.durable.info(step, manifest)
+        self._history.record(time.perf_counter() - t0, persist=self.comm.is_coordinator)
         with self._cv:
             self._durable[step] = (manifest.save_id, info)
             self._done.add((step, manifest.save_id))
+            self._local_only.discard(step)
             self.uploaded.append(step)
         log.info(
             "safepoint: step %d is durable at %s (%.1f MB in %.2fs)",
@@ -248,10 +298,6 @@ class Tiering(SingleTier):
             self._retain_durable()
             self._prune_local()
 
-    def _owner(self, name: str) -> int:
-        m = _RANK_FILE.match(name)
-        return int(m.group(1)) % self.comm.world_size if m else 0
-
     def _decide(self, step: int) -> tuple[str, str]:
         try:
             manifest = self.local.read_manifest(step)
@@ -259,6 +305,8 @@ class Tiering(SingleTier):
             return ("skip", "it is no longer committed locally")
         if self._durable.get(step, ("",))[0] == manifest.save_id:
             return ("done", "it is durable already")
+        if self._cutoff is not None:
+            return ("later", self._cutoff)
         with self._cv:
             queued = list(self._queue)
         waiting = []
@@ -320,100 +368,18 @@ class Tiering(SingleTier):
     # ---- restore, list, lag -----------------------------------------------------------------------------
 
     def restore(self, restorer: Restorer, state: TrainState, step: int | None) -> Manifest | None:
-        with self._hold_local():
-            manifest = self._choose(restorer, step)
+        with self._no_prune:  # the uploader must not delete a local copy while it is chosen and loaded
+            manifest = choose_across_tiers(restorer, self.local, self.durable, step, self._fetched)
             if manifest is not None:
                 restorer.load(manifest, state)
                 self.observe(manifest.step)
         return manifest
 
-    @contextlib.contextmanager
-    def _hold_local(self) -> Iterator[None]:
-        with self._no_prune:
-            yield
-
-    def _choose(self, restorer: Restorer, step: int | None) -> Manifest | None:
-        comm = restorer.comm
-        local: Manifest | None = None
-        missing: CheckpointError | None = None
-        try:
-            local = restorer.choose(step)
-        except CheckpointError as e:
-            if step is None:
-                raise
-            missing = e
-        steps = comm.broadcast(self.durable.committed_steps() if comm.is_coordinator else [])
-        if step is not None:
-            candidates = [step] if local is None and step in steps else []
-        else:
-            candidates = [s for s in reversed(steps) if local is None or s > local.step]
-        for s in candidates:
-            problem = self._fetch(comm, s)
-            if problem is None:
-                return restorer.choose(s)
-            if comm.is_coordinator:
-                msg = f"safepoint: durable checkpoint step {s} is unusable ({problem}); trying an older one"
-                warnings.warn(msg, CheckpointWarning, stacklevel=4)
-                log.warning(msg)
-        if missing is not None:
-            raise missing
-        return local
-
-    def _fetch(self, comm: Comm, step: int) -> str | None:
-        """Download a durable checkpoint into the local tier; None if it worked, else what went wrong.
-
-        Collective: every rank downloads a share of the files (into the shared local root, like a save),
-        checking each file's crc32c as its bytes arrive; rank 0 commits it locally once all are in.
-        """
-        plan: tuple[bytes, str] | str = ""
-        if comm.is_coordinator:
-            try:
-                raw = self.durable.manifest_bytes(step)
-                manifest = Manifest.from_json(raw, step_hint=step)
-                pending = self.local.new_pending(step, manifest.save_id)
-                pending.mkdir(parents=True)
-                plan = (raw, str(pending))
-            except (CheckpointError, OSError) as e:
-                plan = str(e)
-        plan = comm.broadcast(plan)
-        if isinstance(plan, str):
-            return plan
-        manifest, pending = Manifest.from_json(plan[0], step_hint=step), Path(plan[1])
-
-        def get(name: str) -> None:
-            entry = manifest.files[name]
-            key = self.durable.object_key(step, name)
-            crc = self.durable.store.download(key, str(pending / name), entry.size)
-            if crc != entry.crc32c:
-                raise CorruptCheckpointError(step, name, f"crc32c {crc} != {entry.crc32c} (contents altered)")
-
-        t0, problem = time.perf_counter(), None
-        try:
-            self.durable.store._parallel(get, sorted(manifest.files)[comm.rank :: comm.world_size])
-        except (CheckpointError, OSError) as e:
-            problem = str(e)
-        problems = [p for p in comm.all_gather(problem) if p]
-        if comm.is_coordinator:
-            if not problems:
-                try:
-                    self.local.commit(pending, manifest)
-                except (CheckpointError, OSError) as e:
-                    problems.append(f"local commit: {e}")
-            if problems:
-                self.local.discard(pending)
-        problems = comm.broadcast(problems)
-        if problems:
-            return problems[0]
+    def _fetched(self, manifest: Manifest) -> None:
+        """A durable checkpoint was downloaded into the local tier: it needs no upload."""
         with self._cv:
-            self._durable[step] = (manifest.save_id, self.durable.info(step, manifest))
-            self._done.add((step, manifest.save_id))
-        log.info(
-            "safepoint: downloaded durable step %d (%.1f MB in %.2fs)",
-            step,
-            manifest.total_bytes / 1e6,
-            time.perf_counter() - t0,
-        )
-        return None
+            self._durable[manifest.step] = (manifest.save_id, self.durable.info(manifest.step, manifest))
+            self._done.add((manifest.step, manifest.save_id))
 
     def list(self) -> list[CheckpointInfo]:
         """Both tiers, oldest first; a step present locally is listed with its local path."""
@@ -424,5 +390,5 @@ class Tiering(SingleTier):
     def lag(self) -> DurabilityLag:
         with self._cv:
             infos = [info for _, info in self._durable.values()]
-            pending = len(self._queue) + (self._busy is not None)
+            pending = len(self._queue) + (self._busy is not None) + len(self._local_only)
         return self._lag(max(infos, key=lambda i: i.step) if infos else None, pending)

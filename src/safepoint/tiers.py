@@ -16,8 +16,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from safepoint.errors import CheckpointError
+from safepoint.history import TierEstimate, save_estimate
 from safepoint.layout import CheckpointInfo, CheckpointStore, Layout
 from safepoint.manifest import Manifest
+from safepoint.preemption import EmergencyPlan
 from safepoint.remote import RemoteLayout, is_url
 from safepoint.restore import Restorer
 from safepoint.retry import TransferConfig
@@ -92,10 +94,19 @@ class SingleTier:
     def observe(self, step: int) -> None:
         self._seen = max(self._seen, step)
 
-    def committed(self, info: CheckpointInfo) -> CheckpointInfo:
-        """A save committed ``info`` (called on every rank, in the same order); returns it."""
+    def committed(self, info: CheckpointInfo, *, upload: bool = True) -> CheckpointInfo:
+        """A save committed ``info`` (called on every rank, in the same order); returns it. ``upload``:
+        False for an emergency save whose upload does not fit in the grace (tiering only)."""
         self.observe(info.step)
         return info
+
+    def estimates(self) -> list[TierEstimate]:
+        """What an emergency save would cost per tier, fastest first, from the recorded history."""
+        return [save_estimate("root", self.layout)]
+
+    def preempted(self, plan: EmergencyPlan | None, deadline: float | None) -> None:
+        """The emergency save is done, skipped, or not needed (``plan`` None: the step was committed
+        already), and the process exits by ``deadline`` (time.monotonic(); None: no grace_seconds)."""
 
     def raise_failure(self) -> None:
         pass

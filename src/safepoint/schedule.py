@@ -1,0 +1,97 @@
+"""schedule: when ``maybe_save`` saves, and the record of the saves made (the adaptive interval's costs).
+
+Step policies decide alone: every rank sees the same steps. Time policies depend on each rank's clock, so
+ranks agree before acting on them (a save due on some ranks only would deadlock the save's collectives).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from safepoint.dist import Agreement, Comm
+from safepoint.history import RunHistory, adaptive_policy
+from safepoint.layout import Layout
+from safepoint.policy import (
+    TIME_POLICIES,
+    AdaptiveInterval,
+    EveryNSeconds,
+    EveryNSteps,
+    SavePolicy,
+    parse_interval,
+)
+
+
+@dataclasses.dataclass(slots=True)
+class SaveRecord:
+    """One save as the training loop saw it."""
+
+    step: int
+    blocking_s: float
+    bytes: int
+
+
+class SaveSchedule:
+    """The manager's save policies, the ranks' agreement on time-based ones, and the saves made."""
+
+    def __init__(
+        self,
+        comm: Comm,
+        save_every_steps: int | None,
+        save_every_seconds: float | str | AdaptiveInterval | None,
+        mtbf_seconds: float | None,
+        *,
+        local: bool,
+    ) -> None:
+        self.policies: list[SavePolicy] = []
+        if save_every_steps is not None:
+            self.policies.append(EveryNSteps(save_every_steps))
+        every_s, self.auto = parse_interval(save_every_seconds, mtbf_seconds)
+        if self.auto is not None and not local:
+            raise ValueError(
+                "save_every_seconds='auto' keeps its run history on a local disk: set local_root"
+            )
+        if every_s is not None:
+            self.policies.append(EveryNSeconds(every_s))
+        self.mtbf_seconds = mtbf_seconds
+        self.time_based = save_every_seconds is not None
+        # Ranks compare their clocks about every 1% of the interval (at most once a second), not every step.
+        self.agreement = Agreement(comm, min(1.0, (self.auto.min_s if self.auto else every_s or 0.0) / 100))
+        self.last_step: int | None = None
+        self.last_time = time.monotonic()
+        self.saves: list[SaveRecord] = []
+
+    def add_adaptive(self, layout: Layout, comm: Comm) -> RunHistory | None:
+        """With ``"auto"``: the adaptive policy (C from the saves recorded here), and its run history."""
+        if self.auto is None:
+            return None
+        policy, runs = adaptive_policy(
+            self.auto, self.mtbf_seconds, layout, comm, lambda: [s.blocking_s for s in self.saves]
+        )
+        self.policies.append(policy)
+        return runs
+
+    def due(self, step: int) -> bool:
+        """Collective when a time policy is configured (every rank calls it at every maybe_save)."""
+        if step == self.last_step or not self.policies:
+            return False
+        now = time.monotonic()
+        if any(self._due(p, step, now) for p in self.policies if not isinstance(p, TIME_POLICIES)):
+            return True
+        if not self.time_based:
+            return False
+        timed = any(self._due(p, step, now) for p in self.policies if isinstance(p, TIME_POLICIES))
+        return self.agreement.agree(step, timed)
+
+    def _due(self, policy: SavePolicy, step: int, now: float) -> bool:
+        return policy.due(step, now, self.last_step, self.last_time)
+
+    def saved(self, step: int, blocking_s: float, nbytes: int) -> None:
+        self.saves.append(SaveRecord(step=step, blocking_s=blocking_s, bytes=nbytes))
+        self.at(step)
+
+    def at(self, step: int | None) -> None:
+        """The state now is ``step``'s checkpoint (saved or restored); None: no step is known committed."""
+        self.last_step = step
+        if step is not None:
+            self.last_time = time.monotonic()
