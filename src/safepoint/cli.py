@@ -23,7 +23,7 @@ from safepoint.errors import CheckpointError, CorruptCheckpointError
 
 # Subcommands implemented in their own modules, imported only when used; they parse their own arguments.
 _PASSTHROUGH = {
-    "demo": "train, get SIGKILLed partway, resume, and check the final weights bit for bit",
+    "demo": "torchrun job through SIGKILL, SIGTERM, a corrupt checkpoint and 2 -> 1 ranks; bitwise check",
     "bench": "run the benchmark suite (save/restore against plain DCP, torch.save, dd)",
 }
 # In the order `safepoint --help` lists them.

@@ -1,175 +1,361 @@
-"""``safepoint demo``: train, get killed with SIGKILL partway, restart, resume, and prove the final weights
-are bitwise identical to a run that was never interrupted.
+"""safepoint demo: a real 2-rank torchrun job survives four faults and ends where it would have anyway.
 
-The worker is a real separate process (``python -m safepoint.demo --worker``) so the kill is a real kill.
+A small transformer trains on generated data under torchrun (gloo, CPU) with safepoint: async saves, a
+ResumableSampler, per-rank RNG, SIGTERM handling. The demo plays the cluster and breaks it four times,
+each a real process event:
+
+  1. SIGKILL of rank 1 mid-training: torchrun (--max-restarts=1) restarts both ranks, they resume
+  2. SIGTERM to torchrun (a preemption): emergency save, exit 143; the relaunch resumes at that step
+  3. the newest checkpoint corrupted (bytes flipped in a data file): restore warns and falls back
+  4. the relaunch runs on 1 rank instead of 2: DCP reshards the 2-rank checkpoint
+
+Then it compares the weights and optimizer state with uninterrupted reference runs: bitwise at the end of
+the 2-rank part, and bitwise at the end after the 2 -> 1 change (against a reference that changes world
+size at the same step without faults). It prints a summary table, writes DIR/summary.json and a PNG
+timeline, and exits 1 if any check fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import json
 import os
-import random
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-import numpy as np
-import torch
 from rich.console import Console
-from rich.table import Table
 
-import safepoint
+from safepoint import demo_report
+from safepoint.layout import Layout
 
-console = Console()
-_VOCAB, _DIM, _SEQ = 64, 32, 16
-
-
-class TinyTransformer(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(_VOCAB, _DIM)
-        layer = torch.nn.TransformerEncoderLayer(
-            _DIM, nhead=4, dim_feedforward=64, dropout=0.1, batch_first=True
-        )
-        self.encoder = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
-        self.head = torch.nn.Linear(_DIM, _VOCAB)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.head(self.encoder(self.embed(x)))
-        return out
+# Wide enough for the tables when the output goes to a file or a pipe (rich's default there is 80).
+console = Console(highlight=False, width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 120)
+_LAUNCH_TIMEOUT_S = 300.0
 
 
-def _batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    # Generated data: predict the next token of a noisy arithmetic sequence.
-    start = torch.randint(0, _VOCAB, (8, 1), generator=gen)
-    seq = (start + torch.arange(_SEQ + 1)) % _VOCAB
-    return seq[:, :-1], seq[:, 1:]
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    steps: int  # the run's last step
+    save_every: int
+    kill_after: int  # rank 1 is SIGKILLed soon after this step (torchrun attempt 0)
+    preempt_after: int  # torchrun gets SIGTERM soon after this step (attempt 1)
+    resize_at: int  # the 2-rank part ends here; its checkpoint is the one corrupted; then 1 rank
 
 
-def worker(root: str, steps: int, kill_at: int | None, out: str, save_every: int) -> None:
-    torch.manual_seed(0)
-    random.seed(0)
-    np.random.seed(0)
-    model = TinyTransformer()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
-    gen = torch.Generator().manual_seed(1)
-    data = _GenState(gen)
-    state = safepoint.TrainState(model=model, optimizer=opt, scheduler=sched, extra={"data": data})
-    with safepoint.CheckpointManager(root, save_every_steps=save_every, keep_last=2) as mgr:
-        step = mgr.restore(state)
-        if step:
-            print(f"RESUMED {step}", flush=True)
-        while step < steps:
-            x, y = _batch(gen)
-            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            opt.zero_grad()
-            loss.backward()  # type: ignore[no-untyped-call]
-            opt.step()
-            sched.step()
-            step += 1
-            if mgr.maybe_save(step, state, metrics={"loss": loss.detach()}):
-                print(f"SAVED {step} {mgr.saves[-1].blocking_s * 1000:.1f}", flush=True)
-            if kill_at is not None and step == kill_at:
-                print(f"KILLED {step}", flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
-    torch.save(model.state_dict(), out)
+# The SIGTERM comes just after a periodic save and far from the next one (the ranks compare notices about
+# every 0.25 s of training, 10-20 fast steps here), so that a periodic save falls between the emergency
+# save and resize_at: the faulty run falls back to it, and the reference has it too. The SIGKILL comes
+# mid-interval, so steps are lost.
+FULL = Schedule(steps=250, save_every=25, kill_after=60, preempt_after=76, resize_at=175)
+QUICK = Schedule(steps=80, save_every=16, kill_after=20, preempt_after=33, resize_at=64)
 
 
-class _GenState:
-    """The data generator's position is training state too."""
+class Launch:
+    """One torchrun launch of safepoint.demo_worker; its events are the workers' JSON lines."""
 
-    def __init__(self, gen: torch.Generator) -> None:
-        self.gen = gen
+    def __init__(
+        self, out: Path, name: str, world: int, jobs: list[dict[str, Any]], max_restarts: int = 0
+    ) -> None:
+        self.name, self.world = name, world
+        self.prefix = out / "logs" / name
+        plan = out / "logs" / f"{name}.plan.json"
+        jobs = [{**j, "done": f"{self.prefix}.{j['name']}"} for j in jobs]
+        plan.write_text(json.dumps({"log": str(self.prefix), "jobs": jobs}, indent=1))
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={world}",
+            f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.1",
+            "-m",
+            "safepoint.demo_worker",
+            str(plan),
+        ]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        self.log_path = out / "logs" / f"{name}.torchrun.log"
+        self.t_start = time.time()
+        with open(self.log_path, "w") as log:  # a file, not a pipe: nothing blocks on a full pipe
+            # Its own session: Ctrl-C in the terminal reaches the demo only, which then stops the launch.
+            self.proc = subprocess.Popen(
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self._offsets: dict[Path, int] = {}
+        self.events: list[dict[str, Any]] = []
+        self.rc: int | None = None
+        self.t_end = 0.0
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"gen": self.gen.get_state()}
+    def poll_events(self) -> list[dict[str, Any]]:
+        """Events written since the last call (complete lines only)."""
+        new: list[dict[str, Any]] = []
+        for rank in range(self.world):
+            path = Path(f"{self.prefix}.rank{rank}.jsonl")
+            if not path.exists():
+                continue
+            with open(path, "rb") as f:
+                f.seek(self._offsets.get(path, 0))
+                data = f.read()
+            end = data.rfind(b"\n") + 1
+            self._offsets[path] = self._offsets.get(path, 0) + end
+            new += [{**json.loads(line), "launch": self.name} for line in data[:end].splitlines() if line]
+        self.events += new
+        return new
 
-    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        self.gen.set_state(sd["gen"])
+    def wait(self, on_event: Callable[[dict[str, Any] | None], None] | None = None) -> int:
+        """Wait for the launch to end; ``on_event`` sees every event, and None about every 20 ms."""
+        deadline = time.monotonic() + _LAUNCH_TIMEOUT_S
+        try:
+            while self.proc.poll() is None:
+                for ev in [*self.poll_events(), None]:
+                    if on_event:
+                        on_event(ev)
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"demo: launch {self.name} did not finish in {_LAUNCH_TIMEOUT_S:.0f}s")
+                time.sleep(0.02)
+        finally:
+            if self.proc.poll() is None:  # a timeout or Ctrl-C
+                self._stop()
+        for ev in self.poll_events():
+            if on_event:
+                on_event(ev)
+        self.events.sort(key=lambda e: e["t"])
+        self.rc, self.t_end = self.proc.returncode, time.time()
+        return self.rc
+
+    def _stop(self) -> None:
+        # torchrun starts each worker in a session of its own, so killing torchrun's group would leave
+        # them running: kill its children by pid first (Linux /proc; elsewhere, the ones that logged).
+        self.poll_events()
+        pids = {e["pid"] for e in self.events if e["event"] == "start"} | _children(self.proc.pid)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def result(self, label: str, role: str, job: str) -> demo_report.LaunchResult:
+        """One job's part of this launch (a launch can run two jobs one after the other)."""
+        assert self.rc is not None
+        events = [e for e in self.events if e["job"] == job]
+        before = [e["t"] for e in self.events if e["job"] != job and e["event"] == "finished"]
+        t_start = max([t for t in before if t < events[0]["t"]], default=self.t_start) if events else 0.0
+        t_end = max((e["t"] for e in events if e["event"] == "finished"), default=self.t_end)
+        return demo_report.LaunchResult(label, role, self.world, self.rc, t_start, t_end, events)
 
 
-def _run(args: list[str]) -> tuple[int, list[str]]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "safepoint.demo", "--worker", *args], capture_output=True, text=True
+def _children(ppid: int) -> set[int]:
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # "pid (comm) state ppid ...": comm may hold spaces, so split after its closing parenthesis.
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == ppid:
+                found.add(int(stat.parent.name))
+    return found
+
+
+def _say(msg: str) -> None:
+    console.print(f"[dim]{time.strftime('%H:%M:%S')}[/] {msg}")
+
+
+def _expect(launch: Launch, ok: bool, what: str) -> None:
+    if not ok:
+        tail = launch.log_path.read_text()[-3000:]
+        console.print(f"[red]launch {launch.name}: {what} (exit {launch.rc}); torchrun log tail:[/]\n{tail}")
+        raise SystemExit(1)
+
+
+def _manifests(root: Path, into: dict[str, dict[str, Any]]) -> None:
+    """Collect every committed manifest (by save id): checkpoints replaced later still count as saves."""
+    layout = Layout(root)
+    for step in layout.committed_steps():
+        m = layout.read_manifest(step)
+        t = m.extra.get("timings", {})
+        into[m.save_id] = {
+            "step": m.step,
+            "bytes": m.total_bytes,
+            "write_s": t.get("write_s"),
+            "world_size": m.world_size,
+            "emergency": "emergency" in m.extra,
+        }
+
+
+def _corrupt_newest(root: Path) -> dict[str, Any]:
+    """Flip 64 bytes in the middle of the newest checkpoint's largest data file, as a bad disk would."""
+    layout = Layout(root)
+    step = layout.committed_steps()[-1]
+    target = max(layout.step_path(step).glob("*.distcp"), key=lambda p: p.stat().st_size)
+    size = target.stat().st_size
+    with open(target, "r+b") as f:
+        f.seek(size // 2)
+        chunk = f.read(64)
+        f.seek(size // 2)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+    return {"step": step, "file": target.name, "offset": size // 2, "bytes": 64}
+
+
+class Injector:
+    """Plays the cluster during launch A: SIGKILLs the announcing rank, SIGTERMs torchrun."""
+
+    def __init__(self, run_root: Path, faults: list[dict[str, Any]]) -> None:
+        self.run_root, self.faults = run_root, faults
+        self.launch: Launch | None = None
+        self.pending_kill: dict[str, Any] | None = None
+
+    def __call__(self, ev: dict[str, Any] | None) -> None:
+        assert self.launch is not None
+        if ev is None:
+            # A kill before the first checkpoint committed would only show a restart from step 0: hold
+            # the SIGKILL until one has (the announcing rank waits for it meanwhile).
+            if self.pending_kill and Layout(self.run_root).committed_steps():
+                k, self.pending_kill = self.pending_kill, None
+                os.kill(k["pid"], signal.SIGKILL)
+                self.faults.append({"kind": "sigkill", "t": time.time(), "rank": k["rank"], "pid": k["pid"]})
+                who = f"rank {k['rank']} (pid {k['pid']})"
+                _say(f"  [red]fault 1[/]: SIGKILL to {who} after step {k['step']}")
+        elif ev["event"] == "kill-ready":
+            self.pending_kill = ev
+        elif ev["event"] == "preempt-ready":
+            pid = self.launch.proc.pid
+            os.kill(pid, signal.SIGTERM)  # to torchrun, as Kubernetes or Slurm would; it forwards it
+            self.faults.append({"kind": "sigterm", "t": time.time(), "pid": pid})
+            _say(f"  [yellow]fault 2[/]: SIGTERM to torchrun (pid {pid}) after step {ev['step']}")
+        elif ev["event"] == "restored" and ev["rank"] == 0 and ev["job"] == "run":
+            _say(f"  faulty run, attempt {ev['attempt']}: restored step {ev['step']}")
+        elif ev["event"] == "finished" and ev["rank"] == 0 and ev["job"] == "reference":
+            _say(f"  reference done (step {ev['step']}); the faulty run starts")
+        elif ev["event"] == "preempted" and ev["rank"] == 0:
+            _say(f"  emergency save of step {ev['saved_step']}; workers exit {ev['code']} (Preempted)")
+
+
+def run(out: Path, sch: Schedule) -> int:
+    t0 = time.time()
+    (out / "logs").mkdir(parents=True)
+    faults: list[dict[str, Any]] = []
+    saves: dict[str, dict[str, Any]] = {}
+    names = ("ref_resize", "ref_end", "run_resize", "run_end", "ref1_end")
+    snap = {name: str(out / f"{name}.pt") for name in names}
+    ref_root, run_root = out / "reference" / "ckpt", out / "run" / "ckpt"
+
+    def job(name: str, root: Path, steps: int, **kw: Any) -> dict[str, Any]:
+        common = {"save_every": sch.save_every, "total_steps": sch.steps}
+        return {"name": name, "root": str(root), "steps": steps, **common, **kw}
+
+    # The uninterrupted reference runs first in the same torchrun launch (one start of 2 workers less);
+    # after torchrun's restart it is done and skipped.
+    _say(
+        f"[bold]launch A[/]: torchrun, 2 ranks, --max-restarts=1: the reference (steps 0 -> {sch.steps}, "
+        f"no faults), then the faulty run (checkpoints every {sch.save_every} steps)"
     )
-    if proc.returncode not in (0, -signal.SIGKILL):
-        console.print(proc.stderr)
-        raise SystemExit(f"demo worker failed with exit code {proc.returncode}")
-    return proc.returncode, proc.stdout.splitlines()
+    ref_snaps = {sch.resize_at: snap["ref_resize"], sch.steps: snap["ref_end"]}
+    kill = {"attempt": 0, "rank": 1, "after": sch.kill_after}
+    preempt = {"attempt": 1, "rank": 0, "after": sch.preempt_after}
+    jobs = [
+        job("reference", ref_root, sch.steps, snapshots=ref_snaps),
+        job("run", run_root, sch.resize_at, kill=kill, preempt=preempt),
+    ]
+    injector = Injector(run_root, faults)
+    a = injector.launch = Launch(out, "A", 2, jobs, max_restarts=1)
+    _expect(a, a.wait(injector) != 0, "expected a preempted (non-zero) exit")
+    _manifests(run_root, saves)
+
+    _say(f"[bold]launch B[/]: relaunch, 2 ranks, until step {sch.resize_at}")
+    b = Launch(
+        out, "B", 2, [job("run", run_root, sch.resize_at, snapshots={sch.resize_at: snap["run_resize"]})]
+    )
+    _expect(b, b.wait() == 0, "the relaunch after the preemption failed")
+    _say(f"  restored step {_restored(b)}, trained to step {sch.resize_at}")
+    _manifests(run_root, saves)
+
+    hit = _corrupt_newest(run_root)
+    faults.append({"kind": "corrupt", "t": time.time(), **hit})
+    where = f"step-{hit['step']}/{hit['file']}"
+    _say(f"  [magenta]fault 3[/]: flipped {hit['bytes']} bytes in {where} (the newest checkpoint)")
+
+    # The reference for the part after the world-size change: the uninterrupted run's copy of the
+    # checkpoint the faulty run should fall back to, continued on 1 rank the same way, without faults.
+    # It runs in launch C too, after the faulty run.
+    older = max((s["step"] for s in saves.values() if s["step"] < hit["step"]), default=0)
+    ref1_root = out / "reference-1rank" / "ckpt"
+    ref1_root.mkdir(parents=True)
+    if (ref_root / f"step-{older}").is_dir():
+        shutil.copytree(ref_root / f"step-{older}", ref1_root / f"step-{older}")
+
+    faults.append({"kind": "resize", "t": time.time(), "from": 2, "to": 1})
+    _say(f"[bold]launch C[/]: [cyan]fault 4[/]: relaunch on 1 rank instead of 2, until step {sch.steps}")
+    jobs = [
+        job("run", run_root, sch.steps, snapshots={sch.steps: snap["run_end"]}),
+        job("reference-1rank", ref1_root, sch.steps, snapshots={sch.steps: snap["ref1_end"]}),
+    ]
+    c = Launch(out, "C", 1, jobs)
+
+    def on_c(ev: dict[str, Any] | None) -> None:
+        if ev and ev["event"] == "restored" and ev["job"] == "run":
+            _say(f"  restored step {ev['step']} (saved by {ev['saved_world_size']} ranks) on 1 rank")
+        elif ev and ev["event"] == "restored":
+            _say(f"  then the reference: 1 rank, from the reference's step {ev['step']}, no faults")
+
+    _expect(c, c.wait(on_c) == 0, "the 1-rank relaunch failed")
+    _manifests(run_root, saves)
+
+    report = demo_report.Report(
+        schedule=dataclasses.asdict(sch),
+        launches=[
+            a.result("reference", "reference", "reference"),
+            a.result("A", "run", "run"),
+            b.result("B", "run", "run"),
+            c.result("C", "run", "run"),
+            c.result("reference-1rank", "reference", "reference-1rank"),
+        ],
+        faults=faults,
+        saves=list(saves.values()),
+        snapshots={k: Path(v) for k, v in snap.items()},
+        wall_s=time.time() - t0,
+    )
+    return demo_report.finish(report, out, console)
+
+
+def _restored(launch: Launch) -> int:
+    return next((e["step"] for e in launch.events if e["event"] == "restored" and e["rank"] == 0), -1)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="safepoint demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="safepoint demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+        "  safepoint demo                       # the full run, into demo-out/\n"
+        "  safepoint demo --quick --out /tmp/d  # fewer steps, the same four faults",
     )
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--kill-at", type=int, default=37, help="step at which the run SIGKILLs itself")
-    p.add_argument("--save-every", type=int, default=10)
-    p.add_argument("--out", default="demo-out", help="directory for checkpoints and results")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--root", help=argparse.SUPPRESS)
-    p.add_argument("--final", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--out", default="demo-out", metavar="DIR", help="output directory, replaced (default: demo-out)"
+    )
+    p.add_argument("--quick", action="store_true", help=f"{QUICK.steps} steps instead of {FULL.steps}")
     a = p.parse_args(argv)
-    if a.worker:
-        worker(a.root, a.steps, a.kill_at if a.kill_at >= 0 else None, a.final, a.save_every)
-        return 0
-    if not 0 < a.kill_at < a.steps:
-        p.error("--kill-at must be between 1 and --steps - 1")
     out = Path(a.out)
+    # Replace only an earlier demo's output: --out pointed at a directory of one's own must not vanish.
+    if out.exists() and any(out.iterdir()) and not (out / "logs").is_dir():
+        p.error(f"{out} exists and is not the output of an earlier demo; choose another --out")
     shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    common = ["--steps", str(a.steps), "--save-every", str(a.save_every)]
-    t0 = time.perf_counter()
-    console.print(f"[bold]1.[/] reference run: {a.steps} steps, never interrupted")
-    with tempfile.TemporaryDirectory() as ref_root:
-        _run([*common, "--root", ref_root, "--kill-at", "-1", "--final", str(out / "reference.pt")])
+    sch = QUICK if a.quick else FULL
     console.print(
-        f"[bold]2.[/] faulty run: SIGKILL at step {a.kill_at}, checkpoints every {a.save_every} steps"
+        f"[bold]safepoint demo[/]: {sch.steps} steps of a small transformer under torchrun, four faults; "
+        f"output in {out}/"
     )
-    root = out / "checkpoints"
-    code, lines1 = _run(
-        [*common, "--root", str(root), "--kill-at", str(a.kill_at), "--final", str(out / "final.pt")]
-    )
-    killed = code == -signal.SIGKILL
-    console.print(f"   worker exit: {'SIGKILL' if killed else code}")
-    console.print("[bold]3.[/] restart: the same command, resuming from the newest intact checkpoint")
-    _, lines2 = _run([*common, "--root", str(root), "--kill-at", "-1", "--final", str(out / "final.pt")])
-    resumed = next((int(ln.split()[1]) for ln in lines2 if ln.startswith("RESUMED")), 0)
-    saves = [ln.split() for ln in lines1 + lines2 if ln.startswith("SAVED")]
-    ref = torch.load(out / "reference.pt", weights_only=True)
-    got = torch.load(out / "final.pt", weights_only=True)
-    identical = ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
-
-    table = Table(title="safepoint demo")
-    table.add_column("what")
-    table.add_column("value", justify="right")
-    table.add_row("steps", str(a.steps))
-    table.add_row("killed at step (SIGKILL)", str(a.kill_at) if killed else "no")
-    table.add_row("resumed from step", str(resumed))
-    table.add_row("steps recomputed", str(a.kill_at - resumed))
-    table.add_row("saves", str(len(saves)))
-    ms = sorted(float(s[2]) for s in saves)
-    table.add_row("median save (ms)", f"{ms[len(ms) // 2]:.1f}" if ms else "-")
-    table.add_row("committed checkpoints", ", ".join(str(c.step) for c in _list(root)))
-    table.add_row("wall time (s)", f"{time.perf_counter() - t0:.1f}")
-    console.print(table)
-    if identical and killed and resumed > 0:
-        console.print("[bold green]VERDICT: final weights are bitwise identical to the uninterrupted run[/]")
-        return 0
-    console.print("[bold red]VERDICT: final weights DIFFER from the uninterrupted run[/]")
-    return 1
-
-
-def _list(root: Path) -> list[safepoint.CheckpointInfo]:
-    from safepoint.layout import Layout
-
-    layout = Layout(root)
-    return [layout.info(s, layout.read_manifest(s)) for s in layout.committed_steps()]
+    try:
+        return run(out, sch)
+    except KeyboardInterrupt:  # the launch in progress was stopped on the way out (Launch.wait)
+        console.print("interrupted")
+        return 130
 
 
 if __name__ == "__main__":
