@@ -17,11 +17,7 @@ with ResumableSampler at world sizes 3, 1 and 2 (resharding).
 from __future__ import annotations
 
 import datetime
-import json
-import os
 import random
-import subprocess
-import sys
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
@@ -40,6 +36,7 @@ from safepoint import rng
 from safepoint.layout import Layout
 from safepoint.storage import SafeLoadPlanner, SafeReader
 from tests.conftest import REPO
+from tests.dist.launch import assert_bitwise, events, finish, load, start
 
 WORKER = REPO / "tests" / "dist" / "worker.py"
 STEPS, EVERY = 12, 3
@@ -49,59 +46,11 @@ pytestmark = pytest.mark.timeout(400)
 
 
 def torchrun(out: Path, nproc: int, jobs: list[dict[str, Any]], max_restarts: int = 0) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    plan = out / f"plan-{nproc}-{len(list(out.glob('plan-*')))}.json"
-    plan.write_text(json.dumps({"out": str(out), "jobs": jobs}))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        f"--max-restarts={max_restarts}",
-        "--monitor-interval=0.1",
-        str(WORKER),
-        str(plan),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}")
+    tag = f"plan-{nproc}-{len(list(out.glob('plan-*.json')))}"
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
-    (out / f"{plan.stem}.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, f"torchrun failed after {time.monotonic() - t0:.1f}s:\n{proc.stderr[-6000:]}"
-
-
-def events(out: Path, job: str, event: str, rank: int | None = None) -> list[dict[str, Any]]:
-    found = []
-    for path in sorted(out.glob("log.rank*.jsonl")):
-        r = int(path.stem.split("rank")[1])
-        if rank is not None and r != rank:
-            continue
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            if rec["job"] == job and rec["event"] == event:
-                found.append({**rec, "rank": r})
-    return found
-
-
-def load(path: Path) -> dict[str, Any]:
-    sd: dict[str, Any] = torch.load(path, weights_only=True)
-    return sd
-
-
-def assert_bitwise(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype, where
-        assert torch.equal(a, b), f"{where} differs"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {a.keys()} vs {b.keys()}"
-        for k in a:
-            assert_bitwise(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_bitwise(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
+    proc = start(WORKER, out, tag, jobs, nproc=nproc, max_restarts=max_restarts)
+    rc, output = finish(out, tag, proc)
+    assert rc == 0, f"torchrun failed after {time.monotonic() - t0:.1f}s:\n{output[-6000:]}"
 
 
 def _train(name: str, model: str, root: Path, **kw: Any) -> dict[str, Any]:

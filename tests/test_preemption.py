@@ -37,6 +37,7 @@ from safepoint.layout import Layout
 from safepoint.preemption import DEFAULT_EXIT_CODE, TierEstimate, plan_emergency_save
 from tests._train import Setup
 from tests.conftest import REPO
+from tests.dist.launch import assert_bitwise, events, finish, load, ready_pids, start
 
 WORKER = REPO / "tests" / "dist_preempt" / "worker.py"
 EXAMPLE = REPO / "examples" / "preemptible_train.py"
@@ -402,52 +403,11 @@ class DistRuns:
     kills: list[dict[str, int]]
 
     def events(self, job: str, event: str) -> list[dict[str, Any]]:
-        return _events(self.out, job, event)
-
-
-def _events(out: Path, job: str, event: str) -> list[dict[str, Any]]:
-    found = []
-    for rank in (0, 1):
-        for line in (out / f"log.rank{rank}.jsonl").read_text().splitlines():
-            rec = json.loads(line)
-            if rec["job"] == job and rec["event"] == event:
-                found.append({**rec, "rank": rank})
-    return found
-
-
-def _launch(out: Path, tag: str, jobs: list[dict[str, Any]], max_restarts: int) -> subprocess.Popen[str]:
-    plan = out / f"plan-{tag}.json"
-    plan.write_text(json.dumps({"out": str(out), "jobs": jobs}))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        f"--max-restarts={max_restarts}",
-        "--monitor-interval=0.1",
-        str(WORKER),
-        str(plan),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}")
-    # A file, not a pipe: nothing can block on a full pipe. Popen keeps its own descriptor.
-    with open(out / f"torchrun-{tag}.log", "w") as log:
-        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=REPO)
-
-
-def _ready_pids(out: Path, job: str, proc: subprocess.Popen[str], timeout: float = 240) -> list[int]:
-    files = [out / f"{job}.ready.rank{r}" for r in (0, 1)]
-    deadline = time.monotonic() + timeout
-    while not all(f.exists() and f.read_text() for f in files):
-        assert proc.poll() is None, f"torchrun exited before {job} was ready"
-        assert time.monotonic() < deadline, f"{job} never became ready"
-        time.sleep(0.05)
-    return [int(f.read_text()) for f in files]
+        return events(self.out, job, event)
 
 
 def _finish(out: Path, tag: str, proc: subprocess.Popen[str]) -> Launch:
-    rc = proc.wait(timeout=300)
-    return Launch(rc, (out / f"torchrun-{tag}.log").read_text())
+    return Launch(*finish(out, tag, proc))
 
 
 def _job(name: str, root: Path, steps: int, **kw: Any) -> dict[str, Any]:
@@ -458,11 +418,11 @@ def _job(name: str, root: Path, steps: int, **kw: Any) -> dict[str, Any]:
 def dist_runs(tmp_path_factory: pytest.TempPathFactory) -> DistRuns:
     out = tmp_path_factory.mktemp("preempt2")
     # A: both workers get SIGTERM mid-training; no periodic saves.
-    a = _launch(out, "a", [_job("term", out / "term", 100_000, preempt=True, ready_after=3)], 0)
-    for pid in _ready_pids(out, "term", a):
+    a = start(WORKER, out, "a", [_job("term", out / "term", 100_000, preempt=True, ready_after=3)])
+    for pid in ready_pids(out, "term", a):
         os.kill(pid, signal.SIGTERM)
     launch_a = _finish(out, "a", a)
-    steps = {e["step"] for e in _events(out, "term", "preempted")}
+    steps = {e["step"] for e in events(out, "term", "preempted")}
     assert len(steps) == 1, f"ranks stopped at different steps: {steps}\n{launch_a.log[-4000:]}"
     term_step = steps.pop()
 
@@ -478,31 +438,15 @@ def dist_runs(tmp_path_factory: pytest.TempPathFactory) -> DistRuns:
         _job("vanish", out / "vanish", 40, save_every=3, preempt=True, vanish={"attempt": 3, "step": 7}),
         _job("one", out / "one", 100_000, preempt=True, ready_after=3),
     ]
-    b = _launch(out, "b", jobs, 4)
-    pids = _ready_pids(out, "one", b)
+    b = start(WORKER, out, "b", jobs, max_restarts=4)
+    pids = ready_pids(out, "one", b)
     os.kill(pids[1], signal.SIGUSR1)  # rank 1 only
     launch_b = _finish(out, "b", b)
     return DistRuns(out, launch_a, launch_b, term_step, kills)
 
 
 def _final(out: Path, name: str) -> dict[str, Any]:
-    sd: dict[str, Any] = torch.load(out / f"{name}.final.pt", weights_only=True)
-    return sd
-
-
-def _assert_bitwise(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), where
-        for k in a:
-            _assert_bitwise(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_bitwise(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
+    return load(out / f"{name}.final.pt")
 
 
 @pytest.mark.timeout(600)
@@ -521,7 +465,7 @@ def test_torchrun_sigterm_to_both_ranks_saves_current_step_and_resumes_exactly(d
         (0, step, 0),
         (1, step, 0),
     ]
-    _assert_bitwise(_final(r.out, "term-resume"), _final(r.out, "term-ref"), "term-resume")
+    assert_bitwise(_final(r.out, "term-resume"), _final(r.out, "term-ref"), "term-resume")
 
 
 @pytest.mark.timeout(600)
@@ -546,7 +490,7 @@ def test_torchrun_three_sigkills_with_max_restarts_match_an_uninterrupted_run(di
     # Each attempt resumes from the newest checkpoint before the previous attempt's kill.
     expected = [0] + [3 * ((k["step"] - 1) // 3) for k in r.kills]
     assert [(e["attempt"], e["step"]) for e in restored] == list(enumerate(expected))
-    _assert_bitwise(_final(r.out, "kills"), _final(r.out, "ref"), "kills")
+    assert_bitwise(_final(r.out, "kills"), _final(r.out, "ref"), "kills")
 
 
 @pytest.mark.timeout(600)

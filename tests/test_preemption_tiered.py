@@ -5,6 +5,10 @@ uploads this run and its predecessors measured, ``LOCAL_ROOT/.uploads.json``). U
 real: the fault proxy holds the first data PUT of a step until the test lets it through, so the measured
 upload takes ~SLOW_UPLOAD_S while the local save of the tiny model takes milliseconds. Notices are real
 SIGTERMs to this process, as in tests/test_preemption.py.
+
+The last test does the same with a 2-rank torchrun job (tests/dist_preempt/worker.py, gloo), SIGTERM to one
+worker: both ranks must agree on the plan, the emergency step is committed locally with both ranks' shards,
+and nothing of it is sent to the store before the job exits; a second launch resumes there and uploads it.
 """
 
 from __future__ import annotations
@@ -27,9 +31,12 @@ from safepoint.history import UPLOADS_NAME, UploadHistory
 from safepoint.layout import Layout
 from safepoint.remote import RemoteLayout
 from tests._train import Setup
+from tests.conftest import REPO
+from tests.dist.launch import assert_bitwise, events, finish, load, ready_pids, start, stop
 from tests.s3_fixtures import FaultProxy, storage_options
 
 SLOW_UPLOAD_S = 1.5  # so one upload is expected to take >= 1.25 x 1.5 = 1.9 s
+DIST_WORKER = REPO / "tests" / "dist_preempt" / "worker.py"
 
 
 @pytest.fixture(autouse=True)
@@ -245,3 +252,76 @@ def test_close_after_a_notice_waits_for_uploads_only_until_the_grace_ends(
     assert info.value.saved_step == 5 and closed_after < 1.0 + 2.0, closed_after
     assert "the upload of step 5 is still running: abandoned" in caplog.text
     assert _durable(proxy, bucket) == []
+
+
+# ---- a 2-rank torchrun job ------------------------------------------------------------------------------
+
+DIST_SLOW_UPLOAD_S = 2.0
+DIST_GRACE_S = 2.4
+"""Shorter than any full save (the upload alone is expected to take >= 1.25 x DIST_SLOW_UPLOAD_S = 2.5 s),
+longer than the local save of the tiny model (1.25 x a save measured in milliseconds) plus the time the
+ranks take to act on the notice (~0.25 s, 0.4 s seen on a loaded 2-core machine): both ranks must plan
+fastest-tier, with ~2 s to spare for a slow machine."""
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_sigterm_to_one_rank_with_grace_too_short_for_the_upload(
+    tmp_path: Path, proxy: FaultProxy, bucket: str
+) -> None:
+    """Both ranks plan fastest-tier, commit the emergency step locally, start no upload, exit 143; the next
+    launch resumes at exactly that step from the local tier and uploads it."""
+    out, local, url = tmp_path / "out", tmp_path / "local", f"s3://{bucket}/run"
+    tiered = {"root": url, "local_root": str(local), "storage_options": storage_options(proxy.endpoint)}
+    # Step 5 is saved (its local save timed in its manifest) and its upload is held DIST_SLOW_UPLOAD_S, which
+    # both ranks measure (the upload is a collective); the ranks are ready once it is durable.
+    _hold_upload_of(proxy, 5)
+    job = {"name": "tiered", "steps": 100_000, "save_at": [5], "preempt": True, "ready_after": 6}
+    a = start(DIST_WORKER, out, "a", [{**job, **tiered, "grace_seconds": DIST_GRACE_S}])
+    try:
+        deadline = time.monotonic() + 240
+        while not proxy.held.wait(0.1):
+            assert a.poll() is None and time.monotonic() < deadline, (out / "a.log").read_text()[-4000:]
+        time.sleep(DIST_SLOW_UPLOAD_S)
+        proxy.release.set()
+        pids = ready_pids(out, "tiered", a)
+        os.kill(pids[1], signal.SIGTERM)  # rank 1 only: rank 0 learns of it through the agreement
+        rc, output = finish(out, "a", a)
+    finally:
+        stop(a)
+    requests_before_exit = list(proxy.seen)
+
+    pre = events(out, "tiered", "preempted")
+    assert sorted(e["rank"] for e in pre) == [0, 1], output[-4000:]
+    [step] = {e["step"] for e in pre}
+    assert rc != 0 and "exitcode  : 143" in output, output[-4000:]
+    for e in pre:  # saved locally, not durable: counted as waiting for an upload that was not started
+        assert (e["saved"], e["code"], e["reason"]) == (step, 143, "SIGTERM on rank 1"), e
+        assert (e["durable"], e["pending"]) == (5, 1), e
+    for rank in (0, 1):  # every rank planned fastest-tier, from both tiers' measured estimates
+        text = (out / f"tiered.rank{rank}.log").read_text()
+        assert re.search(
+            rf"acted on at step {step}, .*expected save time local \d+\.\d+s \(1.25x the slowest of the "
+            r"last 3 saves\), durable \d+\.\d+s \(1.25x the slowest of the last 3 uploads\): fastest-tier",
+            text,
+        ), text
+        assert f"emergency save of step {step} wrote local only; skipped durable" in text, text
+        assert f"not uploading step(s) [{step}]" in text, text
+    # Committed on the local tier with both ranks' shards; nothing of it reached the store before the exit.
+    assert Layout(local).committed_steps() == [5, step] and step >= 6
+    manifest = Layout(local).read_manifest(step)
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(manifest.files) and manifest.world_size == 2
+    assert _emergency(local, step) == {"reason": "SIGTERM on rank 1", "plan": "fastest-tier"}
+    assert not [r for r in requests_before_exit if f"/run/step-{step}/" in r[1]], "the upload was started"
+    assert _durable(proxy, bucket) == [5]
+
+    # A new launch on this node resumes at exactly that step, from the local tier, and uploads it.
+    b = start(DIST_WORKER, out, "b", [{"name": "resume", "steps": step, "dump_restored": True, **tiered}])
+    rc, output = finish(out, "b", b)
+    assert rc == 0, output[-4000:]
+    restored = events(out, "resume", "restored")
+    assert [(e["rank"], e["step"], e["committed"]) for e in restored] == [
+        (r, step, [5, step]) for r in (0, 1)
+    ]
+    assert_bitwise(load(out / "resume.restored.pt"), load(out / "tiered.preempted.pt"), "restored")
+    assert [m for m, p, _ in proxy.seen if m == "PUT" and f"/run/step-{step}/__1_0.distcp" in p]
+    assert _durable(proxy, bucket) == [5, step]

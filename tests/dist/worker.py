@@ -2,20 +2,19 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node=N [--max-restarts=R] worker.py PLAN.json
 
-PLAN.json: {"out": DIR, "jobs": [JOB, ...]}. Jobs run in order; a job that finished in an earlier attempt
-(its ``DIR/<name>.done`` exists) is skipped, so a torchrun restart resumes the interrupted job and goes
-on. Faults are real: SIGKILL of the process, or a rank blocking inside ``open()`` of its own checkpoint
-file (found with a CPython audit hook), only in the attempt named by the job. Everything the test checks
-is written under DIR: JSON lines per rank (``log.rank<R>.jsonl``) and full state dicts (``*.pt``).
+PLAN.json: {"out": DIR, "jobs": [JOB, ...]}, run by tests.dist.common.run_plan: jobs in order; a job that
+finished in an earlier attempt (its ``DIR/<name>.done`` exists) is skipped, so a torchrun restart resumes
+the interrupted job and goes on. Faults are real: SIGKILL of the process, or a rank blocking inside
+``open()`` of its own checkpoint file (found with a CPython audit hook), only in the attempt named by the
+job. Everything the test checks is written under DIR: JSON lines per rank (``log.rank<R>.jsonl``) and full
+state dicts (``*.pt``).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -35,19 +34,9 @@ from torch.utils.data import DataLoader, Dataset
 import safepoint
 from safepoint.dist import Agreement, Comm
 from safepoint.layout import Layout
+from tests.dist.common import ATTEMPT, Log, run_plan, seed_all
 
-ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 _FAULT: dict[str, Any] = {}
-
-
-class Log:
-    def __init__(self, out: Path, rank: int) -> None:
-        self.path = out / f"log.rank{rank}.jsonl"
-
-    def __call__(self, job: str, event: str, **fields: Any) -> None:
-        with open(self.path, "a") as f:
-            record = {"job": job, "event": event, "attempt": ATTEMPT, "t": time.time(), **fields}
-            f.write(json.dumps(record) + "\n")
 
 
 def _audit(event: str, args: tuple[Any, ...]) -> None:
@@ -95,12 +84,6 @@ class Position:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.value = int(sd["value"])
-
-
-def seed_all(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def build(kind: str, ws: int, seed: int = 0) -> nn.Module:
@@ -336,29 +319,9 @@ JOBS = {
 }
 
 
-def main() -> None:
-    plan = json.loads(Path(sys.argv[1]).read_text())
-    out = Path(plan["out"])
-    sys.addaudithook(_audit)
-    safepoint.init_process_group("gloo", timeout_s=60)
-    rank = dist.get_rank()
-    log = Log(out, rank)
-    log("-", "start", world_size=dist.get_world_size())
-    for job in plan["jobs"]:
-        done = out / f"{job['name']}.done"
-        if done.exists():  # rank 0 wrote it after a barrier: every rank sees the same
-            continue
-        JOBS[job.get("kind", "train")](job, out, log)
-        dist.barrier()
-        if rank == 0:
-            done.touch()
-        dist.barrier()
-    dist.destroy_process_group()
-    # Interpreter teardown after torch.distributed costs over a second per launch; nothing is left to do.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+def run_job(job: dict[str, Any], out: Path, log: Log) -> None:
+    JOBS[job.get("kind", "train")](job, out, log)
 
 
 if __name__ == "__main__":
-    main()
+    run_plan(run_job, _audit)

@@ -2,31 +2,37 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node=N [--max-restarts=R] worker.py PLAN.json
 
-PLAN.json: {"out": DIR, "jobs": [JOB, ...]}. Jobs run in order; a job finished in an earlier attempt
-(``DIR/<name>.done``) is skipped, so a torchrun restart resumes the interrupted job. A JOB:
+PLAN.json: {"out": DIR, "jobs": [JOB, ...]}, run by tests.dist.common.run_plan: jobs in order, one finished
+in an earlier attempt (``DIR/<name>.done``) skipped, so a torchrun restart resumes the interrupted job. A JOB:
 
     name, root, steps        the run: DDP model with dropout, data drawn from every RNG
     save_every               periodic saves every N steps (null: none; only the emergency save)
     preempt                  install SIGTERM/SIGUSR1 handlers (preemption_signals)
-    ready_after              after this many steps past the restored one, write DIR/<name>.ready.rank<R>
-                             (this rank's pid) and go on training slowly (step_sleep_s) until signalled
+    ready_after              after this many steps past the restored one, wait for the saves so far
+                             (uploads included), write DIR/<name>.ready.rank<R> (this rank's pid) and go
+                             on training slowly (step_sleep_s) until signalled
     kills                    [{attempt, rank, step}]: that rank SIGKILLs itself after that step
                              (before maybe_save), in that torchrun attempt only
     vanish                   {attempt, step}: in that attempt rank 0 sends itself SIGUSR1 after that step,
                              and rank 1 SIGKILLs itself when it reads a manifest to plan the emergency
                              save (found with a CPython audit hook): a peer gone inside a collective
+    save_at                  explicit saves (mgr.save) after these steps, besides any periodic ones
+    local_root,              tiering: ``root`` is the durable URL, these the fast tier and s3fs options;
+      storage_options        safepoint's warnings go to DIR/<name>.rank<R>.log
+    grace_seconds            the manager's grace_seconds
+    dump_restored            rank 0 writes its state right after the restore to DIR/<name>.restored.pt
 
 Signals come from the test, for real. Everything the test checks is written under DIR: JSON lines per rank
-(``log.rank<R>.jsonl``) and the final full state (``<name>.final.pt``, rank 0).
+(``log.rank<R>.jsonl``), the final full state (``<name>.final.pt``, rank 0) and, when preempted, rank 0's
+state at the emergency save (``<name>.preempted.pt``, the same form as ``<name>.restored.pt``).
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import random
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -42,8 +48,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import safepoint
+from tests.dist.common import ATTEMPT, Log, run_plan, seed_all
 
-ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 _VANISH: dict[str, str] = {}  # {"root": ...} once armed
 
 
@@ -54,20 +60,22 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-class Log:
-    def __init__(self, out: Path, rank: int) -> None:
-        self.path = out / f"log.rank{rank}.jsonl"
-
-    def __call__(self, job: str, event: str, **fields: Any) -> None:
-        with open(self.path, "a") as f:
-            record = {"job": job, "event": event, "attempt": ATTEMPT, "t": time.time(), **fields}
-            f.write(json.dumps(record) + "\n")
+def _log_to_file(path: Path) -> None:
+    """safepoint's warnings of this rank into a file of its own: the test checks each rank's plan."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    logging.getLogger("safepoint").addHandler(handler)
 
 
-def seed_all(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+def _local_state(model: nn.Module, opt: torch.optim.Optimizer, sched: Any) -> dict[str, Any]:
+    """This rank's training state as it stands (no collective: DDP replicas are equal)."""
+    module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    return {
+        "model": module.state_dict(),
+        "optim": opt.state_dict(),
+        "sched": sched.state_dict(),
+        "rng": torch.get_rng_state(),
+    }
 
 
 def train_job(job: dict[str, Any], out: Path, log: Log) -> None:
@@ -81,14 +89,22 @@ def train_job(job: dict[str, Any], out: Path, log: Log) -> None:
     seed_all(1000 + rank)  # every rank its own dropout and data stream
     state = safepoint.TrainState(model=model, optimizer=opt, scheduler=sched, extra={"seen": 0})
     signals = (signal.SIGTERM, signal.SIGUSR1) if job.get("preempt") else None
+    tiering: dict[str, Any] = {}
+    if "local_root" in job:
+        tiering = {"local_root": job["local_root"], "storage_options": job["storage_options"]}
+        _log_to_file(out / f"{name}.rank{rank}.log")
     with safepoint.CheckpointManager(
         job["root"],
         save_every_steps=job.get("save_every"),
         preemption_signals=signals,
+        grace_seconds=job.get("grace_seconds"),
         collective_timeout_s=30,
+        **tiering,
     ) as mgr:
         step = mgr.restore(state)
         log(name, "restored", step=step, committed=[c.step for c in mgr.list()])
+        if job.get("dump_restored") and rank == 0:
+            torch.save(_local_state(model, opt, sched), out / f"{name}.restored.pt")
         start = step
         vanish = job.get("vanish") or {}
         vanishing = vanish.get("attempt") == ATTEMPT
@@ -117,12 +133,29 @@ def train_job(job: dict[str, Any], out: Path, log: Log) -> None:
             if "ready_after" in job and step - start >= job["ready_after"]:
                 ready = out / f"{name}.ready.rank{rank}"
                 if not ready.exists():
+                    # Ready means every save so far is finished, uploads included (with tiering): the
+                    # notice then finds them measured and nothing queued.
+                    mgr.wait()
                     ready.write_text(str(os.getpid()))
                 time.sleep(job.get("step_sleep_s", 0.02))
+            if step in job.get("save_at", ()):
+                mgr.save(step, state)
             try:
                 mgr.maybe_save(step, state)
             except safepoint.Preempted as e:
-                log(name, "preempted", step=e.step, saved=e.saved_step, code=e.code, reason=e.reason)
+                lag = mgr.durability_lag()
+                log(
+                    name,
+                    "preempted",
+                    step=e.step,
+                    saved=e.saved_step,
+                    code=e.code,
+                    reason=e.reason,
+                    durable=lag.durable_step,
+                    pending=lag.uploads_pending,
+                )
+                if rank == 0:
+                    torch.save(_local_state(model, opt, sched), out / f"{name}.preempted.pt")
                 raise
             except safepoint.CheckpointError as e:
                 since = time.monotonic() - noticed if vanishing and rank == 0 else None
@@ -138,26 +171,5 @@ def train_job(job: dict[str, Any], out: Path, log: Log) -> None:
     log(name, "finished", step=step)
 
 
-def main() -> None:
-    plan = json.loads(Path(sys.argv[1]).read_text())
-    out = Path(plan["out"])
-    # Keys the store by torchrun attempt: without it restarted workers can read the dead attempt's gloo
-    # addresses and hang or fail to connect (see safepoint.init_process_group).
-    safepoint.init_process_group("gloo", timeout_s=60)
-    sys.addaudithook(_audit)
-    rank = dist.get_rank()
-    log = Log(out, rank)
-    for job in plan["jobs"]:
-        done = out / f"{job['name']}.done"
-        if done.exists():
-            continue
-        train_job(job, out, log)
-        dist.barrier()
-        if rank == 0:
-            done.touch()
-        dist.barrier()
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    run_plan(train_job, _audit)
