@@ -55,6 +55,7 @@ def main() -> None:
     # Every rank constructs the manager, restores and saves at the same steps; rank 0 commits.
     with safepoint.CheckpointManager(args.root, save_every_steps=args.save_every, keep_last=2) as mgr:
         step = mgr.restore(state)  # the same step on every rank; 0 on a fresh run
+        saved_at = step  # the step of the newest checkpoint, the same on every rank
         if rank == 0:
             print(f"resumed at step {step} with {world} ranks", flush=True)
         batches = endless(loader, sampler)
@@ -65,8 +66,12 @@ def main() -> None:
             loss.backward()
             opt.step()
             step += 1
-            mgr.maybe_save(step, state, metrics={"loss": loss.item()})
-        if mgr.latest_step() != step:
+            # A tensor, not loss.item(): that would wait for the GPU every step; metrics are read on a save.
+            if mgr.maybe_save(step, state, metrics={"loss": loss.detach()}):
+                saved_at = step
+        # Decided from what every rank did, not from a directory listing (on NFS one rank may not see the
+        # newest step yet, and would enter the collective save alone).
+        if saved_at != step:
             mgr.save(step, state)  # the final state, so a rerun has nothing left to do
     if rank == 0:
         print(f"finished at step {step}", flush=True)

@@ -85,6 +85,7 @@ def main() -> None:
         grace_seconds=args.grace_seconds,
     ) as mgr:
         step = mgr.restore(state)
+        saved_at = step  # the step of the newest checkpoint, the same on every rank
         print(f"[rank {rank}] resumed at step {step}", flush=True)
         while step < args.steps:
             x = torch.randn(16, 32, device=device)
@@ -98,11 +99,15 @@ def main() -> None:
             if args.step_sleep:
                 time.sleep(args.step_sleep)  # stands in for a real model's step time
             # Saves when the adaptive interval has passed; on a notice, saves this step and raises
-            # safepoint.Preempted (exit code 143).
-            mgr.maybe_save(step, state, metrics={"loss": loss.item()})
-        mgr.wait()
-        if mgr.latest_step() != step:
+            # safepoint.Preempted (exit code 143). The loss as a tensor: loss.item() would wait for the
+            # GPU every step; metrics are read only when a save happens.
+            if mgr.maybe_save(step, state, metrics={"loss": loss.detach()}):
+                saved_at = step
+        # Decided from what every rank did, not from a directory listing (on NFS one rank may not see the
+        # newest step yet, and would enter the collective save alone).
+        if saved_at != step:
             mgr.save(step, state)  # the final state, so a rerun has nothing left to do
+        mgr.wait()
     print(f"[rank {rank}] finished at step {step}, samples_seen={extra['samples_seen']}", flush=True)
     if distributed:
         dist.destroy_process_group()

@@ -3,9 +3,13 @@ must be computed from the weights, and a failed comparison must fail the command
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,18 +27,69 @@ class DemoRun:
     summary: dict[str, Any]
 
 
+MARKER = ".safepoint-demo"  # safepoint.demo.MARKER (not imported: that imports torch here)
+
+
+def demo_cmd(out: Path) -> list[str]:
+    return [sys.executable, "-m", "safepoint.cli", "demo", "--quick", "--out", str(out)]
+
+
+def processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, start time) of every live process (Linux /proc)."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z":  # a zombie is dead (a container's init may never reap it)
+                found[int(stat.parent.name)] = (int(fields[1]), fields[19])
+    return found
+
+
+def tree(root: int) -> dict[int, str]:
+    """The live processes under ``root``: pid -> start time (which tells a reused pid apart)."""
+    procs, found, todo = processes(), {}, [root]
+    while todo:
+        parent = todo.pop()
+        for pid, (ppid, started) in procs.items():
+            if ppid == parent:
+                found[pid] = started
+                todo.append(pid)
+    return found
+
+
+def alive(pids: dict[int, str]) -> dict[int, str]:
+    procs = processes()
+    return {pid: t for pid, t in pids.items() if pid in procs and procs[pid][1] == t}
+
+
+def stop(proc: subprocess.Popen[str], pids: dict[int, str]) -> None:
+    """Whatever a failed test leaves: the demo's process group, and the processes seen under it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in alive(pids):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
 @pytest.fixture(scope="module")
 def quick_demo(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
     out = tmp_path_factory.mktemp("demo") / "out"
-    # A subprocess, as `make demo` runs it: the demo launches torchrun jobs of its own.
-    proc = subprocess.run(
-        [sys.executable, "-m", "safepoint.cli", "demo", "--quick", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=540,
+    # An earlier demo's output (it holds the marker) is replaced.
+    (out / "logs").mkdir(parents=True)
+    (out / MARKER).touch()
+    (out / "logs" / "stale.jsonl").write_text("{}\n")
+    # A subprocess, as `make demo` runs it: the demo launches torchrun jobs of its own. Its own process
+    # group, so that a timeout stops all of it.
+    proc = subprocess.Popen(
+        demo_cmd(out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
+    try:
+        output, _ = proc.communicate(timeout=540)
+    finally:
+        stop(proc, {})
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
-    return DemoRun(out, proc.returncode, proc.stdout + proc.stderr, summary)
+    return DemoRun(out, proc.returncode, output, summary)
 
 
 @pytest.mark.timeout(600)
@@ -71,6 +126,7 @@ def test_demo_survives_every_fault_bitwise(quick_demo: DemoRun) -> None:
         assert title in d.stdout
     assert (d.out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (d.out / "events.jsonl").stat().st_size > 0
+    assert (d.out / MARKER).is_file() and not (d.out / "logs" / "stale.jsonl").exists()
 
 
 @pytest.mark.timeout(600)
@@ -104,13 +160,108 @@ def test_demo_help_has_an_example() -> None:
     assert "safepoint demo --quick" in proc.stdout and "SIGKILL" in proc.stdout
 
 
-def test_demo_refuses_to_replace_a_foreign_directory(tmp_path: Path) -> None:
+@pytest.mark.parametrize("logs", [False, True], ids=["plain", "with-logs-dir"])
+def test_demo_refuses_to_replace_a_foreign_directory(tmp_path: Path, logs: bool) -> None:
     (tmp_path / "mine.txt").write_text("keep me")
-    proc = subprocess.run(
-        [sys.executable, "-m", "safepoint.cli", "demo", "--quick", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    if logs:  # looks like a demo's output, but the demo never marked it as its own
+        (tmp_path / "logs").mkdir()
+    proc = subprocess.run(demo_cmd(tmp_path), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "not the output of an earlier demo" in proc.stderr
+    assert "Traceback" not in proc.stderr
     assert (tmp_path / "mine.txt").read_text() == "keep me"
+    assert (tmp_path / "logs").is_dir() == logs and not (tmp_path / MARKER).exists()
+
+
+def test_demo_refuses_an_out_that_is_a_file(tmp_path: Path) -> None:
+    (tmp_path / "thesis.tex").write_text("keep me")
+    proc = subprocess.run(demo_cmd(tmp_path / "thesis.tex"), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "is not a directory" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert (tmp_path / "thesis.tex").read_text() == "keep me"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="death signals: Linux prctl")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+@pytest.mark.timeout(300)
+def test_demo_killed_mid_run_leaves_no_process_behind(tmp_path: Path, sig: signal.Signals) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        demo_cmd(out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    seen: dict[int, str] = {}
+    try:
+        log = out / "logs" / "A.rank0.jsonl"
+        deadline = time.monotonic() + 240
+        while not (log.exists() and '"step"' in log.read_text()):  # the ranks are training
+            assert proc.poll() is None and time.monotonic() < deadline, "the demo never started training"
+            time.sleep(0.2)
+        seen = tree(proc.pid)
+        cmdlines = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in seen]
+        torchruns = [c for c in cmdlines if b"torch.distributed.run" in c]
+        assert len(torchruns) == 1 and sum(b"safepoint.demo_worker" in c for c in cmdlines) == 1 + 2
+        proc.send_signal(sig)
+        deadline = time.monotonic() + 10
+        while alive(seen) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(seen), f"still running after the demo got {sig.name}: {sorted(alive(seen))}"
+        output, _ = proc.communicate(timeout=30)
+        if sig == signal.SIGTERM:  # it stopped the launch itself, then said so
+            assert proc.returncode == 128 + sig and "stopped by SIGTERM" in output, output[-3000:]
+        else:
+            assert proc.returncode == -sig
+    finally:
+        stop(proc, seen)
+
+
+# In-process tests last (they import torch, through safepoint.demo).
+
+
+def test_demo_reference_needs_the_fallback_checkpoint(tmp_path: Path) -> None:
+    from safepoint import demo
+
+    ref, ref1 = tmp_path / "reference", tmp_path / "reference-1rank"
+    (ref / "step-48").mkdir(parents=True)
+    (ref / "step-48" / "MANIFEST.json").write_text("{}")
+    with pytest.raises(SystemExit, match=r"no checkpoint of step 32 .*\(it has: step-48\)"):
+        demo._seed_reference(ref, ref1, 32)
+    assert not ref1.exists()  # never a reference that trains from scratch
+    demo._seed_reference(ref, ref1, 48)
+    assert (ref1 / "step-48" / "MANIFEST.json").read_text() == "{}"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+def test_demo_kills_only_a_rank_that_is_still_torchruns(tmp_path: Path) -> None:
+    # Stand-ins: "torchrun" with no children, a stranger (say, a process that got a dead rank's pid) and
+    # a pid that is gone. Started before the import below brings torch in.
+    torchrun = subprocess.Popen(["sleep", "60"])
+    stranger = subprocess.Popen(["sleep", "60"])
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    try:
+        from types import SimpleNamespace
+
+        from safepoint import demo
+        from safepoint.layout import step_name
+        from safepoint.manifest import MANIFEST_NAME
+
+        (tmp_path / step_name(16)).mkdir()
+        (tmp_path / step_name(16) / MANIFEST_NAME).touch()  # a checkpoint committed: the kill is due
+        injector = demo.Injector(tmp_path, [])
+        launch = SimpleNamespace(proc=torchrun, log_path=tmp_path / "A.torchrun.log")
+        injector.launch = launch  # type: ignore[assignment]
+        for pid in (stranger.pid, gone.pid):
+            injector({"event": "kill-ready", "rank": 1, "pid": pid, "step": 20})
+            with pytest.raises(SystemExit, match=f"pid {pid}\\) exited before its SIGKILL"):
+                injector(None)
+        assert stranger.poll() is None  # not killed
+        assert injector.faults == []
+        # The same stranger under "torchrun" (this process here) is a rank: it gets its SIGKILL.
+        launch.proc = SimpleNamespace(pid=os.getpid())
+        injector({"event": "kill-ready", "rank": 1, "pid": stranger.pid, "step": 20})
+        injector(None)
+        assert stranger.wait(timeout=10) == -signal.SIGKILL
+        assert [(f["kind"], f["pid"]) for f in injector.faults] == [("sigkill", stranger.pid)]
+    finally:
+        for p in (torchrun, stranger):
+            p.kill()
+            p.wait()

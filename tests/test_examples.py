@@ -7,6 +7,7 @@ preemptible_train.py are run by tests/test_preemption.py.
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -21,6 +22,18 @@ from tests.conftest import REPO
 EXAMPLES = REPO / "examples"
 BATCH = 16  # per rank, as in ddp.py and fsdp2.py
 GPU_ONLY = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL run: needs 2 GPUs (one per rank)")
+# Runs an example with every rank but 0 seeing the checkpoint root as a lagging NFS client can: without the
+# newest checkpoint. An example must not decide on entering a collective save from its own listing.
+LAGGING_LISTING = """
+import os, runpy, sys
+import safepoint
+
+if int(os.environ["RANK"]) > 0:
+    listing = safepoint.CheckpointManager.list
+    safepoint.CheckpointManager.list = lambda self: listing(self)[:-1]
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
 
 def test_quickstart_runs_and_resumes(tmp_path: Path) -> None:
@@ -35,10 +48,15 @@ def test_quickstart_runs_and_resumes(tmp_path: Path) -> None:
     assert "finished at step 200, tokens_seen=1600" in again.stdout
 
 
-def torchrun(example: str, nproc: int, root: Path, steps: int, device: str) -> str:
+def torchrun(example: str, nproc: int, root: Path, steps: int, device: str, lagging: bool = False) -> str:
+    script = [str(EXAMPLES / example)]
+    if lagging:
+        wrapper = root.parent / "lagging_listing.py"
+        wrapper.write_text(LAGGING_LISTING)
+        script.insert(0, str(wrapper))
     cmd = [
         *(sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"),
-        *(str(EXAMPLES / example), str(root), "--steps", str(steps), "--save-every", "3"),
+        *(*script, str(root), "--steps", str(steps), "--save-every", "3"),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
     if device == "cpu":
@@ -54,7 +72,8 @@ def test_distributed_example_resumes_at_another_world_size(
     example: str, resume_nproc: int, device: str, tmp_path: Path
 ) -> None:
     root = tmp_path / "ckpt"
-    out = torchrun(example, 2, root, steps=6, device=device)
+    # Step 6 is a periodic save; rank 1 does not see it in the listing, and must not save it again alone.
+    out = torchrun(example, 2, root, steps=6, device=device, lagging=True)
     assert out.splitlines() == ["resumed at step 0 with 2 ranks", "finished at step 6"]
     out = torchrun(example, resume_nproc, root, steps=9, device=device)
     assert out.splitlines() == [f"resumed at step 6 with {resume_nproc} ranks", "finished at step 9"]
@@ -75,3 +94,15 @@ def test_every_example_is_listed_and_run() -> None:
             rel = path.relative_to(EXAMPLES).as_posix()
             assert f"]({rel})" in readme, f"examples/README.md does not list {rel}"
             assert path.name in tests, f"no test runs examples/{rel}"
+
+
+def test_examples_pass_metrics_as_tensors() -> None:
+    """loss.item() in a training loop waits for the GPU every step; a tensor is read only when saving."""
+    for path in sorted(EXAMPLES.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.keyword) and node.arg == "metrics" and isinstance(node.value, ast.Dict):
+                for value in node.value.values:
+                    call = value.func if isinstance(value, ast.Call) else None
+                    assert not (isinstance(call, ast.Attribute) and call.attr == "item"), (
+                        f"{path.name}:{value.lineno}: pass the tensor (loss.detach()), not .item()"
+                    )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import json
 import os
@@ -39,6 +40,36 @@ from safepoint.layout import Layout
 # Wide enough for the tables when the output goes to a file or a pipe (rich's default there is 80).
 console = Console(highlight=False, width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 120)
 _LAUNCH_TIMEOUT_S = 300.0
+# Marks a directory as this demo's output: only a directory holding it is ever emptied (see _prepare_out).
+MARKER = ".safepoint-demo"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# Looked up here, not between fork and exec (preexec_fn), where loading a library is not safe.
+_prctl: Any = getattr(ctypes.CDLL(None), "prctl", None) if sys.platform.startswith("linux") else None
+
+
+def die_with_parent(sig: int, parent_ok: Callable[[int], bool]) -> None:
+    """Have the kernel send ``sig`` to this process when its parent dies (Linux; a no-op elsewhere).
+
+    ``parent_ok(os.getppid())`` then tells whether the parent is still the expected one: if it died before
+    this call, this process is an orphan already and takes ``sig`` at once. Used in torchrun (between fork
+    and exec) and in every worker (demo_worker.main).
+    """
+    if _prctl is None:
+        return
+    ul = ctypes.c_ulong
+    if _prctl(ctypes.c_int(_PR_SET_PDEATHSIG), ul(sig), ul(0), ul(0), ul(0)) == 0 and not parent_ok(
+        os.getppid()
+    ):
+        os.kill(os.getpid(), sig)
+
+
+def parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid`` (Linux /proc), None if unknown."""
+    try:
+        # "pid (comm) state ppid ...": comm may hold spaces, so split after its closing parenthesis.
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,13 +112,23 @@ class Launch:
             "safepoint.demo_worker",
             str(plan),
         ]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        # Every worker checks that its torchrun is still this demo's child (demo_worker.main).
+        env = dict(os.environ, OMP_NUM_THREADS="1", SAFEPOINT_DEMO_PID=str(os.getpid()))
         self.log_path = out / "logs" / f"{name}.torchrun.log"
         self.t_start = time.time()
+        demo = os.getpid()
         with open(self.log_path, "w") as log:  # a file, not a pipe: nothing blocks on a full pipe
             # Its own session: Ctrl-C in the terminal reaches the demo only, which then stops the launch.
+            # If the demo dies without stopping it (SIGKILL, a crash), the kernel SIGKILLs torchrun, and
+            # each worker's own death signal then takes it (SIGKILL: torchrun would give SIGTERMed workers
+            # 30 s, and a rank waiting for the injector's SIGKILL does not act on a SIGTERM).
             self.proc = subprocess.Popen(
-                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                cmd,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=lambda: die_with_parent(signal.SIGKILL, lambda ppid: ppid == demo),
             )
         self._offsets: dict[Path, int] = {}
         self.events: list[dict[str, Any]] = []
@@ -132,14 +173,20 @@ class Launch:
         return self.rc
 
     def _stop(self) -> None:
-        # torchrun starts each worker in a session of its own, so killing torchrun's group would leave
-        # them running: kill its children by pid first (Linux /proc; elsewhere, the ones that logged).
-        self.poll_events()
-        pids = {e["pid"] for e in self.events if e["event"] == "start"} | _children(self.proc.pid)
-        for pid in pids:
+        """SIGKILL torchrun and every live process under it.
+
+        torchrun starts each worker in a session of its own, so killing torchrun's group would leave them
+        running. They are found by walking /proc down from torchrun while it is stopped: a pid in that
+        tree is a live process (or a zombie no one can reap meanwhile), never a reused pid of a worker
+        that died long ago. Elsewhere than Linux the workers' own death signal is all there is.
+        """
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGSTOP)  # no new workers, no reaping, until it is killed
+        for pid in reversed(_descendants(self.proc.pid)):  # the deepest first
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
 
     def result(self, label: str, role: str, job: str) -> demo_report.LaunchResult:
@@ -152,13 +199,20 @@ class Launch:
         return demo_report.LaunchResult(label, role, self.world, self.rc, t_start, t_end, events)
 
 
-def _children(ppid: int) -> set[int]:
-    found = set()
+def _descendants(root: int) -> list[int]:
+    """The live processes under ``root`` now (Linux /proc; empty elsewhere), parents before children."""
+    children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
             # "pid (comm) state ppid ...": comm may hold spaces, so split after its closing parenthesis.
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == ppid:
-                found.add(int(stat.parent.name))
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z":  # a zombie is dead already
+                children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [root]
+    while todo:
+        kids = children.get(todo.pop(0), [])
+        found += kids
+        todo += kids
     return found
 
 
@@ -210,6 +264,21 @@ class Injector:
         self.launch: Launch | None = None
         self.pending_kill: dict[str, Any] | None = None
 
+    def _kill_rank(self, k: dict[str, Any]) -> None:
+        """SIGKILL the rank that announced itself, only if it is still one of torchrun's processes."""
+        assert self.launch is not None
+        gone = SystemExit(
+            f"demo: fault 1 did not happen: rank {k['rank']} (pid {k['pid']}) exited before its SIGKILL; "
+            f"see {self.launch.log_path}"
+        )
+        # The announcing rank waits for the signal; a pid no longer under torchrun is not that rank.
+        if sys.platform.startswith("linux") and k["pid"] not in _descendants(self.launch.proc.pid):
+            raise gone
+        try:
+            os.kill(k["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            raise gone from None
+
     def __call__(self, ev: dict[str, Any] | None) -> None:
         assert self.launch is not None
         if ev is None:
@@ -217,7 +286,7 @@ class Injector:
             # the SIGKILL until one has (the announcing rank waits for it meanwhile).
             if self.pending_kill and Layout(self.run_root).committed_steps():
                 k, self.pending_kill = self.pending_kill, None
-                os.kill(k["pid"], signal.SIGKILL)
+                self._kill_rank(k)
                 self.faults.append({"kind": "sigkill", "t": time.time(), "rank": k["rank"], "pid": k["pid"]})
                 who = f"rank {k['rank']} (pid {k['pid']})"
                 _say(f"  [red]fault 1[/]: SIGKILL to {who} after step {k['step']}")
@@ -238,7 +307,7 @@ class Injector:
 
 def run(out: Path, sch: Schedule) -> int:
     t0 = time.time()
-    (out / "logs").mkdir(parents=True)
+    (out / "logs").mkdir()
     faults: list[dict[str, Any]] = []
     saves: dict[str, dict[str, Any]] = {}
     names = ("ref_resize", "ref_end", "run_resize", "run_end", "ref1_end")
@@ -285,9 +354,7 @@ def run(out: Path, sch: Schedule) -> int:
     # It runs in launch C too, after the faulty run.
     older = max((s["step"] for s in saves.values() if s["step"] < hit["step"]), default=0)
     ref1_root = out / "reference-1rank" / "ckpt"
-    ref1_root.mkdir(parents=True)
-    if (ref_root / f"step-{older}").is_dir():
-        shutil.copytree(ref_root / f"step-{older}", ref1_root / f"step-{older}")
+    _seed_reference(ref_root, ref1_root, older)
 
     faults.append({"kind": "resize", "t": time.time(), "from": 2, "to": 1})
     _say(f"[bold]launch C[/]: [cyan]fault 4[/]: relaunch on 1 rank instead of 2, until step {sch.steps}")
@@ -323,6 +390,59 @@ def run(out: Path, sch: Schedule) -> int:
     return demo_report.finish(report, out, console)
 
 
+def _seed_reference(ref_root: Path, ref1_root: Path, step: int) -> None:
+    """Copy the reference's checkpoint of ``step`` (the one the faulty run falls back to) to start the
+    1-rank reference from; without it that reference would train from scratch and the check mean nothing.
+    """
+    src = ref_root / f"step-{step}"
+    if not src.is_dir():
+        kept = ", ".join(p.name for p in sorted(ref_root.glob("step-*"))) or "none"
+        raise SystemExit(
+            f"demo: the reference has no checkpoint of step {step} to start the 1-rank reference from "
+            f"(it has: {kept}); its saves and the faulty run's no longer line up"
+        )
+    ref1_root.mkdir(parents=True)
+    shutil.copytree(src, ref1_root / src.name)
+
+
+def _prepare_out(out: Path) -> str | None:
+    """Make ``out`` an empty directory holding only MARKER; an error message if it must not be touched.
+
+    A directory that is not empty is emptied only if it holds MARKER (an earlier demo's output): --out
+    pointed at a directory of one's own must not vanish.
+    """
+    if out.exists() and not out.is_dir():
+        return f"{out} exists and is not a directory; choose another --out"
+    if out.is_dir() and any(out.iterdir()):
+        if not (out / MARKER).is_file():
+            return (
+                f"{out} is not empty and not the output of an earlier demo (it has no {MARKER} file); "
+                "choose another --out"
+            )
+        for child in out.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("output of `safepoint demo`: the next demo run with this --out replaces it\n")
+    return None
+
+
+class _Signalled(BaseException):
+    """A SIGTERM or SIGHUP to the demo: unwinds through Launch.wait, which stops the launch in progress."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _exit_on(signum: int, frame: Any) -> None:
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # a second one must not cut the cleanup short
+        signal.signal(sig, signal.SIG_IGN)
+    raise _Signalled(signum)
+
+
 def _restored(launch: Launch) -> int:
     return next((e["step"] for e in launch.events if e["event"] == "restored" and e["rank"] == 0), -1)
 
@@ -337,15 +457,25 @@ def main(argv: list[str] | None = None) -> int:
         "  safepoint demo --quick --out /tmp/d  # fewer steps, the same four faults",
     )
     p.add_argument(
-        "--out", default="demo-out", metavar="DIR", help="output directory, replaced (default: demo-out)"
+        "--out",
+        default="demo-out",
+        metavar="DIR",
+        help=f"output directory: created, or replaced if it is empty or an earlier demo's (it holds {MARKER})"
+        " (default: demo-out)",
     )
     p.add_argument("--quick", action="store_true", help=f"{QUICK.steps} steps instead of {FULL.steps}")
     a = p.parse_args(argv)
     out = Path(a.out)
-    # Replace only an earlier demo's output: --out pointed at a directory of one's own must not vanish.
-    if out.exists() and any(out.iterdir()) and not (out / "logs").is_dir():
-        p.error(f"{out} exists and is not the output of an earlier demo; choose another --out")
-    shutil.rmtree(out, ignore_errors=True)
+    try:
+        error = _prepare_out(out)
+    except OSError as e:
+        error = f"cannot prepare {out}: {e}"
+    if error:
+        p.error(error)
+    # A SIGTERM or SIGHUP (a closed terminal, a job scheduler) exits through the finally clauses, which
+    # stop the launch in progress; a SIGKILL is left to the death signals (Launch).
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit_on)
     sch = QUICK if a.quick else FULL
     console.print(
         f"[bold]safepoint demo[/]: {sch.steps} steps of a small transformer under torchrun, four faults; "
@@ -356,6 +486,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # the launch in progress was stopped on the way out (Launch.wait)
         console.print("interrupted")
         return 130
+    except _Signalled as e:  # the same
+        console.print(f"stopped by {signal.Signals(e.signum).name}")
+        return 128 + e.signum
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.utils.data import DataLoader, TensorDataset
 
 import safepoint
+from safepoint.demo import die_with_parent, parent_of
 
 VOCAB, DIM, SEQ, LAYERS = 64, 64, 32, 2
 DATASET_SIZE, BATCH_PER_RANK = 384, 8
@@ -199,6 +200,11 @@ def train(job: dict[str, Any], log: Log) -> None:
 
 
 def main() -> None:
+    # Under safepoint.demo: die with torchrun (it is SIGKILLed if the demo dies), and at once if torchrun
+    # is no longer the demo's child already. torchrun alone would leave its workers running then.
+    demo = os.environ.get("SAFEPOINT_DEMO_PID")
+    if demo:
+        die_with_parent(signal.SIGKILL, lambda ppid: parent_of(ppid) == int(demo))
     plan = json.loads(Path(sys.argv[1]).read_text())
     # Keys the rendezvous store by torchrun attempt, so a restarted rank never reads a dead peer's address.
     safepoint.init_process_group("gloo", timeout_s=60)
