@@ -43,7 +43,9 @@ def main() -> None:
     # Like DistributedSampler, but its position is global: a restore continues with the next unseen
     # samples at any world size.
     sampler = safepoint.ResumableSampler(len(dataset), shuffle=True, seed=0)
-    loader = DataLoader(dataset, batch_size=16, sampler=sampler)
+    # A generator of its own: without one, every new iterator draws a seed from the global torch RNG,
+    # which shifts the RNG stream of a resumed run (docs/elastic.md).
+    loader = DataLoader(dataset, batch_size=16, sampler=sampler, generator=torch.Generator())
 
     torch.manual_seed(0)  # reproducible initial weights (DDP copies rank 0's to every rank)
     model = DistributedDataParallel(

@@ -45,7 +45,9 @@ def main() -> None:
     # Like DistributedSampler, but its position is global: a restore continues with the next unseen
     # samples at any world size.
     sampler = safepoint.ResumableSampler(len(dataset), shuffle=True, seed=0)
-    loader = DataLoader(dataset, batch_size=16, sampler=sampler)
+    # A generator of its own: without one, every new iterator draws a seed from the global torch RNG,
+    # which shifts the RNG stream of a resumed run (docs/elastic.md).
+    loader = DataLoader(dataset, batch_size=16, sampler=sampler, generator=torch.Generator())
 
     torch.manual_seed(0)  # the same full weights on every rank, before each keeps only its shards
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).to(device)
