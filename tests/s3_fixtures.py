@@ -3,18 +3,31 @@
 Everything goes through real s3fs/aiobotocore over HTTP: nothing is patched in-process. The proxy forwards
 each request to moto unless a rule says otherwise: answer ``503 SlowDown``, reset the connection, or hold
 the request until released (to freeze an upload mid-way and SIGKILL its process).
+
+For the torture suite (tests/torture/objstore.py) the proxy also counts every *mutation* a client issues
+(PUT, upload-part, copy, multipart create/complete/abort, DELETE, batch delete) in a ``Session`` the client
+opens with a control request (``/__safepoint__/hello``, giving its pid). At the session's k-th mutation it
+can SIGKILL the client just before the store sees it, or just after the store applied it (the answer
+never arrives), answer it with an error (``503 SlowDown``, retried by the client; ``403 AccessDenied``,
+not retried), once or until the client says the store has recovered (``/__safepoint__/disarm``), or apply
+it and reset the connection (the answer is lost, the client retries). The session's journal holds every
+mutation in the order the store received them, with the client's own progress marks in between.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import http.server
+import json
 import logging
 import os
 import re
+import signal
 import socket
 import struct
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,6 +39,93 @@ _SLOWDOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
     b"<Message>Please reduce your request rate.</Message></Error>"
 )
+_DENIED = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code>'
+    b"<Message>Access Denied</Message></Error>"
+)
+_ERRORS = {"503": (503, _SLOWDOWN), "403": (403, _DENIED)}
+CONTROL = "/__safepoint__/"
+
+
+def _key_errors(body: bytes) -> bytes:
+    """A DeleteObjects answer (HTTP 200) in which every key failed, as S3 reports per-key trouble."""
+    errors = b"".join(
+        b"<Error><Key>" + k + b"</Key><Code>InternalError</Code><Message>We encountered an internal error. "
+        b"Please try again.</Message></Error>"
+        for k in re.findall(rb"<Key>(.*?)</Key>", body)
+    )
+    return b'<?xml version="1.0" encoding="UTF-8"?><DeleteResult>' + errors + b"</DeleteResult>"
+
+
+def mutation_kind(method: str, path: str, headers: Any) -> str | None:
+    """What an S3 request changes in the store (None: it only reads)."""
+    query = path.partition("?")[2]
+    params = {p.split("=", 1)[0] for p in query.split("&") if p}
+    if method == "PUT":
+        if headers.get("x-amz-copy-source"):
+            return "copy"
+        return "part" if "partNumber" in params else "put"
+    if method == "POST":
+        if "uploads" in params:
+            return "mpu-create"
+        if "uploadId" in params:
+            return "mpu-complete"
+        if "delete" in params:
+            return "delete-batch"
+        return "post"
+    if method == "DELETE":
+        return "mpu-abort" if "uploadId" in params else "delete"
+    return None
+
+
+@dataclass
+class Session:
+    """One client's mutations, counted and journalled; a fault at the ``at``-th (1-based)."""
+
+    case: str
+    pid: int
+    mode: str = "count"  # count | crash | fail | lost
+    at: int = 0
+    when: str = "before"  # crash: just before the store sees request ``at``, or just after it applied it
+    # fail: "503" (SlowDown, retried) | "403" (AccessDenied, not retried) | "key-errors" (a batch delete
+    # answered 200 with every key failed)
+    error: str = "503"
+    sticky: bool = False  # fail: every mutation from ``at`` on fails, until the client disarms the fault
+    count: int = 1  # fail: how many mutations in a row fail (when not sticky)
+    armed: bool = True
+    n: int = 0
+    events: list[dict[str, Any]] = field(default_factory=list)
+    dead: bool = False
+
+    def action(self, n: int) -> str:
+        if not self.armed or self.mode == "count" or n < self.at:
+            return "forward"
+        if self.mode == "crash" and n == self.at:
+            return f"crash-{self.when}"
+        if self.mode == "lost" and n == self.at:
+            return "lost"
+        if self.mode == "fail" and (n < self.at + self.count or self.sticky):
+            return self.error
+        return "forward"
+
+    @property
+    def ops(self) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["ev"] == "op"]
+
+
+def _kill(pid: int) -> None:
+    """SIGKILL ``pid`` and wait until it is gone (dead or a zombie): nothing it does comes after."""
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.002)
 
 
 def free_port() -> int:
@@ -63,6 +163,8 @@ class FaultProxy:
     release: threading.Event = field(default_factory=threading.Event)
     held: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    sessions: dict[str, Session] = field(default_factory=dict)
+    session: Session | None = None  # the one counting now (one client at a time)
 
     @property
     def endpoint(self) -> str:
@@ -99,6 +201,42 @@ class FaultProxy:
     def faults(self) -> int:
         return sum(1 for _, _, what in self.seen if what != "forward")
 
+    def control(self, path: str, body: bytes) -> None:
+        """A client's control request: open a session (``hello``), a progress ``mark``, ``disarm``."""
+        msg = json.loads(body or b"{}")
+        what = path[len(CONTROL) :]
+        with self.lock:
+            if what == "hello":
+                fields = {f for f in Session.__dataclass_fields__ if f not in ("events", "n", "dead")}
+                s = Session(**{k: v for k, v in msg.items() if k in fields})
+                s.events.append({"ev": "hello", **msg})
+                self.session = self.sessions[msg["case"]] = s
+            elif self.session is not None and what == "mark":
+                self.session.events.append({"ev": "mark", **msg})
+            elif self.session is not None and what == "disarm" and self.session.n >= self.session.at:
+                # (a fault not reached yet stays armed: the client disarms after every save)
+                self.session.armed = False
+                self.session.events.append({"ev": "disarm"})
+
+    def mutation(self, kind: str, path: str, body: bytes) -> tuple[Session | None, int, str]:
+        """Count a mutation in the open session: (session, its number, what to do with it)."""
+        with self.lock:
+            s = self.session
+            if s is None:
+                return None, 0, "forward"
+            key = path.split("?")[0]
+            ev: dict[str, Any] = {"ev": "op", "op": kind, "key": key}
+            if kind == "delete-batch":
+                ev["keys"] = [
+                    f"/{key.strip('/')}/{k.decode()}" for k in re.findall(rb"<Key>(.*?)</Key>", body)
+                ]
+            if s.dead:  # sent before the client died, arriving after: the store still gets it
+                s.events.append({**ev, "ev": "late"})
+                return s, 0, "forward"
+            s.n += 1
+            s.events.append({**ev, "i": s.n})
+            return s, s.n, s.action(s.n)
+
 
 def _handler(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -121,8 +259,28 @@ def _handler(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:
             n = int(self.headers.get("Content-Length") or 0)
             return self.rfile.read(n) if n else b""
 
+        def _reply(self, status: int, data: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _reset(self) -> None:
+            # RST instead of FIN: the client sees "connection reset by peer" mid-request.
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.close_connection = True
+
         def _handle(self) -> None:
             body = self._body()
+            if self.path.startswith(CONTROL):
+                proxy.control(self.path, body)
+                self._reply(200, b"{}")
+                return
+            kind = mutation_kind(self.command, self.path, self.headers)
+            if kind is not None and proxy.session is not None:
+                self._session(kind, body)
+                return
             what = proxy.decide(self.command, self.path)
             proxy.seen.append((self.command, self.path, what))
             if what == "hold":
@@ -130,17 +288,42 @@ def _handler(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:
                 proxy.release.wait()
                 what = "forward"
             if what == "reset":
-                # RST instead of FIN: the client sees "connection reset by peer" mid-request.
-                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                self.close_connection = True
+                self._reset()
                 return
             if what == "503":
-                self.send_response(503)
-                self.send_header("Content-Type", "application/xml")
-                self.send_header("Content-Length", str(len(_SLOWDOWN)))
-                self.end_headers()
-                self.wfile.write(_SLOWDOWN)
+                self._reply(503, _SLOWDOWN)
                 return
+            self._forward(body)
+
+        def _session(self, kind: str, body: bytes) -> None:
+            session, n, what = proxy.mutation(kind, self.path, body)
+            assert session is not None
+            if what in _ERRORS:
+                session.events.append({"ev": "fail", "i": n, "error": what})
+                self._reply(*_ERRORS[what])
+                return
+            if what == "key-errors":  # a batch delete answered 200, every key failed (InternalError)
+                session.events.append({"ev": "fail", "i": n, "error": what})
+                self._reply(200, _key_errors(body))
+                return
+            if what == "crash-before":
+                session.events.append({"ev": "crash", "i": n, "when": "before"})
+                session.dead = True
+                _kill(session.pid)
+                self.close_connection = True
+                return
+            status = self._forward(body, answer=what == "forward")
+            session.events.append({"ev": "done", "i": n, "status": status})
+            if what == "crash-after":  # the store applied it; the client dies before it hears so
+                session.events.append({"ev": "crash", "i": n, "when": "after"})
+                session.dead = True
+                _kill(session.pid)
+                self.close_connection = True
+            elif what == "lost":  # applied, the answer lost on the way: the client retries
+                session.events.append({"ev": "lost", "i": n})
+                self._reset()
+
+        def _forward(self, body: bytes, answer: bool = True) -> int:
             conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream, timeout=120)
             try:
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
@@ -150,6 +333,8 @@ def _handler(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:
                 data = resp.read()
             finally:
                 conn.close()
+            if not answer:
+                return resp.status
             self.send_response(resp.status, resp.reason)
             for k, v in resp.getheaders():
                 if k.lower() not in ("transfer-encoding", "content-length", "connection", "date", "server"):
@@ -159,6 +344,7 @@ def _handler(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(data)
+            return resp.status
 
         do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 
@@ -198,15 +384,20 @@ def moto_endpoint() -> Iterator[str]:
 @pytest.fixture
 def bucket(moto_endpoint: str) -> str:
     """A fresh bucket per test (moto keeps state for the whole session)."""
+    return new_bucket(moto_endpoint)
+
+
+def new_bucket(endpoint: str) -> str:
     import boto3
 
     name = f"t-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1").create_bucket(Bucket=name)
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=name)
     return name
 
 
-@pytest.fixture
-def proxy(moto_endpoint: str) -> Iterator[FaultProxy]:
+@contextlib.contextmanager
+def running_proxy(moto_endpoint: str) -> Iterator[FaultProxy]:
+    """A FaultProxy in front of ``moto_endpoint``, served on its own threads until the block ends."""
     upstream = int(moto_endpoint.rsplit(":", 1)[1])
     fp = FaultProxy(upstream=upstream)
     server = _QuietServer(("127.0.0.1", 0), _handler(fp))
@@ -220,3 +411,9 @@ def proxy(moto_endpoint: str) -> Iterator[FaultProxy]:
         fp.clear()
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture
+def proxy(moto_endpoint: str) -> Iterator[FaultProxy]:
+    with running_proxy(moto_endpoint) as fp:
+        yield fp

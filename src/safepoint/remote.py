@@ -19,7 +19,6 @@ a new owner finishes the promotion (``clean_pending``). This is the best a store
 
 from __future__ import annotations
 
-import contextlib
 import io
 import logging
 import posixpath
@@ -86,6 +85,10 @@ class RemoteLayout:
         self.root = self.store.url(self.base)
         self.deep_verify = deep_verify
         self.unguarded = False
+        # Replacements of a committed step that failed after its old manifest was deleted: staged prefix ->
+        # the new copy's manifest. Only rolling forward can bring the step back (its old data is being
+        # overwritten), so the staged copy is kept, and the next save (or listing, or owner) finishes it.
+        self._unfinished: dict[str, Manifest] = {}
 
     def _p(self, *parts: str) -> str:
         return posixpath.join(self.base, *parts)
@@ -113,6 +116,7 @@ class RemoteLayout:
 
     def committed_steps(self) -> list[int]:
         """Steps whose manifest object exists, oldest first (manifest not yet parsed). One listing."""
+        self._roll_forward()
         steps = []
         for rel in self.store.sizes(self.base):
             m = _MANIFEST_KEY.match(rel)
@@ -180,6 +184,7 @@ class RemoteLayout:
 
     def new_pending(self, step: int, save_id: str) -> str:
         """Where a save of ``step`` writes: in place, unless a committed copy is there (then staged)."""
+        self._roll_forward()
         try:
             self.store.stored_checksum(self._p(step_name(step), MANIFEST_NAME))
         except FileNotFoundError:
@@ -204,7 +209,7 @@ class RemoteLayout:
             self.store.put_bytes(posixpath.join(final, MANIFEST_NAME), manifest.to_json())
         else:
             self.store.put_bytes(posixpath.join(pending, MANIFEST_NAME), manifest.to_json())
-            self._promote(pending, manifest)
+            self._replace(pending, manifest)
         return self.store.url(final)
 
     def _confirm(self, prefix: str, manifest: Manifest) -> None:
@@ -226,6 +231,7 @@ class RemoteLayout:
         final = self.step_key(manifest.step)
         log.info("safepoint: replacing committed %s on the store", self.store.url(final))
         self.store.delete([posixpath.join(final, MANIFEST_NAME)])  # step N is unlisted from here ...
+        self._unfinished[staged] = manifest  # ... and a failure from here on must keep the staged copy
         stale = [posixpath.join(final, k) for k in self.store.sizes(final) if k not in manifest.files]
         self.store.delete(stale)
         names = sorted(manifest.files)
@@ -237,14 +243,40 @@ class RemoteLayout:
         )
         self._confirm(final, manifest)
         self.store.put_bytes(posixpath.join(final, MANIFEST_NAME), manifest.to_json())  # ... to here
+        self._unfinished.pop(staged, None)
         self.discard(staged)
 
-    def discard(self, pending: str) -> None:
-        """Delete an uncommitted save's objects (its manifest first, if one got written)."""
-        with contextlib.suppress(UploadError, FileNotFoundError):
-            self.store.delete([posixpath.join(pending, MANIFEST_NAME)])
+    def _replace(self, staged: str, manifest: Manifest) -> None:
         try:
-            rest = [posixpath.join(pending, k) for k in self.store.sizes(pending)]
+            self._promote(staged, manifest)
+        except (CheckpointError, OSError) as e:
+            if staged not in self._unfinished:
+                raise  # the old copy's manifest is still there: nothing changed, the staged copy may go
+            raise UploadError(
+                f"replacing committed step {manifest.step} failed midway ({e}): its old copy is unlisted and "
+                f"partly overwritten; the new copy is complete at {self.store.url(staged)} and the next save "
+                "(or the next owner of this root) finishes the replacement with it"
+            ) from e
+
+    def _roll_forward(self) -> None:
+        """Finish replacements that failed midway (``_unfinished``); those that fail again stay queued."""
+        for staged, manifest in list(self._unfinished.items()):
+            try:
+                self._promote(staged, manifest)
+                log.warning("safepoint: finished the interrupted replacement of step %d", manifest.step)
+            except (CheckpointError, OSError) as e:
+                log.warning("safepoint: still cannot finish replacing step %d: %s", manifest.step, e)
+
+    def discard(self, pending: str) -> None:
+        """Delete an uncommitted save's objects: its manifest first, if one got written, and the rest only
+        once that is gone (a manifest must never outlive the data it lists). Never a staged copy that an
+        unfinished replacement needs."""
+        if pending in self._unfinished:
+            log.warning("safepoint: keeping %s to finish a replacement with it", self.store.url(pending))
+            return
+        try:
+            self.store.delete([posixpath.join(pending, MANIFEST_NAME)])
+            rest = [posixpath.join(pending, k) for k in self.store.sizes(pending) if k != MANIFEST_NAME]
             self.store.delete(rest)
         except (UploadError, FileNotFoundError) as e:
             log.warning("safepoint: could not clean up %s: %s", self.store.url(pending), e)
@@ -252,8 +284,14 @@ class RemoteLayout:
     # ---- removal and cleanup ----------------------------------------------------------------------------
 
     def remove(self, step: int) -> None:
-        """Delete a committed checkpoint: the manifest first (then it is no longer listed), then the data."""
-        self.store.delete([self._p(step_name(step), MANIFEST_NAME)])
+        """Delete a committed checkpoint: the manifest first (then it is no longer listed), then the data.
+
+        Raises OSError if the manifest could not be deleted, as ``Layout.remove`` does: retention treats a
+        failed removal as a cleanup to retry, never as a failure of the save that was just committed."""
+        try:
+            self.store.delete([self._p(step_name(step), MANIFEST_NAME)])
+        except UploadError as e:
+            raise OSError(f"cannot delete step {step} from {self.root}: {e}") from e
         self.discard(self.step_key(step))
 
     def clean_pending(self) -> list[str]:
@@ -276,6 +314,9 @@ class RemoteLayout:
                     done.append(f"finished the interrupted replacement of {m.group(1)}")
                     continue
                 except (CheckpointError, OSError) as e:
+                    if prefix in self._unfinished:  # failed midway: the staged copy is all there is
+                        done.append(f"could not finish replacing {m.group(1)} yet ({e}); will retry")
+                        continue
                     log.warning("safepoint: staged copy %s is unusable (%s); removing it", name, e)
             self.discard(prefix)
             done.append(f"removed abandoned {PENDING_DIR}/{name}")
@@ -283,6 +324,13 @@ class RemoteLayout:
         for name in sorted(dirs - committed):
             self.discard(self._p(name))
             done.append(f"removed uncommitted {name} (an interrupted save or upload)")
+        try:
+            if aborted := self.store.abort_uploads(self.base):
+                done.append(
+                    f"aborted {aborted} multipart upload(s) left open by an interrupted save or upload"
+                )
+        except UploadError as e:
+            log.warning("safepoint: could not abort unfinished multipart uploads under %s: %s", self.root, e)
         return done
 
     def lease(self, stale_after_s: float) -> Any:

@@ -15,78 +15,26 @@ arguments all come from s3fs), bypassing s3fs's own retry wrapper so that one re
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
+import functools
 import logging
-import os
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import crc32c
-from fsspec.asyn import sync
 
 from safepoint.checksum import crc_hex
-from safepoint.retry import TransferConfig, UploadError, cause_code, lower_priority, next_delay
-from safepoint.upload import FileCopy, ObjectStore, RawWriter, b64_crc, combine, hex_crc, read_range
+from safepoint.retry import UploadError, cause_code
+from safepoint.s3read import S3Reader, composite
+from safepoint.upload import FileCopy, RawWriter, b64_crc, combine, hex_crc, read_range
 
 log = logging.getLogger("safepoint")
 T = TypeVar("T")
 _MAX_PARTS = 10_000
 _MAX_COPY = 5 * 1024**3  # CopyObject's limit; bigger objects are copied by s3fs in parts
-_NOT_FOUND = ("404", "NoSuchKey", "NotFound")
 
 
-class S3Store(ObjectStore):
-    """ObjectStore for s3fs.S3FileSystem."""
-
-    def __init__(self, fs: Any, cfg: TransferConfig | None = None) -> None:
-        super().__init__(fs, cfg)
-        self._sem: asyncio.Semaphore | None = None
-        # Reading parts and their crc32c happens off the event loop (both release the GIL).
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            self.cfg.concurrency,
-            "safepoint-s3io",
-            initializer=lower_priority if self.cfg.background else None,
-        )
-
-    # ---- plumbing ---------------------------------------------------------------------------------------
-
-    def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        result: T = sync(self.fs.loop, fn, *args)
-        return result
-
-    @property
-    def sem(self) -> asyncio.Semaphore:
-        if self._sem is None:  # created on the loop thread, where every coroutine runs
-            self._sem = asyncio.Semaphore(self.cfg.concurrency)
-        return self._sem
-
-    async def call(self, method: str, **kw: Any) -> Any:
-        await self.fs.set_session()
-        client = await self.fs.get_s3(kw.get("Bucket"))
-        fn = getattr(client, method)
-        # s3fs adds the user's s3_additional_kwargs (SSE, ACL, RequestPayer ...) and drops unknown ones.
-        return await fn(**self.fs._get_s3_method_kwargs(fn, **kw))
-
-    async def aretry(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return await fn()
-            except Exception as e:
-                await asyncio.sleep(next_delay(what, e, attempt, self.cfg))
-
-    def _split(self, path: str) -> tuple[str, str]:
-        bucket, key, _ = self.fs.split_path(path)
-        return bucket, key
-
-    async def _gate(self) -> None:
-        if not self.gate.is_set():  # a save is blocking training: wait (off the loop) until it is done
-            await self._in_pool(self.gate.wait)
-
-    async def _in_pool(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+class S3Store(S3Reader):
+    """ObjectStore for s3fs.S3FileSystem: the writes (the requests, retries and reads: s3read.py)."""
 
     def check_root(self, path: str) -> None:
         bucket, _ = self._split(path)
@@ -132,36 +80,6 @@ class S3Store(ObjectStore):
             **cond,
         )
 
-    def get_bytes(self, path: str) -> bytes:
-        bucket, key = self._split(path)
-
-        async def get() -> bytes:
-            r = await self.call("get_object", Bucket=bucket, Key=key)
-            async with r["Body"] as body:
-                return bytes(await body.read())
-
-        try:
-            return bytes(self.run(self.aretry, f"read of {self.url(path)}", get))
-        except UploadError as e:
-            if cause_code(e) in _NOT_FOUND:
-                raise FileNotFoundError(self.url(path)) from None
-            raise
-
-    def stored_checksum(self, path: str) -> tuple[int, str | None]:
-        bucket, key = self._split(path)
-        try:
-            head = self.run(self.aretry, f"stat of {self.url(path)}", lambda: self._head(bucket, key))
-        except UploadError as e:
-            if cause_code(e) in _NOT_FOUND:
-                raise FileNotFoundError(self.url(path)) from None
-            raise
-        crc = head.get("ChecksumCRC32C")
-        whole = isinstance(crc, str) and not _composite(head)  # a composite value is not the file's crc32c
-        return int(head["ContentLength"]), hex_crc(crc) if whole else None
-
-    async def _head(self, bucket: str, key: str) -> Any:
-        return await self.call("head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED")
-
     def copy(self, src: str, dst: str, size: int | None = None) -> None:
         if size is not None and size > _MAX_COPY:
             super().copy(src, dst)
@@ -181,6 +99,28 @@ class S3Store(ObjectStore):
             ),
         )
         self.fs.invalidate_cache(dst)
+
+    def delete(self, paths: Sequence[str]) -> None:
+        """DeleteObjects, 1000 keys a request, checking every key's outcome: S3 answers 200 even when some
+        keys failed (s3fs's ``rm`` ignores those), and a manifest whose delete silently failed would stay
+        listed over deleted data. A retry resends the whole batch (deleting a deleted key is a no-op)."""
+        keys: dict[str, list[str]] = {}
+        for path in paths:
+            bucket, key = self._split(path)
+            keys.setdefault(bucket, []).append(key)
+        for bucket, names in keys.items():
+            for i in range(0, len(names), 1000):
+                batch = names[i : i + 1000]
+                what = f"delete of {len(batch)} objects from {self.url(bucket)}"
+                self.run(self.aretry, what, functools.partial(self._delete, bucket, batch))
+        self.fs.invalidate_cache()
+
+    async def _delete(self, bucket: str, keys: list[str]) -> None:
+        objects = {"Objects": [{"Key": k} for k in keys], "Quiet": True}
+        r = await self.call("delete_objects", Bucket=bucket, Delete=objects)
+        failed = [e for e in r.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+        if failed:
+            raise KeyDeleteError(failed)
 
     # ---- files ------------------------------------------------------------------------------------------
 
@@ -310,6 +250,19 @@ class S3Store(ObjectStore):
         except Exception as e:  # parts left behind cost storage only; bucket lifecycle rules expire them
             log.warning("safepoint: could not abort multipart upload of %s/%s: %s", bucket, key, e)
 
+    def abort_uploads(self, prefix: str) -> int:
+        """Abort the multipart uploads left open under ``prefix`` (by a killed writer: the owner calls this
+        before it uploads anything itself). Their parts are invisible but billed until then."""
+        bucket, key = self._split(prefix)
+
+        async def abort_all() -> int:
+            r = await self.call("list_multipart_uploads", Bucket=bucket, Prefix=key.rstrip("/") + "/")
+            for up in r.get("Uploads", []):
+                await self.abort_mpu(bucket, up["Key"], up["UploadId"])
+            return len(r.get("Uploads", []))
+
+        return int(self.run(self.aretry, f"listing of open uploads under {self.url(prefix)}", abort_all))
+
     async def aconfirm(self, path: str, size: int, crc: str, what: str, parts: Sequence[int] = ()) -> None:
         """HEAD the object: its size, and its CRC32C against ``crc`` (or, for a composite checksum, against
         the one ``parts``' checksums make: crc32c of their big-endian bytes, "-<number of parts>")."""
@@ -318,7 +271,7 @@ class S3Store(ObjectStore):
         if int(head["ContentLength"]) != size:
             raise UploadError(f"{what}: the store holds {head['ContentLength']} bytes, expected {size}")
         stored = head.get("ChecksumCRC32C")
-        if _composite(head):
+        if composite(head):
             # S3 spells it "<b64>-<parts>" (moto's HEAD leaves the suffix off): compare the value part.
             joined = b"".join(c.to_bytes(4, "big") for c in parts)
             expected = b64_crc(crc_hex(crc32c.crc32c(joined)))
@@ -331,52 +284,6 @@ class S3Store(ObjectStore):
         if value is None:
             log.debug("safepoint: %s: the store reports no full-object CRC32C; confirmed by size", what)
 
-    # ---- reading ----------------------------------------------------------------------------------------
-
-    async def _get_range(self, bucket: str, key: str, off: int, n: int) -> bytes:
-        r = await self.call("get_object", Bucket=bucket, Key=key, Range=f"bytes={off}-{off + n - 1}")
-        async with r["Body"] as body:
-            data = bytes(await body.read())
-        if len(data) != n:
-            raise ConnectionError(f"short read: {len(data)} of {n} bytes")  # transient: retried
-        return data
-
-    def _ranges(self, size: int) -> list[tuple[int, int]]:
-        p = self.cfg.part_size
-        return [(off, min(p, size - off)) for off in range(0, size, p)]
-
-    def read_crc(self, path: str, size: int) -> str:
-        bucket, key = self._split(path)
-        what = f"read of {self.url(path)}"
-
-        async def one(off: int, n: int) -> tuple[int, int]:
-            async with self.sem:
-                data = await self.aretry(what, lambda: self._get_range(bucket, key, off, n))
-                return await self._in_pool(crc32c.crc32c, data), n
-
-        return combine(self.run(self._gather, [one(o, n) for o, n in self._ranges(size)]))
-
-    def download(self, path: str, local: str, size: int) -> str:
-        bucket, key = self._split(path)
-        what = f"download of {self.url(path)}"
-        fd = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-
-            def write_at(data: bytes, off: int) -> int:
-                os.pwrite(fd, data, off)
-                return int(crc32c.crc32c(data))
-
-            async def one(off: int, n: int) -> tuple[int, int]:
-                async with self.sem:
-                    data = await self.aretry(what, lambda: self._get_range(bucket, key, off, n))
-                    return await self._in_pool(write_at, data, off), n
-
-            crc = combine(self.run(self._gather, [one(o, n) for o, n in self._ranges(size)]))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return crc
-
     # ---- streaming writes (DCP straight to S3) ----------------------------------------------------------
 
     def open_writer(self, path: str) -> RawWriter:
@@ -384,22 +291,17 @@ class S3Store(ObjectStore):
 
         return S3Writer(self, path)
 
-    @staticmethod
-    async def _gather(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
-        """Run all; on the first failure cancel the rest (their multipart uploads are aborted), raise it."""
-        tasks: list[asyncio.Task[T]] = []
-        try:
-            async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(c) for c in coros]
-        except BaseExceptionGroup as eg:
-            errors = [e for e in eg.exceptions if not isinstance(e, asyncio.CancelledError)]
-            raise (errors or list(eg.exceptions))[0] from None
-        return [t.result() for t in tasks]
 
+class KeyDeleteError(Exception):
+    """Keys a DeleteObjects request answered 200 but did not delete; shaped like botocore's ClientError (a
+    ``response`` with the first key's code) so that retry.py tells transient codes (InternalError,
+    SlowDown) from the rest."""
 
-def _composite(head: dict[str, Any]) -> bool:
-    crc = head.get("ChecksumCRC32C")
-    return head.get("ChecksumType") == "COMPOSITE" or (isinstance(crc, str) and "-" in crc)
+    def __init__(self, errors: list[dict[str, Any]]) -> None:
+        first = errors[0]
+        message = f"{first.get('Key')}: {first.get('Message', '')} ({len(errors)} key(s) not deleted)"
+        self.response = {"Error": {"Code": first.get("Code", ""), "Message": message}}
+        super().__init__(f"{first.get('Code')}: {message}")
 
 
 def _check_local(item: FileCopy, crc: str) -> None:

@@ -14,8 +14,15 @@ from typing import Any
 import crc32c
 
 from safepoint.checksum import crc_hex
+from safepoint.retry import UploadError
 from safepoint.s3store import S3Store
 from safepoint.upload import RawWriter, combine
+
+
+class StreamWriteError(UploadError, OSError):
+    """An upload that failed inside ``write()``: an OSError too, as a failed file write is. torch's zip writer
+    turns an exception from the stream's write into "unexpected pos" RuntimeError and keeps the original
+    only as its context, where safepoint (saver.describe_exception) looks for an OSError to name the cause."""
 
 
 class S3Writer(RawWriter):
@@ -35,10 +42,13 @@ class S3Writer(RawWriter):
         view = memoryview(data).cast("B")
         self._buf += view
         size = self._s.cfg.part_size
-        while len(self._buf) >= size:
-            chunk = bytes(self._buf[:size])
-            del self._buf[:size]
-            self._send(chunk)
+        try:
+            while len(self._buf) >= size:
+                chunk = bytes(self._buf[:size])
+                del self._buf[:size]
+                self._send(chunk)
+        except UploadError as e:
+            raise StreamWriteError(str(e)) from e
         return view.nbytes
 
     def _send(self, chunk: bytes) -> None:

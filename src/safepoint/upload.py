@@ -221,6 +221,10 @@ class ObjectStore:
             raise UploadError(f"download of {self.url(path)}: got {got} bytes, expected {size}")
         return crc_hex(value)
 
+    def abort_uploads(self, prefix: str) -> int:
+        """Abort the unfinished multipart uploads under ``prefix``; how many. None on a generic store."""
+        return 0
+
     def copy(self, src: str, dst: str, size: int | None = None) -> None:
         """Server-side copy where the store has one."""
         retry(f"copy of {self.url(src)}", lambda: self.fs.copy(src, dst), self.cfg)

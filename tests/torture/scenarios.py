@@ -31,11 +31,11 @@ KEEP_LAST = 2
 class Model:
     """A small model with optimizer state; every tensor is set to the save's version before saving."""
 
-    def __init__(self) -> None:
+    def __init__(self, shape: tuple[int, int] = (16, 8)) -> None:
         torch.manual_seed(0)
-        self.model = torch.nn.Linear(16, 8)
+        self.model = torch.nn.Linear(*shape)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
-        self.model(torch.randn(2, 16)).sum().backward()
+        self.model(torch.randn(2, shape[0])).sum().backward()
         self.opt.step()
         self.extra: dict[str, Any] = {"version": -1}
         self.state = safepoint.TrainState(model=self.model, optimizer=self.opt, extra=self.extra, rng=False)
@@ -409,16 +409,33 @@ def soak(
     return {"samples": samples, "pending_seen": pending_seen, "dir": listed}
 
 
+def objstore(layer: faults.Layer | None, **args: Any) -> dict[str, Any]:
+    """The object-store workload (tests/torture/objstore.py): its fault layer is the S3 proxy."""
+    from tests.torture import objstore as o
+
+    return o.workload(layer, **args)
+
+
 SCENARIOS = {
     "workload": workload,
     "async_next_call": async_next_call,
     "train": train,
     "soak": soak,
+    "objstore": objstore,
 }
 
 
 def warm_up(tmp: Path) -> None:
     """Run one save/restore cycle so the children forked later pay no lazy imports or first-use costs."""
+    # The object-store children's clients (imported only: their event-loop thread starts in the child).
+    import s3fs  # noqa: F401
+
+    import safepoint.remote_lease
+    import safepoint.s3store
+    import safepoint.s3writer
+    import safepoint.tiering
+    from tests.torture import objstore  # noqa: F401
+
     make_baseline(tmp / "ckpt")
     with safepoint.CheckpointManager(tmp / "ckpt", keep_last=1, writer_threads=2) as mgr:
         m = Model()
