@@ -8,13 +8,18 @@ import os
 import socket
 import subprocess
 import sys
+import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import safepoint
 from safepoint.layout import Layout
+from safepoint.lease import UNREADABLE_WAIT_S, Lease
 from tests.conftest import REPO
 
 
@@ -94,3 +99,140 @@ def test_unwritable_root_gives_clear_error(tmp_path: Path) -> None:
     with pytest.raises(safepoint.CheckpointError, match="cannot create checkpoint root"):
         safepoint.CheckpointManager(f / "sub")
     torch.manual_seed(0)
+
+
+# ---- records that cannot be trusted: no heartbeat, unreadable files, files that vanish ------------------
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(timeout=60)
+    return proc.pid
+
+
+@pytest.mark.parametrize("beat", [None, "garbled", [1.0], float("nan")])
+def test_dead_same_host_lease_with_unusable_heartbeat_is_taken_over(root: Path, beat: object) -> None:
+    root.mkdir(parents=True)
+    rec = {"host": socket.gethostname(), "pid": _dead_pid(), "heartbeat": beat, "token": "x"}
+    (root / ".lease").write_text(json.dumps(rec))
+    safepoint.CheckpointManager(root).close()  # was: TypeError/ValueError from float(heartbeat)
+
+
+def test_unusable_heartbeat_from_another_host_counts_as_stale(root: Path) -> None:
+    root.mkdir(parents=True)
+    (root / ".lease").write_text(json.dumps({"host": "elsewhere", "pid": 1, "heartbeat": None, "token": "x"}))
+    safepoint.CheckpointManager(root).close()
+
+
+def test_live_holder_without_readable_heartbeat_is_named(root: Path) -> None:
+    root.mkdir(parents=True)
+    rec = {"host": socket.gethostname(), "pid": os.getpid(), "heartbeat": "?", "token": "someone-else"}
+    (root / ".lease").write_text(json.dumps(rec))
+    with pytest.raises(
+        safepoint.LeaseError, match=rf"pid {os.getpid()} on host .*no readable lease heartbeat"
+    ):
+        safepoint.CheckpointManager(root)
+
+
+def _swap_in(path: Path, make: Callable[[Path], object]) -> None:
+    """Replace ``path`` atomically (rename over it) by what ``make`` creates: the heartbeat never sees it
+    missing."""
+    tmp = path.with_name(f"swap-{uuid.uuid4().hex}")
+    make(tmp)
+    os.replace(tmp, path)
+
+
+def test_heartbeat_rides_out_an_unreadable_lease_and_names_a_real_taker(tmp_path: Path) -> None:
+    lease = Lease(tmp_path, stale_after_s=30, heartbeat_s=0.02)
+    lease.acquire()
+    try:
+        good = lease.path.read_text()
+        unreadable_dir = tmp_path / "a-directory"
+        unreadable_dir.mkdir()
+        # EISDIR on every read (an OSError, as EIO/ESTALE on NFS), then a truncated record (not JSON):
+        for make in (lambda p: os.symlink(unreadable_dir, p), lambda p: p.write_text('{"host": "x", "pi')):
+            _swap_in(lease.path, make)
+            time.sleep(0.3)  # ~15 beats, each failing to read it
+            assert lease.lost is None
+            lease.check()
+            _swap_in(lease.path, lambda p: p.write_text(good))
+            time.sleep(0.1)
+            assert json.loads(lease.path.read_text())["heartbeat"] > json.loads(good)["heartbeat"]
+        # Another owner: lost, and the message names it.
+        rec = {"host": "elsewhere", "pid": 4242, "heartbeat": time.time(), "token": "theirs"}
+        _swap_in(lease.path, lambda p: p.write_text(json.dumps(rec)))
+        deadline = time.monotonic() + 10
+        while lease.lost is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lease.lost is not None and "taken over by pid 4242 on host 'elsewhere'" in lease.lost
+        with pytest.raises(safepoint.LeaseError, match="pid 4242"):
+            lease.check()
+    finally:
+        lease.release()
+    assert json.loads(lease.path.read_text())["token"] == "theirs"  # not ours to remove
+
+
+def test_heartbeat_gives_up_once_unreadable_for_longer_than_the_staleness_limit(tmp_path: Path) -> None:
+    lease = Lease(tmp_path, stale_after_s=0.3, heartbeat_s=0.02)
+    lease.acquire()
+    try:
+        _swap_in(lease.path, lambda p: p.write_text(""))
+        deadline = time.monotonic() + 10
+        while lease.lost is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lease.lost is not None and "longer than lease_stale_after_s=0.3s" in lease.lost
+        assert "None" not in lease.lost
+    finally:
+        lease.release()
+
+
+def test_removed_lease_is_lost_with_a_clear_reason(tmp_path: Path) -> None:
+    lease = Lease(tmp_path, stale_after_s=30, heartbeat_s=0.02)
+    lease.acquire()
+    try:
+        lease.path.unlink()
+        deadline = time.monotonic() + 10
+        while lease.lost is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lease.lost is not None and "was removed" in lease.lost and "None" not in lease.lost
+    finally:
+        lease.release()
+
+
+class _VanishingLease(Lease):
+    """A holder that releases the lease right between our failed O_EXCL create and our read of it."""
+
+    vanished = False
+
+    def _read(self) -> dict[str, Any] | None:
+        if not self.vanished and self.path.exists():
+            self.vanished = True
+            self.path.unlink()
+        return super()._read()
+
+
+def test_acquire_retries_when_the_holder_releases_in_between(tmp_path: Path) -> None:
+    holder = Lease(tmp_path)
+    holder.acquire()
+    holder._stop.set()  # its heartbeat ends; the file stays (it is "released" by the race below)
+    lease = _VanishingLease(tmp_path)
+    lease.acquire()  # was: LeaseError "in use by pid None on host None"
+    try:
+        assert lease.vanished and json.loads(lease.path.read_text())["token"] == lease.token
+    finally:
+        lease.release()
+
+
+def test_unreadable_lease_is_retried_then_refused_without_naming_pid_none(tmp_path: Path) -> None:
+    (tmp_path / ".lease").write_text("")  # a creator between its O_EXCL create and its write, or EIO
+    t0 = time.monotonic()
+    with pytest.raises(safepoint.LeaseError, match="cannot read the lease") as info:
+        Lease(tmp_path, stale_after_s=60).acquire()
+    assert time.monotonic() - t0 >= UNREADABLE_WAIT_S * 0.9  # re-read for a while first
+    assert "None" not in str(info.value)
+    # Unchanged for longer than the staleness limit: taken over.
+    old = time.time() - 120
+    os.utime(tmp_path / ".lease", (old, old))
+    lease = Lease(tmp_path, stale_after_s=60)
+    lease.acquire()
+    lease.release()

@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 from safepoint.background import BackgroundWriter
 from safepoint.dist import Comm
-from safepoint.errors import CheckpointError, SaveError
+from safepoint.errors import CheckpointError, Preempted, SaveError
 from safepoint.history import RunHistory, outcome_of
 from safepoint.layout import CheckpointInfo, Layout
 from safepoint.manifest import clean_metrics
@@ -101,25 +101,72 @@ class CheckpointManager:
             raise ValueError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
         if collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s must be positive, got {collective_timeout_s!r}")
-        self.comm = Comm(collective_timeout_s)
+        # Every argument is validated before the first process group exists (dist.new_group): a bad one
+        # must not leak a gloo group (and its threads) per attempt.
         self._schedule = SaveSchedule(
-            self.comm,
-            save_every_steps,
-            save_every_seconds,
-            mtbf_seconds,
-            local=isinstance(self.layout, Layout),
+            save_every_steps, save_every_seconds, mtbf_seconds, local=isinstance(self.layout, Layout)
         )
-        self._agreement = self._schedule.agreement
         self.saves = self._schedule.saves  # the same list: what the training loop's saves cost
-        self._preemption = Preemption.build(
-            self.comm,
-            signals=preemption_signals,
-            file=preemption_file,
-            poll=preemption_poll,
-            poll_interval_s=preemption_poll_interval_s,
-            grace_seconds=grace_seconds,
-            exit_code=preempted_exit_code,
-        )
+        self._comms: list[Comm] = []  # every group this manager created, destroyed if __init__ fails
+        try:
+            self._build(
+                durable,
+                retention,
+                collective_timeout_s,
+                writer_threads,
+                async_save,
+                if_busy,
+                keep_local_last,
+                dict(
+                    signals=preemption_signals,
+                    file=preemption_file,
+                    poll=preemption_poll,
+                    poll_interval_s=preemption_poll_interval_s,
+                    grace_seconds=grace_seconds,
+                    exit_code=preempted_exit_code,
+                ),
+            )
+        except BaseException:
+            for comm in self._comms:
+                comm.destroy()
+            raise
+        self._lease: Any = None
+        self._closed = False
+        self._take_ownership(lease_stale_after_s)
+        self._runs: RunHistory | None = None
+        if isinstance(self.layout, Layout):  # "auto" was refused above for a URL root alone
+            self._runs = self._schedule.add_adaptive(self.layout, self.comm)
+        if self._at_exit:
+            # A script that ends without close() must not kill the writer mid-file at interpreter
+            # shutdown (torch's C++ writer aborts the process then): let the save in flight finish.
+            atexit.register(self._finish_at_exit)
+        if self._preemption is not None:
+            self._preemption.start()
+
+    def _new_comm(self, timeout_s: float) -> Comm:
+        comm = Comm(timeout_s)
+        self._comms.append(comm)
+        return comm
+
+    def _build(
+        self,
+        durable: Any,
+        retention: Retention,
+        collective_timeout_s: float,
+        writer_threads: int,
+        async_save: bool,
+        if_busy: str,
+        keep_local_last: int,
+        preemption: dict[str, Any],
+    ) -> None:
+        """The parts that need process groups (created here, in the same order on every rank)."""
+        if durable is not None and (
+            isinstance(keep_local_last, bool) or not isinstance(keep_local_last, int) or keep_local_last < 1
+        ):
+            raise ValueError(f"keep_local_last must be a positive int, got {keep_local_last!r}")
+        self.comm = self._new_comm(collective_timeout_s)
+        self._agreement = self._schedule.attach(self.comm)
+        self._preemption = Preemption.build(self.comm, **preemption)
         # With tiering, local copies are pruned by the uploader (keep_local_last); `retention` is durable's.
         saver_retention = Retention() if durable is not None else retention
         self._saver = SyncSaver(self.layout, self.comm, saver_retention, writer_threads=writer_threads)
@@ -130,31 +177,19 @@ class CheckpointManager:
         self._writer = BackgroundWriter()
         # The writer thread runs collectives; it gets its own group so they never interleave with the
         # training thread's (maybe_save agreement, restore) on the same group.
-        self._bg_comm = Comm(collective_timeout_s) if self._async else None
+        self._bg_comm = self._new_comm(collective_timeout_s) if self._async else None
         self._bg_saver = (
             SyncSaver(self.layout, self._bg_comm, saver_retention, writer_threads=writer_threads)
             if self._bg_comm is not None
             else None
         )
         self._at_exit = self._async or durable is not None
-        if self._at_exit:
-            # A script that ends without close() must not kill the writer mid-file at interpreter
-            # shutdown (torch's C++ writer aborts the process then): let the save in flight finish.
-            atexit.register(self._finish_at_exit)
         # The uploader's collectives get their own group too (created here: same order on every rank).
         self._tiers = (
-            Tiering(self.layout, durable, retention, keep_local_last, Comm(collective_timeout_s))
+            Tiering(self.layout, durable, retention, keep_local_last, self._new_comm(collective_timeout_s))
             if durable is not None and isinstance(self.layout, Layout)
             else SingleTier(self.layout)
         )
-        self._lease: Any = None
-        self._closed = False
-        self._take_ownership(lease_stale_after_s)
-        self._runs: RunHistory | None = None
-        if isinstance(self.layout, Layout):  # "auto" was refused above for a URL root alone
-            self._runs = self._schedule.add_adaptive(self.layout, self.comm)
-        if self._preemption is not None:
-            self._preemption.start()
 
     def _take_ownership(self, stale_after_s: float) -> None:
         error: CheckpointError | None = None
@@ -175,7 +210,8 @@ class CheckpointManager:
             if self._lease is not None:
                 self._lease.release()
             self._tiers.close(raise_failure=False)
-            self.comm.destroy()
+            for comm in self._comms:
+                comm.destroy()
             self._closed = True
             raise error
         self._tiers.start()
@@ -262,10 +298,26 @@ class CheckpointManager:
                     log.error("safepoint: emergency save of step %d failed: %s", step, e)
                     cause = e
         self._tiers.preempted(plan, self._preemption.end_of_grace())
-        exc = self._preemption.exit(step, saved, self.latest_step(), plan)
+        exc = self._preemption.exit(step, saved, self._resume_step(saved), plan)
         if self._runs is not None:
             self._runs.end(outcome_of(exc))
         raise exc from cause
+
+    def _resume_step(self, saved: int | None) -> int | None:
+        """Where a restart resumes, from what this process knows, within the grace: no store request (not
+        ``latest_step()``, which lists the durable tier and reads every manifest), and never an error."""
+        steps = {s for s in (saved, self._schedule.last_step) if s is not None}
+        try:
+            if isinstance(self._tiers, Tiering):
+                newest = self._tiers.resume_step()
+                steps.update([newest] if newest is not None else [])
+            elif isinstance(self.layout, Layout):  # a directory listing; a URL root: what this run knows
+                steps.update(self.layout.committed_steps())
+        except Exception as e:
+            log.warning(
+                "safepoint: cannot list the committed checkpoints (%s); resume step as far as known", e
+            )
+        return max(steps) if steps else None
 
     def _save_async(self, step: int, state: TrainState, metrics: dict[str, float]) -> None:
         busy = self._writer.busy
@@ -375,7 +427,13 @@ class CheckpointManager:
     ) -> None:
         if self._runs is not None:
             self._runs.end(outcome_of(exc))  # an exception out of the loop is a failure for the MTBF
-        self.close()
+        if not isinstance(exc, Preempted):
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as e:  # a background failure must not replace the exit code of the notice
+            log.error("safepoint: while exiting on the preemption notice: %s", e)
 
     def _check_open(self) -> None:
         if self._closed:

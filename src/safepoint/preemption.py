@@ -211,6 +211,15 @@ class Preemption:
                 (resume_step or 0) + 1,
                 step,
             )
+        elif plan is not None and plan.skipped and saved_step is None:
+            log.error(
+                "safepoint: emergency save of step %d (planned for %s only, skipping %s) failed: nothing was "
+                "saved. A restart resumes from step %s.",
+                step,
+                ", ".join(plan.tiers),
+                ", ".join(plan.skipped),
+                resume_step if resume_step is not None else "none: from scratch",
+            )
         elif plan is not None and plan.skipped:
             log.warning(
                 "safepoint: emergency save of step %d wrote %s only; skipped %s: the full save is expected "

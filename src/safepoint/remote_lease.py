@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from safepoint.errors import LeaseError
-from safepoint.lease import HeartbeatLease
+from safepoint.lease import HeartbeatLease, Unreadable, describe_holder
 from safepoint.retry import UploadError, cause_code
 
 LEASE_NAME = ".lease"
@@ -125,9 +125,19 @@ class RemoteLease(HeartbeatLease):
             self.etag = self._put(IfMatch=self.etag)
         except UploadError as e:
             if cause_code(e) in _CONFLICT or cause_code(e) in ("404", "NoSuchKey"):
-                return f"lease {self.store.url(self.key)} was taken by another process"
-            log.warning("safepoint: lease heartbeat failed: %s", e)
+                return f"lease {self.store.url(self.key)} was {self._taken_by()}"
+            raise Unreadable(str(e)) from e  # transient: retried at the next beat, up to stale_after_s
         return None
+
+    def _taken_by(self) -> str:
+        """Who holds the lease now, for the message (best effort: one read, no error of its own)."""
+        try:
+            holder, etag, _ = self._read()
+        except (UploadError, OSError):
+            return "taken over by another process"
+        if etag is None:
+            return "removed (by hand, or by a job that judged it stale)"
+        return f"taken over by {describe_holder(holder) if holder else 'another process'}"
 
     def _drop(self) -> None:
         try:

@@ -69,7 +69,7 @@ class S3Reader(ObjectStore):
 
     async def _gate(self) -> None:
         if not self.gate.is_set():  # a save is blocking training: wait (off the loop) until it is done
-            await self._in_pool(self.gate.wait)
+            await self._in_pool(self.pass_gate)
 
     async def _in_pool(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

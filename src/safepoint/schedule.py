@@ -36,13 +36,14 @@ class SaveSchedule:
 
     def __init__(
         self,
-        comm: Comm,
         save_every_steps: int | None,
         save_every_seconds: float | str | AdaptiveInterval | None,
         mtbf_seconds: float | None,
         *,
         local: bool,
     ) -> None:
+        """Validates the arguments (ValueError) and touches nothing else: the manager builds this before it
+        creates its process groups, so a bad argument leaks none. :meth:`attach` adds the ranks' agreement."""
         self.policies: list[SavePolicy] = []
         if save_every_steps is not None:
             self.policies.append(EveryNSteps(save_every_steps))
@@ -55,11 +56,18 @@ class SaveSchedule:
             self.policies.append(EveryNSeconds(every_s))
         self.mtbf_seconds = mtbf_seconds
         self.time_based = save_every_seconds is not None
-        # Ranks compare their clocks about every 1% of the interval (at most once a second), not every step.
-        self.agreement = Agreement(comm, min(1.0, (self.auto.min_s if self.auto else every_s or 0.0) / 100))
+        self._every_s = every_s
+        self.agreement: Agreement | None = None
         self.last_step: int | None = None
         self.last_time = time.monotonic()
         self.saves: list[SaveRecord] = []
+
+    def attach(self, comm: Comm) -> Agreement:
+        """The ranks' agreement on time-based policies, on ``comm`` (the manager's group, once created)."""
+        # Ranks compare their clocks about every 1% of the interval (at most once a second), not every step.
+        target = min(1.0, (self.auto.min_s if self.auto else self._every_s or 0.0) / 100)
+        self.agreement = Agreement(comm, target)
+        return self.agreement
 
     def add_adaptive(self, layout: Layout, comm: Comm) -> RunHistory | None:
         """With ``"auto"``: the adaptive policy (C from the saves recorded here), and its run history."""
@@ -81,6 +89,7 @@ class SaveSchedule:
         if not self.time_based:
             return False
         timed = any(self._due(p, step, now) for p in self.policies if isinstance(p, TIME_POLICIES))
+        assert self.agreement is not None, "SaveSchedule.attach() first"
         return self.agreement.agree(step, timed)
 
     def _due(self, policy: SavePolicy, step: int, now: float) -> bool:

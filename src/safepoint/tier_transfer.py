@@ -13,6 +13,8 @@ store directly would move every byte twice (once to verify, once to load).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import re
 import time
@@ -32,34 +34,65 @@ log = logging.getLogger("safepoint")
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Moved:
+    """What :func:`move_and_commit` found: ``problems`` and ``unexpected`` are the same on every rank;
+    ``error`` is this rank's own exception (to chain from), if it had one."""
+
+    problems: list[str]
+    unexpected: bool = False
+    """Some rank failed with something other than a CheckpointError or OSError (a bug, most likely)."""
+    error: BaseException | None = None
+
+
+def _expected(e: BaseException) -> bool:
+    return isinstance(e, (CheckpointError, OSError))
+
+
 def move_and_commit(
     comm: Comm, move: Callable[[], object], commit: Callable[[], object], discard: Callable[[], object]
-) -> list[str]:
+) -> Moved:
     """Collective: every rank runs ``move`` (its share); if all succeeded rank 0 runs ``commit``, and if
-    anything failed (a commit too) rank 0 runs ``discard``. Returns the problems, the same on every rank."""
-    problem: str | None = None
+    anything failed (a commit too) rank 0 runs ``discard``. Any exception is recorded, never raised from
+    here: every rank always reaches both collectives, so none is left waiting for one that failed. The
+    caller raises (the same decision on every rank, from the returned problems)."""
+    problem: tuple[str, bool] | None = None
+    error: BaseException | None = None
     try:
         move()
-    except (CheckpointError, OSError) as e:
-        problem = f"rank {comm.rank}: {e}"
-    problems = [p for p in comm.all_gather(problem) if p]
+    except Exception as e:
+        error, problem = e, (f"rank {comm.rank}: {e if _expected(e) else repr(e)}", not _expected(e))
+    gathered = [p for p in comm.all_gather(problem) if p]
+    problems, unexpected = [p for p, _ in gathered], any(u for _, u in gathered)
     if comm.is_coordinator:
         if not problems:
             try:
                 commit()
-            except (CheckpointError, OSError) as e:
-                problems.append(f"commit: {e}")
+            except Exception as e:
+                error = error or e
+                problems.append(f"commit: {e if _expected(e) else repr(e)}")
+                unexpected = unexpected or not _expected(e)
         if problems:
-            discard()
-    return comm.broadcast(problems)
+            try:
+                discard()
+            except Exception as e:  # the problems are reported anyway; what is left is cleaned up later
+                log.warning("safepoint: could not discard the failed transfer: %r", e)
+    problems, unexpected = comm.broadcast((problems, unexpected))
+    return Moved(problems, unexpected, error)
 
 
 def upload_checkpoint(
-    comm: Comm, local: Layout, durable: RemoteLayout, step: int, pending: str, vetoed: Callable[[], bool]
+    comm: Comm,
+    local: Layout,
+    durable: RemoteLayout,
+    step: int,
+    pending: str,
+    committing: Callable[[], contextlib.AbstractContextManager[bool]] | None = None,
 ) -> Manifest:
     """Collective: upload local ``step`` into the durable tier's ``pending`` and commit it there (manifest
-    last). ``vetoed()`` is asked by rank 0 right before the commit (True: discard instead). Raises
-    UploadError if anything failed; nothing is then committed on the durable tier."""
+    last). Rank 0 commits inside ``committing()``, which yields whether the commit may start (False:
+    discard instead). Raises UploadError on every rank if anything failed on any rank (chained from this
+    rank's own exception); nothing is then committed on the durable tier."""
     manifest: Manifest | None = None
 
     def move() -> None:
@@ -72,17 +105,18 @@ def upload_checkpoint(
         )
 
     def commit() -> None:
-        if vetoed():
-            raise CheckpointError("abandoned at the preemption's grace deadline")
-        assert manifest is not None
-        durable.commit(pending, manifest)
+        with committing() if committing is not None else contextlib.nullcontext(True) as allowed:
+            if not allowed:
+                raise CheckpointError("abandoned at the preemption's grace deadline")
+            assert manifest is not None
+            durable.commit(pending, manifest)
 
-    errors = move_and_commit(comm, move, commit, lambda: durable.discard(pending))
-    if errors or manifest is None:
+    moved = move_and_commit(comm, move, commit, lambda: durable.discard(pending))
+    if moved.problems or manifest is None:
         raise UploadError(
             f"upload of step {step} to {durable.root} failed; nothing was committed there and the "
-            f"local copy is kept ({'; '.join(errors)})"
-        )
+            f"local copy is kept ({'; '.join(moved.problems) or 'no manifest'})"
+        ) from moved.error
     return manifest
 
 
@@ -158,14 +192,18 @@ def fetch_durable(comm: Comm, local: Layout, durable: RemoteLayout, step: int) -
             raise CorruptCheckpointError(step, name, f"crc32c {crc} != {entry.crc32c} (contents altered)")
 
     t0 = time.perf_counter()
-    problems = move_and_commit(
+    moved = move_and_commit(
         comm,
         lambda: durable.store._parallel(get, sorted(manifest.files)[comm.rank :: comm.world_size]),
         lambda: local.commit(pending, manifest),
         lambda: local.discard(pending),
     )
-    if problems:
-        return problems[0]
+    if moved.unexpected:  # not a bad checkpoint: a failure to report, on every rank alike
+        raise CheckpointError(
+            f"downloading durable step {step} failed: {'; '.join(moved.problems)}"
+        ) from moved.error
+    if moved.problems:
+        return moved.problems[0]
     log.info(
         "safepoint: downloaded durable step %d (%.1f MB in %.2fs)",
         step,

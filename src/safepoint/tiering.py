@@ -42,6 +42,8 @@ from safepoint.tier_transfer import choose_across_tiers, upload_checkpoint
 from safepoint.tiers import DurabilityLag, SingleTier, infos
 
 log = logging.getLogger("safepoint")
+IDLE_JOIN_S = 1.0
+"""How long close() still waits, after the grace, for an idle uploader thread to exit."""
 
 
 class Tiering(SingleTier):
@@ -75,6 +77,10 @@ class Tiering(SingleTier):
         self._cutoff: str | None = None  # set on a preemption whose plan skips the durable tier
         self._deadline: float | None = None  # the grace's end (monotonic): close() waits no longer
         self._gave_up = False  # close() abandoned the upload in flight at the deadline
+        # Held across a durable commit (manifest PUT, promote): abandoning waits for it (up to the deadline),
+        # and once abandoned no commit starts. So the lease is never given up under a commit.
+        self._commit_lock = threading.Lock()
+        self._commit_running: int | None = None  # the step whose commit was running when abandoned
 
     # ---- lifecycle (manager's __init__ / close) ---------------------------------------------------------
 
@@ -197,38 +203,95 @@ class Tiering(SingleTier):
         if self._lease is not None:
             self._lease.check()
 
+    def _remaining(self) -> float | None:
+        """Seconds until the grace ends (None: no deadline; may be negative)."""
+        return None if self._deadline is None else self._deadline - time.monotonic()
+
     def close(self, *, raise_failure: bool = True) -> None:
-        """Let queued and running uploads finish, release the durable root, raise a failure if asked."""
+        """Let queued and running uploads finish (after a notice: until the grace ends), release the durable
+        root (after a notice: only within the grace), raise a failure if asked."""
         with self._cv:
             self._closing = True
             self._cv.notify_all()
             thread = self._thread
         if thread is not None:
-            thread.join(None if self._deadline is None else max(0.0, self._deadline - time.monotonic()))
+            remaining = self._remaining()
+            thread.join(None if remaining is None else max(0.0, remaining))
             if thread.is_alive():
-                self._abandon()
-        if self._lease is not None:
-            self._lease.release()
-            self._lease = None
+                with self._cv:
+                    active = self._busy is not None or bool(self._queue)
+                if active:
+                    self._abandon()
+                else:  # idle, woken by _closing and on its way out: no upload to abandon
+                    thread.join(IDLE_JOIN_S)
+        self._release_lease()
         if not self._gave_up:  # an abandoned uploader may still be inside one of this group's collectives
             self.comm.destroy()
         if raise_failure:
             self.raise_failure()
 
+    def _release_lease(self) -> None:
+        """Give the durable root back; after a notice, waiting no longer than the grace (what is not done by
+        then finishes in the background, or the lease expires by itself: lease_stale_after_s, at once for a
+        restart on this host). Never under a commit left running at the deadline: that lease only stops."""
+        lease, self._lease = self._lease, None
+        if lease is None:
+            return
+        if self._commit_running is not None:
+            lease.stop()
+            log.warning(
+                "safepoint: not releasing the durable root's lease under the commit of step %s (it expires "
+                "after lease_stale_after_s; a restart on this host takes it over at once)",
+                self._commit_running,
+            )
+            return
+        remaining = self._remaining()
+        if not lease.release(timeout=None if remaining is None else max(0.0, remaining)):
+            log.warning(
+                "safepoint: the durable root's lease was not released by the end of the grace; if the "
+                "process exits first, it expires after lease_stale_after_s (a restart on this host takes it "
+                "over at once)"
+            )
+
     def _abandon(self) -> None:
         """The grace ends with an upload still running: leave it rather than be SIGKILLed waiting. No new
-        request starts (the gate stays shut) and no manifest is written, so the durable tier gets nothing;
-        the next owner deletes the partial objects and uploads the step again from the local copy."""
-        with self._cv:
-            self._cutoff = self._cutoff or "abandoned at the preemption's grace deadline"
-            self._gave_up = True
-            busy = self._busy
-        self.durable.store.gate.clear()
-        log.error(
-            "safepoint: the grace is over and the upload of step %s is still running: abandoned (nothing is "
-            "committed on the durable tier; the next run uploads it again from the local copy)",
-            busy,
-        )
+        request starts (the gate stays shut) and no commit starts, so the durable tier gets nothing from it;
+        the next owner deletes the partial objects and uploads the step again from the local copy. A commit
+        already running (its manifest PUT, a promote) is waited for until the deadline at most; if it is
+        still running then, it is left to finish (it may or may not land) and the lease is not released."""
+        remaining = self._remaining()
+        got = self._commit_lock.acquire(timeout=max(0.0, remaining) if remaining is not None else -1)
+        try:
+            with self._cv:
+                self._cutoff = self._cutoff or "abandoned at the preemption's grace deadline"
+                self._gave_up = True  # checked under the commit lock: no commit starts from here on
+                busy = self._busy
+                if not got:
+                    self._commit_running = busy
+            self.durable.store.gate.clear()
+            self.durable.store.abandoned.set()
+        finally:
+            if got:
+                self._commit_lock.release()
+        if got:
+            log.error(
+                "safepoint: the grace is over and the upload of step %s is still running: abandoned (nothing "
+                "is committed on the durable tier; the next run uploads it again from the local copy)",
+                busy,
+            )
+        else:
+            log.error(
+                "safepoint: the grace is over while step %s is being committed on the durable tier: the "
+                "commit is left running (it may or may not complete before the process exits; the next run "
+                "keeps it if it did, and uploads the step again from the local copy if not)",
+                busy,
+            )
+
+    @contextlib.contextmanager
+    def _committing(self) -> Iterator[bool]:
+        """Around a durable commit: yields whether it may start (False once abandoned)."""
+        with self._commit_lock:
+            yield not self._gave_up
 
     # ---- the uploader thread ----------------------------------------------------------------------------
 
@@ -278,8 +341,8 @@ class Tiering(SingleTier):
                 self._prune_local()
             return
         t0 = time.perf_counter()
-        # Once close() gave up on this upload it released the durable lease: a commit would race a new owner.
-        manifest = upload_checkpoint(self.comm, self.local, self.durable, step, detail, lambda: self._gave_up)
+        # Once close() gave up on this upload no commit starts (its lease may be given up or expire).
+        manifest = upload_checkpoint(self.comm, self.local, self.durable, step, detail, self._committing)
         info = self.durable.info(step, manifest)
         self._history.record(time.perf_counter() - t0, persist=self.comm.is_coordinator)
         with self._cv:
@@ -386,6 +449,15 @@ class Tiering(SingleTier):
         local = {i.step: i for i in infos(self.local)}
         durable = {i.step: i for i in infos(self.durable)}
         return [local.get(s) or durable[s] for s in sorted(local.keys() | durable.keys())]
+
+    def resume_step(self) -> int | None:
+        """The newest committed step this process knows of, without touching the durable store (used within
+        the grace): local committed steps (a directory listing) and the durable steps already known."""
+        with self._cv:
+            steps = set(self._durable)
+        with contextlib.suppress(OSError, CheckpointError):
+            steps.update(self.local.committed_steps())
+        return max(steps) if steps else None
 
     def lag(self) -> DurabilityLag:
         with self._cv:

@@ -27,6 +27,8 @@ from safepoint.retry import MiB, TransferConfig, UploadError, lower_priority, re
 __all__ = ["FileCopy", "MiB", "ObjectStore", "RawWriter", "TransferConfig", "UploadError"]
 log = logging.getLogger("safepoint")
 T = TypeVar("T")
+GATE_POLL_S = 0.1
+"""How often a transfer parked at the shut gate checks whether it was abandoned."""
 
 
 def b64_crc(crc: str) -> str:
@@ -83,6 +85,15 @@ class ObjectStore:
         # Cleared while the training loop waits for a save (tiering): transfers start no new request.
         self.gate = threading.Event()
         self.gate.set()
+        # Set when the preemption grace ran out with the transfer still running: a thread parked at the
+        # shut gate then raises instead of waiting forever (interpreter exit joins the pool's threads).
+        self.abandoned = threading.Event()
+
+    def pass_gate(self) -> None:
+        """Wait while the gate is shut; raise :class:`UploadError` once the transfer is abandoned."""
+        while not self.gate.wait(GATE_POLL_S):
+            if self.abandoned.is_set():
+                raise UploadError("the transfer was abandoned at the end of the preemption's grace")
 
     def url(self, path: str) -> str:
         return str(self.fs.unstrip_protocol(path))
@@ -140,7 +151,7 @@ class ObjectStore:
             self.fs.makedirs(self.fs._parent(item.remote), exist_ok=True)
         with open(item.local, "rb") as src, self.fs.open(item.remote, "wb") as dst:
             while chunk := src.read(self.cfg.part_size):
-                self.gate.wait()
+                self.pass_gate()
                 value = crc32c.crc32c(chunk, value)
                 dst.write(chunk)
                 sent += len(chunk)

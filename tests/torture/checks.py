@@ -359,7 +359,8 @@ def _shape(op: dict[str, Any], scope: Path) -> tuple[str, str, str]:
     """An operation with the case's directory and the random ids in names taken out."""
 
     def norm(p: str | None) -> str:
-        return re.sub(r"-[0-9a-f]{8,12}\b", "-<id>", _short(p or "", scope))
+        # Random ids: pending directories' "-<8..12 hex>", the lease token's ".<32 hex>".
+        return re.sub(r"([-.])(?:[0-9a-f]{8,12}|[0-9a-f]{32})\b", r"\1<id>", _short(p or "", scope))
 
     return op["op"], norm(op["path"]), norm(op.get("dst"))
 
