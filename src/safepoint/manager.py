@@ -219,15 +219,15 @@ class CheckpointManager:
     # ---- saving --------------------------------------------------------------------------------------
 
     def maybe_save(self, step: int, state: TrainState, metrics: dict[str, Any] | None = None) -> bool:
-        """Save if a policy says it is due. Returns whether a save happened."""
+        """Save if a policy says it is due. Returns whether a save happened: False also when
+        ``if_busy="skip"`` skipped it (a time policy stays due; a step policy waits for its next step)."""
         self._check_step(step)
         self._tiers.observe(step)  # durability_lag() counts steps trained since the last durable save
         if self._preemption is not None and self._preemption.agreed(step):
             self._preempt(step, state, metrics)
         if not self._schedule.due(step):
             return False
-        self.save(step, state, metrics)
-        return True
+        return self._save(step, state, metrics)[0]
 
     def save(
         self, step: int, state: TrainState, metrics: dict[str, Any] | None = None
@@ -237,6 +237,12 @@ class CheckpointManager:
         Returns the committed checkpoint; with ``async_save`` returns None once the state is staged (a
         failure in the background is raised by the next save/maybe_save/wait/close).
         """
+        return self._save(step, state, metrics)[1]
+
+    def _save(
+        self, step: int, state: TrainState, metrics: dict[str, Any] | None
+    ) -> tuple[bool, CheckpointInfo | None]:
+        """(whether a save started, not skipped by ``if_busy="skip"``; the committed checkpoint if sync)."""
         self._check_open()
         self._check_step(step)
         if not isinstance(state, TrainState):
@@ -247,9 +253,8 @@ class CheckpointManager:
         self._tiers.raise_failure()
         clean = clean_metrics(metrics)
         if self._async:
-            self._save_async(step, state, clean)
-            return None
-        return self._save_sync(step, state, clean)
+            return self._save_async(step, state, clean), None
+        return True, self._save_sync(step, state, clean)
 
     def _save_sync(
         self,
@@ -319,14 +324,14 @@ class CheckpointManager:
             )
         return max(steps) if steps else None
 
-    def _save_async(self, step: int, state: TrainState, metrics: dict[str, float]) -> None:
+    def _save_async(self, step: int, state: TrainState, metrics: dict[str, float]) -> bool:
         busy = self._writer.busy
         if self._if_busy == "skip":
             if self.comm.distributed:
                 busy = self.comm.any(busy)  # all ranks skip together, or none does
             if busy:
                 log.warning("safepoint: skipping save of step %d: the previous save is still writing", step)
-                return
+                return False
         elif busy:
             waited = self._writer.wait()
             log.info("safepoint: waited %.2fs for the previous save before saving step %d", waited, step)
@@ -342,6 +347,7 @@ class CheckpointManager:
             step, lambda: tiers.committed(saver.write(step, staged, sections, metrics, {"stage_s": blocking}))
         )
         self._schedule.saved(step, blocking, tensor_bytes(staged))
+        return True
 
     # ---- restoring -----------------------------------------------------------------------------------
 
