@@ -26,7 +26,7 @@ computed per round (paired); their median and quartiles are reported, next to th
 CPU time (process + children) next to wall time. Restores on disk run cold (page cache dropped before each,
 when the machine allows it) and warm; /dev/shm is a tmpfs, so its numbers isolate software from the disk.
 
-    .venv/bin/python benchmarks/bench_save.py --size-mib 2048 --rounds 5
+    .venv/bin/python benchmarks/bench_save.py --size-mib 2048 --rounds 6
 
 Results: tables on stdout, ``<out>/bench_save.json`` with every raw timing and ``<out>/bench_save.md`` with
 the tables in Markdown; ``--render <json>`` reprints an earlier run. Results and reading: docs/benchmarks.md.
@@ -36,14 +36,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import json
 import os
-import platform
-import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -51,13 +47,34 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import crc32c
 import torch
+from _common import (
+    BenchState,
+    MiB,
+    Timing,
+    add_location_args,
+    drop_caches,
+    fmt,
+    fmt_spread,
+    load_1m,
+    loadavg,
+    machine_description,
+    machine_line,
+    make_state,
+    markdown_table,
+    median,
+    paired_ratios,
+    print_table,
+    quartiles,
+    remove,
+    rotated,
+    round_label,
+    scratch_paths,
+    timed,
+    tree_bytes,
+)
 from rich.console import Console
-from rich.table import Table
-from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -68,206 +85,12 @@ from safepoint.policy import Retention
 from safepoint.restore import Restorer
 from safepoint.saver import SyncSaver
 
-MiB = 1024 * 1024
 SAVE_VARIANTS = ("safepoint", "safepoint-writer", "dcp", "torch.save", "dd")
 RESTORE_VARIANTS = ("safepoint", "safepoint-noverify", "verify", "dcp")
 BASELINE = "dcp"
 SAVE_TARGET = 0.95  # safepoint save throughput >= 0.95x plain DCP's
 RESTORE_TARGET = 1.15  # safepoint restore time <= 1.15x plain DCP's
 RESTORE_STEP = 1
-DROP_CACHES = Path("/proc/sys/vm/drop_caches")
-
-
-# ---- the state ------------------------------------------------------------------------------------------
-
-
-class BenchModel(nn.Module):
-    """A bag of fp32 parameters shaped like a small transformer (embedding, per-layer matrices, norms)."""
-
-    def __init__(self, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> None:
-        super().__init__()
-        for name, shape in shapes:
-            self.register_parameter(name, nn.Parameter(torch.empty(shape)))
-
-
-def model_shapes(param_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
-    """Parameter shapes adding up to about ``param_bytes`` of fp32: ~25% embedding, the rest in layers."""
-    hidden = 64
-    while hidden < 1024 and 12 * (2 * hidden) ** 2 * 4 <= param_bytes // 8:
-        hidden *= 2
-    h = hidden
-    layer = [
-        ("qkv", (3 * h, h)),
-        ("proj", (h, h)),
-        ("fc1", (4 * h, h)),
-        ("fc1_bias", (4 * h,)),
-        ("fc2", (h, 4 * h)),
-        ("norm1", (h,)),
-        ("norm2", (h,)),
-    ]
-    layer_bytes = 4 * sum(_numel(s) for _, s in layer)
-    n_layers = max(1, int(0.75 * param_bytes) // layer_bytes)
-    vocab = max(1, (param_bytes - n_layers * layer_bytes) // (4 * h))
-    shapes: list[tuple[str, tuple[int, ...]]] = [("embed", (vocab, h))]
-    for i in range(n_layers):
-        shapes.extend((f"l{i}_{name}", shape) for name, shape in layer)
-    return shapes
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-@dataclasses.dataclass
-class BenchState:
-    model: BenchModel
-    optimizer: torch.optim.Adam
-    plain: dict[str, Any]
-    """{"model": ..., "optimizer": ...} from get_state_dict: the very tensors the model and Adam hold."""
-    nbytes: int
-    n_tensors: int
-
-
-def make_state(size_bytes: int, seed: int = 0) -> BenchState:
-    """Parameters + Adam state (2 moments) adding up to ``size_bytes``; one real Adam step fills them."""
-    torch.manual_seed(seed)
-    model = BenchModel(model_shapes(size_bytes // 3))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for p in model.parameters():
-        p.grad = torch.randn_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    gc.collect()
-    model_sd, optim_sd = get_state_dict(model, [opt])
-    plain = {"model": model_sd, "optimizer": optim_sd}
-    tensors = _tensors(plain)
-    return BenchState(
-        model=model,
-        optimizer=opt,
-        plain=plain,
-        nbytes=sum(t.numel() * t.element_size() for t in tensors),
-        n_tensors=len(tensors),
-    )
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
-
-
-# ---- helpers --------------------------------------------------------------------------------------------
-
-
-def drop_caches() -> bool:
-    """sync, then drop the page cache (root only; sandboxes may refuse). True if it worked."""
-    os.sync()
-    try:
-        DROP_CACHES.write_text("3\n")
-    except OSError:
-        return False
-    return True
-
-
-def tree_bytes(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
-
-
-@dataclasses.dataclass
-class Timing:
-    seconds: float
-    """Wall clock."""
-    cpu_s: float
-    """CPU time of this process (all threads) and of children (dd): steadier than wall time on a shared
-    machine, and it shows software overhead (checksums, copies) that a slow disk would hide."""
-
-    def pair(self) -> tuple[float, float]:
-        return self.seconds, self.cpu_s
-
-
-def timed(fn: Callable[[], object]) -> Timing:
-    c0 = _cpu()
-    t0 = time.perf_counter()
-    fn()
-    wall = time.perf_counter() - t0
-    return Timing(wall, _cpu() - c0)
-
-
-def _cpu() -> float:
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return time.process_time() + children.ru_utime + children.ru_stime
-
-
-def fs_description(path: Path) -> dict[str, Any]:
-    """Device, file system type and free space of the mount holding ``path``."""
-    real = os.path.realpath(path)
-    best = ("", "", "")
-    try:
-        for line in Path("/proc/mounts").read_text().splitlines():
-            dev, mnt, fstype = line.split()[:3]
-            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[1]):
-                best = (dev, mnt, fstype)
-    except OSError:
-        pass
-    st = os.statvfs(path)
-    return {
-        "path": str(path),
-        "device": best[0],
-        "mount": best[1],
-        "fstype": best[2],
-        "size_gb": round(st.f_blocks * st.f_frsize / 1e9, 1),
-        "free_gb": round(st.f_bavail * st.f_frsize / 1e9, 1),
-    }
-
-
-def machine_description(locations: dict[str, Path], can_drop: bool) -> dict[str, Any]:
-    cpu = ""
-    mem_kb = 0
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem_kb = int(line.split()[1])
-    except OSError:
-        pass
-    return {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "kernel": platform.release(),
-        "cpu": cpu,
-        "nproc": os.cpu_count(),
-        "ram_gib": round(mem_kb / MiB, 1),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "safepoint": safepoint.__version__,
-        "crc32c": getattr(crc32c, "__version__", "?"),
-        "crc32c_hardware_based": bool(crc32c.hardware_based),
-        "torch_threads": torch.get_num_threads(),
-        "drop_caches": can_drop,
-        "locations": {name: fs_description(path) for name, path in locations.items()},
-    }
 
 
 # ---- the variants ---------------------------------------------------------------------------------------
@@ -290,66 +113,53 @@ class Location:
         self.restore_root = base / "restore"
         self.restore_mgr: safepoint.CheckpointManager | None = None
 
-    def train_state(self) -> safepoint.TrainState:
-        return safepoint.TrainState(model=self.state.model, optimizer=self.state.optimizer)
-
-    # save: each returns (timing, bytes written) and deletes what it wrote
-
     def save(self, variant: str) -> tuple[Timing, int]:
+        """Run one save variant; return its timing and the bytes it wrote, then delete what it wrote."""
         self.step += 1
-        step = self.step
-        if variant == "safepoint":
-            state = self.train_state()
-            timing = timed(lambda: self.mgr.save(step, state))
-            out = Path(self.mgr.layout.step_path(step))
-        elif variant == "safepoint-writer":
-            out = self.writer.layout.step_path(step)
-            timing = timed(lambda: self.writer.write(step, self.state.plain, ["model", "optimizer"], {}, {}))
-        elif variant == "dcp":
-            out = self.base / f"dcp-{step}"
-
-            def run_dcp() -> None:
-                writer = FileSystemWriter(
-                    out, single_file_per_rank=True, sync_files=True, thread_count=self.threads
-                )
-                dcp_save(self.state.plain, storage_writer=writer, no_dist=True)
-
-            timing = timed(run_dcp)
-        elif variant == "torch.save":
-            out = self.base / f"torch-{step}.pt"
-
-            def run_torch_save() -> None:
-                with open(out, "wb") as f:
-                    torch.save(self.state.plain, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-
-            timing = timed(run_torch_save)
-        elif variant == "dd":
-            out = self.base / f"dd-{step}.bin"
-            cmd = [
-                "dd",
-                "if=/dev/zero",
-                f"of={out}",
-                "bs=64M",
-                f"count={self.state.nbytes}",
-                "iflag=count_bytes",
-                "conv=fdatasync",
-                "status=none",
-            ]
-            timing = timed(lambda: subprocess.run(cmd, check=True))
-        else:
+        step, plain, nbytes = self.step, self.state.plain, self.state.nbytes
+        state = self.state.train_state()
+        outs = {
+            "safepoint": Path(self.mgr.layout.step_path(step)),
+            "safepoint-writer": self.writer.layout.step_path(step),
+            "dcp": self.base / f"dcp-{step}",
+            "torch.save": self.base / f"torch-{step}.pt",
+            "dd": self.base / f"dd-{step}.bin",
+        }
+        if variant not in outs:
             raise ValueError(f"unknown save variant {variant!r}")
-        nbytes = tree_bytes(out)
+        out = outs[variant]
+
+        def run_dcp() -> None:
+            writer = FileSystemWriter(
+                out, single_file_per_rank=True, sync_files=True, thread_count=self.threads
+            )
+            dcp_save(plain, storage_writer=writer, no_dist=True)
+
+        def run_torch_save() -> None:
+            with open(out, "wb") as f:
+                torch.save(plain, f)
+                f.flush()
+                os.fsync(f.fileno())
+
+        dd = ["dd", "if=/dev/zero", f"of={out}", "bs=64M", f"count={nbytes}", "iflag=count_bytes"]
+        run: dict[str, Callable[[], object]] = {
+            "safepoint": lambda: self.mgr.save(step, state),
+            "safepoint-writer": lambda: self.writer.write(step, plain, ["model", "optimizer"], {}, {}),
+            "dcp": run_dcp,
+            "torch.save": run_torch_save,
+            "dd": lambda: subprocess.run([*dd, "conv=fdatasync", "status=none"], check=True),
+        }
+        timing = timed(run[variant])
+        written = tree_bytes(out)
         remove(out)
-        return timing, nbytes
+        return timing, written
 
     # restore
 
     def prepare_restore(self) -> int:
         """One committed safepoint checkpoint (also a plain DCP directory) that every restore reads."""
         self.restore_mgr = safepoint.CheckpointManager(self.restore_root, writer_threads=self.threads)
-        info = self.restore_mgr.save(RESTORE_STEP, self.train_state())
+        info = self.restore_mgr.save(RESTORE_STEP, self.state.train_state())
         assert info is not None  # a sync manager returns what it committed
         return info.bytes
 
@@ -358,7 +168,7 @@ class Location:
         mgr = self.restore_mgr
         step_dir = Path(mgr.layout.step_path(RESTORE_STEP))
         if variant == "safepoint":
-            state = self.train_state()
+            state = self.state.train_state()
 
             def run_restore() -> None:
                 if mgr.restore(state) != RESTORE_STEP:
@@ -366,7 +176,7 @@ class Location:
 
             return timed(run_restore)
         if variant == "safepoint-noverify":
-            state = self.train_state()
+            state = self.state.train_state()
             restorer = Restorer(mgr.layout, mgr.comm)
             return timed(lambda: restorer.load(mgr.layout.read_manifest(RESTORE_STEP), state))
         if variant == "verify":
@@ -399,20 +209,12 @@ class Run:
     seconds: float
     cpu_s: float
     bytes: int
+    loadavg_1m: float | None = None
 
 
 def run_benchmark(args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tag = f"safepoint-bench-{os.getpid()}"
-    paths: dict[str, Path] = {}
-    if "disk" in args.locations:
-        paths["disk"] = Path(args.disk_dir or out_dir / "scratch") / tag
-    if "shm" in args.locations:
-        paths["shm"] = Path(args.shm_dir) / tag
-    for p in paths.values():
-        p.parent.mkdir(parents=True, exist_ok=True)
-
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    paths = scratch_paths(args, "safepoint-bench", args.locations)
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     can_drop = args.drop_caches and drop_caches()
@@ -427,33 +229,42 @@ def run_benchmark(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     # before each measurement costs milliseconds, not the 0.3 s a full pass over torch's objects takes.
     gc.collect()
     gc.freeze()
-    meta = machine_description(paths, can_drop)
+    meta = machine_description(paths)
+    meta["drop_caches"] = can_drop
     meta["state"] = {"bytes": state.nbytes, "tensors": state.n_tensors}
     save_variants = [v for v in SAVE_VARIANTS if v in args.save_variants]
     restore_variants = [v for v in RESTORE_VARIANTS if v in args.restore_variants]
     runs: list[Run] = []
+
+    def record(run: Run) -> None:
+        run.loadavg_1m = load_1m()
+        if run.round >= 0:
+            runs.append(run)
+        where = run.location if run.cache == "-" else f"{run.location}/{run.cache}"
+        console.print(
+            f"  [dim]{round_label(run.round):>8}  {run.phase:<7} {where:<10} {run.variant:<18} "
+            f"{run.seconds:7.3f}s {state.nbytes / run.seconds / 1e6:8.0f} MB/s  cpu {run.cpu_s:6.2f}s  "
+            f"load {run.loadavg_1m}[/]"
+        )
+
     try:
         if save_variants:
-            console.print(
-                f"[bold]save[/]: {', '.join(save_variants)} x {args.rounds} rounds, interleaved"
-                + (", order rotated each round" if args.rotate else "")
-            )
+            console.print(f"[bold]save[/]: {', '.join(save_variants)} x {args.rounds} rounds, interleaved")
             for rnd in range(-args.warmup, args.rounds):
                 for loc in locations.values():
-                    for pos, variant in enumerate(_order(save_variants, rnd, args.rotate)):
+                    for pos, variant in enumerate(rotated(save_variants, rnd, args.rotate)):
                         os.sync()  # nobody's dirty pages (ours or other jobs') get flushed on our clock
                         gc.collect()
                         timing, nbytes = loc.save(variant)
-                        run = Run("save", loc.name, "-", variant, rnd, pos, *timing.pair(), nbytes)
-                        if rnd >= 0:
-                            runs.append(run)
-                        _progress(console, run, state.nbytes)
+                        record(
+                            Run(
+                                "save", loc.name, "-", variant, rnd, pos, timing.seconds, timing.cpu_s, nbytes
+                            )
+                        )
         if restore_variants:
             for loc in locations.values():
                 loc.prepare_restore()
-            caches = {
-                name: (["cold", "warm"] if name == "disk" and can_drop else ["warm"]) for name in locations
-            }
+            caches = {n: (["cold", "warm"] if n == "disk" and can_drop else ["warm"]) for n in locations}
             console.print(
                 f"[bold]restore[/]: {', '.join(restore_variants)} x {args.rounds} rounds, interleaved "
                 f"(disk: {', '.join(caches.get('disk', []))})"
@@ -461,21 +272,28 @@ def run_benchmark(args: argparse.Namespace, console: Console) -> dict[str, Any]:
             for rnd in range(-args.warmup, args.rounds):
                 for loc in locations.values():
                     for cache in caches[loc.name]:
-                        for pos, variant in enumerate(_order(restore_variants, rnd, args.rotate)):
+                        for pos, variant in enumerate(rotated(restore_variants, rnd, args.rotate)):
                             gc.collect()
                             if cache == "cold":
                                 drop_caches()
-                            timing = loc.restore(variant)
-                            run = Run(
-                                "restore", loc.name, cache, variant, rnd, pos, *timing.pair(), state.nbytes
+                            t = loc.restore(variant)
+                            record(
+                                Run(
+                                    "restore",
+                                    loc.name,
+                                    cache,
+                                    variant,
+                                    rnd,
+                                    pos,
+                                    t.seconds,
+                                    t.cpu_s,
+                                    state.nbytes,
+                                )
                             )
-                            if rnd >= 0:
-                                runs.append(run)
-                            _progress(console, run, state.nbytes)
     finally:
         for loc in locations.values():
             loc.close()
-
+    meta["loadavg_at_end"] = loadavg()
     config = {
         "size_mib": args.size_mib,
         "rounds": args.rounds,
@@ -496,23 +314,6 @@ def run_benchmark(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     }
 
 
-def _order(variants: list[str], rnd: int, rotate: bool) -> list[str]:
-    """Round r runs the variants rotated by r: every variant takes every position equally often (with
-    rounds a multiple of the variant count), so "first after the other location" or "right after a
-    cache drop" effects do not land on one variant."""
-    k = rnd % len(variants) if rotate and rnd >= 0 else 0
-    return variants[k:] + variants[:k]
-
-
-def _progress(console: Console, run: Run, nbytes: int) -> None:
-    label = "warmup" if run.round < 0 else f"round {run.round}"
-    where = run.location if run.cache == "-" else f"{run.location}/{run.cache}"
-    console.print(
-        f"  [dim]{label:>8}  {run.phase:<7} {where:<10} {run.variant:<18} {run.seconds:7.3f}s "
-        f"{nbytes / run.seconds / 1e6:8.0f} MB/s  cpu {run.cpu_s:6.2f}s[/]"
-    )
-
-
 def summarize(runs: list[Run], nbytes: int) -> list[dict[str, Any]]:
     """Per (phase, location, cache, variant): median/min/max seconds, MB/s, ratios vs plain DCP.
 
@@ -524,18 +325,18 @@ def summarize(runs: list[Run], nbytes: int) -> list[dict[str, Any]]:
     groups = sorted({(r.phase, r.location, r.cache) for r in runs}, key=lambda g: (g[0] != "save", g))
     for phase, location, cache in groups:
         group = [r for r in runs if (r.phase, r.location, r.cache) == (phase, location, cache)]
-        by_variant: dict[str, dict[int, float]] = {}
-        cpu_by_variant: dict[str, dict[int, float]] = {}
+        secs: dict[str, dict[int, float]] = {}
+        cpus: dict[str, dict[int, float]] = {}
         for r in group:
-            by_variant.setdefault(r.variant, {})[r.round] = r.seconds
-            cpu_by_variant.setdefault(r.variant, {})[r.round] = r.cpu_s
-        base = by_variant.get(BASELINE, {})
-        cpu_base = cpu_by_variant.get(BASELINE, {})
-        order = SAVE_VARIANTS if phase == "save" else RESTORE_VARIANTS
-        for variant in [v for v in order if v in by_variant]:
-            times = by_variant[variant]
-            cpus = cpu_by_variant[variant]
-            med = statistics.median(times.values())
+            secs.setdefault(r.variant, {})[r.round] = r.seconds
+            cpus.setdefault(r.variant, {})[r.round] = r.cpu_s
+        base, cpu_base = secs.get(BASELINE, {}), cpus.get(BASELINE, {})
+        save = phase == "save"
+        for variant in [v for v in (SAVE_VARIANTS if save else RESTORE_VARIANTS) if v in secs]:
+            times = secs[variant]
+            med = median(times.values())
+            ratios = paired_ratios(times, base, (lambda t, b: b / t) if save else (lambda t, b: t / b))
+            cpu_ratios = paired_ratios(cpus[variant], cpu_base, lambda c, b: c / b)
             row: dict[str, Any] = {
                 "phase": phase,
                 "location": location,
@@ -546,112 +347,99 @@ def summarize(runs: list[Run], nbytes: int) -> list[dict[str, Any]]:
                 "min_s": min(times.values()),
                 "max_s": max(times.values()),
                 "mb_s": nbytes / med / 1e6,
-                "cpu_median_s": statistics.median(cpus.values()),
+                "cpu_median_s": median(cpus[variant].values()),
                 "ratio_of_medians": None,
-                "paired_ratio": None,
-                "paired_ratio_q1_q3": None,
-                "ratio_kind": "throughput x DCP" if phase == "save" else "time x DCP",
-                "cpu_paired_ratio": None,
+                "paired_ratio": median(ratios) if ratios else None,
+                "paired_ratio_q1_q3": quartiles(ratios) if ratios else None,
+                "ratio_kind": "throughput x DCP" if save else "time x DCP",
+                "cpu_paired_ratio": median(cpu_ratios) if cpu_ratios else None,
                 "target": None,
                 "met": None,
             }
-            paired = [
-                (base[k] / t if phase == "save" else t / base[k]) for k, t in times.items() if k in base
-            ]
             if base:
-                base_med = statistics.median(base.values())
-                row["ratio_of_medians"] = base_med / med if phase == "save" else med / base_med
-            if paired:
-                row["paired_ratio"] = statistics.median(paired)
-                row["paired_ratio_q1_q3"] = _quartiles(paired)
-            cpu_paired = [c / cpu_base[k] for k, c in cpus.items() if cpu_base.get(k)]
-            if cpu_paired:
-                row["cpu_paired_ratio"] = statistics.median(cpu_paired)
+                base_med = median(base.values())
+                row["ratio_of_medians"] = base_med / med if save else med / base_med
             if variant == "safepoint" and row["paired_ratio"] is not None:
-                if phase == "save":
-                    row["target"] = f">= {SAVE_TARGET}"
-                    row["met"] = row["paired_ratio"] >= SAVE_TARGET
-                else:
-                    row["target"] = f"<= {RESTORE_TARGET}"
-                    row["met"] = row["paired_ratio"] <= RESTORE_TARGET
+                target = SAVE_TARGET if save else RESTORE_TARGET
+                row["target"] = f"{'>=' if save else '<='} {target}"
+                row["met"] = row["paired_ratio"] >= target if save else row["paired_ratio"] <= target
             rows.append(row)
     return rows
 
 
-def print_tables(console: Console, result: dict[str, Any]) -> None:
-    meta = result["meta"]
-    console.print(
-        f"\n[bold]machine[/]: {meta['nproc']} cpus ({meta['cpu']}), {meta['ram_gib']} GiB RAM, torch "
-        f"{meta['torch']}, crc32c {meta['crc32c']} (hardware: {meta['crc32c_hardware_based']}), "
-        f"page cache dropped for cold restores: {meta['drop_caches']}"
+COLUMNS = (
+    "where",
+    "variant",
+    "median s",
+    "min s",
+    "max s",
+    "MB/s",
+    "x DCP paired (q1-q3)",
+    "x DCP medians",
+    "cpu s",
+    "cpu x DCP",
+    "target",
+)
+
+
+def _cells(r: dict[str, Any], rich: bool) -> list[str]:
+    verdict = ""
+    if r["target"] is not None:
+        met = ("[green]met[/]" if rich else "met") if r["met"] else ("[red]missed[/]" if rich else "missed")
+        verdict = f"{r['target']}: {met}"
+    return [
+        r["location"] if r["cache"] == "-" else f"{r['location']} {r['cache']}",
+        r["variant"],
+        f"{r['median_s']:.3f}",
+        f"{r['min_s']:.3f}",
+        f"{r['max_s']:.3f}",
+        f"{r['mb_s']:.0f}",
+        fmt_spread(r["paired_ratio"], r["paired_ratio_q1_q3"]),
+        fmt(r["ratio_of_medians"]),
+        f"{r['cpu_median_s']:.2f}",
+        fmt(r["cpu_paired_ratio"]),
+        verdict,
+    ]
+
+
+def _caption(result: dict[str, Any], phase: str, n: int) -> str:
+    kind = "throughput x DCP, higher is better" if phase == "save" else "time x DCP, lower is better"
+    return (
+        f"{phase} ({result['meta']['state']['bytes'] / MiB:.0f} MiB, {n} rounds; ratio = {kind}; "
+        "cpu x DCP = CPU time ratio, lower is better)"
     )
+
+
+def print_tables(console: Console, result: dict[str, Any]) -> None:
+    console.print(machine_line(result["meta"]) + f"; page cache dropped: {result['meta'].get('drop_caches')}")
     for phase in ("save", "restore"):
         rows = [r for r in result["summary"] if r["phase"] == phase]
-        if not rows:
-            continue
-        kind = "throughput x DCP (higher is better)" if phase == "save" else "time x DCP (lower is better)"
-        table = Table(title=f"{phase}: {result['meta']['state']['bytes'] / MiB:.0f} MiB, ratios = {kind}")
-        columns = (
-            "where",
-            "variant",
-            "median s",
-            "min s",
-            "max s",
-            "MB/s",
-            "x DCP paired (q1-q3)",
-            "x DCP medians",
-        )
-        for col in (*columns, "cpu s", "cpu x DCP"):
-            table.add_column(col, justify="left" if col in ("where", "variant") else "right")
-        table.add_column("target")
-        last_where = None
-        for r in rows:
-            where = r["location"] if r["cache"] == "-" else f"{r['location']} {r['cache']}"
-            if last_where is not None and where != last_where:
-                table.add_section()
-            last_where = where
-            verdict = ""
-            if r["target"] is not None:
-                verdict = f"{r['target']} " + ("[green]met[/]" if r["met"] else "[red]missed[/]")
-            table.add_row(
-                where,
-                r["variant"],
-                f"{r['median_s']:.3f}",
-                f"{r['min_s']:.3f}",
-                f"{r['max_s']:.3f}",
-                f"{r['mb_s']:.0f}",
-                _fmt_paired(r),
-                _fmt_ratio(r["ratio_of_medians"]),
-                f"{r['cpu_median_s']:.2f}",
-                _fmt_ratio(r["cpu_paired_ratio"]),
-                verdict,
+        if rows:
+            print_table(
+                console, _caption(result, phase, rows[0]["n"]), COLUMNS, [_cells(r, True) for r in rows]
             )
-        console.print(table)
 
 
-def _quartiles(xs: list[float]) -> tuple[float, float]:
-    """First and third quartile (the spread of the per-round ratios); min and max below 4 samples."""
-    if len(xs) < 4:
-        return min(xs), max(xs)
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], q[2]
-
-
-def _fmt_paired(row: dict[str, Any]) -> str:
-    if row["paired_ratio"] is None:
-        return ""
-    q1, q3 = row["paired_ratio_q1_q3"]
-    return f"{row['paired_ratio']:.3f} ({q1:.2f}-{q3:.2f})"
-
-
-def _fmt_ratio(x: float | None) -> str:
-    return "" if x is None else f"{x:.3f}"
+def markdown_tables(result: dict[str, Any]) -> str:
+    """The summary as Markdown tables (what docs/benchmarks.md quotes)."""
+    parts = []
+    for phase in ("save", "restore"):
+        rows = [r for r in result["summary"] if r["phase"] == phase]
+        if rows:
+            table = markdown_table(COLUMNS, [_cells(r, False) for r in rows])
+            parts.append(f"**{_caption(result, phase, rows[0]['n'])}**\n\n{table}\n")
+    return "\n".join(parts)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    def csv(s: str) -> list[str]:
+        return [x for x in s.split(",") if x]
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size-mib", type=int, default=2048, help="total state size in MiB (default 2048)")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per variant (default 5)")
+    p.add_argument(
+        "--rounds", type=int, default=5, help="interleaved rounds (default 5; use a multiple of the variants)"
+    )
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     p.add_argument("--threads", type=int, default=1, help="DCP writer thread_count, same for all (default 1)")
     p.add_argument(
@@ -661,33 +449,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="torch intra-op threads (default 1; 0 = torch's default). On a busy 2-core VM, OpenMP's "
         "second thread waits for a core at every parallel copy_: DCP's load ran 15x slower with 2 threads",
     )
-    p.add_argument("--out", default="bench-out", help="results directory (default bench-out/)")
     p.add_argument("--render", metavar="JSON", help="print the tables of an earlier run's JSON; run nothing")
+    add_location_args(p)
+    p.add_argument("--save-variants", type=csv, default=list(SAVE_VARIANTS), help=",".join(SAVE_VARIANTS))
     p.add_argument(
-        "--locations",
-        default="disk,shm",
-        type=lambda s: [x for x in s.split(",") if x],
-        help="comma list of disk,shm (default both)",
-    )
-    p.add_argument("--disk-dir", default=None, help="scratch directory on disk (default <out>/scratch)")
-    p.add_argument("--shm-dir", default="/dev/shm", help="scratch directory on tmpfs (default /dev/shm)")
-    p.add_argument(
-        "--save-variants",
-        default=",".join(SAVE_VARIANTS),
-        type=lambda s: [x for x in s.split(",") if x],
-        help=f"comma list of {','.join(SAVE_VARIANTS)} (empty: skip saves)",
+        "--restore-variants", type=csv, default=list(RESTORE_VARIANTS), help=",".join(RESTORE_VARIANTS)
     )
     p.add_argument(
-        "--restore-variants",
-        default=",".join(RESTORE_VARIANTS),
-        type=lambda s: [x for x in s.split(",") if x],
-        help=f"comma list of {','.join(RESTORE_VARIANTS)} (empty: skip restores)",
-    )
-    p.add_argument(
-        "--no-rotate",
-        dest="rotate",
-        action="store_false",
-        help="run the variants in the same order every round (default: rotate the order by one per round)",
+        "--no-rotate", dest="rotate", action="store_false", help="the same variant order every round"
     )
     p.add_argument(
         "--no-drop-caches",
@@ -696,46 +465,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="never drop the page cache (then all restores are warm-cache)",
     )
     args = p.parse_args(argv)
-    for loc in args.locations:
-        if loc not in ("disk", "shm"):
-            p.error(f"--locations: unknown location {loc!r}")
-    for v in args.save_variants:
-        if v not in SAVE_VARIANTS:
-            p.error(f"--save-variants: unknown variant {v!r}")
-    for v in args.restore_variants:
-        if v not in RESTORE_VARIANTS:
-            p.error(f"--restore-variants: unknown variant {v!r}")
+    for name, allowed in (
+        ("locations", ("disk", "shm")),
+        ("save_variants", SAVE_VARIANTS),
+        ("restore_variants", RESTORE_VARIANTS),
+    ):
+        for v in getattr(args, name):
+            if v not in allowed:
+                p.error(f"--{name.replace('_', '-')}: unknown value {v!r} (choose from {', '.join(allowed)})")
     if args.size_mib < 1 or args.rounds < 1 or args.warmup < 0 or args.threads < 1 or args.torch_threads < 0:
         p.error("--size-mib, --rounds and --threads must be >= 1, --warmup and --torch-threads >= 0")
     return args
-
-
-def markdown_tables(result: dict[str, Any]) -> str:
-    """The summary as Markdown tables (what docs/benchmarks.md quotes)."""
-    lines: list[str] = []
-    for phase in ("save", "restore"):
-        rows = [r for r in result["summary"] if r["phase"] == phase]
-        if not rows:
-            continue
-        kind = "throughput x DCP, higher is better" if phase == "save" else "time x DCP, lower is better"
-        lines += [
-            f"**{phase}** ({result['meta']['state']['bytes'] / MiB:.0f} MiB, {rows[0]['n']} rounds; "
-            f"ratio = {kind}; cpu x DCP = CPU time ratio, lower is better)",
-            "",
-            "| where | variant | median s | min s | max s | MB/s | x DCP paired (q1-q3) | x DCP medians "
-            "| cpu s | cpu x DCP | target |",
-            "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|---|",
-        ]
-        for r in rows:
-            where = r["location"] if r["cache"] == "-" else f"{r['location']} {r['cache']}"
-            target = "" if r["target"] is None else f"{r['target']}: {'met' if r['met'] else 'missed'}"
-            lines.append(
-                f"| {where} | {r['variant']} | {r['median_s']:.3f} | {r['min_s']:.3f} | {r['max_s']:.3f} "
-                f"| {r['mb_s']:.0f} | {_fmt_paired(r)} | {_fmt_ratio(r['ratio_of_medians'])} "
-                f"| {r['cpu_median_s']:.2f} | {_fmt_ratio(r['cpu_paired_ratio'])} | {target} |"
-            )
-        lines.append("")
-    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -96,6 +96,17 @@ def test_if_busy_skip_never_stages_twice(root: Path, caplog: pytest.LogCaptureFi
         assert mgr._stager.allocations == 1
 
 
+def test_maybe_save_returns_false_when_if_busy_skips(root: Path) -> None:
+    # A loop that tracks its newest checkpoint from maybe_save's answer (examples/ddp.py) must not be told a
+    # skipped save happened: it would then skip its final save.
+    _, st = _big_state(256)
+    with safepoint.CheckpointManager(root, async_save=True, if_busy="skip", save_every_steps=1) as mgr:
+        assert mgr.maybe_save(1, st) is True
+        assert mgr.maybe_save(2, st) is False  # step 1's 256 MiB write is still running
+        mgr.wait()
+        assert [c.step for c in mgr.list()] == [1]
+
+
 def test_if_busy_wait_logs_and_saves_both(root: Path, caplog: pytest.LogCaptureFixture) -> None:
     _, st = _big_state(128)
     with (
@@ -184,3 +195,31 @@ def test_exit_without_close_is_safe(root: Path) -> None:
 def test_if_busy_is_validated(root: Path) -> None:
     with pytest.raises(ValueError, match="if_busy must be"):
         safepoint.CheckpointManager(root, async_save=True, if_busy="queue")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux-only")
+@pytest.mark.parametrize("nice", [None, 0, 3])
+def test_writer_thread_runs_at_lower_priority(monkeypatch: pytest.MonkeyPatch, nice: int | None) -> None:
+    import threading
+
+    from safepoint import background
+    from safepoint.layout import CheckpointInfo
+
+    if nice is not None:  # set at run time, after import: read when the writer starts
+        monkeypatch.setattr(background, "WRITER_NICE", nice)
+    increment = background.WRITER_NICE
+    assert nice is not None or increment == 10
+    seen: list[int] = []
+
+    def work() -> CheckpointInfo:
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return CheckpointInfo(step=1, path="", time=0.0, bytes=0, metrics={})
+
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    writer = background.BackgroundWriter()
+    writer.submit(1, work)
+    writer.wait()
+    writer.raise_failure()
+    assert seen == [min(19, mine + increment)]
+    # Only the writer thread: the training thread keeps its priority.
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine

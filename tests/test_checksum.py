@@ -152,3 +152,69 @@ def test_verify_reads_big_files_in_ranges_and_catches_a_flip_in_any_range(
         assert e.value.file == data_file.name
         data_file.write_bytes(original)
     layout.verify(3)
+
+
+# ---- torch's own zip CRC-32 is off inside safepoint's writer, and only there ----------------------------
+
+
+def _item_crcs(step_dir: Path) -> list[int]:
+    """The CRC-32 fields of every record of every tensor item torch.save wrote into the checkpoint."""
+    import io
+    import zipfile
+
+    from safepoint.storage import read_metadata_file
+
+    md = read_metadata_file(step_dir / ".metadata")
+    crcs: list[int] = []
+    for info in md.storage_data.values():
+        blob = (step_dir / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+        with zipfile.ZipFile(io.BytesIO(blob)) as zf:
+            crcs += [zi.CRC for zi in zf.infolist() if "/data/" in zi.filename and zi.file_size]
+    return crcs
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_save_skips_torch_crc32_and_restores_the_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, skip: bool
+) -> None:
+    from safepoint import storage
+
+    monkeypatch.setattr(storage, "SKIP_TORCH_CRC32", skip)
+    model = torch.nn.Linear(64, 64)
+    assert torch.serialization.get_crc32_options()
+    with safepoint.CheckpointManager(tmp_path / "ckpt") as mgr:
+        info = mgr.save(1, safepoint.TrainState(model=model))
+        assert info is not None
+        crcs = _item_crcs(Path(info.path))
+        assert crcs
+        # Written without torch's CRC-32 (zero fields) unless switched off; our crc32c covers the bytes.
+        assert all(c == 0 for c in crcs) if skip else all(c != 0 for c in crcs)
+        assert torch.serialization.get_crc32_options()  # the process-wide setting is back
+        restored = torch.nn.Linear(64, 64)
+        assert mgr.restore(safepoint.TrainState(model=restored)) == 1
+    assert torch.equal(restored.weight, model.weight)
+
+
+def test_crc32_switch_counts_nested_users_and_keeps_a_users_own_choice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from safepoint import storage
+
+    monkeypatch.setattr(storage, "SKIP_TORCH_CRC32", True)
+    with storage.torch_crc32_off():
+        with storage.torch_crc32_off():  # a second writer (another manager's thread)
+            assert not torch.serialization.get_crc32_options()
+        assert not torch.serialization.get_crc32_options()  # the first one is still writing
+    assert torch.serialization.get_crc32_options()
+    # A user who turned it off before keeps it off.
+    torch.serialization.set_crc32_options(False)
+    try:
+        with storage.torch_crc32_off():
+            pass
+        assert not torch.serialization.get_crc32_options()
+    finally:
+        torch.serialization.set_crc32_options(True)
+    # Restored after a failing write too.
+    with pytest.raises(RuntimeError), storage.torch_crc32_off():
+        raise RuntimeError("disk full")
+    assert torch.serialization.get_crc32_options()

@@ -3,12 +3,14 @@ falls back to the previous intact checkpoint."""
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import safepoint
 from tests._train import Setup, assert_bitwise_equal
@@ -101,3 +103,36 @@ def test_all_corrupt_returns_zero_and_explicit_step_raises(root: Path) -> None:
             assert mgr.restore(Setup().state()) == 0
         with pytest.raises(safepoint.CorruptCheckpointError, match="step 2, file '__0_0.distcp': crc32c"):
             mgr.restore(Setup().state(), step=2)
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_corrupt_tensor_bytes_never_reach_the_live_state(root: Path, where: str) -> None:
+    """Tensors are read straight into the live model and optimizer: a checkpoint whose data is damaged must
+    be rejected before any byte is read into them (verify first, then load)."""
+    from safepoint.storage import read_metadata_file
+
+    s = Setup()
+    with safepoint.CheckpointManager(root) as mgr:
+        s.step()
+        mgr.save(1, s.state())
+    step_dir = root / "step-1"
+    md = read_metadata_file(step_dir / ".metadata")
+    tensors = {k for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    items = sorted((v for k, v in md.storage_data.items() if k.fqn in tensors), key=lambda i: i.offset)
+    item = {"first": items[0], "middle": items[len(items) // 2], "last": items[-1]}[where]
+    path = step_dir / item.relative_path
+    data = bytearray(path.read_bytes())
+    # Flip a byte inside the item's tensor data record: the bytes the fast path reads into the model.
+    blob = io.BytesIO(bytes(data[item.offset : item.offset + item.length]))
+    record = torch._C.PyTorchFileReader(blob).get_record_offset("data/0")  # type: ignore[attr-defined]
+    data[item.offset + record] ^= 0x10
+    path.write_bytes(bytes(data))
+
+    s2 = Setup(seed=9)
+    before = s2.snapshot()
+    with safepoint.CheckpointManager(root) as mgr:
+        with pytest.warns(safepoint.CheckpointWarning, match="crc32c"):
+            assert mgr.restore(s2.state()) == 0
+        with pytest.raises(safepoint.CorruptCheckpointError, match="crc32c"):
+            mgr.restore(s2.state(), step=1)
+    assert_bitwise_equal(before, s2.snapshot())

@@ -190,3 +190,68 @@ def test_maybe_save_policies(root: Path) -> None:
         assert mgr.maybe_save(1, s.state()) is False
     with safepoint.CheckpointManager(root / "n") as mgr:
         assert mgr.maybe_save(1, s.state()) is False  # no policy: maybe_save never saves
+
+
+# ---- tensors are read straight into their destinations, with DCP's path for everything else -----------
+
+
+def _spy_in_place(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    from safepoint import direct_read, storage
+
+    taken: list[bool] = []
+    real = direct_read.read_in_place
+
+    def spy(*args: object) -> bool:
+        ok = real(*args)  # type: ignore[arg-type]
+        taken.append(ok)
+        return ok
+
+    monkeypatch.setattr(storage, "read_in_place", spy)
+    return taken
+
+
+def test_restore_reads_every_tensor_in_place(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = Setup()
+    s.step()
+    expected = s.snapshot()
+    with safepoint.CheckpointManager(root) as mgr:
+        mgr.save(1, s.state())
+        taken = _spy_in_place(monkeypatch)
+        s2 = Setup(seed=5)
+        assert mgr.restore(s2.state()) == 1
+    assert_bitwise_equal(expected, s2.snapshot())
+    # Every parameter and Adam moment (and the RNG tensors) took the direct read.
+    assert len(taken) >= 3 * len(list(s.model.parameters())) and all(taken)
+
+
+def test_in_place_reads_fall_back_for_other_dtypes_and_layouts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safepoint.storage import SafeLoadPlanner, SafepointWriter, SafeReader
+
+    src = {
+        "a": torch.randn(6, 4),
+        "b": torch.randn(5, 3),
+        "c": torch.arange(12, dtype=torch.int64),
+        "bf": torch.randn(7).to(torch.bfloat16),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 3),
+    }
+    dcp.save(src, storage_writer=SafepointWriter(tmp_path), no_dist=True)
+    taken = _spy_in_place(monkeypatch)
+    dst = {
+        "a": torch.zeros(4, 6).t(),  # not contiguous: DCP's path
+        "b": torch.zeros(5, 3, dtype=torch.float64),  # another dtype: DCP's path converts
+        "c": torch.zeros(12, dtype=torch.int64),
+        "bf": torch.zeros(7, dtype=torch.bfloat16),
+        "scalar": torch.tensor(0.0),
+        "empty": torch.ones(0, 3),
+    }
+    keep = dst["a"]
+    dcp.load(dst, storage_reader=SafeReader(tmp_path), planner=SafeLoadPlanner(), no_dist=True)
+    assert dst["a"] is keep and torch.equal(dst["a"], src["a"])
+    assert torch.equal(dst["b"], src["b"].double())
+    for k in ("c", "bf", "scalar", "empty"):
+        assert torch.equal(dst[k], src[k]) and dst[k].dtype == src[k].dtype, k
+    # a and b took DCP's path, c, bf and scalar the direct read (DCP plans no read for an empty tensor).
+    assert taken.count(False) == 2 and taken.count(True) >= 3

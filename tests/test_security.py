@@ -78,3 +78,26 @@ def test_genuine_checkpoint_metadata_passes_the_allowlist(root: Path) -> None:
     step_dir = _save(root)
     md = read_metadata_file(step_dir / ".metadata")
     assert "model.weight" in md.state_dict_metadata
+
+
+def test_malicious_tensor_item_runs_no_code(root: Path, tmp_path: Path) -> None:
+    """A tensor item is read in place only when torch's weights-only unpickler accepts its description;
+    a crafted one is refused on that path and on DCP's, and runs nothing."""
+    step_dir = _save(root)
+    marker = tmp_path / "marker"
+    md = read_metadata_file(step_dir / ".metadata")
+    [(idx, info)] = [(k, v) for k, v in md.storage_data.items() if k.fqn == "model.weight"]
+    data_path = step_dir / info.relative_path
+    blob = bytearray(data_path.read_bytes())
+    buf = io.BytesIO()
+    torch.save(_Evil(marker), buf)
+    evil = buf.getvalue()
+    md.storage_data[idx] = type(info)(info.relative_path, len(blob), len(evil))
+    blob += evil
+    data_path.write_bytes(bytes(blob))
+    (step_dir / ".metadata").write_bytes(pickle.dumps(md))
+    _reforge_manifest(step_dir)
+    with safepoint.CheckpointManager(root) as mgr:
+        with pytest.raises(safepoint.UnsafeCheckpointError, match=r"model\.weight.*not plain data"):
+            mgr.restore(safepoint.TrainState(model=torch.nn.Linear(3, 3)))
+    assert not marker.exists()
