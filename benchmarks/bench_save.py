@@ -39,177 +39,28 @@ import dataclasses
 import gc
 import json
 import os
-import shutil
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from _common import (
-    BenchState,
     MiB,
-    Timing,
     add_location_args,
     drop_caches,
-    fmt,
-    fmt_spread,
     load_1m,
     loadavg,
     machine_description,
-    machine_line,
     make_state,
-    markdown_table,
-    median,
-    paired_ratios,
-    print_table,
-    quartiles,
-    remove,
     rotated,
     round_label,
     scratch_paths,
-    timed,
-    tree_bytes,
 )
+from _save_report import Run, markdown_tables, print_tables, summarize
+from _save_variants import RESTORE_VARIANTS, SAVE_VARIANTS, Location
 from rich.console import Console
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
-import safepoint
-from safepoint.dist import Comm
-from safepoint.layout import Layout
-from safepoint.policy import Retention
-from safepoint.restore import Restorer
-from safepoint.saver import SyncSaver
-
-SAVE_VARIANTS = ("safepoint", "safepoint-writer", "dcp", "torch.save", "dd")
-RESTORE_VARIANTS = ("safepoint", "safepoint-noverify", "verify", "dcp")
-BASELINE = "dcp"
-SAVE_TARGET = 0.95  # safepoint save throughput >= 0.95x plain DCP's
-RESTORE_TARGET = 1.15  # safepoint restore time <= 1.15x plain DCP's
-RESTORE_STEP = 1
-
-
-# ---- the variants ---------------------------------------------------------------------------------------
-
-
-class Location:
-    """One place checkpoints go (disk or /dev/shm) and the managers writing there."""
-
-    def __init__(self, name: str, base: Path, state: BenchState, threads: int) -> None:
-        self.name = name
-        self.base = base
-        self.state = state
-        self.threads = threads
-        self.step = 1000
-        base.mkdir(parents=True, exist_ok=True)
-        self.mgr = safepoint.CheckpointManager(base / "safepoint", writer_threads=threads)
-        writer_layout = Layout(base / "safepoint-writer")
-        writer_layout.ensure_root()
-        self.writer = SyncSaver(writer_layout, Comm(), Retention(), writer_threads=threads)
-        self.restore_root = base / "restore"
-        self.restore_mgr: safepoint.CheckpointManager | None = None
-
-    def save(self, variant: str) -> tuple[Timing, int]:
-        """Run one save variant; return its timing and the bytes it wrote, then delete what it wrote."""
-        self.step += 1
-        step, plain, nbytes = self.step, self.state.plain, self.state.nbytes
-        state = self.state.train_state()
-        outs = {
-            "safepoint": Path(self.mgr.layout.step_path(step)),
-            "safepoint-writer": self.writer.layout.step_path(step),
-            "dcp": self.base / f"dcp-{step}",
-            "torch.save": self.base / f"torch-{step}.pt",
-            "dd": self.base / f"dd-{step}.bin",
-        }
-        if variant not in outs:
-            raise ValueError(f"unknown save variant {variant!r}")
-        out = outs[variant]
-
-        def run_dcp() -> None:
-            writer = FileSystemWriter(
-                out, single_file_per_rank=True, sync_files=True, thread_count=self.threads
-            )
-            dcp_save(plain, storage_writer=writer, no_dist=True)
-
-        def run_torch_save() -> None:
-            with open(out, "wb") as f:
-                torch.save(plain, f)
-                f.flush()
-                os.fsync(f.fileno())
-
-        dd = ["dd", "if=/dev/zero", f"of={out}", "bs=64M", f"count={nbytes}", "iflag=count_bytes"]
-        run: dict[str, Callable[[], object]] = {
-            "safepoint": lambda: self.mgr.save(step, state),
-            "safepoint-writer": lambda: self.writer.write(step, plain, ["model", "optimizer"], {}, {}),
-            "dcp": run_dcp,
-            "torch.save": run_torch_save,
-            "dd": lambda: subprocess.run([*dd, "conv=fdatasync", "status=none"], check=True),
-        }
-        timing = timed(run[variant])
-        written = tree_bytes(out)
-        remove(out)
-        return timing, written
-
-    # restore
-
-    def prepare_restore(self) -> int:
-        """One committed safepoint checkpoint (also a plain DCP directory) that every restore reads."""
-        self.restore_mgr = safepoint.CheckpointManager(self.restore_root, writer_threads=self.threads)
-        info = self.restore_mgr.save(RESTORE_STEP, self.state.train_state())
-        assert info is not None  # a sync manager returns what it committed
-        return info.bytes
-
-    def restore(self, variant: str) -> Timing:
-        assert self.restore_mgr is not None
-        mgr = self.restore_mgr
-        step_dir = Path(mgr.layout.step_path(RESTORE_STEP))
-        if variant == "safepoint":
-            state = self.state.train_state()
-
-            def run_restore() -> None:
-                if mgr.restore(state) != RESTORE_STEP:
-                    raise RuntimeError("safepoint restored the wrong step")
-
-            return timed(run_restore)
-        if variant == "safepoint-noverify":
-            state = self.state.train_state()
-            restorer = Restorer(mgr.layout, mgr.comm)
-            return timed(lambda: restorer.load(mgr.layout.read_manifest(RESTORE_STEP), state))
-        if variant == "verify":
-            return timed(lambda: mgr.layout.verify(RESTORE_STEP))
-        if variant == "dcp":
-            return timed(
-                lambda: dcp_load(self.state.plain, storage_reader=FileSystemReader(step_dir), no_dist=True)
-            )
-        raise ValueError(f"unknown restore variant {variant!r}")
-
-    def close(self) -> None:
-        self.mgr.close()
-        if self.restore_mgr is not None:
-            self.restore_mgr.close()
-        shutil.rmtree(self.base, ignore_errors=True)
-
-
-# ---- the run --------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Run:
-    phase: str  # save | restore
-    location: str  # disk | shm
-    cache: str  # save: "-"; restore: cold | warm
-    variant: str
-    round: int
-    position: int
-    """Where in its round's order the variant ran (orders rotate from round to round)."""
-    seconds: float
-    cpu_s: float
-    bytes: int
-    loadavg_1m: float | None = None
 
 
 def run_benchmark(args: argparse.Namespace, console: Console) -> dict[str, Any]:
@@ -312,123 +163,6 @@ def run_benchmark(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         "runs": [dataclasses.asdict(r) for r in runs],
         "summary": summarize(runs, state.nbytes),
     }
-
-
-def summarize(runs: list[Run], nbytes: int) -> list[dict[str, Any]]:
-    """Per (phase, location, cache, variant): median/min/max seconds, MB/s, ratios vs plain DCP.
-
-    Save ratios are throughput ratios (DCP time / variant time: > 1 is faster than DCP); restore ratios
-    are time ratios (variant time / DCP time: < 1 is faster). ``paired_ratio`` is the median of the
-    per-round ratios (robust to drift between rounds); ``ratio_of_medians`` is the plain ratio.
-    """
-    rows: list[dict[str, Any]] = []
-    groups = sorted({(r.phase, r.location, r.cache) for r in runs}, key=lambda g: (g[0] != "save", g))
-    for phase, location, cache in groups:
-        group = [r for r in runs if (r.phase, r.location, r.cache) == (phase, location, cache)]
-        secs: dict[str, dict[int, float]] = {}
-        cpus: dict[str, dict[int, float]] = {}
-        for r in group:
-            secs.setdefault(r.variant, {})[r.round] = r.seconds
-            cpus.setdefault(r.variant, {})[r.round] = r.cpu_s
-        base, cpu_base = secs.get(BASELINE, {}), cpus.get(BASELINE, {})
-        save = phase == "save"
-        for variant in [v for v in (SAVE_VARIANTS if save else RESTORE_VARIANTS) if v in secs]:
-            times = secs[variant]
-            med = median(times.values())
-            ratios = paired_ratios(times, base, (lambda t, b: b / t) if save else (lambda t, b: t / b))
-            cpu_ratios = paired_ratios(cpus[variant], cpu_base, lambda c, b: c / b)
-            row: dict[str, Any] = {
-                "phase": phase,
-                "location": location,
-                "cache": cache,
-                "variant": variant,
-                "n": len(times),
-                "median_s": med,
-                "min_s": min(times.values()),
-                "max_s": max(times.values()),
-                "mb_s": nbytes / med / 1e6,
-                "cpu_median_s": median(cpus[variant].values()),
-                "ratio_of_medians": None,
-                "paired_ratio": median(ratios) if ratios else None,
-                "paired_ratio_q1_q3": quartiles(ratios) if ratios else None,
-                "ratio_kind": "throughput x DCP" if save else "time x DCP",
-                "cpu_paired_ratio": median(cpu_ratios) if cpu_ratios else None,
-                "target": None,
-                "met": None,
-            }
-            if base:
-                base_med = median(base.values())
-                row["ratio_of_medians"] = base_med / med if save else med / base_med
-            if variant == "safepoint" and row["paired_ratio"] is not None:
-                target = SAVE_TARGET if save else RESTORE_TARGET
-                row["target"] = f"{'>=' if save else '<='} {target}"
-                row["met"] = row["paired_ratio"] >= target if save else row["paired_ratio"] <= target
-            rows.append(row)
-    return rows
-
-
-COLUMNS = (
-    "where",
-    "variant",
-    "median s",
-    "min s",
-    "max s",
-    "MB/s",
-    "x DCP paired (q1-q3)",
-    "x DCP medians",
-    "cpu s",
-    "cpu x DCP",
-    "target",
-)
-
-
-def _cells(r: dict[str, Any], rich: bool) -> list[str]:
-    verdict = ""
-    if r["target"] is not None:
-        met = ("[green]met[/]" if rich else "met") if r["met"] else ("[red]missed[/]" if rich else "missed")
-        verdict = f"{r['target']}: {met}"
-    return [
-        r["location"] if r["cache"] == "-" else f"{r['location']} {r['cache']}",
-        r["variant"],
-        f"{r['median_s']:.3f}",
-        f"{r['min_s']:.3f}",
-        f"{r['max_s']:.3f}",
-        f"{r['mb_s']:.0f}",
-        fmt_spread(r["paired_ratio"], r["paired_ratio_q1_q3"]),
-        fmt(r["ratio_of_medians"]),
-        f"{r['cpu_median_s']:.2f}",
-        fmt(r["cpu_paired_ratio"]),
-        verdict,
-    ]
-
-
-def _caption(result: dict[str, Any], phase: str, n: int) -> str:
-    kind = "throughput x DCP, higher is better" if phase == "save" else "time x DCP, lower is better"
-    return (
-        f"{phase} ({result['meta']['state']['bytes'] / MiB:.0f} MiB, {n} rounds; ratio = {kind}; "
-        "cpu x DCP = CPU time ratio, lower is better)"
-    )
-
-
-def print_tables(console: Console, result: dict[str, Any]) -> None:
-    console.print(machine_line(result["meta"]) + f"; page cache dropped: {result['meta'].get('drop_caches')}")
-    for phase in ("save", "restore"):
-        rows = [r for r in result["summary"] if r["phase"] == phase]
-        if rows:
-            print_table(
-                console, _caption(result, phase, rows[0]["n"]), COLUMNS, [_cells(r, True) for r in rows]
-            )
-
-
-def markdown_tables(result: dict[str, Any]) -> str:
-    """The summary as Markdown tables (what docs/benchmarks.md quotes)."""
-    parts = []
-    for phase in ("save", "restore"):
-        rows = [r for r in result["summary"] if r["phase"] == phase]
-        if rows:
-            table = markdown_table(COLUMNS, [_cells(r, False) for r in rows])
-            parts.append(f"**{_caption(result, phase, rows[0]['n'])}**\n\n{table}\n")
-    return "\n".join(parts)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

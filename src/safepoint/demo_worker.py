@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.utils.data import DataLoader, TensorDataset
 
 import safepoint
-from safepoint.demo import die_with_parent, parent_of
+from safepoint.demo_procs import die_with_parent, parent_of
 
 VOCAB, DIM, SEQ, LAYERS = 64, 64, 32, 2
 DATASET_SIZE, BATCH_PER_RANK = 384, 8
