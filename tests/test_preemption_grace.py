@@ -130,7 +130,7 @@ def test_close_after_the_grace_does_not_abandon_an_idle_uploader(
     assert info.value.saved_step == 5
     assert "abandoned" not in caplog.text, caplog.text
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
-    assert not mgr._tiers._gave_up  # type: ignore[attr-defined]
+    assert not mgr._tiers._grace.gave_up  # type: ignore[attr-defined]
 
 
 def test_preemption_makes_no_store_request_and_exits_within_the_grace_when_the_store_is_down(

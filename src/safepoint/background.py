@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from safepoint.dist import Comm
 from safepoint.errors import SaveError
 from safepoint.layout import CheckpointInfo
 
@@ -68,6 +69,22 @@ class BackgroundWriter:
 
         # A daemon thread: a process that exits without close() simply never commits this save.
         threading.Thread(target=run, name=f"safepoint-save-{step}", daemon=True).start()
+
+    def make_room(self, step: int, if_busy: str, comm: Comm) -> bool:
+        """Before a new save of ``step``: with the previous one still writing, wait for it (``if_busy``
+        "wait"; raises its failure) or skip this save (False; all ranks skip together, or none does)."""
+        busy = self.busy
+        if if_busy == "skip":
+            if comm.distributed:
+                busy = comm.any(busy)  # all ranks skip together, or none does
+            if busy:
+                log.warning("safepoint: skipping save of step %d: the previous save is still writing", step)
+                return False
+        elif busy:
+            waited = self.wait()
+            log.info("safepoint: waited %.2fs for the previous save before saving step %d", waited, step)
+            self.raise_failure()
+        return True
 
     def wait(self) -> float:
         """Block until the save in flight (if any) finishes; return seconds waited. Does not raise."""

@@ -141,6 +141,15 @@ class UploadHistory:
         recent = self.seconds[-RECENT_SAVES:]
         return SAFETY_FACTOR * max(recent) if recent else None
 
+    def estimate(self, ahead: int) -> TierEstimate:
+        """The durable tier's estimate: one upload, times the ``ahead`` uploads it would queue behind
+        (uploads go in commit order, so the emergency one waits for those)."""
+        one = self.expected()
+        basis = f"{SAFETY_FACTOR:g}x the slowest of the last {RECENT_SAVES} uploads"
+        if ahead:
+            basis += f", behind {ahead} upload(s) in flight or queued"
+        return TierEstimate("durable", None if one is None else one * (ahead + 1), basis)
+
 
 def recorded_blocking_cost(layout: CheckpointStore) -> list[float]:
     """Blocking times of the newest checkpoints, oldest first: C for the adaptive interval after a restart."""

@@ -8,11 +8,13 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import Any, NoReturn
+from typing import Any
 
+from safepoint.arguments import check_keep_local_last, check_manager_arguments
 from safepoint.background import BackgroundWriter
 from safepoint.dist import Comm
-from safepoint.errors import CheckpointError, Preempted, SaveError
+from safepoint.emergency import EmergencySave
+from safepoint.errors import CheckpointError, Preempted
 from safepoint.history import RunHistory, outcome_of
 from safepoint.layout import CheckpointInfo, Layout
 from safepoint.manifest import clean_metrics
@@ -24,7 +26,7 @@ from safepoint.schedule import SaveSchedule
 from safepoint.staging import Stager, tensor_bytes
 from safepoint.state import TrainState
 from safepoint.tiering import Tiering
-from safepoint.tiers import DurabilityLag, SingleTier, plan_tiers
+from safepoint.tiers import DurabilityLag, SingleTier, plan_tiers, take_ownership
 from safepoint.upload import TransferConfig
 
 log = logging.getLogger("safepoint")
@@ -95,14 +97,8 @@ class CheckpointManager:
         transfer = transfer or TransferConfig(attempts=upload_retries + 1, concurrency=upload_concurrency)
         self.root, self.layout, durable = plan_tiers(root, local_root, storage_options, transfer)
         retention = build_retention(keep_last, keep_every_steps, keep_best, best_metric, best_mode)
-        if not isinstance(writer_threads, int) or writer_threads < 1:
-            raise ValueError(f"writer_threads must be a positive int, got {writer_threads!r}")
-        if if_busy not in ("wait", "skip"):
-            raise ValueError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
-        if collective_timeout_s <= 0:
-            raise ValueError(f"collective_timeout_s must be positive, got {collective_timeout_s!r}")
-        # Every argument is validated before the first process group exists (dist.new_group): a bad one
-        # must not leak a gloo group (and its threads) per attempt.
+        # Every argument is validated before the first process group exists (see arguments.py).
+        check_manager_arguments(writer_threads, if_busy, collective_timeout_s)
         self._schedule = SaveSchedule(
             save_every_steps, save_every_seconds, mtbf_seconds, local=isinstance(self.layout, Layout)
         )
@@ -140,7 +136,10 @@ class CheckpointManager:
             # A script that ends without close() must not kill the writer mid-file at interpreter
             # shutdown (torch's C++ writer aborts the process then): let the save in flight finish.
             atexit.register(self._finish_at_exit)
+        self._emergency: EmergencySave | None = None
         if self._preemption is not None:
+            parts = (self._schedule, self._tiers, self.layout, self._writer, self._runs, self._save_sync)
+            self._emergency = EmergencySave(self._preemption, *parts)
             self._preemption.start()
 
     def _new_comm(self, timeout_s: float) -> Comm:
@@ -160,10 +159,8 @@ class CheckpointManager:
         preemption: dict[str, Any],
     ) -> None:
         """The parts that need process groups (created here, in the same order on every rank)."""
-        if durable is not None and (
-            isinstance(keep_local_last, bool) or not isinstance(keep_local_last, int) or keep_local_last < 1
-        ):
-            raise ValueError(f"keep_local_last must be a positive int, got {keep_local_last!r}")
+        if durable is not None:
+            check_keep_local_last(keep_local_last)
         self.comm = self._new_comm(collective_timeout_s)
         self._agreement = self._schedule.attach(self.comm)
         self._preemption = Preemption.build(self.comm, **preemption)
@@ -192,20 +189,7 @@ class CheckpointManager:
         )
 
     def _take_ownership(self, stale_after_s: float) -> None:
-        error: CheckpointError | None = None
-        if self.comm.is_coordinator:
-            try:
-                self.layout.ensure_root()
-                self._lease = self.layout.lease(stale_after_s)
-                if self._lease is not None:
-                    self._lease.acquire()
-                for line in [*self.layout.clean_pending(), *self._tiers.take_ownership(stale_after_s)]:
-                    log.info("safepoint: %s", line)
-            except CheckpointError as e:
-                error = e
-            except OSError as e:
-                error = CheckpointError(f"cannot use checkpoint root {self.root}: {e}")
-        error = self.comm.broadcast(error)
+        self._lease, error = take_ownership(self.comm, self.layout, self._tiers, self.root, stale_after_s)
         if error is not None:
             if self._lease is not None:
                 self._lease.release()
@@ -223,8 +207,8 @@ class CheckpointManager:
         ``if_busy="skip"`` skipped it (a time policy stays due; a step policy waits for its next step)."""
         self._check_step(step)
         self._tiers.observe(step)  # durability_lag() counts steps trained since the last durable save
-        if self._preemption is not None and self._preemption.agreed(step):
-            self._preempt(step, state, metrics)
+        if self._emergency is not None and self._emergency.preemption.agreed(step):
+            self._emergency.run(step, state, metrics)
         if not self._schedule.due(step):
             return False
         return self._save(step, state, metrics)[0]
@@ -275,67 +259,9 @@ class CheckpointManager:
         self._schedule.saved(step, time.perf_counter() - t0, info.bytes)
         return info
 
-    def _preempt(self, step: int, state: TrainState, metrics: dict[str, Any] | None) -> NoReturn:
-        """Every rank agreed on a notice: finish the save in flight, save this step synchronously, exit."""
-        assert self._preemption is not None
-        self._writer.wait()
-        try:
-            self._writer.raise_failure()
-        except SaveError as e:
-            log.error("safepoint: the save in flight failed (%s); the emergency save replaces it", e)
-            self._schedule.at(None)
-        saved, plan = (step if step == self._schedule.last_step else None), None
-        cause: SaveError | None = None
-        if saved is None:
-            plan = self._preemption.plan(self._tiers.estimates(), step)
-            if plan.saves:
-                try:
-                    t0 = time.perf_counter()
-                    emergency = {"reason": "; ".join(self._preemption.reasons), "plan": plan.action}
-                    # A plan that skips the durable tier commits locally and never starts the upload.
-                    upload = not plan.skipped
-                    self._save_sync(step, state, clean_metrics(metrics), emergency, upload=upload)
-                    saved = step
-                    log.warning(
-                        "safepoint: emergency save of step %d took %.2fs", step, time.perf_counter() - t0
-                    )
-                except SaveError as e:
-                    log.error("safepoint: emergency save of step %d failed: %s", step, e)
-                    cause = e
-        self._tiers.preempted(plan, self._preemption.end_of_grace())
-        exc = self._preemption.exit(step, saved, self._resume_step(saved), plan)
-        if self._runs is not None:
-            self._runs.end(outcome_of(exc))
-        raise exc from cause
-
-    def _resume_step(self, saved: int | None) -> int | None:
-        """Where a restart resumes, from what this process knows, within the grace: no store request (not
-        ``latest_step()``, which lists the durable tier and reads every manifest), and never an error."""
-        steps = {s for s in (saved, self._schedule.last_step) if s is not None}
-        try:
-            if isinstance(self._tiers, Tiering):
-                newest = self._tiers.resume_step()
-                steps.update([newest] if newest is not None else [])
-            elif isinstance(self.layout, Layout):  # a directory listing; a URL root: what this run knows
-                steps.update(self.layout.committed_steps())
-        except Exception as e:
-            log.warning(
-                "safepoint: cannot list the committed checkpoints (%s); resume step as far as known", e
-            )
-        return max(steps) if steps else None
-
     def _save_async(self, step: int, state: TrainState, metrics: dict[str, float]) -> bool:
-        busy = self._writer.busy
-        if self._if_busy == "skip":
-            if self.comm.distributed:
-                busy = self.comm.any(busy)  # all ranks skip together, or none does
-            if busy:
-                log.warning("safepoint: skipping save of step %d: the previous save is still writing", step)
-                return False
-        elif busy:
-            waited = self._writer.wait()
-            log.info("safepoint: waited %.2fs for the previous save before saving step %d", waited, step)
-            self._writer.raise_failure()
+        if not self._writer.make_room(step, self._if_busy, self.comm):
+            return False
         assert self._bg_saver is not None
         saver = self._bg_saver
         t0 = time.perf_counter()

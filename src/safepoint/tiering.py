@@ -27,9 +27,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from safepoint.arguments import check_keep_local_last
 from safepoint.dist import Comm
 from safepoint.errors import CheckpointError
-from safepoint.history import RECENT_SAVES, SAFETY_FACTOR, TierEstimate, UploadHistory, save_estimate
+from safepoint.history import TierEstimate, UploadHistory, save_estimate
 from safepoint.layout import CheckpointInfo, Layout
 from safepoint.manifest import Manifest
 from safepoint.policy import Retention
@@ -39,7 +40,8 @@ from safepoint.restore import Restorer
 from safepoint.retry import UploadError, lower_priority
 from safepoint.state import TrainState
 from safepoint.tier_transfer import choose_across_tiers, upload_checkpoint
-from safepoint.tiers import DurabilityLag, SingleTier, infos
+from safepoint.tiers import DurabilityLag, SingleTier, infos, prune_local, read_durable
+from safepoint.upload_grace import UploadGrace
 
 log = logging.getLogger("safepoint")
 IDLE_JOIN_S = 1.0
@@ -53,8 +55,7 @@ class Tiering(SingleTier):
         self, local: Layout, durable: RemoteLayout, retention: Retention, keep_local_last: int, comm: Comm
     ) -> None:
         super().__init__(local)
-        if isinstance(keep_local_last, bool) or not isinstance(keep_local_last, int) or keep_local_last < 1:
-            raise ValueError(f"keep_local_last must be a positive int, got {keep_local_last!r}")
+        check_keep_local_last(keep_local_last)
         self.local, self.durable, self.retention = local, durable, retention
         self.keep_local_last, self.comm = keep_local_last, comm
         self._cv = threading.Condition()
@@ -75,12 +76,7 @@ class Tiering(SingleTier):
         # Committed locally, not queued: the preemption's grace left no time to upload them (next run does).
         self._local_only: set[int] = set()
         self._cutoff: str | None = None  # set on a preemption whose plan skips the durable tier
-        self._deadline: float | None = None  # the grace's end (monotonic): close() waits no longer
-        self._gave_up = False  # close() abandoned the upload in flight at the deadline
-        # Held across a durable commit (manifest PUT, promote): abandoning waits for it (up to the deadline),
-        # and once abandoned no commit starts. So the lease is never given up under a commit.
-        self._commit_lock = threading.Lock()
-        self._commit_running: int | None = None  # the step whose commit was running when abandoned
+        self._grace = UploadGrace(self._cv, durable.store.gate, durable.store.abandoned)
 
     # ---- lifecycle (manager's __init__ / close) ---------------------------------------------------------
 
@@ -92,7 +88,7 @@ class Tiering(SingleTier):
         if self._lease is not None:
             self._lease.acquire()
         done = [f"durable tier: {line}" for line in self.durable.clean_pending()]
-        durable = self._read_durable()
+        durable = read_durable(self.durable)
         todo = []
         for step in self.local.committed_steps():
             try:
@@ -150,18 +146,13 @@ class Tiering(SingleTier):
         it would queue behind (uploads go in commit order, so the emergency one waits for those)."""
         with self._cv:
             ahead = len(self._queue) + (self._busy is not None)
-        one = self._history.expected()
-        basis = f"{SAFETY_FACTOR:g}x the slowest of the last {RECENT_SAVES} uploads"
-        if ahead:
-            basis += f", behind {ahead} upload(s) in flight or queued"
-        durable = None if one is None else one * (ahead + 1)
-        return [save_estimate("local", self.local), TierEstimate("durable", durable, basis)]
+        return [save_estimate("local", self.local), self._history.estimate(ahead)]
 
     def preempted(self, plan: EmergencyPlan | None, deadline: float | None) -> None:
         """After the emergency save: close() waits for uploads until ``deadline`` at most; if the plan left
         the durable tier out, no further upload starts (what is queued stays local-only, like the emergency
         checkpoint, and the next run on this node uploads it)."""
-        self._deadline = deadline
+        self._grace.deadline = deadline
         if plan is None or plan.action == "full":
             return
         with self._cv:
@@ -203,10 +194,6 @@ class Tiering(SingleTier):
         if self._lease is not None:
             self._lease.check()
 
-    def _remaining(self) -> float | None:
-        """Seconds until the grace ends (None: no deadline; may be negative)."""
-        return None if self._deadline is None else self._deadline - time.monotonic()
-
     def close(self, *, raise_failure: bool = True) -> None:
         """Let queued and running uploads finish (after a notice: until the grace ends), release the durable
         root (after a notice: only within the grace), raise a failure if asked."""
@@ -215,83 +202,27 @@ class Tiering(SingleTier):
             self._cv.notify_all()
             thread = self._thread
         if thread is not None:
-            remaining = self._remaining()
+            remaining = self._grace.remaining()
             thread.join(None if remaining is None else max(0.0, remaining))
             if thread.is_alive():
                 with self._cv:
                     active = self._busy is not None or bool(self._queue)
                 if active:
-                    self._abandon()
+                    self._grace.abandon(self._stop_uploads)
                 else:  # idle, woken by _closing and on its way out: no upload to abandon
                     thread.join(IDLE_JOIN_S)
-        self._release_lease()
-        if not self._gave_up:  # an abandoned uploader may still be inside one of this group's collectives
+        lease, self._lease = self._lease, None
+        self._grace.release_lease(lease)
+        # An abandoned uploader may still be inside one of this group's collectives: never destroy it then.
+        if not self._grace.gave_up:
             self.comm.destroy()
         if raise_failure:
             self.raise_failure()
 
-    def _release_lease(self) -> None:
-        """Give the durable root back; after a notice, waiting no longer than the grace (what is not done by
-        then finishes in the background, or the lease expires by itself: lease_stale_after_s, at once for a
-        restart on this host). Never under a commit left running at the deadline: that lease only stops."""
-        lease, self._lease = self._lease, None
-        if lease is None:
-            return
-        if self._commit_running is not None:
-            lease.stop()
-            log.warning(
-                "safepoint: not releasing the durable root's lease under the commit of step %s (it expires "
-                "after lease_stale_after_s; a restart on this host takes it over at once)",
-                self._commit_running,
-            )
-            return
-        remaining = self._remaining()
-        if not lease.release(timeout=None if remaining is None else max(0.0, remaining)):
-            log.warning(
-                "safepoint: the durable root's lease was not released by the end of the grace; if the "
-                "process exits first, it expires after lease_stale_after_s (a restart on this host takes it "
-                "over at once)"
-            )
-
-    def _abandon(self) -> None:
-        """The grace ends with an upload still running: leave it rather than be SIGKILLed waiting. No new
-        request starts (the gate stays shut) and no commit starts, so the durable tier gets nothing from it;
-        the next owner deletes the partial objects and uploads the step again from the local copy. A commit
-        already running (its manifest PUT, a promote) is waited for until the deadline at most; if it is
-        still running then, it is left to finish (it may or may not land) and the lease is not released."""
-        remaining = self._remaining()
-        got = self._commit_lock.acquire(timeout=max(0.0, remaining) if remaining is not None else -1)
-        try:
-            with self._cv:
-                self._cutoff = self._cutoff or "abandoned at the preemption's grace deadline"
-                self._gave_up = True  # checked under the commit lock: no commit starts from here on
-                busy = self._busy
-                if not got:
-                    self._commit_running = busy
-            self.durable.store.gate.clear()
-            self.durable.store.abandoned.set()
-        finally:
-            if got:
-                self._commit_lock.release()
-        if got:
-            log.error(
-                "safepoint: the grace is over and the upload of step %s is still running: abandoned (nothing "
-                "is committed on the durable tier; the next run uploads it again from the local copy)",
-                busy,
-            )
-        else:
-            log.error(
-                "safepoint: the grace is over while step %s is being committed on the durable tier: the "
-                "commit is left running (it may or may not complete before the process exits; the next run "
-                "keeps it if it did, and uploads the step again from the local copy if not)",
-                busy,
-            )
-
-    @contextlib.contextmanager
-    def _committing(self) -> Iterator[bool]:
-        """Around a durable commit: yields whether it may start (False once abandoned)."""
-        with self._commit_lock:
-            yield not self._gave_up
+    def _stop_uploads(self) -> int | None:
+        """Under ``_cv``, on an abandon: no further upload starts. Returns the step in flight."""
+        self._cutoff = self._cutoff or "abandoned at the preemption's grace deadline"
+        return self._busy
 
     # ---- the uploader thread ----------------------------------------------------------------------------
 
@@ -342,7 +273,9 @@ class Tiering(SingleTier):
             return
         t0 = time.perf_counter()
         # Once close() gave up on this upload no commit starts (its lease may be given up or expire).
-        manifest = upload_checkpoint(self.comm, self.local, self.durable, step, detail, self._committing)
+        manifest = upload_checkpoint(
+            self.comm, self.local, self.durable, step, detail, self._grace.committing
+        )
         info = self.durable.info(step, manifest)
         self._history.record(time.perf_counter() - t0, persist=self.comm.is_coordinator)
         with self._cv:
@@ -382,17 +315,6 @@ class Tiering(SingleTier):
             return ("skip", "superseded: durable retention would delete it right away")
         return ("upload", self.durable.new_pending(step, manifest.save_id))
 
-    def _read_durable(self) -> dict[int, tuple[str, CheckpointInfo]]:
-        out = {}
-        for step in self.durable.committed_steps():
-            try:
-                m = self.durable.read_manifest(step)
-            except CheckpointError as e:
-                log.warning("safepoint: durable step %d is unreadable (%s); ignoring it", step, e)
-                continue
-            out[step] = (m.save_id, self.durable.info(step, m))
-        return out
-
     def _retain_durable(self) -> None:
         try:
             for step in self.retention.to_delete([info for _, info in self._durable.values()]):
@@ -408,25 +330,13 @@ class Tiering(SingleTier):
         if not self._no_prune.acquire(blocking=False):
             return
         try:
-            steps = self.local.committed_steps()
-            with self._cv:
-                waiting = set(self._queue) | {self._busy}
-            for step in steps[: -self.keep_local_last]:
-                try:
-                    save_id = self.local.read_manifest(step).save_id
-                except CheckpointError:
-                    continue
-                if step not in waiting and (step, save_id) in self._done:
-                    self.local.remove(step)
-                    log.info(
-                        "safepoint: removed local step %d (durable, keep_local_last=%d)",
-                        step,
-                        self.keep_local_last,
-                    )
-        except OSError as e:
-            log.warning("safepoint: local retention pass failed (%s)", e)
+            prune_local(self.local, self.keep_local_last, self._waiting, self._done)
         finally:
             self._no_prune.release()
+
+    def _waiting(self) -> set[int | None]:
+        with self._cv:
+            return set(self._queue) | {self._busy}
 
     # ---- restore, list, lag -----------------------------------------------------------------------------
 

@@ -12,9 +12,10 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from safepoint.dist import Comm
 from safepoint.errors import CheckpointError
 from safepoint.history import TierEstimate, save_estimate
 from safepoint.layout import CheckpointInfo, CheckpointStore, Layout
@@ -148,3 +149,60 @@ def infos(layout: CheckpointStore) -> list[CheckpointInfo]:
         except CheckpointError as e:
             log.warning("safepoint: not listing step %d of %s: %s", s, layout.root, e)
     return out
+
+
+def read_durable(durable: RemoteLayout) -> dict[int, tuple[str, CheckpointInfo]]:
+    """step -> (save_id, info) of the durable tier's committed checkpoints (unreadable ones skipped)."""
+    out = {}
+    for step in durable.committed_steps():
+        try:
+            m = durable.read_manifest(step)
+        except CheckpointError as e:
+            log.warning("safepoint: durable step %d is unreadable (%s); ignoring it", step, e)
+            continue
+        out[step] = (m.save_id, durable.info(step, m))
+    return out
+
+
+def prune_local(
+    local: Layout, keep_local_last: int, waiting: Callable[[], set[int | None]], done: set[tuple[int, str]]
+) -> None:
+    """keep_local_last, removing only copies that need no upload (``done``) and are not ``waiting()``
+    (the uploader's queue and the upload in flight, taken after listing the local steps)."""
+    try:
+        steps = local.committed_steps()
+        in_flight = waiting()
+        for step in steps[:-keep_local_last]:
+            try:
+                save_id = local.read_manifest(step).save_id
+            except CheckpointError:
+                continue
+            if step not in in_flight and (step, save_id) in done:
+                local.remove(step)
+                log.info(
+                    "safepoint: removed local step %d (durable, keep_local_last=%d)", step, keep_local_last
+                )
+    except OSError as e:
+        log.warning("safepoint: local retention pass failed (%s)", e)
+
+
+def take_ownership(
+    comm: Comm, layout: Layout | RemoteLayout, tiers: SingleTier, root: str, stale_after_s: float
+) -> tuple[Any, CheckpointError | None]:
+    """Collective, at the manager's start: rank 0 takes the root (lease, cleanup of unfinished saves, the
+    tiers' own step); returns (rank 0's lease or None, the error every rank then raises, or None)."""
+    lease: Any = None
+    error: CheckpointError | None = None
+    if comm.is_coordinator:
+        try:
+            layout.ensure_root()
+            lease = layout.lease(stale_after_s)
+            if lease is not None:
+                lease.acquire()
+            for line in [*layout.clean_pending(), *tiers.take_ownership(stale_after_s)]:
+                log.info("safepoint: %s", line)
+        except CheckpointError as e:
+            error = e
+        except OSError as e:
+            error = CheckpointError(f"cannot use checkpoint root {root}: {e}")
+    return lease, comm.broadcast(error)
