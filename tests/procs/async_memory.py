@@ -1,4 +1,4 @@
-"""Measures peak extra host memory of async saves: run as a fresh process so ru_maxrss is meaningful.
+"""Measures peak extra host memory of async saves, in a fresh process.
 
 Prints JSON: state bytes, RSS before, peak RSS, RSS after each block of saves, staging allocations.
 """
@@ -15,6 +15,19 @@ import torch
 import safepoint
 
 
+def peak_rss() -> int:
+    """This process's own peak RSS. Not ru_maxrss: Linux carries it across fork+exec, so a child of a big
+    pytest process would report the parent's peak (VmHWM belongs to the new address space)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def main() -> None:
     root, saves, mib = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     n = mib * 1024 * 1024 // 4 // 4
@@ -29,7 +42,7 @@ def main() -> None:
         mgr.save(0, state)
         mgr.wait()
         base_rss = proc.memory_info().rss
-        base_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        base_peak = peak_rss()
         rss_after: list[int] = []
         for step in range(1, saves + 1):
             with torch.no_grad():
@@ -40,7 +53,7 @@ def main() -> None:
                 rss_after.append(proc.memory_info().rss)
         mgr.wait()
         allocations = mgr._stager.allocations  # the test checks the reuse it promises
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss()
     print(
         json.dumps(
             {
