@@ -35,6 +35,7 @@ from safepoint import background
 TRAIN_VARIANTS = (
     "none",
     "safepoint-async",
+    "safepoint-async-process",
     "safepoint-async-nice0",
     "safepoint-sync",
     "dcp-thread",
@@ -88,7 +89,12 @@ class Trainer:
         self.base = base
         self.every = args.every
         base.mkdir(parents=True, exist_ok=True)
-        self.sp_async = safepoint.CheckpointManager(base / "sp-async", async_save=True, keep_last=1)
+        self.sp_async = safepoint.CheckpointManager(
+            base / "sp-async", async_save=True, async_writer="thread", keep_last=1
+        )
+        self.sp_process = safepoint.CheckpointManager(
+            base / "sp-async-process", async_save=True, async_writer="process", keep_last=1
+        )
         self.sp_sync = safepoint.CheckpointManager(base / "sp-sync", keep_last=1)
         self.step_no = 0
         self.dcp_n = 0
@@ -126,7 +132,10 @@ class Trainer:
         # read WRITER_NICE when they start, inside the window).
         background.WRITER_NICE = 0 if variant == "safepoint-async-nice0" else 10
         t0 = time.perf_counter()
-        if variant.startswith("safepoint-async"):
+        if variant == "safepoint-async-process":
+            self.sp_process.save(self.step_no, self.state())
+            blocking = time.perf_counter() - t0
+        elif variant.startswith("safepoint-async"):
             self.sp_async.save(self.step_no, self.state())
             blocking = time.perf_counter() - t0
         elif variant == "safepoint-sync":
@@ -144,11 +153,13 @@ class Trainer:
             self.step()
             now = time.perf_counter()
             step_s.append(now - ts)
-            busy.append(self.sp_async._writer.busy or (pending is not None and not pending.done()))
+            writing = self.sp_async._writer.busy or self.sp_process._writer.busy
+            busy.append(writing or (pending is not None and not pending.done()))
             ts = now
         seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         self.sp_async.wait()
+        self.sp_process.wait()
         if pending is not None:
             pending.result()
             shutil.rmtree(self.base / f"dcp-{self.dcp_n}", ignore_errors=True)
@@ -158,6 +169,7 @@ class Trainer:
 
     def close(self) -> None:
         self.sp_async.close()
+        self.sp_process.close()
         self.sp_sync.close()
         shutil.rmtree(self.base, ignore_errors=True)
 
@@ -311,7 +323,7 @@ def summarize_train(runs: list[Window]) -> list[dict[str, Any]]:
                     "k_for_target": cost * TRAIN_TARGET / (1 - TRAIN_TARGET) if cost is not None else None,
                     "spilled": sum(w.spilled for w in ws.values()),
                     "met": x_self >= TRAIN_TARGET
-                    if variant == "safepoint-async" and x_self is not None
+                    if variant in ("safepoint-async", "safepoint-async-process") and x_self is not None
                     else None,
                 }
             )

@@ -4,9 +4,10 @@
 Part 1, blocking time (same process, variants interleaved per round, ``--size-mib`` of fp32 parameters
 plus Adam state shaped like a small transformer, the state of benchmarks/bench_save.py, on disk and on
 /dev/shm):
-  safepoint-async  CheckpointManager(root, async_save=True).save(step, TrainState(model, optimizer)): the
-                   call's duration (capture + staging into reused buffers). The previous save is waited for
-                   before the clock starts, so this is staging, never waiting.
+  safepoint-async  CheckpointManager(root, async_save=True, async_writer="thread").save(step,
+                   TrainState(model, optimizer)): the call's duration (capture + staging into reused
+                   buffers). The previous save is waited for before the clock starts: staging, never waiting.
+  safepoint-async-process  the same with async_writer="process" (staging into a shared-memory segment).
   dcp-async        torch.distributed.checkpoint.async_save(get_state_dict(...), FileSystemWriter) with its
                    default stager (the writer's BlockingAsyncStager: fresh CPU copy per call) and the
                    THREAD executor (the only one that works without a process group): time until it returns.
@@ -23,7 +24,9 @@ interleaved finely (other jobs on a shared 2-core VM move throughput by several 
 window whose write did not finish within its K steps is flagged "spilled". Variants, order rotated every
 round, for each torch intra-op thread count in ``--train-threads``:
   none             no checkpoints (the baseline).
-  safepoint-async  CheckpointManager(async_save=True).save (the thread writer, at nice +10).
+  safepoint-async  CheckpointManager(async_save=True, async_writer="thread").save (the thread writer, at
+                   nice +10).
+  safepoint-async-process  the same with async_writer="process": a writer process per rank (nice +10).
   safepoint-async-nice0  the same with the writer thread at the training thread's priority (WRITER_NICE=0):
                    what lowering the writer's priority buys.
   safepoint-sync   CheckpointManager(async_save=False).save.

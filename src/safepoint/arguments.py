@@ -6,12 +6,24 @@ leak a gloo group (and its threads) per attempt.
 
 from __future__ import annotations
 
+import os
 
-def check_manager_arguments(writer_threads: int, if_busy: str, collective_timeout_s: float) -> None:
+ASYNC_WRITERS = ("auto", "thread", "process")
+
+
+def check_manager_arguments(
+    writer_threads: int, if_busy: str, collective_timeout_s: float, async_save: bool, async_writer: str
+) -> None:
     if not isinstance(writer_threads, int) or writer_threads < 1:
         raise ValueError(f"writer_threads must be a positive int, got {writer_threads!r}")
     if if_busy not in ("wait", "skip"):
         raise ValueError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
+    if async_writer not in ASYNC_WRITERS:
+        raise ValueError(f"async_writer must be 'auto', 'thread' or 'process', got {async_writer!r}")
+    if async_writer == "process" and not async_save:
+        raise ValueError("async_writer='process' writes async saves: pass async_save=True as well")
+    if async_writer == "process" and not hasattr(os, "memfd_create"):
+        raise ValueError("async_writer='process' needs Linux (memfd_create); use async_writer='thread'")
     if collective_timeout_s <= 0:
         raise ValueError(f"collective_timeout_s must be positive, got {collective_timeout_s!r}")
 
@@ -19,3 +31,24 @@ def check_manager_arguments(writer_threads: int, if_busy: str, collective_timeou
 def check_keep_local_last(keep_local_last: int) -> None:
     if isinstance(keep_local_last, bool) or not isinstance(keep_local_last, int) or keep_local_last < 1:
         raise ValueError(f"keep_local_last must be a positive int, got {keep_local_last!r}")
+
+
+def writer_process_mode(async_save: bool, async_writer: str, local_files: bool) -> bool | None:
+    """None: async saves (if any) need no writer process; else whether one that cannot start may be
+    replaced by the writer thread ("auto") rather than fail the save ("process").
+
+    "auto" is the process wherever it can run: measured in docs/benchmarks.md ("The process writer"), it
+    halves what a save costs a Python-bound loop over a many-tensor state and ties elsewhere.
+    """
+    if async_writer == "process" and not local_files:
+        raise ValueError(
+            "async_writer='process' writes local files: with a URL root, pass local_root= (saves commit "
+            "there and upload in the background) or use async_writer='thread'"
+        )
+    if not async_save:
+        return None
+    if async_writer == "process":
+        return False
+    if async_writer == "auto" and local_files and hasattr(os, "memfd_create"):
+        return True
+    return None

@@ -143,6 +143,16 @@ class ChecksumRecorder:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._files: dict[str, tuple[int, str]] = {}
+        self._failures: list[tuple[str, BaseException]] = []
+
+    def failed(self, name: str, error: BaseException) -> None:
+        """A stream's write failed: DCP's extra writer threads swallow the exception, so keep it here."""
+        with self._lock:
+            self._failures.append((name, error))
+
+    def first_failure(self) -> tuple[str, BaseException] | None:
+        with self._lock:
+            return self._failures[0] if self._failures else None
 
     def record(self, name: str, size: int, crc: str) -> None:
         with self._lock:

@@ -64,3 +64,16 @@ class Preempted(SystemExit):
             f"preempted at step {self.step} ({self.reason}); {saved}; a restart resumes at step "
             f"{self.resume_step if self.resume_step is not None else 0}; exit code {self.code}"
         )
+
+
+def os_error_in_chain(e: BaseException) -> BaseException:
+    """torch's zip writer turns a failed write (ENOSPC, EIO) into "unexpected pos" RuntimeError and keeps the
+    OSError only as __context__: name the OSError, so a full disk is called a full disk."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, OSError):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return e

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
 
-from safepoint.arguments import check_keep_local_last, check_manager_arguments
+from safepoint.arguments import check_keep_local_last, check_manager_arguments, writer_process_mode
 from safepoint.background import BackgroundWriter
 from safepoint.dist import Comm
 from safepoint.emergency import EmergencySave
@@ -28,6 +28,7 @@ from safepoint.state import TrainState
 from safepoint.tiering import Tiering
 from safepoint.tiers import DurabilityLag, SingleTier, plan_tiers, take_ownership
 from safepoint.upload import TransferConfig
+from safepoint.writer_process import WriterProcess, process_writer_factory
 
 log = logging.getLogger("safepoint")
 
@@ -52,6 +53,11 @@ class CheckpointManager:
         lease_stale_after_s: a lease whose heartbeat is older than this (other host) is taken over.
         async_save: ``save``/``maybe_save`` block only while the state is copied into reused host buffers;
             writing, checksums, commit and retention run on a background thread.
+        async_writer: with async_save, where the files are written: "process" (a writer process per rank,
+            started with the manager, reading the staging buffers in shared memory: the write never takes
+            this process's GIL; Linux, local roots and local_root), "thread" (a background thread of this
+            process), or "auto" (default: the process where it can run, else the thread; a process that
+            cannot start falls back to the thread with a warning). See docs/async.md.
         if_busy: with async_save, what a save does while the previous one is still writing: "wait"
             (default; logs how long) or "skip" (warns, saves nothing). Never two staged copies.
         save_every_seconds="auto" (or a ``safepoint.AdaptiveInterval``): the interval from the measured
@@ -79,6 +85,7 @@ class CheckpointManager:
         writer_threads: int = 1,
         lease_stale_after_s: float = 120.0,
         async_save: bool = False,
+        async_writer: str = "auto",
         if_busy: str = "wait",
         mtbf_seconds: float | None = None,
         preemption_signals: Iterable[int] | None = None,
@@ -98,7 +105,8 @@ class CheckpointManager:
         self.root, self.layout, durable = plan_tiers(root, local_root, storage_options, transfer)
         retention = build_retention(keep_last, keep_every_steps, keep_best, best_metric, best_mode)
         # Every argument is validated before the first process group exists (see arguments.py).
-        check_manager_arguments(writer_threads, if_busy, collective_timeout_s)
+        check_manager_arguments(writer_threads, if_busy, collective_timeout_s, async_save, async_writer)
+        process_fallback = writer_process_mode(async_save, async_writer, isinstance(self.layout, Layout))
         self._schedule = SaveSchedule(
             save_every_steps, save_every_seconds, mtbf_seconds, local=isinstance(self.layout, Layout)
         )
@@ -111,6 +119,7 @@ class CheckpointManager:
                 collective_timeout_s,
                 writer_threads,
                 async_save,
+                process_fallback,
                 if_busy,
                 keep_local_last,
                 dict(
@@ -125,6 +134,9 @@ class CheckpointManager:
         except BaseException:
             for comm in self._comms:
                 comm.destroy()
+            process: WriterProcess | None = getattr(self, "_process", None)
+            if process is not None:
+                process.close()
             raise
         self._lease: Any = None
         self._closed = False
@@ -154,6 +166,7 @@ class CheckpointManager:
         collective_timeout_s: float,
         writer_threads: int,
         async_save: bool,
+        process_fallback: bool | None,
         if_busy: str,
         keep_local_last: int,
         preemption: dict[str, Any],
@@ -170,16 +183,25 @@ class CheckpointManager:
         self._restorer = Restorer(self.layout, self.comm)
         self._async = bool(async_save)
         self._if_busy = if_busy
-        self._stager = Stager()
+        # process_fallback: None for no writer process; else whether one that cannot start may be replaced
+        # by the writer thread ("auto") instead of failing the save ("process").
+        in_process = process_fallback is not None
+        self._stager = Stager(shared=in_process)
         self._writer = BackgroundWriter()
         # The writer thread runs collectives; it gets its own group so they never interleave with the
         # training thread's (maybe_save agreement, restore) on the same group.
         self._bg_comm = self._new_comm(collective_timeout_s) if self._async else None
-        self._bg_saver = (
-            SyncSaver(self.layout, self._bg_comm, saver_retention, writer_threads=writer_threads)
-            if self._bg_comm is not None
-            else None
-        )
+        self._bg_saver: SyncSaver | None = None
+        self._process: WriterProcess | None = None
+        if self._bg_comm is not None:
+            wrap = None
+            if in_process:
+                self._process = WriterProcess(fallback=bool(process_fallback))
+                self._process.start()  # it imports torch while training starts
+                wrap = process_writer_factory(self._process, lambda: self._stager.arena)
+            self._bg_saver = SyncSaver(
+                self.layout, self._bg_comm, saver_retention, writer_threads=writer_threads, wrap_writer=wrap
+            )
         self._at_exit = self._async or durable is not None
         # The uploader's collectives get their own group too (created here: same order on every rank).
         self._tiers = (
@@ -194,6 +216,8 @@ class CheckpointManager:
             if self._lease is not None:
                 self._lease.release()
             self._tiers.close(raise_failure=False)
+            if self._process is not None:
+                self._process.close()
             for comm in self._comms:
                 comm.destroy()
             self._closed = True
@@ -342,6 +366,8 @@ class CheckpointManager:
                 self._preemption.stop()  # previous signal handlers back, poller stopped
             if self._runs is not None:
                 self._runs.end(outcome_of(None))
+            if self._process is not None:
+                self._process.close()
             self._stager.release()
             if self._lease is not None:
                 self._lease.release()

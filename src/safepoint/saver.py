@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -12,7 +13,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from safepoint.dist import Comm, PeerTimeoutError
-from safepoint.errors import CheckpointError, SaveError
+from safepoint.errors import CheckpointError, SaveError, os_error_in_chain
 from safepoint.layout import CheckpointInfo, CheckpointStore
 from safepoint.manifest import FileEntry, Manifest
 from safepoint.policy import Retention
@@ -25,34 +26,29 @@ def describe_exception(e: BaseException) -> str:
     if isinstance(e, CheckpointException):
         parts = []
         for rank, (exc, _tb) in sorted(e.failures.items()):
-            cause = _os_error_in_chain(exc)
+            cause = os_error_in_chain(exc)
             parts.append(f"rank {rank}: {type(cause).__name__}: {cause}")
         return "; ".join(parts) or str(e)
-    cause = _os_error_in_chain(e)
+    cause = os_error_in_chain(e)
     return f"{type(cause).__name__}: {cause}"
-
-
-def _os_error_in_chain(e: BaseException) -> BaseException:
-    """torch's zip writer turns a failed write (ENOSPC, EIO) into "unexpected pos" RuntimeError and keeps the
-    OSError only as __context__: name the OSError, so a full disk is called a full disk."""
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        if isinstance(cur, OSError):
-            return cur
-        seen.add(id(cur))
-        cur = cur.__cause__ or cur.__context__
-    return e
 
 
 class SyncSaver:
     def __init__(
-        self, layout: CheckpointStore, comm: Comm, retention: Retention, *, writer_threads: int = 1
+        self,
+        layout: CheckpointStore,
+        comm: Comm,
+        retention: Retention,
+        *,
+        writer_threads: int = 1,
+        wrap_writer: Callable[[Any], Any] | None = None,
     ) -> None:
         self.layout = layout
         self.comm = comm
         self.retention = retention
         self.writer_threads = writer_threads
+        # async_writer="process": the storage writer of each save, handed to the writer process.
+        self.wrap_writer = wrap_writer
 
     def write(
         self,
@@ -68,6 +64,8 @@ class SyncSaver:
         save_id = self.comm.broadcast(uuid.uuid4().hex[:12] if self.comm.is_coordinator else "")
         pending = self.layout.new_pending(step, save_id)
         writer = self.layout.make_writer(pending, thread_count=self.writer_threads)
+        if self.wrap_writer is not None:
+            writer = self.wrap_writer(writer)
         error: str | None = None
         try:
             dcp_save(

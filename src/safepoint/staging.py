@@ -20,6 +20,8 @@ from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.tensor import DTensor
 
+from safepoint.shared_buffers import SharedArena, move_into_arena
+
 log = logging.getLogger("safepoint")
 
 
@@ -50,17 +52,27 @@ class Stager:
     The snapshot is valid until the next ``stage`` call: the caller keeps at most one save in flight.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, shared: bool = False) -> None:
         self._buffers: dict[str, Any] | None = None
         self.allocations = 0
+        # shared: the buffers live in one shared-memory segment that a writer process maps (see
+        # shared_buffers.py); ``arena`` is the segment of the current buffer set.
+        self._shared = shared
+        self.arena: SharedArena | None = None
 
     def stage(self, sd: dict[str, Any]) -> dict[str, Any]:
         if self._buffers is None or not _similar(sd, self._buffers):
             cuda = _any_cuda(sd)
             if self._buffers is not None:
                 log.info("safepoint: state changed shape; reallocating staging buffers")
-            self._buffers = None  # drop the old set first: never two sets alive at once
-            self._buffers = _create_cpu_state_dict(sd, pin_memory=cuda and torch.cuda.is_available())
+            self.release()  # drop the old set first: never two sets alive at once
+            pin = cuda and torch.cuda.is_available()
+            if self._shared:
+                buffers = _create_cpu_state_dict(sd)  # untouched pages: re-homed below without a copy
+                self.arena = move_into_arena(buffers, pin=pin)
+                self._buffers = buffers
+            else:
+                self._buffers = _create_cpu_state_dict(sd, pin_memory=pin)
             self.allocations += 1
         snapshot: dict[str, Any] = _copy_state_dict(sd, self._buffers, non_blocking=True, type_check=False)
         if torch.cuda.is_available() and _any_cuda(sd):
@@ -70,6 +82,9 @@ class Stager:
 
     def release(self) -> None:
         self._buffers = None
+        if self.arena is not None:
+            self.arena.release()  # the memory goes with the last tensor that maps it
+            self.arena = None
 
 
 def _similar(sd: Any, buffers: Any) -> bool:

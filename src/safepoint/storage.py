@@ -46,7 +46,7 @@ from torch.futures import Future
 
 from safepoint.checksum import ChecksummingWriter, ChecksumRecorder
 from safepoint.direct_read import DescriptionCache, read_in_place
-from safepoint.errors import CheckpointError, UnsafeCheckpointError
+from safepoint.errors import CheckpointError, UnsafeCheckpointError, os_error_in_chain
 
 METADATA_NAME = ".metadata"
 
@@ -160,9 +160,13 @@ class _ChecksummingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with open(path, mode) as raw:  # noqa: SIM117 - the wrapper takes ownership of raw
-            with ChecksummingWriter(raw, Path(path).name, self.recorder) as stream:
-                yield stream  # type: ignore[misc]
+        try:
+            with open(path, mode) as raw:  # noqa: SIM117 - the wrapper takes ownership of raw
+                with ChecksummingWriter(raw, Path(path).name, self.recorder) as stream:
+                    yield stream  # type: ignore[misc]
+        except Exception as e:
+            self.recorder.failed(Path(path).name, e)
+            raise
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         super().rename(path, new_path)
@@ -187,10 +191,14 @@ class SafepointWriter(FileSystemWriter):
         # DCP's extra writer threads (thread_count > 1) swallow their exceptions (they only reach
         # threading.excepthook) and their items' results go missing: count them, never report success.
         if len(results) != len(plan.items):
-            raise OSError(
-                f"DCP writer threads wrote {len(results)} of {len(plan.items)} items; a writer thread failed "
-                "(its error is in the log above)"
-            )
+            n, total = len(results), len(plan.items)
+            what = f"DCP writer threads wrote {n} of {total} items; a writer thread failed"
+            failure = self.recorder.first_failure()
+            if failure is None:
+                raise OSError(f"{what} (its error is in the log above)")
+            name, error = failure
+            cause = os_error_in_chain(error)
+            raise OSError(f"{what} writing {name}: {type(cause).__name__}: {cause}") from error
         return fut
 
     def written_files(self) -> dict[str, tuple[int, str]]:

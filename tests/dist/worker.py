@@ -145,6 +145,8 @@ def train_job(job: dict[str, Any], out: Path, log: Log) -> None:
         save_every_steps=job.get("save_every"),
         save_every_seconds=job.get("save_every_s"),
         collective_timeout_s=job.get("timeout_s", 30.0),
+        async_save=job.get("async_writer") is not None,
+        async_writer=job.get("async_writer", "thread"),
     )
     committed = [c.step for c in mgr.list()]
     step = mgr.restore(state)

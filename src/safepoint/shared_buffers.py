@@ -1,0 +1,133 @@
+"""Staging buffers in one shared-memory segment, so a writer process reads them in place (no second copy).
+
+torch's own ``share_memory_()`` gives every tensor its own shared segment and keeps one file descriptor
+open per tensor: a model with thousands of parameters (times three with Adam) runs into the default
+open-file limit (1024), and the segments live in /dev/shm, which containers often cap at 64 MiB. So the
+buffers live in one ``memfd`` (anonymous shared memory, no /dev/shm, one descriptor), mapped once here and
+once in the writer process. Each tensor gets its own storage over exactly its bytes of the segment, so
+DCP's writer sees an ordinary tensor (a view of a bigger storage would make it clone the data).
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+from torch.distributed.tensor import DTensor
+
+# Each tensor starts on a cache line: copies into the buffers and the writer's reads stay aligned.
+ALIGN = 64
+_ids = itertools.count(1)
+
+
+def _cudart() -> Any:
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+
+
+class SharedArena:
+    """One anonymous shared-memory segment of ``nbytes``, carved into per-tensor storages."""
+
+    def __init__(self, fd: int, nbytes: int, arena_id: str) -> None:
+        """Map ``nbytes`` of the segment behind ``fd`` (this object owns ``fd``); see create/attach."""
+        self.fd, self.nbytes, self.id = fd, nbytes, arena_id
+        try:
+            self._map = mmap.mmap(fd, nbytes)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.base_ptr = torch.frombuffer(self._map, dtype=torch.uint8).data_ptr()
+        self._pinned = False
+
+    @classmethod
+    def create(cls, nbytes: int, *, pin: bool = False) -> SharedArena:
+        """A new zero-filled segment (its pages are allocated as they are first written)."""
+        if not hasattr(os, "memfd_create"):
+            raise OSError("a process writer needs Linux (memfd_create); use async_writer='thread'")
+        nbytes = max(int(nbytes), 1)
+        fd = os.memfd_create("safepoint-staging", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+        except BaseException:
+            os.close(fd)
+            raise
+        arena = cls(fd, nbytes, f"{os.getpid()}-{next(_ids)}")  # never reused: the writer maps by id
+        if pin:
+            # Page-locked, so device-to-host copies into it run at full bandwidth (as torch's
+            # _create_cpu_state_dict does for shared, pinned buffers).
+            rc = int(_cudart().cudaHostRegister(arena.base_ptr, nbytes, 1))
+            if rc != 0:
+                arena.release()
+                raise RuntimeError(f"pinning {nbytes} bytes of staging memory failed (cudaError {rc})")
+            arena._pinned = True
+        return arena
+
+    @classmethod
+    def attach(cls, fd: int, nbytes: int, arena_id: str) -> SharedArena:
+        """The writer process's view of a segment whose descriptor it received (takes ``fd``)."""
+        return cls(fd, nbytes, arena_id)
+
+    def storage(self, offset: int, nbytes: int) -> torch.UntypedStorage:
+        """A storage over exactly ``nbytes`` of the segment at ``offset`` (it keeps the mapping alive)."""
+        view = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=offset)
+        return view.untyped_storage()
+
+    def offset_of(self, ptr: int, nbytes: int) -> int | None:
+        """Where ``[ptr, ptr + nbytes)`` lies in the segment, or None if it is not inside it."""
+        off = ptr - self.base_ptr
+        return off if off >= 0 and off + nbytes <= self.nbytes else None
+
+    def release(self) -> None:
+        """Give up this side's descriptor; the memory goes once no tensor maps it any more."""
+        if self._pinned:
+            _cudart().cudaHostUnregister(self.base_ptr)
+            self._pinned = False
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def buffer_tensors(buffers: Any) -> Iterator[torch.Tensor]:
+    """The plain tensors that hold the data of a (nested) state dict of staging buffers."""
+    if isinstance(buffers, ShardedTensor):
+        for shard in buffers.local_shards():
+            yield shard.tensor
+    elif isinstance(buffers, DTensor):
+        yield buffers._local_tensor
+    elif isinstance(buffers, torch.Tensor):
+        yield buffers
+    elif isinstance(buffers, dict):
+        for v in buffers.values():
+            yield from buffer_tensors(v)
+    elif isinstance(buffers, (list, tuple)):
+        for v in buffers:
+            yield from buffer_tensors(v)
+
+
+def move_into_arena(buffers: Any, *, pin: bool) -> SharedArena:
+    """Re-home every staging tensor of ``buffers`` into one new SharedArena (in place, shapes unchanged).
+
+    Zero-size and 0-d tensors stay where they are: they are sent to the writer by value.
+    """
+    tensors: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for t in buffer_tensors(buffers):
+        if t.numel() <= 1 or id(t) in seen:
+            continue
+        seen.add(id(t))
+        tensors.append(t)
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    arena = SharedArena.create(total, pin=pin)
+    with torch.no_grad():
+        for t, off in zip(tensors, offsets, strict=True):
+            # The fresh buffer from _create_cpu_state_dict was never touched (no resident pages): swapping
+            # its storage costs no copy and no second set of memory.
+            t.set_(arena.storage(off, t.numel() * t.element_size()), 0, t.size(), t.stride())
+    return arena

@@ -1,0 +1,255 @@
+"""async_writer="process": the writes of async saves run in a writer process per rank.
+
+Real processes and real signals: the writer process is SIGKILLed mid-write, its rank is SIGKILLed
+mid-write, and a real kernel limit (RLIMIT_FSIZE, inherited by the writer process only) fails its write.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+import safepoint
+from safepoint import writer_process
+from tests._train import Setup, assert_bitwise_equal
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the process writer is Linux-only")
+
+ENV = dict(os.environ, PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}")
+
+
+def _manager(root: Path, **kw: object) -> safepoint.CheckpointManager:
+    return safepoint.CheckpointManager(root, async_save=True, async_writer="process", **kw)  # type: ignore[arg-type]
+
+
+def _big(mib: int, fill: float = 0.0) -> tuple[torch.nn.Module, safepoint.TrainState]:
+    m = torch.nn.Module()
+    m.w = torch.nn.Parameter(torch.full((mib * 1024 * 1024 // 4,), fill))
+    return m, safepoint.TrainState(model=m, rng=False)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait_for_shard(root: Path, step: int, timeout_s: float = 60.0) -> Path:
+    """The rank's data file of ``step`` once the writer has started filling it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for f in (root / ".pending").glob(f"step-{step}-*/__0_0.distcp"):
+            if f.stat().st_size > 0:
+                return f
+        time.sleep(0.002)
+    raise AssertionError(f"no data file of step {step} appeared")
+
+
+def test_snapshot_is_consistent_and_resume_is_bitwise(root: Path) -> None:
+    ref = Setup()
+    for _ in range(9):
+        ref.step()
+    s = Setup()
+    with _manager(root, save_every_steps=3) as mgr:
+        for step in range(1, 7):
+            s.step()
+            expected = s.snapshot()
+            mgr.maybe_save(step, s.state())
+            if step == 6:
+                # Training goes on at once: overwrite every value; the checkpoint keeps the staged ones.
+                with torch.no_grad():
+                    for p in s.model.parameters():
+                        p.fill_(123.0)
+        mgr.wait()
+        assert mgr._process is not None and mgr._process.started == 1
+        writer_pid = mgr._process.pid
+        assert writer_pid is not None and writer_pid != os.getpid()
+    assert writer_pid is not None and not _alive(writer_pid), "close() must end the writer process"
+    s2 = Setup(seed=11)
+    with safepoint.CheckpointManager(root) as again:
+        assert again.restore(s2.state()) == 6
+        assert_bitwise_equal(expected, s2.snapshot())
+        for _ in range(3):
+            s2.step()
+    assert_bitwise_equal(ref.snapshot(), s2.snapshot())
+
+
+def test_a_new_staging_segment_when_the_state_changes_shape(root: Path) -> None:
+    m = torch.nn.Module()
+    m.a = torch.nn.Parameter(torch.full((1000,), 1.0))
+    with _manager(root) as mgr:
+        mgr.save(1, safepoint.TrainState(model=m, rng=False))
+        mgr.wait()
+        first = mgr._stager.arena
+        assert first is not None
+        first_id = first.id
+        m.b = torch.nn.Parameter(torch.full((5000,), 2.0))  # the model grew: new buffers, new segment
+        with torch.no_grad():
+            m.a.fill_(3.0)
+        mgr.save(2, safepoint.TrainState(model=m, rng=False))
+        mgr.wait()
+        assert mgr._stager.allocations == 2
+        assert mgr._stager.arena is not None and mgr._stager.arena.id != first_id
+    fresh = torch.nn.Module()
+    fresh.a = torch.nn.Parameter(torch.zeros(1000))
+    fresh.b = torch.nn.Parameter(torch.zeros(5000))
+    with safepoint.CheckpointManager(root) as again:
+        assert again.restore(safepoint.TrainState(model=fresh, rng=False), step=2) == 2
+    assert torch.all(fresh.a == 3.0) and torch.all(fresh.b == 2.0)
+
+
+def test_writer_process_killed_mid_write_fails_that_save_only(root: Path) -> None:
+    m, st = _big(256, fill=1.0)
+    with _manager(root) as mgr:
+        mgr.save(1, st)
+        mgr.wait()
+        assert mgr._process is not None
+        pid = mgr._process.pid
+        assert pid is not None
+        mgr.save(2, st)
+        _wait_for_shard(root, 2)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(safepoint.SaveError) as err:
+            mgr.wait()
+        msg = str(err.value)
+        assert "save of step 2 failed and was not committed" in msg
+        assert f"writer process (pid {pid}) died while writing: killed by SIGKILL" in msg
+        assert [c.step for c in mgr.list()] == [1]
+        # The next save starts a new writer process and commits.
+        with torch.no_grad():
+            m.w.fill_(3.0)
+        mgr.save(3, st)
+        mgr.wait()
+        assert mgr._process.started == 2 and mgr._process.pid != pid
+        assert [c.step for c in mgr.list()] == [1, 3]
+    assert not list((root / ".pending").iterdir())
+    fresh, fst = _big(256)
+    with safepoint.CheckpointManager(root) as again:
+        assert again.restore(fst) == 3
+    assert torch.all(fresh.w == 3.0)
+
+
+@contextmanager
+def _file_size_limit(nbytes: int) -> Iterator[None]:
+    """Lower RLIMIT_FSIZE for processes started meanwhile (the writer process keeps it), not for us after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_a_write_error_in_the_writer_process_names_the_os_error(root: Path) -> None:
+    _, small = _big(1)
+    _m, large = _big(8)
+    with _file_size_limit(4 * 1024 * 1024):
+        mgr = _manager(root)  # the writer process starts here and inherits the 4 MiB limit
+    with mgr:
+        mgr.save(1, small)
+        mgr.wait()
+        mgr.save(2, large)  # an 8 MiB file: the kernel refuses it with EFBIG in the writer process
+        with pytest.raises(safepoint.SaveError) as err:
+            mgr.wait()
+        assert "save of step 2 failed and was not committed" in str(err.value)
+        assert "File too large" in str(err.value)
+        assert [c.step for c in mgr.list()] == [1]
+        # The same process goes on serving saves that fit.
+        mgr.save(3, small)
+        mgr.wait()
+        assert mgr._process is not None and mgr._process.started == 1
+        assert [c.step for c in mgr.list()] == [1, 3]
+
+
+def test_writer_process_exits_when_its_rank_is_killed(root: Path) -> None:
+    script = (
+        "import sys, torch, safepoint\n"
+        "m = torch.nn.Module(); m.w = torch.nn.Parameter(torch.ones(512 * 1024 * 1024 // 4))\n"
+        f"mgr = safepoint.CheckpointManager({str(root)!r}, async_save=True, async_writer='process')\n"
+        "mgr.save(1, safepoint.TrainState(model=m, rng=False))\n"
+        "print(mgr._process.pid, flush=True)\n"
+        "import time; time.sleep(600)\n"
+    )
+    rank = subprocess.Popen([sys.executable, "-c", script], env=ENV, stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout is not None
+        writer_pid = int(rank.stdout.readline())
+        _wait_for_shard(root, 1)
+        rank.kill()  # SIGKILL: no close(), no atexit
+        rank.wait()
+        deadline = time.monotonic() + 10
+        while _alive(writer_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(writer_pid), "the writer process outlived its rank"
+    finally:
+        rank.kill()
+        rank.wait()
+    with safepoint.CheckpointManager(root) as mgr:
+        assert mgr.list() == []  # the half-written save never committed
+
+
+def test_arguments_are_checked(root: Path) -> None:
+    with pytest.raises(ValueError, match="async_writer must be 'auto', 'thread' or 'process'"):
+        safepoint.CheckpointManager(root, async_save=True, async_writer="fork")
+    with pytest.raises(ValueError, match="pass async_save=True"):
+        safepoint.CheckpointManager(root, async_writer="process")
+    with pytest.raises(ValueError, match="with a URL root, pass local_root="):
+        safepoint.CheckpointManager("s3://bucket/run", async_save=True, async_writer="process")
+
+
+def test_managers_leave_no_process_or_descriptor_behind(root: Path) -> None:
+    _, st = _big(1)
+    me = psutil.Process()
+
+    def census() -> tuple[int, int]:
+        return len(me.children(recursive=True)), me.num_fds()
+
+    with _manager(root) as mgr:  # a first one: lazily created descriptors (logging, torch) exist after it
+        mgr.save(0, st)
+    before = census()
+    for step in range(1, 3):
+        with _manager(root) as mgr:
+            mgr.save(step, st)
+    with _manager(root):
+        pass  # closed while its process may still be starting: stopped, not waited for
+    assert census() == before
+
+
+def test_auto_falls_back_to_the_thread_when_no_process_can_start(
+    root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A writer process that cannot start (here: its module is missing, so python exits 1 at once).
+    monkeypatch.setattr(writer_process, "CHILD_MODULE", "safepoint.no_such_module")
+    _, st = _big(1)
+    with caplog.at_level(logging.WARNING, logger="safepoint"):
+        with safepoint.CheckpointManager(root / "auto", async_save=True) as mgr:
+            mgr.save(1, st)
+            mgr.save(2, st)
+            mgr.wait()
+            assert [c.step for c in mgr.list()] == [1, 2]
+            assert mgr._process is not None and mgr._process.started == 1  # not retried per save
+    assert "died while starting: exit code 1" in caplog.text
+    assert "written on a background thread instead" in caplog.text
+    # Asked for explicitly, the process is required: the save fails (not committed) and says why.
+    with _manager(root / "explicit") as mgr:
+        mgr.save(1, st)
+        with pytest.raises(safepoint.SaveError, match="died while starting: exit code 1"):
+            mgr.wait()
+        assert mgr.list() == []
