@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import safepoint
-from safepoint import writer_process
+from safepoint import background, ipc, writer_process
 from tests._train import Setup, assert_bitwise_equal
 from tests.conftest import REPO
 
@@ -138,6 +138,9 @@ def test_writer_process_killed_mid_write_fails_that_save_only(root: Path) -> Non
         mgr.save(3, st)
         mgr.wait()
         assert mgr._process.started == 2 and mgr._process.pid != pid
+        # Restarted from the writer thread (itself at +WRITER_NICE), yet at the rank's priority + WRITER_NICE.
+        expected = min(19, os.getpriority(os.PRIO_PROCESS, 0) + background.WRITER_NICE)
+        assert os.getpriority(os.PRIO_PROCESS, mgr._process.pid) == expected
         assert [c.step for c in mgr.list()] == [1, 3]
     assert not list((root / ".pending").iterdir())
     fresh, fst = _big(256)
@@ -253,3 +256,107 @@ def test_auto_falls_back_to_the_thread_when_no_process_can_start(
         with pytest.raises(safepoint.SaveError, match="died while starting: exit code 1"):
             mgr.wait()
         assert mgr.list() == []
+
+
+def _staging_maps(pid: int) -> int:
+    with open(f"/proc/{pid}/maps") as f:
+        return sum("safepoint-staging" in line for line in f)
+
+
+def test_the_writer_process_unmaps_the_old_segment_before_a_new_one_is_allocated(root: Path) -> None:
+    m = torch.nn.Module()
+    m.a = torch.nn.Parameter(torch.full((1 << 20,), 1.0))
+    drops: list[int] = []
+    with _manager(root) as mgr:
+        assert mgr._process is not None
+        mgr.save(1, safepoint.TrainState(model=m, rng=False))
+        mgr.wait()
+        pid = mgr._process.pid
+        assert pid is not None and _staging_maps(pid) >= 1
+        real_drop = mgr._process.drop_arena
+
+        def drop() -> None:
+            real_drop()
+            drops.append(_staging_maps(pid))  # what the writer process maps when the new set is allocated
+
+        mgr._stager._before_alloc = drop
+        m.b = torch.nn.Parameter(torch.full((3 << 20,), 2.0))  # the state grew: a new staging set
+        mgr.save(2, safepoint.TrainState(model=m, rng=False))
+        mgr.wait()
+    assert drops == [0], "the old segment was still mapped by the writer process"
+    fresh = torch.nn.Module()
+    fresh.a = torch.nn.Parameter(torch.zeros(1 << 20))
+    fresh.b = torch.nn.Parameter(torch.zeros(3 << 20))
+    with safepoint.CheckpointManager(root) as again:
+        assert again.restore(safepoint.TrainState(model=fresh, rng=False)) == 2
+    assert torch.all(fresh.a == 1.0) and torch.all(fresh.b == 2.0)
+
+
+def test_a_broken_exchange_ends_the_process_and_never_desyncs_the_channel(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error after the request went out (here the reply fails to arrive once): the unread reply must not
+    be taken for the next save's. The process is ended; the next save starts another and is exact."""
+    m, st = _big(1, fill=1.0)
+    with _manager(root) as mgr:
+        mgr.save(1, st)
+        mgr.wait()
+        real_recv = ipc.recv
+        calls = {"n": 0}
+
+        def flaky_recv(sock: object) -> object:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise MemoryError("injected: the reply could not be read")
+            return real_recv(sock)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(writer_process.ipc, "recv", flaky_recv)
+        with torch.no_grad():
+            m.w.fill_(2.0)
+        mgr.save(2, st)
+        with pytest.raises(safepoint.SaveError, match="killed by safepoint: the exchange with it failed"):
+            mgr.wait()
+        with torch.no_grad():
+            m.w.fill_(3.0)
+        mgr.save(3, st)
+        mgr.wait()
+        assert mgr._process is not None and mgr._process.started == 2
+        assert [c.step for c in mgr.list()] == [1, 3]
+    fresh, fst = _big(1)
+    with safepoint.CheckpointManager(root) as again:
+        assert again.restore(fst) == 3
+    assert torch.all(fresh.w == 3.0)
+
+
+def test_close_does_not_wait_on_a_process_that_inherited_the_channel(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A DataLoader worker forked after the manager holds a copy of the rank's end of the channel."""
+    _, st = _big(1)
+    mgr = _manager(root)
+    mgr.save(1, st)
+    mgr.wait()
+    assert mgr._process is not None and mgr._process._sock is not None
+    holder = subprocess.Popen(["sleep", "60"], pass_fds=[mgr._process._sock.fileno()])
+    try:
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="safepoint"):
+            mgr.close()
+        assert time.monotonic() - t0 < 5
+        assert "did not exit" not in caplog.text
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_sigterm_to_the_process_group_while_the_writer_starts_is_ignored(root: Path) -> None:
+    _, st = _big(1)
+    with _manager(root) as mgr:
+        assert mgr._process is not None and mgr._process.pid is not None
+        time.sleep(0.3)  # the process is importing torch now
+        os.kill(mgr._process.pid, signal.SIGTERM)
+        os.kill(mgr._process.pid, signal.SIGINT)
+        mgr.save(1, st)
+        mgr.wait()
+        assert mgr._process.started == 1
+        assert [c.step for c in mgr.list()] == [1]

@@ -32,13 +32,14 @@ def send(sock: socket.socket, obj: Any, fds: list[int] | None = None) -> None:
         raise ValueError(f"at most {MAX_FDS} descriptors per message, got {len(fds)}")
     header = _HEADER.pack(len(payload), len(fds))
     try:
+        # MSG_NOSIGNAL: a dead peer is an error here, never a SIGPIPE (which a script may have set to kill).
         if fds:
-            sent = socket.send_fds(sock, [header], fds)
+            sent = socket.send_fds(sock, [header], fds, socket.MSG_NOSIGNAL)
             if sent < len(header):
-                sock.sendall(header[sent:])
+                sock.sendall(header[sent:], socket.MSG_NOSIGNAL)
         else:
-            sock.sendall(header)
-        sock.sendall(payload)
+            sock.sendall(header, socket.MSG_NOSIGNAL)
+        sock.sendall(payload, socket.MSG_NOSIGNAL)
     except (BrokenPipeError, ConnectionResetError) as e:
         raise ChannelClosed(str(e)) from e
 

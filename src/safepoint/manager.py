@@ -185,19 +185,20 @@ class CheckpointManager:
         self._if_busy = if_busy
         # process_fallback: None for no writer process; else whether one that cannot start may be replaced
         # by the writer thread ("auto") instead of failing the save ("process").
-        in_process = process_fallback is not None
-        self._stager = Stager(shared=in_process)
+        self._process: WriterProcess | None = None
+        if self._async and process_fallback is not None:
+            self._process = WriterProcess(fallback=process_fallback)
+            self._process.start()  # it imports torch while training starts
+        drop = self._process.drop_arena if self._process is not None else None
+        self._stager = Stager(shared=self._process is not None, before_alloc=drop)
         self._writer = BackgroundWriter()
         # The writer thread runs collectives; it gets its own group so they never interleave with the
         # training thread's (maybe_save agreement, restore) on the same group.
         self._bg_comm = self._new_comm(collective_timeout_s) if self._async else None
         self._bg_saver: SyncSaver | None = None
-        self._process: WriterProcess | None = None
         if self._bg_comm is not None:
             wrap = None
-            if in_process:
-                self._process = WriterProcess(fallback=bool(process_fallback))
-                self._process.start()  # it imports torch while training starts
+            if self._process is not None:
                 wrap = process_writer_factory(self._process, lambda: self._stager.arena)
             self._bg_saver = SyncSaver(
                 self.layout, self._bg_comm, saver_retention, writer_threads=writer_threads, wrap_writer=wrap

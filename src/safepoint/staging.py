@@ -13,6 +13,7 @@ benchmarks/bench_async.py).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,13 +53,16 @@ class Stager:
     The snapshot is valid until the next ``stage`` call: the caller keeps at most one save in flight.
     """
 
-    def __init__(self, *, shared: bool = False) -> None:
+    def __init__(self, *, shared: bool = False, before_alloc: Callable[[], None] | None = None) -> None:
         self._buffers: dict[str, Any] | None = None
         self.allocations = 0
         # shared: the buffers live in one shared-memory segment that a writer process maps (see
         # shared_buffers.py); ``arena`` is the segment of the current buffer set.
         self._shared = shared
         self.arena: SharedArena | None = None
+        # Called after the old buffers are dropped, before new ones are allocated: the writer process
+        # unmaps its view of the old segment, so two sets never exist at once.
+        self._before_alloc = before_alloc
 
     def stage(self, sd: dict[str, Any]) -> dict[str, Any]:
         if self._buffers is None or not _similar(sd, self._buffers):
@@ -66,6 +70,8 @@ class Stager:
             if self._buffers is not None:
                 log.info("safepoint: state changed shape; reallocating staging buffers")
             self.release()  # drop the old set first: never two sets alive at once
+            if self._before_alloc is not None:
+                self._before_alloc()
             pin = cuda and torch.cuda.is_available()
             if self._shared:
                 buffers = _create_cpu_state_dict(sd)  # untouched pages: re-homed below without a copy

@@ -1,10 +1,11 @@
 """The writer process (async_writer="process"): writes one rank's items of each async save.
 
-Run by writer_process.WriterProcess as ``python -m safepoint.writer_child FD PARENT_PID NICE``; FD is its
-end of the channel. It maps the rank's staging segment, and for each save runs SafepointWriter.write_data
-(the same code as the writer thread: torch.save per item, crc32c as the bytes pass, fsync) over tensors
-that point into that segment. It exits when the channel closes, and within a second of its rank dying
-(it must not keep writing into a save nobody will commit).
+Started by writer_process.WriterProcess with a launch line that ignores SIGINT and SIGTERM first, then
+calls ``main([program, FD, PARENT_PID, NICE])``; FD is its end of the channel. It maps the rank's staging
+segment, and for each save runs SafepointWriter.write_data (the same code as the writer thread: torch.save
+per item, crc32c as the bytes pass, fsync) over tensors that point into that segment. It exits when the
+channel closes, and within a second of its rank dying (it must not keep writing into a save nobody will
+commit).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import contextlib
 import io
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
@@ -86,6 +86,7 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def serve(sock: socket.socket) -> None:
+    """Answer every message with exactly one reply (the rank relies on it to keep the channel in step)."""
     arena: SharedArena | None = None
     ipc.send(sock, ("ready", os.getpid()))
     while True:
@@ -93,11 +94,14 @@ def serve(sock: socket.socket) -> None:
             msg, fds = ipc.recv(sock)
         except ipc.ChannelClosed:
             return
-        if msg[0] == "arena":
-            # One staging segment is in use at a time: the rank replaced its buffers, drop the old mapping.
+        if msg[0] in ("arena", "drop"):
+            # One staging segment at a time: the rank replaced (or is about to replace) its buffers.
             if arena is not None:
                 arena.release()
-            arena = SharedArena.attach(fds[0], msg[2], msg[1])
+                arena = None  # unmapped once this save's tensors are gone too (they went with the last write)
+            if msg[0] == "arena":
+                arena = SharedArena.attach(fds[0], msg[2], msg[1])
+            ipc.send(sock, ("ok",))
             continue
         _, arena_id, path, thread_count, plan, items = msg
         try:
@@ -112,17 +116,16 @@ def serve(sock: socket.socket) -> None:
 
 
 def main(argv: list[str]) -> int:
+    """argv: [program, channel fd, parent pid, nice]. SIGINT and SIGTERM are already ignored (the launch
+    line in writer_process does it before any import)."""
     fd, parent, nice = int(argv[1]), int(argv[2]), int(argv[3])
     logging.basicConfig(level=logging.WARNING, format="safepoint writer process: %(message)s")
-    # Ctrl-C and a scheduler's SIGTERM reach the whole process group; the rank decides what happens (an
-    # emergency save, an exit), and this process ends with it (channel closed, or the parent watch).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if nice > 0:
-        try:
-            os.nice(nice)  # the whole process, every thread: training wins the CPU when both want it
-        except OSError as e:
-            log.debug("could not lower the writer process's priority: %s", e)
+    try:
+        # An absolute value for the whole process (every thread): the rank's priority plus WRITER_NICE,
+        # whichever thread of the rank started this process.
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    except OSError as e:
+        log.debug("could not set the writer process's priority: %s", e)
     torch.set_num_threads(1)
     _exit_with_parent(parent)
     sock = socket.socket(fileno=fd)

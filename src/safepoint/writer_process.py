@@ -20,14 +20,17 @@ starts a new process.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,14 +40,22 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from safepoint import ipc
-from safepoint.background import WRITER_NICE
+from safepoint import background, ipc
 from safepoint.shared_buffers import SharedArena
 from safepoint.storage import SafepointWriter
 
 log = logging.getLogger("safepoint")
 
 CHILD_MODULE = "safepoint.writer_child"
+# The process ignores SIGINT and SIGTERM before anything else (importing torch takes seconds): a Ctrl-C or a
+# scheduler's SIGTERM to the whole process group is the rank's to act on, and the process ends with its
+# rank (channel closed, or the parent watch in writer_child).
+_LAUNCH = (
+    "import signal as s; s.signal(s.SIGINT, s.SIG_IGN); s.signal(s.SIGTERM, s.SIG_IGN); "
+    "import sys; from {module} import main; sys.exit(main(sys.argv))"
+)
+_POLL_S = 1.0  # how often a wait for the process checks that it is still alive
+_WHILE = {"write": "while writing", "arena": "while mapping the staging memory", "drop": "while unmapping it"}
 # Starting the process imports torch: seconds on a loaded node, minutes on a thrashing one. It starts with
 # the manager, so this only bounds the wait of a first save that comes before the process is ready.
 START_TIMEOUT_S = 300.0
@@ -69,7 +80,11 @@ def _signal_name(code: int) -> str:
 
 
 class WriterProcess:
-    """One writer process (started at once, in the background) and the channel to it."""
+    """One writer process (started at once, in the background) and the channel to it.
+
+    Every message gets exactly one reply, so a failure anywhere in an exchange cannot leave a reply behind
+    for the next one: an exchange that does not complete ends the process (the next save starts another).
+    """
 
     def __init__(self, *, fallback: bool = False) -> None:
         # fallback: a process that cannot start makes every later write run on the calling thread
@@ -81,6 +96,10 @@ class WriterProcess:
         self._sock: socket.socket | None = None
         self._ready = False
         self._arena_sent: str | None = None
+        self._killed: str | None = None  # why we killed the process, when we did
+        # Relative to the thread that creates the manager (not to the writer thread, already at +10, that
+        # may restart the process later).
+        self._nice = min(19, _current_nice() + max(0, background.WRITER_NICE))
         self.started = 0  # processes started so far (a dead one is replaced at the next save)
 
     @property
@@ -110,10 +129,10 @@ class WriterProcess:
         # Import this very safepoint, however the training script found it.
         package_root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-        args = [str(theirs.fileno()), str(os.getpid()), str(WRITER_NICE)]
+        args = [str(theirs.fileno()), str(os.getpid()), str(self._nice)]
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", CHILD_MODULE, *args],
+                [sys.executable, "-c", _LAUNCH.format(module=CHILD_MODULE), *args],
                 pass_fds=[theirs.fileno()],
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -123,7 +142,7 @@ class WriterProcess:
             raise WriterProcessError(f"could not start the safepoint writer process: {e}") from e
         finally:
             theirs.close()
-        self._sock, self._ready, self._arena_sent = mine, False, None
+        self._sock, self._ready, self._arena_sent, self._killed = mine, False, None, None
         self.started += 1
 
     def write(
@@ -141,23 +160,57 @@ class WriterProcess:
             except WriterProcessError as e:
                 self._cannot_start(e)
                 raise WriterUnavailable(str(e)) from e
-            assert self._sock is not None
-            try:
-                if arena is not None and arena.id != self._arena_sent:
-                    ipc.send(self._sock, ("arena", arena.id, arena.nbytes), [arena.fd])
-                    self._arena_sent = arena.id
-                ipc.send(self._sock, ("write", arena.id if arena else None, path, thread_count, plan, items))
-                reply, _ = ipc.recv(self._sock)
-            except ipc.ChannelClosed:
-                raise self._died(
-                    "while writing", "This save is not committed; the next save starts a new writer process."
-                ) from None
+            if arena is not None and arena.id != self._arena_sent:
+                self._expect(self._request(("arena", arena.id, arena.nbytes), [arena.fd]), "ok")
+                self._arena_sent = arena.id
+            reply = self._request(("write", arena.id if arena else None, path, thread_count, plan, items))
         if reply[0] == "done":
             return reply[1], reply[2]
+        if reply[0] != "failed":
+            raise WriterProcessError(f"unexpected reply from the writer process: {reply[0]!r}")
         _, type_name, errno_, message, filename = reply
         if errno_ is not None:
             raise OSError(errno_, message, filename)  # PermissionError, ENOSPC...: as the thread raises them
         raise WriterProcessError(f"the writer process failed: {type_name}: {message}")
+
+    def drop_arena(self) -> None:
+        """Before the rank allocates new staging buffers: the process unmaps the old segment first, so
+        two sets never exist at once (no save is in flight then)."""
+        with self._lock:
+            if self._arena_sent is None or self._sock is None:
+                return
+            try:
+                self._expect(self._request(("drop",)), "ok")
+            except WriterProcessError as e:
+                log.warning("safepoint: %s", e)  # the process is gone, and its mapping with it
+            self._arena_sent = None
+
+    def _request(self, msg: tuple[Any, ...], fds: list[int] | None = None) -> tuple[Any, ...]:
+        """Send one message and wait for its reply, watching the process meanwhile. Holds the lock."""
+        assert self._sock is not None and self._proc is not None
+        try:
+            ipc.send(self._sock, msg, fds)
+            while not select.select([self._sock], [], [], _POLL_S)[0]:
+                # A copy of the channel inherited by a forked process (a DataLoader worker) would hide
+                # the EOF of a dead writer: watch the process itself too.
+                if self._proc.poll() is not None:
+                    raise ipc.ChannelClosed("the writer process exited")
+            reply, _ = ipc.recv(self._sock)
+            return tuple(reply)
+        except ipc.ChannelClosed:
+            raise self._died(
+                _WHILE.get(msg[0], "while busy"),
+                "This save is not committed; the next save starts a new writer process.",
+            ) from None
+        except BaseException as e:
+            # Half an exchange (an unpicklable reply, an interrupt): the channel can no longer be trusted.
+            self._kill(f"the exchange with it failed ({e!r})")
+            raise self._died(_WHILE.get(msg[0], "while busy"), "This save is not committed.") from e
+
+    @staticmethod
+    def _expect(reply: tuple[Any, ...], kind: str) -> None:
+        if reply[0] != kind:
+            raise WriterProcessError(f"unexpected reply from the writer process: {reply!r}")
 
     def _ensure_ready(self) -> None:
         if self._proc is None or self._proc.poll() is not None:
@@ -167,26 +220,36 @@ class WriterProcess:
             self._start()
         if self._ready:
             return
-        assert self._sock is not None
-        self._sock.settimeout(START_TIMEOUT_S)
+        assert self._sock is not None and self._proc is not None
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not select.select([self._sock], [], [], _POLL_S)[0]:
+            if self._proc.poll() is not None:
+                raise self._died("while starting", "Its output, if any, is above.")
+            if time.monotonic() > deadline:
+                self._kill(f"it did not start within {START_TIMEOUT_S:.0f} s")
+                raise self._died("while starting", "")
         try:
             reply, _ = ipc.recv(self._sock)
-        except (ipc.ChannelClosed, TimeoutError):
+        except ipc.ChannelClosed:
             raise self._died("while starting", "Its output, if any, is above.") from None
-        finally:
-            if self._sock is not None:
-                self._sock.settimeout(None)  # a write takes as long as it takes
-        if reply[0] != "ready":
-            raise WriterProcessError(f"unexpected first message from the writer process: {reply[0]!r}")
+        self._expect(reply, "ready")
         self._ready = True
+
+    def _kill(self, why: str) -> None:
+        assert self._proc is not None
+        self._killed = why
+        self._proc.kill()
 
     def _how(self) -> str:
         assert self._proc is not None
         code = self._proc.poll()
+        if self._killed is not None:
+            return f"killed by safepoint: {self._killed}"
         if code is None:
             return "still running"
         if code < 0:
-            return f"killed by {_signal_name(code)}"
+            hint = " (the kernel's OOM killer sends SIGKILL)" if code == -signal.SIGKILL else ""
+            return f"killed by {_signal_name(code)}{hint}"
         return f"exit code {code}"
 
     def _died(self, when: str, then: str) -> WriterProcessError:
@@ -195,16 +258,19 @@ class WriterProcess:
         try:
             self._proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
-            self._proc.kill()
+            self._kill("its channel broke and it did not exit within 5 s")
             self._proc.wait()
         how = self._how()
-        hint = " (the kernel's OOM killer sends SIGKILL)" if how == "killed by SIGKILL" else ""
         self._discard()
-        what = f"the safepoint writer process (pid {pid}) died {when}: {how}{hint}."
-        return WriterProcessError(f"{what} {then}")
+        what = f"the safepoint writer process (pid {pid}) died {when}: {how}."
+        return WriterProcessError(f"{what} {then}".strip())
 
     def _discard(self) -> None:
         if self._sock is not None:
+            # shutdown, not only close: a forked process (a DataLoader worker) may hold a copy of this end,
+            # and the writer must see the channel end all the same.
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
             self._sock.close()
         self._proc, self._sock, self._ready, self._arena_sent = None, None, False, None
 
@@ -225,6 +291,13 @@ class WriterProcess:
             log.warning("safepoint: the writer process (pid %d) did not exit; killing it", proc.pid)
             proc.kill()
             proc.wait()
+
+
+def _current_nice() -> int:
+    try:
+        return os.getpriority(os.PRIO_PROCESS, 0)  # the calling thread's, on Linux
+    except OSError:
+        return 0
 
 
 def describe_item(data: Any, arena: SharedArena | None) -> tuple[Any, ...]:
@@ -248,7 +321,7 @@ def describe_item(data: Any, arena: SharedArena | None) -> tuple[Any, ...]:
         nbytes = data.numel() * data.element_size()
         if nbytes > _BY_VALUE_WARN:
             log.warning("safepoint: a %d-byte tensor is outside the staging segment: copied per save", nbytes)
-        return ("tensor", data)
+        return ("tensor", data.detach().cpu())  # the process has no CUDA (a 0-d DTensor stays on device)
     raise WriterProcessError(f"cannot hand a {type(data).__name__} item to the writer process")
 
 
@@ -272,6 +345,10 @@ class ProcessWriter(SafepointWriter):
             results, files = self._process.write(self._arena, str(self.path), self.thread_count, plan, items)
         except WriterUnavailable:
             return super().write_data(plan, planner)  # "auto" without a process: this thread writes
+        if sorted(str(r.index) for r in results) != sorted(str(i.index) for i in plan.items):
+            raise WriterProcessError(
+                f"the writer process answered for {len(results)} items, not the {len(plan.items)} planned"
+            )
         for name, (size, crc) in files.items():
             self.recorder.record(name, size, crc)
         fut: Future[list[WriteResult]] = Future()
