@@ -6,6 +6,7 @@ mid-write, and a real kernel limit (RLIMIT_FSIZE, inherited by the writer proces
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import resource
@@ -222,6 +223,7 @@ def test_managers_leave_no_process_or_descriptor_behind(root: Path) -> None:
     me = psutil.Process()
 
     def census() -> tuple[int, int]:
+        gc.collect()  # descriptors of earlier tests' garbage go now, not in the middle of the count
         return len(me.children(recursive=True)), me.num_fds()
 
     with _manager(root) as mgr:  # a first one: lazily created descriptors (logging, torch) exist after it
@@ -232,7 +234,8 @@ def test_managers_leave_no_process_or_descriptor_behind(root: Path) -> None:
             mgr.save(step, st)
     with _manager(root):
         pass  # closed while its process may still be starting: stopped, not waited for
-    assert census() == before
+    after = census()
+    assert after[0] <= before[0] and after[1] <= before[1], (before, after)
 
 
 def test_auto_falls_back_to_the_thread_when_no_process_can_start(
