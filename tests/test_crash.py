@@ -58,7 +58,9 @@ def _kill_campaign(root: Path, kills: int, seed: int) -> list[int]:
         for _ in range(kills):
             zygote.stdin.write(f"RUN {root} {last}\n")
             zygote.stdin.flush()
-            pid = int(zygote.stdout.readline().split()[1])
+            announced = zygote.stdout.readline()
+            assert announced.startswith("PID "), announced
+            pid = int(announced.split()[1])
             # Let it complete a random number of saves, then kill at a random moment inside the next one.
             target = rng.randint(1, 3)
             ends = 0

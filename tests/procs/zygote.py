@@ -21,14 +21,22 @@ def main() -> None:
         cmd, root, start = line.split()
         assert cmd == "RUN"
         sys.stdout.flush()
+        # The child waits until its pid is announced: its own BEGIN line must never come first (the
+        # parent would read it as the pid line and SIGKILL the wrong process; seen once under load).
+        gate_r, gate_w = os.pipe()
         pid = os.fork()
         if pid == 0:
+            os.close(gate_w)
+            os.read(gate_r, 1)
+            os.close(gate_r)
             sys.argv = ["saver_child", root, start]
             try:
                 saver_child.main()
             finally:
                 os._exit(0)
+        os.close(gate_r)
         print(f"PID {pid}", flush=True)
+        os.close(gate_w)
         _, status = os.waitpid(pid, 0)
         print(f"EXIT {status}", flush=True)
 

@@ -27,15 +27,22 @@ def main() -> None:
     for line in sys.stdin:
         cmd = json.loads(line)
         sys.stdout.flush()
+        # The child waits until its pid is announced, so nothing it prints can come before that line.
+        gate_r, gate_w = os.pipe()
         pid = os.fork()
         if pid == 0:
             code = 1
             try:
+                os.close(gate_w)
+                os.read(gate_r, 1)
+                os.close(gate_r)
                 code = scenarios.run_child(cmd)
             finally:
                 sys.stdout.flush()
                 os._exit(code)
+        os.close(gate_r)
         os.write(1, (json.dumps({"pid": pid}) + "\n").encode())
+        os.close(gate_w)
         _, status = os.waitpid(pid, 0)
         os.write(1, (json.dumps({"status": status}) + "\n").encode())
 
