@@ -7,8 +7,8 @@ launch or data-loader hand-off. A process has its own interpreter.
 How (and why not DCP's ``AsyncCheckpointerType.PROCESS``, measured in benchmarks/bench_async.py: it starts
 its process with torch.multiprocessing spawn, which re-imports the user's script and costs seconds per job,
 and copies the staged state a second time into shared memory on every save):
-- the process starts with the manager, in the background (``python -m safepoint.writer_child``: nothing of
-  the user's script is imported), and lives until ``close()``;
+- the process starts with the manager, in the background (``python -c`` with a launch line that calls
+  ``safepoint.writer_child.main``: nothing of the user's script is imported), and lives until ``close()``;
 - the staging buffers are one shared-memory segment (shared_buffers.py); the process maps it once, so a
   save sends only DCP's plan and, per item, where its bytes lie. No copy beyond the staging one;
 - everything collective (planning, metadata, commit, retention) stays in the rank's background thread:
