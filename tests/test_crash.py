@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -41,7 +42,7 @@ def _check_restorable(root: Path) -> int:
     return step
 
 
-def _kill_campaign(root: Path, kills: int, seed: int) -> list[int]:
+def _kill_campaign(root: Path, kills: int, seed: int, mode: str = "") -> list[int]:
     rng = random.Random(seed)
     zygote = subprocess.Popen(
         [sys.executable, "-m", "tests.procs.zygote"],
@@ -56,7 +57,7 @@ def _kill_campaign(root: Path, kills: int, seed: int) -> list[int]:
     last = 0
     try:
         for _ in range(kills):
-            zygote.stdin.write(f"RUN {root} {last}\n")
+            zygote.stdin.write(f"RUN {root} {last} {mode}".rstrip() + "\n")
             zygote.stdin.flush()
             announced = zygote.stdout.readline()
             assert announced.startswith("PID "), announced
@@ -93,6 +94,37 @@ def test_sigkill_during_save_20_times(tmp_path: Path) -> None:
     restored = _kill_campaign(tmp_path / "ckpt", kills=20, seed=1)
     assert restored[-1] > 0
     assert restored == sorted(restored), "a committed checkpoint was lost"
+
+
+def _orphaned_writers() -> list[int]:
+    """Writer processes (async_writer="process") whose rank is gone."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "ppid"]):
+        ppid = int(p.info["ppid"] or 0)
+        orphan = ppid in (0, 1) or not psutil.pid_exists(ppid)  # reparented once its rank died
+        if "safepoint.writer_child" in " ".join(p.info["cmdline"] or []) and orphan:
+            found.append(p.pid)
+    return found
+
+
+def _async_campaign(tmp_path: Path, kills: int, seed: int) -> None:
+    """Async saves written by a writer process: the rank is SIGKILLed at random moments, mid-write of the
+    previous save included. Every restore is exactly one committed step, and no writer outlives its rank."""
+    restored = _kill_campaign(tmp_path / "ckpt", kills=kills, seed=seed, mode="async")
+    assert restored == sorted(restored), "a committed checkpoint was lost"
+    deadline = time.monotonic() + 10
+    while _orphaned_writers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _orphaned_writers() == [], "a writer process outlived its rank"
+
+
+def test_sigkill_during_async_process_saves(tmp_path: Path) -> None:
+    _async_campaign(tmp_path, kills=3, seed=3)
+
+
+@pytest.mark.slow
+def test_sigkill_during_async_process_saves_30_times(tmp_path: Path) -> None:
+    _async_campaign(tmp_path, kills=30, seed=4)
 
 
 @pytest.mark.slow

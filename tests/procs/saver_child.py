@@ -2,7 +2,8 @@
 
 Every tensor of step N's state is filled with the value N, so a restored checkpoint can be checked to hold
 exactly one step's state (never a mix, never a torn file).
-Prints "BEGIN <step>" / "END <step>" around each save so the parent can aim its kills.
+Prints "BEGIN <step>" / "END <step>" around each save so the parent can aim its kills (with async saves,
+END comes once the state is staged: the previous save's write runs meanwhile).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import safepoint
 
 def main() -> None:
     root, start = sys.argv[1], int(sys.argv[2])
+    # "async": async saves through the default writer (a writer process per rank), killed mid-write too.
+    async_save = sys.argv[3:] == ["async"]
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256))  # ~2 MB of params
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
@@ -23,7 +26,9 @@ def main() -> None:
     opt.step()
     extra: dict[str, object] = {"step": 0}
     state = safepoint.TrainState(model=model, optimizer=opt, extra=extra)
-    with safepoint.CheckpointManager(root, save_every_steps=1, keep_last=2, keep_every_steps=5) as mgr:
+    with safepoint.CheckpointManager(
+        root, save_every_steps=1, keep_last=2, keep_every_steps=5, async_save=async_save
+    ) as mgr:
         restored = mgr.restore(state)
         for step in range(restored + 1, start + 1000):
             with torch.no_grad():

@@ -2,7 +2,7 @@
 
 Forking from this single-threaded process is safe (unlike forking pytest, whose torch threads can leave
 locks held in the child), and saves the ~1-2 s import per kill in long SIGKILL campaigns.
-Protocol on stdin: "RUN <root> <start>"; on stdout: "PID <pid>", the child's BEGIN/END lines, "EXIT <status>".
+Protocol on stdin: "RUN <root> <start> [async]"; on stdout: "PID <pid>", the child's BEGIN/END lines, "EXIT <status>".
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tests.procs import saver_child
 
 def main() -> None:
     for line in sys.stdin:
-        cmd, root, start = line.split()
+        cmd, root, start, *mode = line.split()
         assert cmd == "RUN"
         sys.stdout.flush()
         # The child waits until its pid is announced: its own BEGIN line must never come first (the
@@ -29,7 +29,7 @@ def main() -> None:
             os.close(gate_w)
             os.read(gate_r, 1)
             os.close(gate_r)
-            sys.argv = ["saver_child", root, start]
+            sys.argv = ["saver_child", root, start, *mode]
             try:
                 saver_child.main()
             finally:
