@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 
 import numpy as np
 import torch
@@ -68,3 +70,25 @@ def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     for k in a:
         assert a[k].dtype == b[k].dtype, k
         assert torch.equal(a[k], b[k]), f"{k} differs"
+
+
+def train_until_preempted(
+    mgr: safepoint.CheckpointManager, s: Setup, steps: range, *, term_at: int | None = None
+) -> safepoint.Preempted | None:
+    """maybe_save every step; SIGTERM ourselves after step ``term_at``; return the Preempted, if any."""
+    for step in steps:
+        s.step()
+        if step == term_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        try:
+            mgr.maybe_save(step, s.state())
+        except safepoint.Preempted as e:
+            return e
+    return None
+
+
+def big_state(mib: int, fill: float = 0.0) -> tuple[torch.nn.Module, safepoint.TrainState]:
+    """One ``mib``-MiB parameter filled with ``fill``, in a TrainState without RNG."""
+    m = torch.nn.Module()
+    m.w = torch.nn.Parameter(torch.full((mib * 1024 * 1024 // 4,), fill))
+    return m, safepoint.TrainState(model=m, rng=False)

@@ -13,6 +13,8 @@ from tests.s3_fixtures import bucket, moto_endpoint, proxy  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
+# For a Python subprocess that imports safepoint and tests.* from this checkout.
+SUBPROCESS_ENV = dict(os.environ, PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}")
 
 
 @pytest.fixture

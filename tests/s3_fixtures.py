@@ -183,6 +183,12 @@ class FaultProxy:
             self.rules.clear()
         self.release.set()
 
+    def hold(self, *, method: str | None = None, path: str | None = None, count: int = -1) -> Rule:
+        """Hold matching requests until ``release`` is set; ``held`` is set when the first one arrives."""
+        self.held.clear()
+        self.release.clear()
+        return self.add("hold", method=method, path=path, count=count)
+
     def decide(self, method: str, path: str) -> str:
         with self.lock:
             for rule in self.rules:

@@ -14,16 +14,8 @@ import pytest
 import torch
 
 import safepoint
-from tests._train import Setup, assert_bitwise_equal
-from tests.conftest import REPO
-
-ENV = dict(os.environ, PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}")
-
-
-def _big_state(mib: int) -> tuple[torch.nn.Module, safepoint.TrainState]:
-    m = torch.nn.Module()
-    m.w = torch.nn.Parameter(torch.zeros(mib * 1024 * 1024 // 4))
-    return m, safepoint.TrainState(model=m, rng=False)
+from tests._train import Setup, assert_bitwise_equal, big_state
+from tests.conftest import REPO, SUBPROCESS_ENV
 
 
 def test_snapshot_is_consistent_after_return(root: Path) -> None:
@@ -78,7 +70,7 @@ def test_memory_is_bounded_and_flat_over_100_saves(tmp_path: Path, writer: str) 
             ],
             capture_output=True,
             text=True,
-            env=ENV,
+            env=SUBPROCESS_ENV,
             check=True,
         )
     finally:
@@ -99,7 +91,7 @@ def test_memory_is_bounded_and_flat_over_100_saves(tmp_path: Path, writer: str) 
 
 
 def test_if_busy_skip_never_stages_twice(root: Path, caplog: pytest.LogCaptureFixture) -> None:
-    _, st = _big_state(256)
+    _, st = big_state(256)
     with safepoint.CheckpointManager(root, async_save=True, if_busy="skip") as mgr:
         mgr.save(1, st)
         with caplog.at_level(logging.WARNING, logger="safepoint"):
@@ -113,7 +105,7 @@ def test_if_busy_skip_never_stages_twice(root: Path, caplog: pytest.LogCaptureFi
 def test_maybe_save_returns_false_when_if_busy_skips(root: Path) -> None:
     # A loop that tracks its newest checkpoint from maybe_save's answer (examples/ddp.py) must not be told a
     # skipped save happened: it would then skip its final save.
-    _, st = _big_state(256)
+    _, st = big_state(256)
     with safepoint.CheckpointManager(root, async_save=True, if_busy="skip", save_every_steps=1) as mgr:
         assert mgr.maybe_save(1, st) is True
         assert mgr.maybe_save(2, st) is False  # step 1's 256 MiB write is still running
@@ -122,7 +114,7 @@ def test_maybe_save_returns_false_when_if_busy_skips(root: Path) -> None:
 
 
 def test_if_busy_wait_logs_and_saves_both(root: Path, caplog: pytest.LogCaptureFixture) -> None:
-    _, st = _big_state(128)
+    _, st = big_state(128)
     with (
         safepoint.CheckpointManager(root, async_save=True) as mgr,
         caplog.at_level(logging.INFO, logger="safepoint"),
@@ -178,7 +170,7 @@ def test_background_failure_surfaces_from_each_call(root: Path, call: str) -> No
 
 
 def test_close_waits_for_the_save_in_flight(root: Path) -> None:
-    _, st = _big_state(64)
+    _, st = big_state(64)
     mgr = safepoint.CheckpointManager(root, async_save=True)
     mgr.save(5, st)
     mgr.close()
@@ -195,7 +187,7 @@ def test_exit_without_close_is_safe(root: Path) -> None:
         "mgr.save(2, safepoint.TrainState(model=m, rng=False))\n"
     )
     # Exits cleanly (no abort from a writer thread killed mid-file at shutdown).
-    subprocess.run([sys.executable, "-c", script], env=ENV, check=True, timeout=120)
+    subprocess.run([sys.executable, "-c", script], env=SUBPROCESS_ENV, check=True, timeout=120)
     m = torch.nn.Module()
     m.w = torch.nn.Parameter(torch.zeros(64 * 1024 * 1024 // 4))
     with safepoint.CheckpointManager(root) as mgr:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import safepoint
-from tests.conftest import REPO
+from tests.conftest import REPO, SUBPROCESS_ENV
 
 
 def _check_restorable(root: Path) -> int:
@@ -50,7 +50,7 @@ def _kill_campaign(root: Path, kills: int, seed: int, mode: str = "") -> list[in
         stdout=subprocess.PIPE,
         text=True,
         cwd=REPO,
-        env=dict(os.environ, PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}"),
+        env=SUBPROCESS_ENV,
     )
     assert zygote.stdin is not None and zygote.stdout is not None
     restored = []

@@ -29,7 +29,7 @@ from safepoint.dist import Comm
 from safepoint.history import TierEstimate
 from safepoint.preemption import EmergencyPlan, Preemption
 from safepoint.remote import RemoteLayout
-from tests._train import Setup
+from tests._train import Setup, train_until_preempted
 from tests.conftest import REPO
 from tests.s3_fixtures import FaultProxy, storage_options
 
@@ -39,19 +39,6 @@ def _restore_signal_handlers() -> Iterator[None]:
     saved = signal.getsignal(signal.SIGTERM)
     yield
     signal.signal(signal.SIGTERM, saved)
-
-
-def _train(mgr: safepoint.CheckpointManager, s: Setup, steps: range, *, term_at: int | None = None) -> Any:
-    """maybe_save every step; SIGTERM ourselves after step ``term_at``; return the Preempted, if any."""
-    for step in steps:
-        s.step()
-        if step == term_at:
-            os.kill(os.getpid(), signal.SIGTERM)
-        try:
-            mgr.maybe_save(step, s.state())
-        except safepoint.Preempted as e:
-            return e
-    return None
 
 
 def _s3_manager(tmp_path: Path, proxy: FaultProxy, bucket: str, **kw: Any) -> safepoint.CheckpointManager:
@@ -120,7 +107,7 @@ def test_close_after_the_grace_does_not_abandon_an_idle_uploader(
         preemption_signals=(signal.SIGTERM,),
         grace_seconds=0.3,
     )
-    assert _train(mgr, s, range(1, 6)) is None
+    assert train_until_preempted(mgr, s, range(1, 6)) is None
     mgr.wait()  # step 5 is durable; the uploader thread idles
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(0.5)  # acted on 0.5 s after the notice: 0.2 s past the end of the grace
@@ -142,12 +129,10 @@ def test_preemption_makes_no_store_request_and_exits_within_the_grace_when_the_s
     grace = 2.0
     s = Setup()
     mgr = _s3_manager(tmp_path, proxy, bucket, grace_seconds=grace)
-    assert _train(mgr, s, range(1, 6)) is None
+    assert train_until_preempted(mgr, s, range(1, 6)) is None
     mgr.wait()
     assert _durable(proxy, bucket) == [5]
-    proxy.held.clear()
-    proxy.release.clear()
-    proxy.add("hold", path=r"/run/\.lease")  # releasing the lease would hang ...
+    proxy.hold(path=r"/run/\.lease")  # releasing the lease would hang ...
     proxy.add("503")  # ... and everything else fails (retried with backoff, then UploadError)
     release = threading.Timer(30, proxy.release.set)
     release.start()
@@ -155,7 +140,7 @@ def test_preemption_makes_no_store_request_and_exits_within_the_grace_when_the_s
         mark = len(proxy.seen)
         caplog.set_level(logging.INFO, logger="safepoint")
         t0 = time.monotonic()
-        e = _train(mgr, s, range(6, 100), term_at=7)
+        e = train_until_preempted(mgr, s, range(6, 100), term_at=7)
         preempted_after = time.monotonic() - t0
         during = proxy.seen[mark:]
         with contextlib.suppress(safepoint.CheckpointError):  # the upload of step 7 may have failed by now
@@ -184,13 +169,11 @@ def test_abandon_waits_for_no_commit_and_never_releases_the_lease_under_one(
     grace = 1.0
     s = Setup()
     mgr = _s3_manager(tmp_path, proxy, bucket, grace_seconds=grace)
-    proxy.held.clear()
-    proxy.release.clear()
-    proxy.add("hold", method="PUT", path=r"/run/step-5/safepoint\.json", count=1)
+    proxy.hold(method="PUT", path=r"/run/step-5/safepoint\.json", count=1)
     release = threading.Timer(30, proxy.release.set)
     release.start()
     try:
-        assert _train(mgr, s, range(1, 6)) is None
+        assert train_until_preempted(mgr, s, range(1, 6)) is None
         assert proxy.held.wait(60), "the commit of step 5 never started"
         t0 = time.monotonic()
         os.kill(os.getpid(), signal.SIGTERM)
@@ -222,13 +205,11 @@ def test_no_commit_starts_after_an_abandon(
     caplog.set_level(logging.INFO, logger="safepoint")
     s = Setup()
     mgr = _s3_manager(tmp_path, proxy, bucket, grace_seconds=0.5)
-    proxy.held.clear()
-    proxy.release.clear()
-    proxy.add("hold", method="PUT", path=r"/run/step-5/__0_0\.distcp", count=1)
+    proxy.hold(method="PUT", path=r"/run/step-5/__0_0\.distcp", count=1)
     release = threading.Timer(30, proxy.release.set)
     release.start()
     try:
-        assert _train(mgr, s, range(1, 6)) is None
+        assert train_until_preempted(mgr, s, range(1, 6)) is None
         assert proxy.held.wait(60)
         os.kill(os.getpid(), signal.SIGTERM)
         with pytest.raises(safepoint.Preempted):

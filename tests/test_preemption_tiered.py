@@ -30,7 +30,7 @@ import safepoint
 from safepoint.history import UPLOADS_NAME, UploadHistory
 from safepoint.layout import Layout
 from safepoint.remote import RemoteLayout
-from tests._train import Setup
+from tests._train import Setup, train_until_preempted
 from tests.conftest import REPO
 from tests.dist.launch import assert_bitwise, events, finish, load, ready_pids, start, stop
 from tests.s3_fixtures import FaultProxy, storage_options
@@ -58,28 +58,13 @@ def _manager(tmp_path: Path, proxy: FaultProxy, bucket: str, **kw: Any) -> safep
 
 
 def _hold_upload_of(proxy: FaultProxy, step: int) -> None:
-    proxy.held.clear()
-    proxy.release.clear()
-    proxy.add("hold", method="PUT", path=rf"/run/step-{step}/__0_0\.distcp", count=1)
-
-
-def _train(mgr: safepoint.CheckpointManager, s: Setup, steps: range, *, term_at: int | None = None) -> Any:
-    """maybe_save every step; SIGTERM ourselves after step ``term_at``; return the Preempted, if any."""
-    for step in steps:
-        s.step()
-        if step == term_at:
-            os.kill(os.getpid(), signal.SIGTERM)
-        try:
-            mgr.maybe_save(step, s.state())
-        except safepoint.Preempted as e:
-            return e
-    return None
+    proxy.hold(method="PUT", path=rf"/run/step-{step}/__0_0\.distcp", count=1)
 
 
 def _train_with_a_slow_upload(mgr: safepoint.CheckpointManager, s: Setup, proxy: FaultProxy) -> None:
     """Steps 1-5: step 5 is saved and its upload is held for SLOW_UPLOAD_S, then completes."""
     _hold_upload_of(proxy, 5)
-    assert _train(mgr, s, range(1, 6)) is None
+    assert train_until_preempted(mgr, s, range(1, 6)) is None
     assert proxy.held.wait(60), "the upload of step 5 never started"
     time.sleep(SLOW_UPLOAD_S)
     proxy.release.set()
@@ -94,7 +79,7 @@ def _preempted_at_7(
     s = Setup()
     mgr = _manager(tmp_path, proxy, bucket, preemption_signals=(signal.SIGTERM,), grace_seconds=grace)
     _train_with_a_slow_upload(mgr, s, proxy)
-    return mgr, _train(mgr, s, range(6, 100), term_at=7)
+    return mgr, train_until_preempted(mgr, s, range(6, 100), term_at=7)
 
 
 def _requests_for(proxy: FaultProxy, step: int) -> list[tuple[str, str, str]]:
@@ -157,10 +142,10 @@ def test_grace_too_short_for_anything_skips_and_starts_nothing(
 ) -> None:
     s, local = Setup(), tmp_path / "local"
     mgr = _manager(tmp_path, proxy, bucket, preemption_signals=(signal.SIGTERM,), grace_seconds=0.001)
-    assert _train(mgr, s, range(1, 6)) is None
+    assert train_until_preempted(mgr, s, range(1, 6)) is None
     mgr.wait()
     with caplog.at_level(logging.INFO, logger="safepoint"):
-        e = _train(mgr, s, range(6, 100), term_at=7)
+        e = train_until_preempted(mgr, s, range(6, 100), term_at=7)
         mgr.close()
     assert (e.step, e.saved_step, e.resume_step) == (7, None, 5)
     [skipped] = [r for r in caplog.records if r.levelno == logging.ERROR and "NOT saving step 7" in r.message]
@@ -186,14 +171,14 @@ def test_upload_history_survives_restarts_and_the_backlog_counts_and_waits(
     mgr = _manager(tmp_path, proxy, bucket, preemption_signals=(signal.SIGTERM,), grace_seconds=3.0)
     assert mgr.restore(s.state()) == 5
     caplog.set_level(logging.INFO, logger="safepoint")
-    assert _train(mgr, s, range(6, 16)) is None
+    assert train_until_preempted(mgr, s, range(6, 16)) is None
     assert proxy.held.wait(60)
     # Step 10's upload finishes soon after the notice: the uploader is then free, and still must not start
     # step 15's (queued before the notice), which the grace was planned without.
     release = threading.Timer(0.5, proxy.release.set)
     release.start()
     try:
-        e = _train(mgr, s, range(16, 100), term_at=16)
+        e = train_until_preempted(mgr, s, range(16, 100), term_at=16)
         assert e.saved_step == 16 and _emergency(local, 16)["plan"] == "fastest-tier"
         mgr.close()
     finally:
@@ -234,7 +219,7 @@ def test_close_after_a_notice_waits_for_uploads_only_until_the_grace_ends(
     s = Setup()
     mgr = _manager(tmp_path, proxy, bucket, preemption_signals=(signal.SIGTERM,), grace_seconds=1.0)
     _hold_upload_of(proxy, 5)
-    assert _train(mgr, s, range(1, 6)) is None
+    assert train_until_preempted(mgr, s, range(1, 6)) is None
     assert proxy.held.wait(60)
     # Without the bound, close() would wait for the held upload until this releases it.
     release = threading.Timer(15, proxy.release.set)

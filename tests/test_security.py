@@ -52,12 +52,11 @@ def test_malicious_metadata_pickle_runs_no_code(root: Path, tmp_path: Path) -> N
     assert not marker.exists()
 
 
-def test_malicious_non_tensor_item_runs_no_code(root: Path, tmp_path: Path) -> None:
-    step_dir = _save(root, extra={"note": "hello-hello-hello"})
-    marker = tmp_path / "marker"
-    # Replace the torch.save'd bytes of the 'note' item in place with a malicious pickle of equal length.
+def _point_item_at_evil(step_dir: Path, fqn: str, marker: Path) -> None:
+    """Append a malicious torch.save to the item's data file, point the item's metadata at it, and re-forge
+    the manifest so the checksums pass: only the loader's own refusal stands between it and the code."""
     md = read_metadata_file(step_dir / ".metadata")
-    [(idx, info)] = [(k, v) for k, v in md.storage_data.items() if k.fqn == "extra.rank_0.note"]
+    [(idx, info)] = [(k, v) for k, v in md.storage_data.items() if k.fqn == fqn]
     data_path = step_dir / info.relative_path
     blob = bytearray(data_path.read_bytes())
     buf = io.BytesIO()
@@ -68,6 +67,12 @@ def test_malicious_non_tensor_item_runs_no_code(root: Path, tmp_path: Path) -> N
     data_path.write_bytes(bytes(blob))
     (step_dir / ".metadata").write_bytes(pickle.dumps(md))
     _reforge_manifest(step_dir)
+
+
+def test_malicious_non_tensor_item_runs_no_code(root: Path, tmp_path: Path) -> None:
+    step_dir = _save(root, extra={"note": "hello-hello-hello"})
+    marker = tmp_path / "marker"
+    _point_item_at_evil(step_dir, "extra.rank_0.note", marker)
     with safepoint.CheckpointManager(root) as mgr:
         with pytest.raises(safepoint.UnsafeCheckpointError, match="extra.rank_0.note.*not plain data"):
             mgr.restore(safepoint.TrainState(model=torch.nn.Linear(3, 3), extra={"note": ""}))
@@ -85,18 +90,7 @@ def test_malicious_tensor_item_runs_no_code(root: Path, tmp_path: Path) -> None:
     a crafted one is refused on that path and on DCP's, and runs nothing."""
     step_dir = _save(root)
     marker = tmp_path / "marker"
-    md = read_metadata_file(step_dir / ".metadata")
-    [(idx, info)] = [(k, v) for k, v in md.storage_data.items() if k.fqn == "model.weight"]
-    data_path = step_dir / info.relative_path
-    blob = bytearray(data_path.read_bytes())
-    buf = io.BytesIO()
-    torch.save(_Evil(marker), buf)
-    evil = buf.getvalue()
-    md.storage_data[idx] = type(info)(info.relative_path, len(blob), len(evil))
-    blob += evil
-    data_path.write_bytes(bytes(blob))
-    (step_dir / ".metadata").write_bytes(pickle.dumps(md))
-    _reforge_manifest(step_dir)
+    _point_item_at_evil(step_dir, "model.weight", marker)
     with safepoint.CheckpointManager(root) as mgr:
         with pytest.raises(safepoint.UnsafeCheckpointError, match=r"model\.weight.*not plain data"):
             mgr.restore(safepoint.TrainState(model=torch.nn.Linear(3, 3)))

@@ -24,22 +24,14 @@ import torch
 
 import safepoint
 from safepoint import background, ipc, writer_process
-from tests._train import Setup, assert_bitwise_equal
-from tests.conftest import REPO
+from tests._train import Setup, assert_bitwise_equal, big_state
+from tests.conftest import SUBPROCESS_ENV
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the process writer is Linux-only")
-
-ENV = dict(os.environ, PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}")
 
 
 def _manager(root: Path, **kw: object) -> safepoint.CheckpointManager:
     return safepoint.CheckpointManager(root, async_save=True, async_writer="process", **kw)  # type: ignore[arg-type]
-
-
-def _big(mib: int, fill: float = 0.0) -> tuple[torch.nn.Module, safepoint.TrainState]:
-    m = torch.nn.Module()
-    m.w = torch.nn.Parameter(torch.full((mib * 1024 * 1024 // 4,), fill))
-    return m, safepoint.TrainState(model=m, rng=False)
 
 
 def _alive(pid: int) -> bool:
@@ -117,7 +109,7 @@ def test_a_new_staging_segment_when_the_state_changes_shape(root: Path) -> None:
 
 
 def test_writer_process_killed_mid_write_fails_that_save_only(root: Path) -> None:
-    m, st = _big(256, fill=1.0)
+    m, st = big_state(256, fill=1.0)
     with _manager(root) as mgr:
         mgr.save(1, st)
         mgr.wait()
@@ -144,7 +136,7 @@ def test_writer_process_killed_mid_write_fails_that_save_only(root: Path) -> Non
         assert os.getpriority(os.PRIO_PROCESS, mgr._process.pid) == expected
         assert [c.step for c in mgr.list()] == [1, 3]
     assert not list((root / ".pending").iterdir())
-    fresh, fst = _big(256)
+    fresh, fst = big_state(256)
     with safepoint.CheckpointManager(root) as again:
         assert again.restore(fst) == 3
     assert torch.all(fresh.w == 3.0)
@@ -162,8 +154,8 @@ def _file_size_limit(nbytes: int) -> Iterator[None]:
 
 
 def test_a_write_error_in_the_writer_process_names_the_os_error(root: Path) -> None:
-    _, small = _big(1)
-    _m, large = _big(8)
+    _, small = big_state(1)
+    _m, large = big_state(8)
     with _file_size_limit(4 * 1024 * 1024):
         mgr = _manager(root)  # the writer process starts here and inherits the 4 MiB limit
     with mgr:
@@ -191,7 +183,9 @@ def test_writer_process_exits_when_its_rank_is_killed(root: Path) -> None:
         "print(mgr._process.pid, flush=True)\n"
         "import time; time.sleep(600)\n"
     )
-    rank = subprocess.Popen([sys.executable, "-c", script], env=ENV, stdout=subprocess.PIPE, text=True)
+    rank = subprocess.Popen(
+        [sys.executable, "-c", script], env=SUBPROCESS_ENV, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert rank.stdout is not None
         writer_pid = int(rank.stdout.readline())
@@ -219,7 +213,7 @@ def test_arguments_are_checked(root: Path) -> None:
 
 
 def test_managers_leave_no_process_or_descriptor_behind(root: Path) -> None:
-    _, st = _big(1)
+    _, st = big_state(1)
     me = psutil.Process()
 
     def census() -> tuple[int, int]:
@@ -243,7 +237,7 @@ def test_auto_falls_back_to_the_thread_when_no_process_can_start(
 ) -> None:
     # A writer process that cannot start (here: its module is missing, so python exits 1 at once).
     monkeypatch.setattr(writer_process, "CHILD_MODULE", "safepoint.no_such_module")
-    _, st = _big(1)
+    _, st = big_state(1)
     with caplog.at_level(logging.WARNING, logger="safepoint"):
         with safepoint.CheckpointManager(root / "auto", async_save=True) as mgr:
             mgr.save(1, st)
@@ -300,7 +294,7 @@ def test_a_broken_exchange_ends_the_process_and_never_desyncs_the_channel(
 ) -> None:
     """An error after the request went out (here the reply fails to arrive once): the unread reply must not
     be taken for the next save's. The process is ended; the next save starts another and is exact."""
-    m, st = _big(1, fill=1.0)
+    m, st = big_state(1, fill=1.0)
     with _manager(root) as mgr:
         mgr.save(1, st)
         mgr.wait()
@@ -325,7 +319,7 @@ def test_a_broken_exchange_ends_the_process_and_never_desyncs_the_channel(
         mgr.wait()
         assert mgr._process is not None and mgr._process.started == 2
         assert [c.step for c in mgr.list()] == [1, 3]
-    fresh, fst = _big(1)
+    fresh, fst = big_state(1)
     with safepoint.CheckpointManager(root) as again:
         assert again.restore(fst) == 3
     assert torch.all(fresh.w == 3.0)
@@ -335,7 +329,7 @@ def test_close_does_not_wait_on_a_process_that_inherited_the_channel(
     root: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A DataLoader worker forked after the manager holds a copy of the rank's end of the channel."""
-    _, st = _big(1)
+    _, st = big_state(1)
     mgr = _manager(root)
     mgr.save(1, st)
     mgr.wait()
@@ -353,7 +347,7 @@ def test_close_does_not_wait_on_a_process_that_inherited_the_channel(
 
 
 def test_a_sigterm_to_the_process_group_while_the_writer_starts_is_ignored(root: Path) -> None:
-    _, st = _big(1)
+    _, st = big_state(1)
     with _manager(root) as mgr:
         assert mgr._process is not None and mgr._process.pid is not None
         time.sleep(0.3)  # the process is importing torch now
