@@ -92,7 +92,7 @@ class SharedArena:
 
 
 def buffer_tensors(buffers: Any) -> Iterator[torch.Tensor]:
-    """The plain tensors that hold the data of a (nested) state dict of staging buffers."""
+    """The plain tensors holding the data of a (nested) state dict: DTensor locals, ShardedTensor shards."""
     if isinstance(buffers, ShardedTensor):
         for shard in buffers.local_shards():
             yield shard.tensor

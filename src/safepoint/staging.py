@@ -21,19 +21,13 @@ from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.tensor import DTensor
 
-from safepoint.shared_buffers import SharedArena, move_into_arena
+from safepoint.shared_buffers import SharedArena, buffer_tensors, move_into_arena
 
 log = logging.getLogger("safepoint")
 
 
 def _any_cuda(sd: Any) -> bool:
-    if isinstance(sd, torch.Tensor):
-        return sd.is_cuda
-    if isinstance(sd, dict):
-        return any(_any_cuda(v) for v in sd.values())
-    if isinstance(sd, (list, tuple)):
-        return any(_any_cuda(v) for v in sd)
-    return False
+    return any(t.is_cuda for t in buffer_tensors(sd))
 
 
 def tensor_bytes(sd: Any) -> int:
