@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import safepoint
-from safepoint import staging
+from safepoint.save import staging
 
 # Run in this order each round: the two references for safepoint-async sit right next to it in time.
 BLOCK_VARIANTS = ("copy", "safepoint-async", "safepoint-async-process", "safepoint-sync", "dcp-async")
@@ -55,10 +55,10 @@ class BlockLocation:
         base.mkdir(parents=True, exist_ok=True)
         self.state = state
         self.async_mgr = safepoint.CheckpointManager(
-            base / "sp-async", async_save=True, async_writer="thread"
+            base / "sp-async", async_save=True, writer=safepoint.WriterOptions(async_writer="thread")
         )
         self.process_mgr = safepoint.CheckpointManager(
-            base / "sp-async-process", async_save=True, async_writer="process"
+            base / "sp-async-process", async_save=True, writer=safepoint.WriterOptions(async_writer="process")
         )
         self.sync_mgr = safepoint.CheckpointManager(base / "sp-sync")
         self.step = 0

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, async_save
 
 import safepoint
-from safepoint import background
+from safepoint.save import background
 
 TRAIN_VARIANTS = (
     "none",
@@ -90,10 +90,16 @@ class Trainer:
         self.every = args.every
         base.mkdir(parents=True, exist_ok=True)
         self.sp_async = safepoint.CheckpointManager(
-            base / "sp-async", async_save=True, async_writer="thread", keep_last=1
+            base / "sp-async",
+            async_save=True,
+            writer=safepoint.WriterOptions(async_writer="thread"),
+            keep_last=1,
         )
         self.sp_process = safepoint.CheckpointManager(
-            base / "sp-async-process", async_save=True, async_writer="process", keep_last=1
+            base / "sp-async-process",
+            async_save=True,
+            writer=safepoint.WriterOptions(async_writer="process"),
+            keep_last=1,
         )
         self.sp_sync = safepoint.CheckpointManager(base / "sp-sync", keep_last=1)
         self.step_no = 0

@@ -19,10 +19,10 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 import safepoint
 from safepoint.dist import Comm
-from safepoint.layout import Layout
-from safepoint.policy import Retention
-from safepoint.restore import Restorer
-from safepoint.saver import SyncSaver
+from safepoint.policy.rules import Retention
+from safepoint.restore.restorer import Restorer
+from safepoint.save.saver import SyncSaver
+from safepoint.store.layout import Layout
 
 SAVE_VARIANTS = ("safepoint", "safepoint-writer", "dcp", "torch.save", "dd")
 RESTORE_VARIANTS = ("safepoint", "safepoint-noverify", "verify", "dcp")
@@ -39,7 +39,9 @@ class Location:
         self.threads = threads
         self.step = 1000
         base.mkdir(parents=True, exist_ok=True)
-        self.mgr = safepoint.CheckpointManager(base / "safepoint", writer_threads=threads)
+        self.mgr = safepoint.CheckpointManager(
+            base / "safepoint", writer=safepoint.WriterOptions(threads=threads)
+        )
         writer_layout = Layout(base / "safepoint-writer")
         writer_layout.ensure_root()
         self.writer = SyncSaver(writer_layout, Comm(), Retention(), writer_threads=threads)
@@ -91,7 +93,9 @@ class Location:
 
     def prepare_restore(self) -> int:
         """One committed safepoint checkpoint (also a plain DCP directory) that every restore reads."""
-        self.restore_mgr = safepoint.CheckpointManager(self.restore_root, writer_threads=self.threads)
+        self.restore_mgr = safepoint.CheckpointManager(
+            self.restore_root, writer=safepoint.WriterOptions(threads=self.threads)
+        )
         info = self.restore_mgr.save(RESTORE_STEP, self.state.train_state())
         assert info is not None  # a sync manager returns what it committed
         return info.bytes

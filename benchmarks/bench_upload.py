@@ -47,11 +47,11 @@ from rich.table import Table
 
 import safepoint
 from safepoint.dist import Comm
-from safepoint.layout import Layout
-from safepoint.policy import Retention
-from safepoint.remote import RemoteLayout
-from safepoint.saver import SyncSaver
-from safepoint.upload import TransferConfig
+from safepoint.policy.rules import Retention
+from safepoint.remote.layout import RemoteLayout
+from safepoint.remote.upload import TransferConfig
+from safepoint.save.saver import SyncSaver
+from safepoint.store.layout import Layout
 
 MiB = 1024 * 1024
 

@@ -76,12 +76,11 @@ def main() -> None:
 
     with safepoint.CheckpointManager(
         args.root,
-        save_every_seconds="auto",
-        mtbf_seconds=args.mtbf_seconds,
+        save_every_seconds=safepoint.AdaptiveInterval(mtbf_s=args.mtbf_seconds),
         keep_last=3,
         async_save=True,
         preemption_signals=(signal.SIGTERM, signal.SIGUSR1),
-        preemption_file=args.preempt_file,
+        preemption=safepoint.PreemptionOptions(file=args.preempt_file),
         grace_seconds=args.grace_seconds,
     ) as mgr:
         step = mgr.restore(state)

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 import safepoint
-from safepoint.history import ATTEMPTS_NAME, RunHistory, summarize
-from safepoint.layout import Layout
-from safepoint.policy import AdaptiveInterval, AdaptiveSeconds, daly_interval, learned_mtbf
+from safepoint.policy.history import ATTEMPTS_NAME, RunHistory, summarize
+from safepoint.policy.rules import AdaptiveInterval, AdaptiveSeconds, daly_interval, learned_mtbf
+from safepoint.store.layout import Layout
 from tests._train import Setup
 from tests.conftest import REPO
 
@@ -66,8 +66,10 @@ def test_choice_uses_the_median_of_recent_costs_and_the_bounds() -> None:
         AdaptiveInterval(min_s=10, initial_s=5)
     with pytest.raises(ValueError, match="auto"):
         safepoint.CheckpointManager("x", save_every_seconds="often")
-    with pytest.raises(ValueError, match="mtbf_seconds"):
+    with pytest.raises(TypeError, match=r"AdaptiveInterval\(mtbf_s="):
         safepoint.CheckpointManager("x", save_every_steps=5, mtbf_seconds=HOUR)
+    with pytest.raises(ValueError, match="mtbf_s"):
+        AdaptiveInterval(mtbf_s=-1)
 
 
 def test_learned_mtbf_formula() -> None:
@@ -153,10 +155,10 @@ def test_unreadable_history_starts_over(root: Path, caplog: pytest.LogCaptureFix
 
 def test_manager_saves_on_the_adaptive_interval(root: Path, caplog: pytest.LogCaptureFixture) -> None:
     # Seconds instead of hours so the test runs: the same code path as the defaults.
-    cfg = AdaptiveInterval(min_s=0.05, initial_s=0.3, max_s=30.0)
+    cfg = AdaptiveInterval(min_s=0.05, initial_s=0.3, max_s=30.0, mtbf_s=2.0)
     s = Setup()
     with caplog.at_level(logging.INFO, logger="safepoint"):
-        mgr = safepoint.CheckpointManager(root, save_every_seconds=cfg, mtbf_seconds=2.0)
+        mgr = safepoint.CheckpointManager(root, save_every_seconds=cfg)
         policy = _adaptive(mgr)
         assert policy.seconds == 0.3  # initial: nothing measured yet
         t0 = time.monotonic()
@@ -178,14 +180,16 @@ def test_manager_saves_on_the_adaptive_interval(root: Path, caplog: pytest.LogCa
     assert policy.seconds == pytest.approx(min(30.0, max(0.05, daly_interval(cost, 2.0))))
     assert f"C={cost:.3f}s" in chosen[2]
     # A restarted manager starts from the cost its predecessor recorded in the manifests.
-    with safepoint.CheckpointManager(root, save_every_seconds=cfg, mtbf_seconds=2.0) as again:
+    with safepoint.CheckpointManager(root, save_every_seconds=cfg) as again:
         assert _adaptive(again).choice.cost_s is not None
         assert _adaptive(again).choice.samples == 3
 
 
-@pytest.mark.parametrize("interval", ["auto", AdaptiveInterval(min_s=1.0, initial_s=1.0)])
+@pytest.mark.parametrize(
+    "interval", [AdaptiveInterval(mtbf_s=HOUR), AdaptiveInterval(min_s=1.0, initial_s=1.0, mtbf_s=HOUR)]
+)
 def test_auto_interval_accepts_string_and_object(root: Path, interval: str | AdaptiveInterval) -> None:
-    with safepoint.CheckpointManager(root, save_every_seconds=interval, mtbf_seconds=HOUR) as mgr:
+    with safepoint.CheckpointManager(root, save_every_seconds=interval) as mgr:
         assert _adaptive(mgr).choice.mtbf_source == "given"
 
 
@@ -194,7 +198,7 @@ def test_attempts_file_only_with_a_learned_mtbf(root: Path, tmp_path: Path) -> N
         pass
     names = sorted(p.name for p in root.iterdir())
     assert ATTEMPTS_NAME in names and not [n for n in names if n.endswith(".tmp")]
-    for kw in ({"save_every_seconds": "auto", "mtbf_seconds": HOUR}, {"save_every_seconds": 60.0}):
+    for kw in ({"save_every_seconds": AdaptiveInterval(mtbf_s=HOUR)}, {"save_every_seconds": 60.0}):
         other = tmp_path / f"other-{len(kw)}"
         with safepoint.CheckpointManager(other, **kw):
             pass

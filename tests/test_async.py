@@ -92,7 +92,9 @@ def test_memory_is_bounded_and_flat_over_100_saves(tmp_path: Path, writer: str) 
 
 def test_if_busy_skip_never_stages_twice(root: Path, caplog: pytest.LogCaptureFixture) -> None:
     _, st = big_state(256)
-    with safepoint.CheckpointManager(root, async_save=True, if_busy="skip") as mgr:
+    with safepoint.CheckpointManager(
+        root, async_save=True, writer=safepoint.WriterOptions(if_busy="skip")
+    ) as mgr:
         mgr.save(1, st)
         with caplog.at_level(logging.WARNING, logger="safepoint"):
             mgr.save(2, st)  # the 256 MiB write + fsync of step 1 is still running
@@ -106,7 +108,9 @@ def test_maybe_save_returns_false_when_if_busy_skips(root: Path) -> None:
     # A loop that tracks its newest checkpoint from maybe_save's answer (examples/ddp.py) must not be told a
     # skipped save happened: it would then skip its final save.
     _, st = big_state(256)
-    with safepoint.CheckpointManager(root, async_save=True, if_busy="skip", save_every_steps=1) as mgr:
+    with safepoint.CheckpointManager(
+        root, async_save=True, writer=safepoint.WriterOptions(if_busy="skip"), save_every_steps=1
+    ) as mgr:
         assert mgr.maybe_save(1, st) is True
         assert mgr.maybe_save(2, st) is False  # step 1's 256 MiB write is still running
         mgr.wait()
@@ -200,7 +204,7 @@ def test_exit_without_close_is_safe(root: Path) -> None:
 
 def test_if_busy_is_validated(root: Path) -> None:
     with pytest.raises(ValueError, match="if_busy must be"):
-        safepoint.CheckpointManager(root, async_save=True, if_busy="queue")
+        safepoint.WriterOptions(if_busy="queue")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux-only")
@@ -208,8 +212,8 @@ def test_if_busy_is_validated(root: Path) -> None:
 def test_writer_thread_runs_at_lower_priority(monkeypatch: pytest.MonkeyPatch, nice: int | None) -> None:
     import threading
 
-    from safepoint import background
-    from safepoint.layout import CheckpointInfo
+    from safepoint.save import background
+    from safepoint.store.layout import CheckpointInfo
 
     if nice is not None:  # set at run time, after import: read when the writer starts
         monkeypatch.setattr(background, "WRITER_NICE", nice)

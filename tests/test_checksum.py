@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import safepoint
-from safepoint import checksum
-from safepoint.checksum import (
+from safepoint.errors import CorruptCheckpointError
+from safepoint.store import checksum
+from safepoint.store.checksum import (
     ChecksummingWriter,
     ChecksumRecorder,
     crc32c_combine,
@@ -22,8 +23,7 @@ from safepoint.checksum import (
     file_crc32c,
     range_crc32c,
 )
-from safepoint.errors import CorruptCheckpointError
-from safepoint.layout import Layout
+from safepoint.store.layout import Layout
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -162,7 +162,7 @@ def _item_crcs(step_dir: Path) -> list[int]:
     import io
     import zipfile
 
-    from safepoint.storage import read_metadata_file
+    from safepoint.store.storage import read_metadata_file
 
     md = read_metadata_file(step_dir / ".metadata")
     crcs: list[int] = []
@@ -177,7 +177,7 @@ def _item_crcs(step_dir: Path) -> list[int]:
 def test_save_skips_torch_crc32_and_restores_the_setting(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, skip: bool
 ) -> None:
-    from safepoint import storage
+    from safepoint.store import storage
 
     monkeypatch.setattr(storage, "SKIP_TORCH_CRC32", skip)
     model = torch.nn.Linear(64, 64)
@@ -198,7 +198,7 @@ def test_save_skips_torch_crc32_and_restores_the_setting(
 def test_crc32_switch_counts_nested_users_and_keeps_a_users_own_choice(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from safepoint import storage
+    from safepoint.store import storage
 
     monkeypatch.setattr(storage, "SKIP_TORCH_CRC32", True)
     with storage.torch_crc32_off():

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import safepoint
-from safepoint.cli import main
+from safepoint.cli.main import main
 
 STEPS = (10, 20, 30)
 
@@ -595,7 +595,7 @@ def test_end_to_end_subprocess(trained: Any, root: Path) -> None:
 
 
 def test_bench_rejects_unknown_suite(capsys: pytest.CaptureFixture[str]) -> None:
-    from safepoint import bench
+    from safepoint.cli import bench
 
     with pytest.raises(SystemExit) as e:
         bench.main(["nosuch"])

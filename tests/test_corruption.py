@@ -109,7 +109,7 @@ def test_all_corrupt_returns_zero_and_explicit_step_raises(root: Path) -> None:
 def test_corrupt_tensor_bytes_never_reach_the_live_state(root: Path, where: str) -> None:
     """Tensors are read straight into the live model and optimizer: a checkpoint whose data is damaged must
     be rejected before any byte is read into them (verify first, then load)."""
-    from safepoint.storage import read_metadata_file
+    from safepoint.store.storage import read_metadata_file
 
     s = Setup()
     with safepoint.CheckpointManager(root) as mgr:

@@ -102,7 +102,7 @@ def _orphaned_writers() -> list[int]:
     for p in psutil.process_iter(["cmdline", "ppid"]):
         ppid = int(p.info["ppid"] or 0)
         orphan = ppid in (0, 1) or not psutil.pid_exists(ppid)  # reparented once its rank died
-        if "safepoint.writer_child" in " ".join(p.info["cmdline"] or []) and orphan:
+        if "safepoint.save.writer_child" in " ".join(p.info["cmdline"] or []) and orphan:
             found.append(p.pid)
     return found
 
@@ -138,7 +138,7 @@ def test_kill_mid_delete_leaves_no_half_checkpoint(tmp_path: Path) -> None:
     nothing that looks valid, and the next owner cleans up."""
     root = tmp_path / "ckpt"
     script = f"""
-import os, signal, shutil, torch, safepoint, safepoint.layout as L
+import os, signal, shutil, torch, safepoint, safepoint.store.layout as L
 m = torch.nn.Linear(4, 4)
 with safepoint.CheckpointManager({str(root)!r}, keep_last=1) as mgr:
     st = safepoint.TrainState(model=m)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from safepoint import demo_plot
+from safepoint.demo import plot as demo_plot
 
 
 @dataclass
@@ -27,7 +27,7 @@ class DemoRun:
     summary: dict[str, Any]
 
 
-MARKER = ".safepoint-demo"  # safepoint.demo.MARKER (not imported: that imports torch here)
+MARKER = ".safepoint-demo"  # safepoint.demo.main.MARKER (not imported: that imports torch here)
 
 
 def demo_cmd(out: Path) -> list[str]:
@@ -133,7 +133,7 @@ def test_demo_survives_every_fault_bitwise(quick_demo: DemoRun) -> None:
 def test_demo_verdict_is_computed_from_the_weights(quick_demo: DemoRun) -> None:
     import torch
 
-    from safepoint import demo_report
+    from safepoint.demo import report as demo_report
 
     run_end, ref_end = quick_demo.out / "run_end.pt", quick_demo.out / "ref1_end.pt"
     assert demo_report.compare(run_end, ref_end)[0]
@@ -198,7 +198,7 @@ def test_demo_killed_mid_run_leaves_no_process_behind(tmp_path: Path, sig: signa
         seen = tree(proc.pid)
         cmdlines = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in seen]
         torchruns = [c for c in cmdlines if b"torch.distributed.run" in c]
-        assert len(torchruns) == 1 and sum(b"safepoint.demo_worker" in c for c in cmdlines) == 1 + 2
+        assert len(torchruns) == 1 and sum(b"safepoint.demo.worker" in c for c in cmdlines) == 1 + 2
         proc.send_signal(sig)
         deadline = time.monotonic() + 10
         while alive(seen) and time.monotonic() < deadline:
@@ -213,11 +213,11 @@ def test_demo_killed_mid_run_leaves_no_process_behind(tmp_path: Path, sig: signa
         stop(proc, seen)
 
 
-# In-process tests last (they import torch, through safepoint.demo).
+# In-process tests last (they import torch, through safepoint.demo.main).
 
 
 def test_demo_reference_needs_the_fallback_checkpoint(tmp_path: Path) -> None:
-    from safepoint import demo
+    from safepoint.demo import main as demo
 
     ref, ref1 = tmp_path / "reference", tmp_path / "reference-1rank"
     (ref / "step-48").mkdir(parents=True)
@@ -240,9 +240,9 @@ def test_demo_kills_only_a_rank_that_is_still_torchruns(tmp_path: Path) -> None:
     try:
         from types import SimpleNamespace
 
-        from safepoint import demo
-        from safepoint.layout import step_name
-        from safepoint.manifest import MANIFEST_NAME
+        from safepoint.demo import main as demo
+        from safepoint.store.layout import step_name
+        from safepoint.store.manifest import MANIFEST_NAME
 
         (tmp_path / step_name(16)).mkdir()
         (tmp_path / step_name(16) / MANIFEST_NAME).touch()  # a checkpoint committed: the kill is due

@@ -32,9 +32,9 @@ from torch._C._distributed_c10d import TCPStore
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 import safepoint
-from safepoint import rng
-from safepoint.layout import Layout
-from safepoint.storage import SafeLoadPlanner, SafeReader
+from safepoint.data import rng
+from safepoint.store.layout import Layout
+from safepoint.store.storage import SafeLoadPlanner, SafeReader
 from tests.conftest import REPO
 from tests.dist.launch import assert_bitwise, events, finish, load, start
 

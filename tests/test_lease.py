@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import safepoint
-from safepoint.layout import Layout
-from safepoint.lease import UNREADABLE_WAIT_S, Lease
+from safepoint.store.layout import Layout
+from safepoint.store.lease import UNREADABLE_WAIT_S, Lease
 from tests.conftest import REPO
 
 

@@ -18,10 +18,10 @@ import s3fs
 import torch
 
 import safepoint
-from safepoint.layout import Layout
-from safepoint.remote import RemoteLayout
-from safepoint.s3store import S3Store
-from safepoint.upload import FileCopy, TransferConfig, UploadError
+from safepoint.remote.layout import RemoteLayout
+from safepoint.remote.s3store import S3Store
+from safepoint.remote.upload import FileCopy, TransferConfig, UploadError
+from safepoint.store.layout import Layout
 from tests._train import Setup, assert_bitwise_equal, seed_everything
 from tests.conftest import PYTHON, REPO
 from tests.s3_fixtures import FaultProxy, storage_options
@@ -202,7 +202,7 @@ def test_transient_errors_are_retried(tmp_path: Path, proxy: FaultProxy, bucket:
     proxy.add("503", method="HEAD", count=1)
     s = Setup()
     with safepoint.CheckpointManager(
-        url, local_root=tmp_path / "l", storage_options=opts, upload_retries=8
+        url, local_root=tmp_path / "l", storage_options=opts, transfer=safepoint.TransferConfig(attempts=9)
     ) as mgr:
         s.step()
         mgr.save(1, s.state())
@@ -217,7 +217,9 @@ def test_persistent_errors_fail_clearly_and_commit_nothing(
 ) -> None:
     url, opts, local = f"s3://{bucket}/run", storage_options(proxy.endpoint), tmp_path / "l"
     s = Setup()
-    with safepoint.CheckpointManager(url, local_root=local, storage_options=opts, upload_retries=2) as mgr:
+    with safepoint.CheckpointManager(
+        url, local_root=local, storage_options=opts, transfer=safepoint.TransferConfig(attempts=3)
+    ) as mgr:
         s.step()
         mgr.save(1, s.state())
         mgr.wait()
@@ -240,7 +242,9 @@ def test_persistent_errors_fail_clearly_and_commit_nothing(
 def test_direct_save_failure_commits_nothing(proxy: FaultProxy, bucket: str) -> None:
     url, opts = f"s3://{bucket}/run", storage_options(proxy.endpoint)
     s = Setup()
-    with safepoint.CheckpointManager(url, storage_options=opts, upload_retries=1) as mgr:
+    with safepoint.CheckpointManager(
+        url, storage_options=opts, transfer=safepoint.TransferConfig(attempts=2)
+    ) as mgr:
         s.step()
         mgr.save(1, s.state())
         proxy.add("503", method="PUT", path=r"/step-2/")
@@ -455,7 +459,7 @@ def test_two_ranks_each_upload_their_own_files(
 def test_cli_ls_and_verify_read_s3_urls(
     moto_endpoint: str, bucket: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from safepoint import cli
+    from safepoint.cli import main as cli
 
     url, opts = f"s3://{bucket}/run", storage_options(moto_endpoint)
     s = Setup()

@@ -33,8 +33,8 @@ import torch
 import yaml  # type: ignore[import-untyped]
 
 import safepoint
-from safepoint.layout import Layout
-from safepoint.preemption import DEFAULT_EXIT_CODE, TierEstimate, plan_emergency_save
+from safepoint.preempt.preemption import DEFAULT_EXIT_CODE, TierEstimate, plan_emergency_save
+from safepoint.store.layout import Layout
 from tests._train import Setup
 from tests.conftest import REPO
 from tests.dist.launch import assert_bitwise, events, finish, load, ready_pids, start
@@ -86,7 +86,10 @@ def train_until_preempted(
 def test_sigterm_saves_the_current_step_and_raises_preempted(root: Path) -> None:
     s = Setup()
     mgr = safepoint.CheckpointManager(
-        root, save_every_steps=100, preemption_signals=(signal.SIGTERM,), preempted_exit_code=77
+        root,
+        save_every_steps=100,
+        preemption_signals=(signal.SIGTERM,),
+        preemption=safepoint.PreemptionOptions(exit_code=77),
     )
     e = train_until_preempted(mgr, s, at=7)
     assert isinstance(e, SystemExit) and e.code == 77
@@ -109,8 +112,8 @@ def test_default_exit_code_is_143_and_no_handlers_by_default(root: Path) -> None
         assert signal.getsignal(signal.SIGTERM) is before  # opt-in only
     e = safepoint.Preempted(DEFAULT_EXIT_CODE, step=1, saved_step=1, resume_step=1, reason="x")
     assert e.code == 143 and isinstance(e, SystemExit) and not isinstance(e, Exception)
-    with pytest.raises(ValueError, match="preempted_exit_code"):
-        safepoint.CheckpointManager(root, preemption_signals=(signal.SIGTERM,), preempted_exit_code=0)
+    with pytest.raises(ValueError, match="exit_code"):
+        safepoint.PreemptionOptions(exit_code=0)
 
 
 def test_previous_handler_is_chained_and_restored_on_close(root: Path) -> None:
@@ -153,7 +156,7 @@ def test_sentinel_file_notice(root: Path, tmp_path: Path, caplog: pytest.LogCapt
     flag.write_text("left by an earlier attempt")
     s = Setup()
     with caplog.at_level(logging.WARNING, logger="safepoint"):
-        mgr = safepoint.CheckpointManager(root, preemption_file=flag)
+        mgr = safepoint.CheckpointManager(root, preemption=safepoint.PreemptionOptions(file=flag))
     assert not flag.exists() and "stale preemption file" in caplog.text
     for step in range(1, 4):
         s.step()
@@ -178,7 +181,7 @@ def test_polled_callable_notice_and_its_failures_are_logged(
 
     with caplog.at_level(logging.WARNING, logger="safepoint"):
         mgr = safepoint.CheckpointManager(
-            root, preemption_poll=metadata_says_preempted, preemption_poll_interval_s=0.02
+            root, preemption=safepoint.PreemptionOptions(poll=metadata_says_preempted, poll_interval_s=0.02)
         )
         e = train_until_preempted(mgr, Setup(), sleep=0.01)
         mgr.close()

@@ -26,9 +26,9 @@ import pytest
 
 import safepoint
 from safepoint.dist import Comm
-from safepoint.history import TierEstimate
-from safepoint.preemption import EmergencyPlan, Preemption
-from safepoint.remote import RemoteLayout
+from safepoint.policy.history import TierEstimate
+from safepoint.preempt.preemption import EmergencyPlan, Preemption
+from safepoint.remote.layout import RemoteLayout
 from tests._train import Setup, train_until_preempted
 from tests.conftest import REPO
 from tests.s3_fixtures import FaultProxy, storage_options
@@ -232,7 +232,7 @@ _MOVE_WORKER = """
 import json, sys, time
 import torch.distributed as dist
 from safepoint.dist import Comm
-from safepoint.tier_transfer import move_and_commit
+from safepoint.tiers.transfer import move_and_commit
 
 rank, store = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
@@ -311,10 +311,10 @@ local = {"root": tmp + "/durable", "local_root": tmp + "/local"}
 cases = {
     "save_every_steps": dict(root=tmp + "/a", save_every_steps=0),
     "save_every_seconds": dict(root=tmp + "/a", save_every_seconds=-1),
-    "mtbf_seconds": dict(root=tmp + "/a", save_every_seconds="auto", mtbf_seconds=-5),
+    "collective_timeout": dict(root=tmp + "/a", save_every_seconds="auto", cluster=safepoint.ClusterOptions(collective_timeout_s=-5)),
     "auto_needs_local_root": dict(root="memory://run", save_every_seconds="auto"),
-    "grace_seconds": dict(root=tmp + "/a", preemption_file=tmp + "/p", grace_seconds=-1),
-    "exit_code": dict(root=tmp + "/a", preemption_file=tmp + "/p", preempted_exit_code=0),
+    "grace_seconds": dict(root=tmp + "/a", preemption=safepoint.PreemptionOptions(file=tmp + "/p"), grace_seconds=-1),
+    "exit_code": dict(root=tmp + "/a", preemption_signals=(signal.SIGUSR1,), grace_seconds=-0.0),
     "keep_local_last": dict(local, keep_local_last=0, async_save=True),
     "signal": dict(root=tmp + "/a", preemption_signals=(signal.SIGKILL,), async_save=True),
 }
@@ -346,7 +346,7 @@ def test_a_bad_argument_raises_before_any_process_group_is_created(tmp_path: Pat
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout + proc.stderr
     out = json.loads(lines[0][len("RESULT ") :])
-    for name in ("save_every_steps", "save_every_seconds", "mtbf_seconds", "auto_needs_local_root"):
+    for name in ("save_every_steps", "save_every_seconds", "collective_timeout", "auto_needs_local_root"):
         assert out[name] == "ValueError", out
     for name in ("grace_seconds", "exit_code", "keep_local_last", "signal"):
         assert out[name] == "ValueError", out

@@ -27,9 +27,9 @@ from typing import Any
 import pytest
 
 import safepoint
-from safepoint.history import UPLOADS_NAME, UploadHistory
-from safepoint.layout import Layout
-from safepoint.remote import RemoteLayout
+from safepoint.policy.history import UPLOADS_NAME, UploadHistory
+from safepoint.remote.layout import RemoteLayout
+from safepoint.store.layout import Layout
 from tests._train import Setup, train_until_preempted
 from tests.conftest import REPO
 from tests.dist.launch import assert_bitwise, events, finish, load, ready_pids, start, stop

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 import safepoint
-from safepoint.layout import CheckpointInfo
-from safepoint.policy import Retention, build_retention
+from safepoint.policy.rules import Retention, build_retention
+from safepoint.store.layout import CheckpointInfo
 from tests._train import Setup
 
 

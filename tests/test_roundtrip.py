@@ -141,7 +141,7 @@ def test_layout_and_manifest(root: Path) -> None:
     step_dir = root / "step-3"
     names = {p.name for p in step_dir.iterdir()}
     assert {".metadata", "safepoint.json", "__0_0.distcp"} <= names
-    m = safepoint.manifest.Manifest.from_json((step_dir / "safepoint.json").read_bytes())  # type: ignore[attr-defined]
+    m = safepoint.store.manifest.Manifest.from_json((step_dir / "safepoint.json").read_bytes())  # type: ignore[attr-defined]
     assert m.step == 3 and m.world_size == 1
     assert m.keys == ["model", "optimizer", "scheduler", "rng", "extra"]
     assert set(m.files) == {".metadata", "__0_0.distcp"}
@@ -196,7 +196,7 @@ def test_maybe_save_policies(root: Path) -> None:
 
 
 def _spy_in_place(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    from safepoint import direct_read, storage
+    from safepoint.store import direct_read, storage
 
     taken: list[bool] = []
     real = direct_read.read_in_place
@@ -227,7 +227,7 @@ def test_restore_reads_every_tensor_in_place(root: Path, monkeypatch: pytest.Mon
 def test_in_place_reads_fall_back_for_other_dtypes_and_layouts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from safepoint.storage import SafeLoadPlanner, SafepointWriter, SafeReader
+    from safepoint.store.storage import SafeLoadPlanner, SafepointWriter, SafeReader
 
     src = {
         "a": torch.randn(6, 4),

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import safepoint
-from safepoint.checksum import file_crc32c
-from safepoint.manifest import MANIFEST_NAME, FileEntry, Manifest
-from safepoint.storage import read_metadata_file
+from safepoint.store.checksum import file_crc32c
+from safepoint.store.manifest import MANIFEST_NAME, FileEntry, Manifest
+from safepoint.store.storage import read_metadata_file
 
 
 class _Evil:

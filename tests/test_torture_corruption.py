@@ -27,8 +27,8 @@ import torch
 
 import safepoint
 from safepoint.errors import CheckpointError
-from safepoint.layout import Layout
-from safepoint.manifest import Manifest
+from safepoint.store.layout import Layout
+from safepoint.store.manifest import Manifest
 from tests._train import Setup, assert_bitwise_equal
 from tests.torture import checks
 
@@ -40,7 +40,7 @@ class Matrix:
         self.root = root
         self.step2 = root / "step-2"
         s = Setup()
-        with safepoint.CheckpointManager(root, writer_threads=2) as mgr:
+        with safepoint.CheckpointManager(root, writer=safepoint.WriterOptions(threads=2)) as mgr:
             s.step()
             mgr.save(1, s.state())
             self.at1 = s.snapshot()

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import safepoint
-from safepoint import background, ipc, writer_process
+from safepoint.save import background, ipc, writer_process
 from tests._train import Setup, assert_bitwise_equal, big_state
 from tests.conftest import SUBPROCESS_ENV
 
@@ -31,7 +31,9 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the pro
 
 
 def _manager(root: Path, **kw: object) -> safepoint.CheckpointManager:
-    return safepoint.CheckpointManager(root, async_save=True, async_writer="process", **kw)  # type: ignore[arg-type]
+    return safepoint.CheckpointManager(
+        root, async_save=True, writer=safepoint.WriterOptions(async_writer="process"), **kw
+    )  # type: ignore[arg-type]
 
 
 def _alive(pid: int) -> bool:
@@ -178,7 +180,7 @@ def test_writer_process_exits_when_its_rank_is_killed(root: Path) -> None:
     script = (
         "import sys, torch, safepoint\n"
         "m = torch.nn.Module(); m.w = torch.nn.Parameter(torch.ones(512 * 1024 * 1024 // 4))\n"
-        f"mgr = safepoint.CheckpointManager({str(root)!r}, async_save=True, async_writer='process')\n"
+        f"mgr = safepoint.CheckpointManager({str(root)!r}, async_save=True, writer=safepoint.WriterOptions(async_writer='process'))\n"
         "mgr.save(1, safepoint.TrainState(model=m, rng=False))\n"
         "print(mgr._process.pid, flush=True)\n"
         "import time; time.sleep(600)\n"
@@ -205,11 +207,13 @@ def test_writer_process_exits_when_its_rank_is_killed(root: Path) -> None:
 
 def test_arguments_are_checked(root: Path) -> None:
     with pytest.raises(ValueError, match="async_writer must be 'auto', 'thread' or 'process'"):
-        safepoint.CheckpointManager(root, async_save=True, async_writer="fork")
+        safepoint.WriterOptions(async_writer="fork")
     with pytest.raises(ValueError, match="pass async_save=True"):
-        safepoint.CheckpointManager(root, async_writer="process")
+        safepoint.CheckpointManager(root, writer=safepoint.WriterOptions(async_writer="process"))
     with pytest.raises(ValueError, match="with a URL root, pass local_root="):
-        safepoint.CheckpointManager("s3://bucket/run", async_save=True, async_writer="process")
+        safepoint.CheckpointManager(
+            "s3://bucket/run", async_save=True, writer=safepoint.WriterOptions(async_writer="process")
+        )
 
 
 def test_managers_leave_no_process_or_descriptor_behind(root: Path) -> None:

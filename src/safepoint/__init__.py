@@ -1,6 +1,7 @@
 """safepoint: atomic, verified, resumable checkpoints for PyTorch training."""
 
 from safepoint._version import __version__
+from safepoint.data.sampler import ResumableSampler
 from safepoint.dist import PeerTimeoutError, init_process_group
 from safepoint.errors import (
     CheckpointError,
@@ -10,9 +11,9 @@ from safepoint.errors import (
     StateMismatchError,
     UnsafeCheckpointError,
 )
-from safepoint.layout import CheckpointInfo
 from safepoint.manager import CheckpointManager
-from safepoint.policy import (
+from safepoint.options import ClusterOptions, PreemptionOptions, WriterOptions
+from safepoint.policy.rules import (
     AdaptiveInterval,
     EveryNSeconds,
     EveryNSteps,
@@ -21,13 +22,13 @@ from safepoint.policy import (
     KeepLast,
     Retention,
 )
-from safepoint.preemption import Preempted
-from safepoint.remote import RemoteLayout
-from safepoint.restore import CheckpointWarning
-from safepoint.sampler import ResumableSampler
+from safepoint.preempt.preemption import Preempted
+from safepoint.remote.layout import RemoteLayout
+from safepoint.remote.upload import TransferConfig, UploadError
+from safepoint.restore.restorer import CheckpointWarning
 from safepoint.state import TrainState
-from safepoint.tiers import DurabilityLag
-from safepoint.upload import TransferConfig, UploadError
+from safepoint.store.layout import CheckpointInfo
+from safepoint.tiers.base import DurabilityLag
 
 __all__ = [
     "AdaptiveInterval",
@@ -35,6 +36,7 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointWarning",
+    "ClusterOptions",
     "CorruptCheckpointError",
     "DurabilityLag",
     "EveryNSeconds",
@@ -45,6 +47,7 @@ __all__ = [
     "LeaseError",
     "PeerTimeoutError",
     "Preempted",
+    "PreemptionOptions",
     "RemoteLayout",
     "ResumableSampler",
     "Retention",
@@ -54,6 +57,7 @@ __all__ = [
     "TransferConfig",
     "UnsafeCheckpointError",
     "UploadError",
+    "WriterOptions",
     "__version__",
     "init_process_group",
 ]

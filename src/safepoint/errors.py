@@ -77,3 +77,18 @@ def os_error_in_chain(e: BaseException) -> BaseException:
         seen.add(id(cur))
         cur = cur.__cause__ or cur.__context__
     return e
+
+
+def describe_exception(e: BaseException) -> str:
+    """DCP wraps per-rank failures in CheckpointException; surface the root cause (e.g. ENOSPC)."""
+    # Imported here: errors.py is imported by everything, torch.distributed.checkpoint is heavy.
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(e, CheckpointException):
+        parts = []
+        for rank, (exc, _tb) in sorted(e.failures.items()):
+            cause = os_error_in_chain(exc)
+            parts.append(f"rank {rank}: {type(cause).__name__}: {cause}")
+        return "; ".join(parts) or str(e)
+    cause = os_error_in_chain(e)
+    return f"{type(cause).__name__}: {cause}"

@@ -6,29 +6,38 @@ import atexit
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from types import TracebackType
 from typing import Any
 
-from safepoint.arguments import check_keep_local_last, check_manager_arguments, writer_process_mode
-from safepoint.background import BackgroundWriter
 from safepoint.dist import Comm
-from safepoint.emergency import EmergencySave
 from safepoint.errors import CheckpointError, Preempted
-from safepoint.history import RunHistory, outcome_of
-from safepoint.layout import CheckpointInfo, Layout
-from safepoint.manifest import clean_metrics
-from safepoint.policy import AdaptiveInterval, Retention, build_retention
-from safepoint.preemption import DEFAULT_EXIT_CODE, Preemption
-from safepoint.restore import Restorer
-from safepoint.saver import SyncSaver
-from safepoint.schedule import SaveSchedule
-from safepoint.staging import Stager, tensor_bytes
+from safepoint.options import (
+    ClusterOptions,
+    PreemptionOptions,
+    WriterOptions,
+    check_keep_local_last,
+    check_manager_arguments,
+    check_option_types,
+    reject_moved,
+    writer_process_mode,
+)
+from safepoint.policy.history import RunHistory, outcome_of
+from safepoint.policy.rules import AdaptiveInterval, Retention, build_retention
+from safepoint.policy.schedule import SaveSchedule
+from safepoint.preempt.emergency import EmergencySave
+from safepoint.preempt.preemption import Preemption
+from safepoint.remote.upload import TransferConfig
+from safepoint.restore.restorer import Restorer
+from safepoint.save.background import BackgroundWriter
+from safepoint.save.saver import SyncSaver
+from safepoint.save.staging import Stager, tensor_bytes
+from safepoint.save.writer_process import WriterProcess, process_writer_factory
 from safepoint.state import TrainState
-from safepoint.tiering import Tiering
-from safepoint.tiers import DurabilityLag, SingleTier, plan_tiers, take_ownership
-from safepoint.upload import TransferConfig
-from safepoint.writer_process import WriterProcess, process_writer_factory
+from safepoint.store.layout import CheckpointInfo, Layout
+from safepoint.store.manifest import clean_metrics
+from safepoint.tiers.base import DurabilityLag, SingleTier, plan_tiers, take_ownership
+from safepoint.tiers.tiering import Tiering
 
 log = logging.getLogger("safepoint")
 
@@ -38,36 +47,31 @@ class CheckpointManager:
 
     Args:
         root: checkpoint directory (created if missing), or a URL (``s3://bucket/run``; any fsspec URL).
+        save_every_steps: ``maybe_save`` saves when ``step`` is a multiple of this.
+        save_every_seconds: ``maybe_save`` saves when this many seconds passed since the last save
+            (ranks agree: due on all or on none). ``"auto"`` (or a ``safepoint.AdaptiveInterval``, whose
+            ``mtbf_s`` gives M): the interval from the measured blocking cost of recent saves and the MTBF,
+            by Daly's formula; M is otherwise learned from the restarts recorded in ``ROOT/.attempts.json``.
+            See docs/preemption.md.
+        keep_last / keep_every_steps / keep_best (+ best_metric, best_mode): retention; the union of
+            what each keeps survives, and the newest checkpoint always does. None of them: keep all.
+        async_save: ``save``/``maybe_save`` block only while the state is copied into reused host buffers;
+            writing, checksums, commit and retention run in the background (``writer=`` says where).
         local_root: with a URL ``root``: saves commit here first (fast local disk), and a background
             uploader makes each one durable at ``root``. keep_local_last: local copies kept (default 1;
             never one that is not durable yet). storage_options: passed to fsspec (endpoint, credentials).
-            upload_retries / upload_concurrency: retries per request on transient errors, requests in
-            flight (or ``transfer=safepoint.TransferConfig(...)`` for every knob). See docs/storage.md.
-        save_every_steps: ``maybe_save`` saves when ``step`` is a multiple of this.
-        save_every_seconds: ``maybe_save`` saves when this many seconds passed since the last save
-            (ranks agree: due on all or on none).
-        keep_last / keep_every_steps / keep_best (+ best_metric, best_mode): retention; the union of
-            what each keeps survives, and the newest checkpoint always does. None of them: keep all.
-        collective_timeout_s: bound on every collective safepoint runs among ranks.
-        writer_threads: DCP writer threads per rank.
-        lease_stale_after_s: a lease whose heartbeat is older than this (other host) is taken over.
-        async_save: ``save``/``maybe_save`` block only while the state is copied into reused host buffers;
-            writing, checksums, commit and retention run on a background thread.
-        async_writer: with async_save, where the files are written: "process" (a writer process per rank,
-            started with the manager, reading the staging buffers in shared memory: the write never takes
-            this process's GIL; Linux, local roots and local_root), "thread" (a background thread of this
-            process), or "auto" (default: the process where it can run, else the thread; a process that
-            cannot start falls back to the thread with a warning). See docs/async.md.
-        if_busy: with async_save, what a save does while the previous one is still writing: "wait"
-            (default; logs how long) or "skip" (warns, saves nothing). Never two staged copies.
-        save_every_seconds="auto" (or a ``safepoint.AdaptiveInterval``): the interval from the measured
-            blocking cost of recent saves and the MTBF, by Daly's formula; ``mtbf_seconds`` gives M, else
-            it is learned from the restarts recorded in ``ROOT/.attempts.json``. See docs/preemption.md.
-        preemption_signals / preemption_file / preemption_poll (+ preemption_poll_interval_s): notice
-            sources (default: none). On a notice, the next ``maybe_save`` (all ranks agree) saves the
-            current step synchronously and raises ``safepoint.Preempted`` (exit ``preempted_exit_code``).
+            ``transfer=safepoint.TransferConfig(...)``: retries, concurrency, part sizes. See docs/storage.md.
+        preemption_signals: notice signals (default: none). On a notice, the next ``maybe_save`` (all ranks
+            agree) saves the current step synchronously and raises ``safepoint.Preempted``.
+            ``preemption=safepoint.PreemptionOptions(...)`` adds a sentinel file, a polled callable and the
+            exit code.
         grace_seconds: time from a notice to SIGKILL; a save expected not to fit is skipped and logged
             (with tiering, one whose upload alone does not fit is committed locally only).
+        writer: ``safepoint.WriterOptions``: the async writer (process or thread), what a save does while
+            the previous one writes, DCP writer threads.
+        cluster: ``safepoint.ClusterOptions``: the collective timeout and when a lease is stale.
+
+    Keywords that moved into an option object fail with their new home named (``options.MOVED_KEYWORDS``).
     """
 
     def __init__(
@@ -81,34 +85,33 @@ class CheckpointManager:
         keep_best: int | None = None,
         best_metric: str | None = None,
         best_mode: str = "min",
-        collective_timeout_s: float = 600.0,
-        writer_threads: int = 1,
-        lease_stale_after_s: float = 120.0,
         async_save: bool = False,
-        async_writer: str = "auto",
-        if_busy: str = "wait",
-        mtbf_seconds: float | None = None,
-        preemption_signals: Iterable[int] | None = None,
-        preemption_file: str | os.PathLike[str] | None = None,
-        preemption_poll: Callable[[], object] | None = None,
-        preemption_poll_interval_s: float = 5.0,
-        grace_seconds: float | None = None,
-        preempted_exit_code: int = DEFAULT_EXIT_CODE,
         local_root: str | os.PathLike[str] | None = None,
         keep_local_last: int = 1,
         storage_options: dict[str, Any] | None = None,
-        upload_retries: int = 4,
-        upload_concurrency: int = 10,
+        preemption_signals: Iterable[int] | None = None,
+        grace_seconds: float | None = None,
+        writer: WriterOptions | None = None,
+        preemption: PreemptionOptions | None = None,
+        cluster: ClusterOptions | None = None,
         transfer: TransferConfig | None = None,
+        **moved: Any,
     ) -> None:
-        transfer = transfer or TransferConfig(attempts=upload_retries + 1, concurrency=upload_concurrency)
-        self.root, self.layout, durable = plan_tiers(root, local_root, storage_options, transfer)
+        reject_moved(moved)
+        check_option_types(writer=writer, preemption=preemption, cluster=cluster)
+        writer, cluster = writer or WriterOptions(), cluster or ClusterOptions()
+        notices = preemption or PreemptionOptions()
+        self.root, self.layout, durable = plan_tiers(
+            root, local_root, storage_options, transfer or TransferConfig()
+        )
         retention = build_retention(keep_last, keep_every_steps, keep_best, best_metric, best_mode)
-        # Every argument is validated before the first process group exists (see arguments.py).
-        check_manager_arguments(writer_threads, if_busy, collective_timeout_s, async_save, async_writer)
-        process_fallback = writer_process_mode(async_save, async_writer, isinstance(self.layout, Layout))
+        # Every argument is validated before the first process group exists (see options.py).
+        check_manager_arguments(writer, async_save)
+        process_fallback = writer_process_mode(
+            async_save, writer.async_writer, isinstance(self.layout, Layout)
+        )
         self._schedule = SaveSchedule(
-            save_every_steps, save_every_seconds, mtbf_seconds, local=isinstance(self.layout, Layout)
+            save_every_steps, save_every_seconds, local=isinstance(self.layout, Layout)
         )
         self.saves = self._schedule.saves  # the same list: what the training loop's saves cost
         self._comms: list[Comm] = []  # every group this manager created, destroyed if __init__ fails
@@ -116,19 +119,19 @@ class CheckpointManager:
             self._build(
                 durable,
                 retention,
-                collective_timeout_s,
-                writer_threads,
+                cluster.collective_timeout_s,
+                writer.threads,
                 async_save,
                 process_fallback,
-                if_busy,
+                writer.if_busy,
                 keep_local_last,
                 dict(
                     signals=preemption_signals,
-                    file=preemption_file,
-                    poll=preemption_poll,
-                    poll_interval_s=preemption_poll_interval_s,
+                    file=notices.file,
+                    poll=notices.poll,
+                    poll_interval_s=notices.poll_interval_s,
                     grace_seconds=grace_seconds,
-                    exit_code=preempted_exit_code,
+                    exit_code=notices.exit_code,
                 ),
             )
         except BaseException:
@@ -140,7 +143,7 @@ class CheckpointManager:
             raise
         self._lease: Any = None
         self._closed = False
-        self._take_ownership(lease_stale_after_s)
+        self._take_ownership(cluster.lease_stale_after_s)
         self._runs: RunHistory | None = None
         if isinstance(self.layout, Layout):  # "auto" was refused above for a URL root alone
             self._runs = self._schedule.add_adaptive(self.layout, self.comm)

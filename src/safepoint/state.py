@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from safepoint import rng
+from safepoint.data import rng
 
 MODEL = "model"
 OPTIMIZER = "optimizer"

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import safepoint
 from safepoint.dist import Agreement, Comm
-from safepoint.layout import Layout
+from safepoint.store.layout import Layout
 from tests.dist.common import ATTEMPT, Log, run_plan, seed_all
 
 _FAULT: dict[str, Any] = {}
@@ -144,9 +144,9 @@ def train_job(job: dict[str, Any], out: Path, log: Log) -> None:
         job["root"],
         save_every_steps=job.get("save_every"),
         save_every_seconds=job.get("save_every_s"),
-        collective_timeout_s=job.get("timeout_s", 30.0),
+        cluster=safepoint.ClusterOptions(collective_timeout_s=job.get("timeout_s", 30.0)),
         async_save=job.get("async_writer") is not None,
-        async_writer=job.get("async_writer", "thread"),
+        writer=safepoint.WriterOptions(async_writer=job.get("async_writer", "thread")),
     )
     committed = [c.step for c in mgr.list()]
     step = mgr.restore(state)

@@ -45,7 +45,10 @@ def main() -> None:
     for name, kw in [
         ("no notice source", {}),
         ("signals", {"preemption_signals": (signal.SIGTERM, signal.SIGUSR1)}),
-        ("signals + file", {"preemption_signals": (signal.SIGTERM,), "preemption_file": flag}),
+        (
+            "signals + file",
+            {"preemption_signals": (signal.SIGTERM,), "preemption": safepoint.PreemptionOptions(file=flag)},
+        ),
     ]:
         with safepoint.CheckpointManager(f"{root}/{len(results)}", **kw) as mgr:  # type: ignore[arg-type]
             # A tight loop: the agreement measures microsecond steps and checks rarely, so this is the

@@ -98,7 +98,7 @@ def train_job(job: dict[str, Any], out: Path, log: Log) -> None:
         save_every_steps=job.get("save_every"),
         preemption_signals=signals,
         grace_seconds=job.get("grace_seconds"),
-        collective_timeout_s=30,
+        cluster=safepoint.ClusterOptions(collective_timeout_s=30),
         **tiering,
     ) as mgr:
         step = mgr.restore(state)

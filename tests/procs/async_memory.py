@@ -70,7 +70,9 @@ def main() -> None:
     state_bytes = sum(p.numel() * 4 for p in params)
     proc = psutil.Process()
     child: dict[str, int] = {}
-    with safepoint.CheckpointManager(root, async_save=True, keep_last=1, async_writer=writer) as mgr:
+    with safepoint.CheckpointManager(
+        root, async_save=True, keep_last=1, writer=safepoint.WriterOptions(async_writer=writer)
+    ) as mgr:
         # One warm-up save so allocator pools and lazy imports are part of the baseline, not the "extra".
         mgr.save(0, state)
         mgr.wait()

@@ -68,7 +68,10 @@ def main() -> None:
         extra: dict[str, Any] = {"seen": 0}
         state = safepoint.TrainState(model=model, optimizer=opt, scheduler=sched, extra=extra)
         with safepoint.CheckpointManager(
-            out / job / "ckpt", save_every_steps=1, keep_last=2, collective_timeout_s=30
+            out / job / "ckpt",
+            save_every_steps=1,
+            keep_last=2,
+            cluster=safepoint.ClusterOptions(collective_timeout_s=30),
         ) as mgr:
             listed = [c.step for c in mgr.list()]
             step = mgr.restore(state)

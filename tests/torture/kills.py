@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 import safepoint
-from safepoint.layout import Layout
+from safepoint.store.layout import Layout
 from tests._train import Setup, assert_bitwise_equal
 from tests.torture.harness import ENV, REPO, Zygote
 

@@ -42,9 +42,9 @@ from typing import Any
 
 import safepoint
 from safepoint.errors import CheckpointError
-from safepoint.manifest import MANIFEST_NAME
-from safepoint.remote import RemoteLayout
-from safepoint.retry import MiB, TransferConfig
+from safepoint.remote.layout import RemoteLayout
+from safepoint.remote.retry import MiB, TransferConfig
+from safepoint.store.manifest import MANIFEST_NAME
 from tests.torture import checks, scenarios
 from tests.torture.harness import Zygote
 
@@ -175,7 +175,7 @@ def workload(
 
 def apply_mutations(names: list[str]) -> None:
     """*Mutations*: break the store protocol inside this child only; the campaigns must catch each."""
-    from safepoint import remote
+    from safepoint.remote import layout as remote
 
     for name in names:
         if name == "manifest_first":  # an upload sends the manifest before the data it lists
@@ -234,12 +234,12 @@ def apply_mutations(names: list[str]) -> None:
 
             remote.RemoteLayout.remove = remove_raising  # type: ignore[method-assign]
         elif name == "bulk_delete_ignores_errors":  # s3fs's rm: per-key errors of a batch delete ignored
-            from safepoint import s3store
-            from safepoint.upload import ObjectStore
+            from safepoint.remote import s3store
+            from safepoint.remote.upload import ObjectStore
 
             s3store.S3Store.delete = ObjectStore.delete  # type: ignore[method-assign]
         elif name == "stream_error_not_oserror":  # torch's zip writer hid a failed part as "unexpected pos"
-            from safepoint import s3writer
+            from safepoint.remote import s3writer
 
             def write(self: Any, data: Any) -> int:
                 view = memoryview(data).cast("B")

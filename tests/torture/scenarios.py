@@ -62,7 +62,7 @@ class Model:
 def make_baseline(root: Path, writer_threads: int = 1) -> None:
     """Commit the baseline checkpoints (in a clean process: no fault layer)."""
     m = Model()
-    with safepoint.CheckpointManager(root, writer_threads=writer_threads) as mgr:
+    with safepoint.CheckpointManager(root, writer=safepoint.WriterOptions(threads=writer_threads)) as mgr:
         for step, version in BASELINE:
             m.fill(version)
             mgr.save(step, m.state, metrics={"version": version})
@@ -92,7 +92,10 @@ def workload(
     mark(what="start")
     # The fault layer patches this process's file operations: the writes must happen here, on the thread.
     with safepoint.CheckpointManager(
-        root, keep_last=keep_last, writer_threads=writer_threads, async_save=async_save, async_writer="thread"
+        root,
+        keep_last=keep_last,
+        async_save=async_save,
+        writer=safepoint.WriterOptions(threads=writer_threads, async_writer="thread"),
     ) as mgr:
         mark(what="ready")
         for step, version in plan:
@@ -129,7 +132,7 @@ def async_next_call(layer: faults.Layer | None, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     # The fault layer patches this process's file operations: the writes must happen here, on the thread.
     with safepoint.CheckpointManager(
-        root, keep_last=KEEP_LAST, async_save=True, async_writer="thread"
+        root, keep_last=KEEP_LAST, async_save=True, writer=safepoint.WriterOptions(async_writer="thread")
     ) as mgr:
         m.fill(30)
         mgr.save(3, m.state)  # returns once staged; the fault (if any) hits the background writer
@@ -160,7 +163,7 @@ def _skipping_fsync_dir(real: Any, skip: Any) -> Any:
 
 
 def _commit_no_rollback(self: Any, pending: Path, manifest: Any) -> Path:
-    from safepoint import layout
+    from safepoint.store import layout
 
     layout.write_file_durably(pending / layout.MANIFEST_NAME, manifest.to_json())
     layout.fsync_dir(pending)
@@ -191,7 +194,7 @@ def _park_replace(self: Any, pending: Path, final: Path, *, undo: bool, rmtree: 
     import shutil
     import uuid
 
-    from safepoint import layout
+    from safepoint.store import layout
 
     assert not layout._rename_exchange(pending, final), "only for runs without renameat2"
     parked = self.pending_root / f"replaced-{final.name}-{uuid.uuid4().hex[:8]}"
@@ -227,7 +230,8 @@ def apply_patches(names: tuple[str, ...] | list[str]) -> None:
     import shutil
     import types
 
-    from safepoint import checksum, layout, saver, storage
+    from safepoint.save import saver
+    from safepoint.store import checksum, layout, storage
 
     for name in names:
         if name == "metadata_not_flushed":  # DCP fsyncs .metadata while its bytes sit in Python's buffer
@@ -399,7 +403,11 @@ def soak(
     def kw() -> dict[str, Any]:
         # The thread writer: a writer process per cycle would add seconds per cycle (its torch import);
         # tests/test_writer_process.py checks managers leave no process or descriptor behind.
-        return {"keep_last": 2, "async_save": async_save, "async_writer": "thread"}
+        return {
+            "keep_last": 2,
+            "async_save": async_save,
+            "writer": safepoint.WriterOptions(async_writer="thread"),
+        }
 
     if per_cycle_manager:
         for cycle in range(1, cycles + 1):
@@ -438,14 +446,16 @@ def warm_up(tmp: Path) -> None:
     # The object-store children's clients (imported only: their event-loop thread starts in the child).
     import s3fs  # noqa: F401
 
-    import safepoint.remote_lease
-    import safepoint.s3store
-    import safepoint.s3writer
-    import safepoint.tiering
+    import safepoint.remote.lease
+    import safepoint.remote.s3store
+    import safepoint.remote.s3writer
+    import safepoint.tiers.tiering
     from tests.torture import objstore  # noqa: F401
 
     make_baseline(tmp / "ckpt")
-    with safepoint.CheckpointManager(tmp / "ckpt", keep_last=1, writer_threads=2) as mgr:
+    with safepoint.CheckpointManager(
+        tmp / "ckpt", keep_last=1, writer=safepoint.WriterOptions(threads=2)
+    ) as mgr:
         m = Model()
         mgr.restore(m.state)
         m.fill(3)

@@ -1,0 +1,1 @@
+"""The ``safepoint`` command line: its commands and the tools behind them."""

@@ -1,0 +1,267 @@
+"""Checkpoint roots as the ``safepoint`` command line sees them: find, list, verify and prune steps.
+
+The logic behind the CLI lives in the ``tools*`` modules, on top of the same modules the manager uses
+(Layout for the layout and commit protocol, SafeReader/SafeLoadPlanner for reads, SyncSaver for writes, the
+retention policies, the lease); cli*.py only parse arguments and render. This one works on manifests and
+file checksums and never unpickles anything. tools_read.py reads a checkpoint's contents (``.metadata``
+through the restricted unpickler, every item with ``weights_only=True``), tools_convert.py exports and
+imports single files, tools_diff.py compares two states.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from safepoint.errors import CheckpointError, CorruptCheckpointError
+from safepoint.policy.rules import Retention
+from safepoint.remote.layout import RemoteLayout, is_url
+from safepoint.store.layout import STEP_PREFIX, CheckpointInfo, Layout
+from safepoint.store.lease import Lease
+from safepoint.store.manifest import MANIFEST_NAME, Manifest
+from safepoint.store.storage import METADATA_NAME
+
+OK = "ok"
+CORRUPT = "corrupt"
+PARTIAL = "partial"
+TIER_LOCAL = "local"
+TIER_DURABLE = "durable"  # a URL root (object store): ls and verify read it through RemoteLayout
+_STEP_DIR = re.compile(rf"^{re.escape(STEP_PREFIX)}(\d+)$")
+
+
+# ---- root and step discovery -------------------------------------------------------------------------
+
+
+def open_root(root: str, *, must_exist: bool = True) -> Layout:
+    """A Layout for a local root; a clear error for URLs and missing or unreadable roots."""
+    path = root[len("file://") :] if root.startswith("file://") else root
+    if "://" in path:
+        raise CheckpointError(f"{root}: this command reads local roots only (ls and verify also read URLs)")
+    layout = Layout(path)
+    if must_exist and not layout.root.exists():
+        raise CheckpointError(f"checkpoint root {path} does not exist")
+    layout.check_readable()
+    return layout
+
+
+def open_any_root(root: str) -> Layout | RemoteLayout:
+    """``open_root``, or for a URL a RemoteLayout that verifies by reading every byte (endpoint and
+    credentials come from the environment and AWS config, e.g. AWS_ENDPOINT_URL_S3, AWS_PROFILE)."""
+    if is_url(root) and not root.startswith("file://"):
+        try:
+            return RemoteLayout(root, deep_verify=True)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+    return open_root(root)
+
+
+def _remote_steps(layout: RemoteLayout) -> dict[int, tuple[str, int, bool]]:
+    """step -> (URL, bytes, has a manifest) for every ``step-N/`` prefix, from one listing."""
+    out: dict[int, tuple[str, int, bool]] = {}
+    for key, size in layout.store.sizes(layout.base).items():
+        top, _, rest = key.partition("/")
+        m = _STEP_DIR.match(top)
+        if m and rest:
+            step = int(m.group(1))
+            _, total, has = out.get(step, (layout.step_path(step), 0, False))
+            out[step] = (layout.step_path(step), total + size, has or rest == MANIFEST_NAME)
+    return dict(sorted(out.items()))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Entry:
+    """One ``step-N`` directory as ``ls`` reports it."""
+
+    step: int
+    path: str
+    status: str
+    bytes: int
+    time: float | None = None
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    world_size: int | None = None
+    reason: str | None = None
+    tier: str = TIER_LOCAL
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _dir_bytes(path: Path) -> int:
+    total = 0
+    for p in path.rglob("*"):
+        try:
+            if p.is_file():
+                total += p.stat().st_size
+        except OSError:
+            continue
+    return total
+
+
+def step_dirs(layout: Layout | RemoteLayout) -> dict[int, Path | str]:
+    """Every ``step-N`` directory, committed or not (Layout.committed_steps lists only committed ones)."""
+    if isinstance(layout, RemoteLayout):
+        return {step: url for step, (url, _, _) in _remote_steps(layout).items()}
+    out: dict[int, Path | str] = {}
+    for entry in os.scandir(layout.root):
+        m = _STEP_DIR.match(entry.name)
+        if m and entry.is_dir():
+            out[int(m.group(1))] = Path(entry.path)
+    return dict(sorted(out.items()))
+
+
+def scan(layout: Layout | RemoteLayout, *, verify: bool = False) -> list[Entry]:
+    """Every step directory, oldest first: ok, corrupt (manifest, or with ``verify`` a file) or partial.
+
+    ``path`` is absolute for a local root and the URL for an object-store root.
+    """
+    entries = []
+    if isinstance(layout, RemoteLayout):
+        tier, found = TIER_DURABLE, _remote_steps(layout)
+    else:
+        # Absolute paths: a script reading `ls --json` may run from another directory than ours.
+        tier = TIER_LOCAL
+        found = {
+            s: (os.path.abspath(p), -1, (Path(p) / MANIFEST_NAME).exists())
+            for s, p in step_dirs(layout).items()
+        }
+    for step, (path, size, committed) in found.items():
+        nbytes = size if size >= 0 else _dir_bytes(Path(path))
+        if not committed:
+            # A save that never committed, or a removal interrupted mid-way: never loaded by restore.
+            entries.append(
+                Entry(step, path, PARTIAL, nbytes, reason="no manifest (never committed)", tier=tier)
+            )
+            continue
+        try:
+            manifest = layout.read_manifest(step)
+        except CorruptCheckpointError as e:
+            entries.append(Entry(step, path, CORRUPT, nbytes, reason=_where(e), tier=tier))
+            continue
+        info = layout.info(step, manifest)
+        status, reason = OK, None
+        if verify:
+            try:
+                layout.verify(step)
+            except CorruptCheckpointError as e:
+                status, reason = CORRUPT, _where(e)
+        entries.append(
+            Entry(step, path, status, info.bytes, info.time, info.metrics, info.world_size, reason, tier)
+        )
+    return entries
+
+
+def pending_saves(layout: Layout | RemoteLayout) -> list[str]:
+    if isinstance(layout, RemoteLayout):
+        return sorted({k.split("/")[0] for k in layout.store.sizes(layout.pending_key)})
+    try:
+        return sorted(p.name for p in layout.pending_root.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def resolve_step(layout: Layout | RemoteLayout, step: int | None) -> int:
+    """``step`` if it is committed, else the newest committed step; a clear error otherwise."""
+    committed = layout.committed_steps()
+    if step is None:
+        if not committed:
+            raise CheckpointError(f"no committed checkpoint in {layout.root}")
+        return committed[-1]
+    if step not in committed:
+        why = ""
+        if isinstance(layout, Layout) and layout.step_path(step).is_dir():
+            why = f" ({layout.step_path(step)} has no manifest: a save that never committed)"
+        shown = committed[-10:] if committed else "none"
+        raise CheckpointError(
+            f"no committed checkpoint for step {step} in {layout.root}{why}; available: {shown}"
+        )
+    return step
+
+
+# ---- verification ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Problem:
+    step: int
+    file: str | None
+    reason: str
+
+    def __str__(self) -> str:
+        return f"step {self.step}: {self.file or 'checkpoint'}: {self.reason}"
+
+
+def _where(e: CorruptCheckpointError) -> str:
+    return f"{e.file}: {e.reason}" if e.file else e.reason
+
+
+def verify_step(
+    layout: Layout | RemoteLayout, step: int, on_file: Callable[[str, int], None] | None = None
+) -> tuple[Manifest | None, list[Problem]]:
+    """Check every file of ``step`` (size + crc32c) and report all problems, not only the first.
+
+    Each file goes through Layout.verify so the checking rule lives in one place; ``on_file(name, size)``
+    is called as each file finishes (progress). Files go one at a time: Layout.verify already reads a
+    file's ranges in parallel, and a second pool on top would only oversubscribe the disk.
+    """
+    try:
+        manifest = layout.read_manifest(step)
+    except CorruptCheckpointError as e:
+        return None, [Problem(step, e.file, e.reason)]
+    problems: list[Problem] = []
+    for name in sorted(manifest.files):
+        try:
+            layout.verify(step, files=[name])
+        except CorruptCheckpointError as e:
+            problems.append(Problem(step, e.file or name, e.reason))
+        except KeyError:  # the manifest was replaced while we read it (a concurrent save of this step)
+            problems.append(Problem(step, name, "the manifest changed during verification; run verify again"))
+        if on_file is not None:
+            on_file(name, manifest.files[name].size)
+    if METADATA_NAME not in manifest.files:
+        problems.append(Problem(step, METADATA_NAME, "not listed in the manifest (not a DCP checkpoint)"))
+    return manifest, problems
+
+
+def require_intact(layout: Layout, step: int, on_file: Callable[[str, int], None] | None = None) -> Manifest:
+    manifest, problems = verify_step(layout, step, on_file)
+    if problems or manifest is None:
+        first = problems[0]
+        more = f" (+{len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise CorruptCheckpointError(step, first.file, first.reason + more)
+    return manifest
+
+
+# ---- prune -------------------------------------------------------------------------------------------
+
+
+def history(layout: Layout) -> list[CheckpointInfo]:
+    """Committed checkpoints whose manifest parses; others are never counted as kept or deleted."""
+    out = []
+    for s in layout.committed_steps():
+        try:
+            out.append(layout.info(s, layout.read_manifest(s)))
+        except CheckpointError:
+            continue
+    return out
+
+
+def prune(layout: Layout, retention: Retention, *, dry_run: bool) -> tuple[list[int], list[int]]:
+    """(kept, deleted) steps. Deletes under the lease, so it never races a live writer."""
+    if dry_run:
+        infos = history(layout)
+        doomed = retention.to_delete(infos)
+        return [c.step for c in infos if c.step not in doomed], doomed
+    lease = Lease(layout.root)
+    lease.acquire()
+    try:
+        infos = history(layout)  # read again under the lease: only now can nobody else be adding
+        doomed = retention.to_delete(infos)
+        for step in doomed:
+            layout.remove(step)
+        return [c.step for c in infos if c.step not in doomed], doomed
+    finally:
+        lease.release()

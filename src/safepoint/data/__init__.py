@@ -1,0 +1,1 @@
+"""Per-rank data position and RNG state: ResumableSampler and RNG capture."""

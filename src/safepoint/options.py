@@ -1,0 +1,160 @@
+"""The manager's option objects, and the checks of its arguments that no part it builds makes.
+
+``CheckpointManager`` keeps the common knobs flat (when to save, what to keep, async, tiers, preemption
+signals and grace); the rest are grouped here, one small frozen dataclass per concern, each field
+documented and validated in ``__post_init__``. Every argument is validated before the first process group
+exists (dist.new_group): a bad one must not leak a gloo group (and its threads) per attempt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+ASYNC_WRITERS = ("auto", "thread", "process")
+DEFAULT_EXIT_CODE = 143
+"""128 + SIGTERM: what a process killed by the notice's SIGTERM reports, so an orchestrator (Kubernetes
+``podFailurePolicy``, systemd ``SuccessExitStatus``, torchrun, Slurm) treats a saved-and-exited job the
+same as one that was terminated by the signal; non-zero, so torchrun restarts the workers."""
+
+
+def _positive_number(name: str, value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class WriterOptions:
+    """How saves are written: ``CheckpointManager(writer=safepoint.WriterOptions(...))``."""
+
+    async_writer: str = "auto"
+    """With ``async_save``: "process" (a writer process per rank reading the staging buffers in shared
+    memory; Linux, local roots and local_root), "thread" (a background thread of this process), or "auto"
+    (the process where it can run, else the thread). See docs/async.md."""
+    if_busy: str = "wait"
+    """With ``async_save``, what a save does while the previous one is still writing: "wait" (logs how
+    long) or "skip" (warns, saves nothing). Never two staged copies."""
+    threads: int = 1
+    """DCP writer threads per rank."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
+            raise ValueError(f"WriterOptions.threads must be a positive int, got {self.threads!r}")
+        if self.if_busy not in ("wait", "skip"):
+            raise ValueError(f"WriterOptions.if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
+        if self.async_writer not in ASYNC_WRITERS:
+            raise ValueError(
+                f"WriterOptions.async_writer must be 'auto', 'thread' or 'process', got {self.async_writer!r}"
+            )
+        if self.async_writer == "process" and not hasattr(os, "memfd_create"):
+            raise ValueError("async_writer='process' needs Linux (memfd_create); use async_writer='thread'")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PreemptionOptions:
+    """Notice sources beyond ``preemption_signals``, and the exit that follows an emergency save:
+    ``CheckpointManager(preemption=safepoint.PreemptionOptions(...))``. See docs/preemption.md."""
+
+    file: str | os.PathLike[str] | None = None
+    """A sentinel file: its appearance is a notice (checked by a background thread)."""
+    poll: Callable[[], object] | None = None
+    """A callable polled in the background (e.g. a cloud metadata endpoint); a truthy result is a notice."""
+    poll_interval_s: float = 5.0
+    """How often ``file`` and ``poll`` are checked."""
+    exit_code: int = DEFAULT_EXIT_CODE
+    """The exit status ``safepoint.Preempted`` carries after the emergency save (default 143)."""
+
+    def __post_init__(self) -> None:
+        _positive_number("PreemptionOptions.poll_interval_s", self.poll_interval_s)
+        if self.poll is not None and not callable(self.poll):
+            raise ValueError(f"PreemptionOptions.poll must be callable, got {self.poll!r}")
+        # 0 would tell torchrun and the scheduler that the job finished: it would never be restarted.
+        code = self.exit_code
+        if isinstance(code, bool) or not isinstance(code, int) or not 1 <= code <= 255:
+            raise ValueError(f"PreemptionOptions.exit_code must be an int in 1..255 (non-zero), got {code!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterOptions:
+    """How the ranks of a job coordinate and own the root: ``CheckpointManager(cluster=...)``."""
+
+    collective_timeout_s: float = 600.0
+    """Bound on every collective safepoint runs among ranks: a dead peer is an error, not a hang."""
+    lease_stale_after_s: float = 120.0
+    """A lease whose heartbeat is older than this (another host) is taken over."""
+
+    def __post_init__(self) -> None:
+        _positive_number("ClusterOptions.collective_timeout_s", self.collective_timeout_s)
+        _positive_number("ClusterOptions.lease_stale_after_s", self.lease_stale_after_s)
+
+
+MOVED_KEYWORDS: Mapping[str, str] = {
+    "async_writer": "writer=safepoint.WriterOptions(async_writer=...)",
+    "if_busy": "writer=safepoint.WriterOptions(if_busy=...)",
+    "writer_threads": "writer=safepoint.WriterOptions(threads=...)",
+    "preemption_file": "preemption=safepoint.PreemptionOptions(file=...)",
+    "preemption_poll": "preemption=safepoint.PreemptionOptions(poll=...)",
+    "preemption_poll_interval_s": "preemption=safepoint.PreemptionOptions(poll_interval_s=...)",
+    "preempted_exit_code": "preemption=safepoint.PreemptionOptions(exit_code=...)",
+    "collective_timeout_s": "cluster=safepoint.ClusterOptions(collective_timeout_s=...)",
+    "lease_stale_after_s": "cluster=safepoint.ClusterOptions(lease_stale_after_s=...)",
+    "mtbf_seconds": "save_every_seconds=safepoint.AdaptiveInterval(mtbf_s=...)",
+    "upload_retries": "transfer=safepoint.TransferConfig(attempts=retries + 1)",
+    "upload_concurrency": "transfer=safepoint.TransferConfig(concurrency=...)",
+}
+"""Keywords of CheckpointManager that moved into an option object, and their new home."""
+
+
+def reject_moved(kwargs: Mapping[str, Any]) -> None:
+    """A moved keyword fails with its new home named; any other unknown keyword as Python would."""
+    for name in kwargs:
+        if name in MOVED_KEYWORDS:
+            raise TypeError(f"CheckpointManager: {name}= moved; pass {MOVED_KEYWORDS[name]}")
+        raise TypeError(f"CheckpointManager() got an unexpected keyword argument {name!r}")
+
+
+def check_option_types(**options: object) -> None:
+    """Each option object is of its class (or None): a dict or a typo'd class fails here, by name."""
+    kinds = {"writer": WriterOptions, "preemption": PreemptionOptions, "cluster": ClusterOptions}
+    for name, value in options.items():
+        if value is not None and not isinstance(value, kinds[name]):
+            raise TypeError(f"{name}= takes a safepoint.{kinds[name].__name__}, got {type(value).__name__}")
+
+
+def check_manager_arguments(writer: WriterOptions, async_save: bool) -> None:
+    if writer.async_writer == "process" and not async_save:
+        raise ValueError("async_writer='process' writes async saves: pass async_save=True as well")
+
+
+def check_keep_local_last(keep_local_last: int) -> None:
+    if isinstance(keep_local_last, bool) or not isinstance(keep_local_last, int) or keep_local_last < 1:
+        raise ValueError(f"keep_local_last must be a positive int, got {keep_local_last!r}")
+
+
+def writer_process_mode(async_save: bool, async_writer: str, local_files: bool) -> bool | None:
+    """None: async saves (if any) need no writer process; else whether one that cannot start may be
+    replaced by the writer thread ("auto") rather than fail the save ("process").
+
+    "auto" is the process wherever it can run: measured in docs/benchmarks.md ("The process writer"), it
+    halves what a save costs a Python-bound loop over a many-tensor state and ties elsewhere.
+    """
+    if async_writer == "process" and not local_files:
+        raise ValueError(
+            "async_writer='process' writes local files: with a URL root, pass local_root= (saves commit "
+            "there and upload in the background) or use async_writer='thread'"
+        )
+    if not async_save:
+        return None
+    if async_writer == "process":
+        return False
+    if async_writer == "auto" and local_files and hasattr(os, "memfd_create"):
+        return True
+    return None

@@ -1,0 +1,1 @@
+"""Preemption: notice sources, the agreed notice, the emergency save."""

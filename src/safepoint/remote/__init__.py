@@ -1,0 +1,1 @@
+"""Object stores: the generic fsspec path, S3, transfers, retries and the remote lease."""

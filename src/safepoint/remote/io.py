@@ -1,0 +1,97 @@
+"""DCP I/O straight to a store (an fsspec URL): checksummed streaming writes and safe reads.
+
+The writer is DCP's own ``FileSystemWriter`` with its file system swapped, like ``storage.SafepointWriter``
+for local roots: every write stream is a ``ChecksummingWriter`` (crc32c as bytes pass) over the store's
+upload stream (``ObjectStore.open_writer``; on S3 parts go up while DCP is still writing and S3 checks each
+part's CRC32C). A stream that fails is aborted, so no partial object is left to look complete.
+
+The reader is ``storage.SafeReader`` (metadata unpickled with an allowlist) over the same file system;
+load with ``storage.SafeLoadPlanner`` (non-tensor items with ``weights_only=True``).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import posixpath
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import IO, Any, cast
+
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+from safepoint.remote.s3writer import open_writer
+from safepoint.remote.upload import ObjectStore
+from safepoint.store.checksum import ChecksummingWriter, ChecksumRecorder
+from safepoint.store.storage import SafeReader
+
+
+class _StoreFileSystem(FsspecFileSystem):
+    """DCP's fsspec file system bound to one store; writes are checksummed, uploads verified."""
+
+    def __init__(self, store: ObjectStore, recorder: ChecksumRecorder | None) -> None:
+        super().__init__()
+        self.fs = store.fs
+        self.store = store
+        self.recorder = recorder
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
+        path = os.fspath(path)
+        if "w" not in mode:
+            with self.store.fs.open(path, mode) as stream:
+                yield stream
+            return
+        assert self.recorder is not None, "a reader never writes"
+        raw = open_writer(self.store, path)
+        stream = ChecksummingWriter(cast(IO[bytes], raw), posixpath.basename(path), self.recorder)
+        try:
+            yield cast(io.IOBase, stream)
+        except BaseException as e:
+            raw.abort()  # first: the stream's own cleanup closes raw, which must then create nothing
+            stream.__exit__(type(e), e, e.__traceback__)
+            raise
+        stream.close()  # the upload completes (and is confirmed) here; only then is the file recorded
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        # DCP writes .metadata.tmp and renames it. A store copies server-side (recomputing its checksum)
+        # and deletes; nothing is visible to readers before our manifest anyway.
+        src, dst = os.fspath(path), os.fspath(new_path)
+        self.store.copy(src, dst)
+        self.store.delete([src])
+        if self.recorder is not None:
+            self.recorder.rename(posixpath.basename(src), posixpath.basename(dst))
+
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
+        # Stores have no directories, and s3fs's makedirs would create a missing *bucket*: a typo in a
+        # URL must fail, not make buckets. Local paths (file://) do need the directory.
+        if self.store.local:
+            self.store.fs.makedirs(os.fspath(path), exist_ok=True)
+
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
+        return posixpath.join(os.fspath(path), suffix)
+
+
+class StoreWriter(FileSystemWriter):
+    """DCP writer into a store path; records (size, crc32c) of every file as it streams out."""
+
+    def __init__(self, store: ObjectStore, path: str, *, thread_count: int = 1) -> None:
+        # sync_files: objects are durable once their upload completes; DCP's fallback os.sync() would only
+        # flush unrelated local disks.
+        super().__init__(path, single_file_per_rank=True, sync_files=False, thread_count=thread_count)
+        self.recorder = ChecksumRecorder()
+        self.fs = _StoreFileSystem(store, self.recorder)  # type: ignore[assignment]
+        self.path = path
+
+    def written_files(self) -> dict[str, tuple[int, str]]:
+        return self.recorder.snapshot()
+
+
+class SafeStoreReader(SafeReader):
+    """SafeReader (allowlisted metadata unpickling) reading from a store path."""
+
+    def __init__(self, store: ObjectStore, path: str, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.fs = _StoreFileSystem(store, None)  # type: ignore[assignment]
+        self.path = path

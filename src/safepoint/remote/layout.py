@@ -1,0 +1,348 @@
+"""The layout and commit protocol on object stores (any fsspec URL: s3://, gs://, az://, file://, ...).
+
+    ROOT/step-<N>/           data objects (a plain DCP directory) + safepoint.json, the manifest
+    ROOT/.pending/<name>/    a re-save of a step that is already committed, staged (see commit)
+    ROOT/.lease              the owner (S3 only, by conditional writes; see remote_lease.py)
+
+Stores cannot rename a directory atomically, so a step is committed by its manifest alone: data objects go
+in place under ``step-N/``, each is confirmed (size, and crc32c: S3's own CRC32C, or GCS's, or by reading
+where that is cheap), and only then is ``safepoint.json`` written. Deleting removes the manifest first.
+A reader trusts a step only if its manifest parses and every listed object matches it: the same rule and
+the same ``Manifest`` as on a local disk.
+
+Saving a step that is already committed cannot overwrite it in place (the committed copy would be broken
+before the new one exists). The new copy is written under ``.pending/step-N-<id>/`` with its own manifest;
+then the old manifest is deleted, the objects are copied server-side into ``step-N/``, and the new manifest
+is written. In that window step N is not listed (older steps are), but a complete copy always exists, and
+a new owner finishes the promotion (``clean_pending``). This is the best a store without rename allows.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import posixpath
+import re
+from pathlib import Path
+from typing import Any
+
+from fsspec.core import url_to_fs
+from torch.distributed.checkpoint.metadata import Metadata
+
+from safepoint.errors import CheckpointError, CorruptCheckpointError
+from safepoint.remote.io import SafeStoreReader, StoreWriter
+from safepoint.remote.upload import FileCopy, ObjectStore, TransferConfig, UploadError
+from safepoint.store.layout import PENDING_DIR, CheckpointInfo, step_name
+from safepoint.store.lease import Lease
+from safepoint.store.manifest import MANIFEST_NAME, Manifest
+from safepoint.store.storage import METADATA_NAME, safe_load_metadata
+
+log = logging.getLogger("safepoint")
+_MANIFEST_KEY = re.compile(r"^step-(\d+)/" + re.escape(MANIFEST_NAME) + "$")
+_STEP_DIR = re.compile(r"^(step-\d+)/")
+_PENDING_STEP = re.compile(r"^(step-\d+)-[0-9a-f]+$")
+
+
+def is_url(root: object) -> bool:
+    return isinstance(root, str) and "://" in root
+
+
+def open_store(
+    url: str, storage_options: dict[str, Any] | None, cfg: TransferConfig | None
+) -> tuple[ObjectStore, str]:
+    """The store for ``url`` and the root's path inside it (no protocol)."""
+    protocol = url.split("://", 1)[0]
+    try:
+        fs, path = url_to_fs(url, **(storage_options or {}))
+    except ImportError as e:
+        extra = " (pip install 'safepoint[s3]')" if protocol in ("s3", "s3a") else ""
+        raise ValueError(f"root {url!r} needs the {protocol}:// file system's package{extra}: {e}") from e
+    except ValueError as e:
+        raise ValueError(
+            f"root {url!r}: unknown protocol {protocol!r}: no fsspec file system for it ({e})"
+        ) from e
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    if protocols & {"s3", "s3a"}:
+        from safepoint.remote.s3store import S3Store
+
+        return S3Store(fs, cfg), path.rstrip("/")
+    return ObjectStore(fs, cfg), path.rstrip("/")
+
+
+class RemoteLayout:
+    """A checkpoint root on an object store: the same methods as ``Layout`` where a store has them."""
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        transfer: TransferConfig | None = None,
+        deep_verify: bool = False,
+    ) -> None:
+        """``deep_verify``: verify() reads every byte even where the store reports a checksum."""
+        self.store, self.base = open_store(url, storage_options, transfer)
+        self.root = self.store.url(self.base)
+        self.deep_verify = deep_verify
+        self.unguarded = False
+        # Replacements of a committed step that failed after its old manifest was deleted: staged prefix ->
+        # the new copy's manifest. Only rolling forward can bring the step back (its old data is being
+        # overwritten), so the staged copy is kept, and the next save (or listing, or owner) finishes it.
+        self._unfinished: dict[str, Manifest] = {}
+
+    def _p(self, *parts: str) -> str:
+        return posixpath.join(self.base, *parts)
+
+    def step_path(self, step: int) -> str:
+        return self.store.url(self._p(step_name(step)))
+
+    @property
+    def pending_key(self) -> str:
+        return self._p(PENDING_DIR)
+
+    def step_key(self, step: int) -> str:
+        return self._p(step_name(step))
+
+    def ensure_root(self) -> None:
+        try:
+            self.store.check_root(self.base)
+        except (OSError, UploadError) as e:
+            raise CheckpointError(f"cannot use checkpoint root {self.root}: {e}") from e
+
+    def check_readable(self) -> None:
+        pass
+
+    # ---- discovery --------------------------------------------------------------------------------------
+
+    def committed_steps(self) -> list[int]:
+        """Steps whose manifest object exists, oldest first (manifest not yet parsed). One listing."""
+        self._roll_forward()
+        steps = []
+        for rel in self.store.sizes(self.base):
+            m = _MANIFEST_KEY.match(rel)
+            if m:
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def manifest_bytes(self, step: int) -> bytes:
+        try:
+            return self.store.get_bytes(self._p(step_name(step), MANIFEST_NAME))
+        except UploadError as e:
+            raise OSError(str(e)) from e
+
+    def read_manifest(self, step: int) -> Manifest:
+        try:
+            data = self.manifest_bytes(step)
+        except OSError as e:
+            raise CorruptCheckpointError(step, MANIFEST_NAME, f"cannot read manifest ({e})") from e
+        return Manifest.from_json(data, step_hint=step)
+
+    def info(self, step: int, manifest: Manifest) -> CheckpointInfo:
+        return CheckpointInfo(
+            step=step,
+            path=self.step_path(step),
+            time=manifest.time,
+            bytes=manifest.total_bytes,
+            metrics=dict(manifest.metrics),
+            world_size=manifest.world_size,
+        )
+
+    def verify(self, step: int, files: list[str] | None = None) -> Manifest:
+        """Parse the manifest and check every listed object (or ``files``): size, then crc32c.
+
+        The crc32c is the store's own where it keeps one (S3 CRC32C, GCS crc32c), else the bytes are read.
+        Raises CorruptCheckpointError naming the first bad file (in name order, as Layout does).
+        """
+        manifest = self.read_manifest(step)
+        names = sorted(manifest.files) if files is None else files
+        base = self.step_key(step)
+
+        def check(name: str) -> str | None:
+            entry = manifest.files[name]
+            return self.store.check(
+                posixpath.join(base, name), entry.size, entry.crc32c, deep=self.deep_verify
+            )
+
+        try:
+            problems = self.store._parallel(check, names)
+        except UploadError as e:
+            raise CorruptCheckpointError(step, None, f"cannot read from the store ({e})") from e
+        for name, problem in zip(names, problems, strict=True):
+            if problem:
+                raise CorruptCheckpointError(step, name, problem)
+        return manifest
+
+    def read_metadata(self, step: int) -> Metadata:
+        data = self.store.get_bytes(self._p(step_name(step), METADATA_NAME))
+        return safe_load_metadata(io.BytesIO(data))
+
+    def make_reader(self, step: int) -> SafeStoreReader:
+        self.store.fs.invalidate_cache(self.step_key(step))  # s3fs checks cached ETags on open
+        return SafeStoreReader(self.store, self.step_key(step))
+
+    # ---- saving -----------------------------------------------------------------------------------------
+
+    def new_pending(self, step: int, save_id: str) -> str:
+        """Where a save of ``step`` writes: in place, unless a committed copy is there (then staged)."""
+        self._roll_forward()
+        try:
+            self.store.stored_checksum(self._p(step_name(step), MANIFEST_NAME))
+        except FileNotFoundError:
+            return self.step_key(step)
+        return self._p(PENDING_DIR, f"{step_name(step)}-{save_id}")
+
+    def make_writer(self, pending: str, *, thread_count: int = 1) -> StoreWriter:
+        return StoreWriter(self.store, pending, thread_count=thread_count)
+
+    def written_sizes(self, pending: str) -> dict[str, int]:
+        return {k: v for k, v in self.store.sizes(pending).items() if "/" not in k}
+
+    def put_files(self, pending: str, files: list[tuple[str, str, int, str]]) -> None:
+        """Upload local files (path, name, size, crc32c) into ``pending``, each verified by the store."""
+        self.store.put_files([FileCopy(lp, posixpath.join(pending, n), s, c) for lp, n, s, c in files])
+
+    def commit(self, pending: str, manifest: Manifest) -> str:
+        """Confirm every object against ``manifest``, then write the manifest (then promote if staged)."""
+        self._confirm(pending, manifest)
+        final = self.step_key(manifest.step)
+        if pending == final:
+            self.store.put_bytes(posixpath.join(final, MANIFEST_NAME), manifest.to_json())
+        else:
+            self.store.put_bytes(posixpath.join(pending, MANIFEST_NAME), manifest.to_json())
+            self._replace(pending, manifest)
+        return self.store.url(final)
+
+    def _confirm(self, prefix: str, manifest: Manifest) -> None:
+        names = sorted(manifest.files)
+
+        def check(name: str) -> str | None:
+            # Objects went up with their crc32c checked by us (and by S3): size + the store's checksum.
+            entry = manifest.files[name]
+            return self.store.check(posixpath.join(prefix, name), entry.size, entry.crc32c, read=False)
+
+        for name, problem in zip(names, self.store._parallel(check, names), strict=True):
+            if problem:
+                raise UploadError(
+                    f"{self.store.url(posixpath.join(prefix, name))} cannot be committed: {problem}"
+                )
+
+    def _promote(self, staged: str, manifest: Manifest) -> None:
+        """Replace a committed step by a staged, confirmed copy; never without a complete copy somewhere."""
+        final = self.step_key(manifest.step)
+        log.info("safepoint: replacing committed %s on the store", self.store.url(final))
+        self.store.delete([posixpath.join(final, MANIFEST_NAME)])  # step N is unlisted from here ...
+        self._unfinished[staged] = manifest  # ... and a failure from here on must keep the staged copy
+        stale = [posixpath.join(final, k) for k in self.store.sizes(final) if k not in manifest.files]
+        self.store.delete(stale)
+        names = sorted(manifest.files)
+        self.store._parallel(
+            lambda n: self.store.copy(
+                posixpath.join(staged, n), posixpath.join(final, n), manifest.files[n].size
+            ),
+            names,
+        )
+        self._confirm(final, manifest)
+        self.store.put_bytes(posixpath.join(final, MANIFEST_NAME), manifest.to_json())  # ... to here
+        self._unfinished.pop(staged, None)
+        self.discard(staged)
+
+    def _replace(self, staged: str, manifest: Manifest) -> None:
+        try:
+            self._promote(staged, manifest)
+        except (CheckpointError, OSError) as e:
+            if staged not in self._unfinished:
+                raise  # the old copy's manifest is still there: nothing changed, the staged copy may go
+            raise UploadError(
+                f"replacing committed step {manifest.step} failed midway ({e}): its old copy is unlisted and "
+                f"partly overwritten; the new copy is complete at {self.store.url(staged)} and the next save "
+                "(or the next owner of this root) finishes the replacement with it"
+            ) from e
+
+    def _roll_forward(self) -> None:
+        """Finish replacements that failed midway (``_unfinished``); those that fail again stay queued."""
+        for staged, manifest in list(self._unfinished.items()):
+            try:
+                self._promote(staged, manifest)
+                log.warning("safepoint: finished the interrupted replacement of step %d", manifest.step)
+            except (CheckpointError, OSError) as e:
+                log.warning("safepoint: still cannot finish replacing step %d: %s", manifest.step, e)
+
+    def discard(self, pending: str) -> None:
+        """Delete an uncommitted save's objects: its manifest first, if one got written, and the rest only
+        once that is gone (a manifest must never outlive the data it lists). Never a staged copy that an
+        unfinished replacement needs."""
+        if pending in self._unfinished:
+            log.warning("safepoint: keeping %s to finish a replacement with it", self.store.url(pending))
+            return
+        try:
+            self.store.delete([posixpath.join(pending, MANIFEST_NAME)])
+            rest = [posixpath.join(pending, k) for k in self.store.sizes(pending) if k != MANIFEST_NAME]
+            self.store.delete(rest)
+        except (UploadError, FileNotFoundError) as e:
+            log.warning("safepoint: could not clean up %s: %s", self.store.url(pending), e)
+
+    # ---- removal and cleanup ----------------------------------------------------------------------------
+
+    def remove(self, step: int) -> None:
+        """Delete a committed checkpoint: the manifest first (then it is no longer listed), then the data.
+
+        Raises OSError if the manifest could not be deleted, as ``Layout.remove`` does: retention treats a
+        failed removal as a cleanup to retry, never as a failure of the save that was just committed."""
+        try:
+            self.store.delete([self._p(step_name(step), MANIFEST_NAME)])
+        except UploadError as e:
+            raise OSError(f"cannot delete step {step} from {self.root}: {e}") from e
+        self.discard(self.step_key(step))
+
+    def clean_pending(self) -> list[str]:
+        """Run by the owner: finish interrupted replacements, delete uncommitted data. Returns what it did."""
+        if self.unguarded:
+            return [f"not cleaning up {self.root}: without a lease, uncommitted objects may be another job's"]
+        done: list[str] = []
+        objects = self.store.sizes(self.base)
+        committed = {step_name(int(m.group(1))) for k in objects if (m := _MANIFEST_KEY.match(k))}
+        staged = {k.split("/")[1] for k in objects if k.startswith(PENDING_DIR + "/") and k.count("/") >= 2}
+        for name in sorted(staged):
+            prefix = self._p(PENDING_DIR, name)
+            m = _PENDING_STEP.match(name)
+            if m and m.group(1) not in committed and f"{PENDING_DIR}/{name}/{MANIFEST_NAME}" in objects:
+                try:
+                    manifest = Manifest.from_json(self.store.get_bytes(posixpath.join(prefix, MANIFEST_NAME)))
+                    self._confirm(prefix, manifest)
+                    self._promote(prefix, manifest)
+                    committed.add(m.group(1))
+                    done.append(f"finished the interrupted replacement of {m.group(1)}")
+                    continue
+                except (CheckpointError, OSError) as e:
+                    if prefix in self._unfinished:  # failed midway: the staged copy is all there is
+                        done.append(f"could not finish replacing {m.group(1)} yet ({e}); will retry")
+                        continue
+                    log.warning("safepoint: staged copy %s is unusable (%s); removing it", name, e)
+            self.discard(prefix)
+            done.append(f"removed abandoned {PENDING_DIR}/{name}")
+        dirs = {m.group(1) for k in objects if (m := _STEP_DIR.match(k))}
+        for name in sorted(dirs - committed):
+            self.discard(self._p(name))
+            done.append(f"removed uncommitted {name} (an interrupted save or upload)")
+        try:
+            if aborted := self.store.abort_uploads(self.base):
+                done.append(
+                    f"aborted {aborted} multipart upload(s) left open by an interrupted save or upload"
+                )
+        except UploadError as e:
+            log.warning("safepoint: could not abort unfinished multipart uploads under %s: %s", self.root, e)
+        return done
+
+    def lease(self, stale_after_s: float) -> Any:
+        """The owner's lease on this root: S3 conditional writes, O_EXCL for file://; None elsewhere (then
+        ``clean_pending`` leaves uncommitted objects alone: they may be another writer's save in flight)."""
+        from safepoint.remote.lease import RemoteLease
+
+        if self.store.local:
+            return Lease(Path(self.base), stale_after_s=stale_after_s)
+        lease = RemoteLease.for_layout(self, stale_after_s)
+        self.unguarded = lease is None
+        return lease
+
+    def object_key(self, step: int, name: str) -> str:
+        return self._p(step_name(step), name)

@@ -1,0 +1,185 @@
+"""The base of ``S3Store``: requests to S3 under one retry policy, and reading (objects, stored checksums,
+ranged reads, listings). s3store.py adds the writes.
+
+Every request goes straight to s3fs's aiobotocore client (see s3store.py), listings and deletes included:
+through s3fs's own retry wrapper each of our attempts would be several.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
+
+import crc32c
+from fsspec.asyn import sync
+
+from safepoint.remote.retry import TransferConfig, UploadError, cause_code, lower_priority, next_delay
+from safepoint.remote.upload import ObjectStore, combine, hex_crc
+
+T = TypeVar("T")
+
+NOT_FOUND = ("404", "NoSuchKey", "NotFound")
+
+
+class S3Reader(ObjectStore):
+    """Requests to S3 through s3fs's client under one retry policy, and every read; S3Store adds writes."""
+
+    def __init__(self, fs: Any, cfg: TransferConfig | None = None) -> None:
+        super().__init__(fs, cfg)
+        self._sem: asyncio.Semaphore | None = None
+        # Reading parts and their crc32c happens off the event loop (both release the GIL).
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            self.cfg.concurrency,
+            "safepoint-s3io",
+            initializer=lower_priority if self.cfg.background else None,
+        )
+
+    def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        result: T = sync(self.fs.loop, fn, *args)
+        return result
+
+    @property
+    def sem(self) -> asyncio.Semaphore:
+        if self._sem is None:  # created on the loop thread, where every coroutine runs
+            self._sem = asyncio.Semaphore(self.cfg.concurrency)
+        return self._sem
+
+    async def call(self, method: str, **kw: Any) -> Any:
+        await self.fs.set_session()
+        client = await self.fs.get_s3(kw.get("Bucket"))
+        fn = getattr(client, method)
+        # s3fs adds the user's s3_additional_kwargs (SSE, ACL, RequestPayer ...) and drops unknown ones.
+        return await fn(**self.fs._get_s3_method_kwargs(fn, **kw))
+
+    async def aretry(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await fn()
+            except Exception as e:
+                await asyncio.sleep(next_delay(what, e, attempt, self.cfg))
+
+    def _split(self, path: str) -> tuple[str, str]:
+        bucket, key, _ = self.fs.split_path(path)
+        return bucket, key
+
+    async def _gate(self) -> None:
+        if not self.gate.is_set():  # a save is blocking training: wait (off the loop) until it is done
+            await self._in_pool(self.pass_gate)
+
+    async def _in_pool(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # ---- reading ----------------------------------------------------------------------------------------
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """{key relative to prefix: size} of every object under ``prefix``: one paginated LIST."""
+        bucket, key = self._split(prefix)
+        base = key.rstrip("/") + "/"
+
+        async def listing() -> dict[str, int]:
+            out: dict[str, int] = {}
+            token: dict[str, str] = {}
+            while True:
+                r = await self.call("list_objects_v2", Bucket=bucket, Prefix=base, **token)
+                out.update({o["Key"][len(base) :]: int(o["Size"]) for o in r.get("Contents", [])})
+                if not r.get("IsTruncated"):
+                    return out
+                token = {"ContinuationToken": r["NextContinuationToken"]}
+
+        return dict(self.run(self.aretry, f"listing of {self.url(prefix)}", listing))
+
+    def get_bytes(self, path: str) -> bytes:
+        bucket, key = self._split(path)
+
+        async def get() -> bytes:
+            r = await self.call("get_object", Bucket=bucket, Key=key)
+            async with r["Body"] as body:
+                return bytes(await body.read())
+
+        try:
+            return bytes(self.run(self.aretry, f"read of {self.url(path)}", get))
+        except UploadError as e:
+            if cause_code(e) in NOT_FOUND:
+                raise FileNotFoundError(self.url(path)) from None
+            raise
+
+    def stored_checksum(self, path: str) -> tuple[int, str | None]:
+        bucket, key = self._split(path)
+        try:
+            head = self.run(self.aretry, f"stat of {self.url(path)}", lambda: self._head(bucket, key))
+        except UploadError as e:
+            if cause_code(e) in NOT_FOUND:
+                raise FileNotFoundError(self.url(path)) from None
+            raise
+        crc = head.get("ChecksumCRC32C")
+        whole = isinstance(crc, str) and not composite(head)  # a composite value is not the file's crc32c
+        return int(head["ContentLength"]), hex_crc(crc) if whole else None
+
+    async def _head(self, bucket: str, key: str) -> Any:
+        return await self.call("head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+
+    async def _get_range(self, bucket: str, key: str, off: int, n: int) -> bytes:
+        r = await self.call("get_object", Bucket=bucket, Key=key, Range=f"bytes={off}-{off + n - 1}")
+        async with r["Body"] as body:
+            data = bytes(await body.read())
+        if len(data) != n:
+            raise ConnectionError(f"short read: {len(data)} of {n} bytes")  # transient: retried
+        return data
+
+    def _ranges(self, size: int) -> list[tuple[int, int]]:
+        p = self.cfg.part_size
+        return [(off, min(p, size - off)) for off in range(0, size, p)]
+
+    def read_crc(self, path: str, size: int) -> str:
+        bucket, key = self._split(path)
+        what = f"read of {self.url(path)}"
+
+        async def one(off: int, n: int) -> tuple[int, int]:
+            async with self.sem:
+                data = await self.aretry(what, lambda: self._get_range(bucket, key, off, n))
+                return await self._in_pool(crc32c.crc32c, data), n
+
+        return combine(self.run(self._gather, [one(o, n) for o, n in self._ranges(size)]))
+
+    def download(self, path: str, local: str, size: int) -> str:
+        bucket, key = self._split(path)
+        what = f"download of {self.url(path)}"
+        fd = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+
+            def write_at(data: bytes, off: int) -> int:
+                os.pwrite(fd, data, off)
+                return int(crc32c.crc32c(data))
+
+            async def one(off: int, n: int) -> tuple[int, int]:
+                async with self.sem:
+                    data = await self.aretry(what, lambda: self._get_range(bucket, key, off, n))
+                    return await self._in_pool(write_at, data, off), n
+
+            crc = combine(self.run(self._gather, [one(o, n) for o, n in self._ranges(size)]))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return crc
+
+    @staticmethod
+    async def _gather(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
+        """Run all; on the first failure cancel the rest (their multipart uploads are aborted), raise it."""
+        tasks: list[asyncio.Task[T]] = []
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(c) for c in coros]
+        except BaseExceptionGroup as eg:
+            errors = [e for e in eg.exceptions if not isinstance(e, asyncio.CancelledError)]
+            raise (errors or list(eg.exceptions))[0] from None
+        return [t.result() for t in tasks]
+
+
+def composite(head: dict[str, Any]) -> bool:
+    crc = head.get("ChecksumCRC32C")
+    return head.get("ChecksumType") == "COMPOSITE" or (isinstance(crc, str) and "-" in crc)

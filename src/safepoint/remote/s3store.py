@@ -1,0 +1,305 @@
+"""S3 transfers that the store itself verifies: CRC32C checksums, multipart, conditional creates.
+
+Every object goes up with the crc32c that DCP's write stream recorded for it (``ChecksumCRC32C``); S3
+recomputes it over the bytes it received and rejects a mismatch (``BadDigest``). Big files go up as
+multipart uploads with a per-part CRC32C and a *full-object* CRC32C on completion (``ChecksumType=
+FULL_OBJECT``), so S3 checks the assembled object too. Before completing, the parts' checksums are
+combined locally and compared with the manifest: a local file that changed or rotted since it was written
+is never uploaded. After the upload a HEAD with ``ChecksumMode=ENABLED`` confirms size and checksum.
+
+The requests go straight to s3fs's aiobotocore client (credentials, endpoint, region and extra request
+arguments all come from s3fs), bypassing s3fs's own retry wrapper so that one retry policy
+(``TransferConfig``) with backoff and jitter governs them. botocore's own retries (``config_kwargs=
+{"retries": ...}``) still happen inside each attempt.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import crc32c
+
+from safepoint.remote.retry import UploadError, cause_code
+from safepoint.remote.s3read import S3Reader, composite
+from safepoint.remote.upload import FileCopy, b64_crc, combine, hex_crc, read_range
+from safepoint.store.checksum import crc_hex
+
+log = logging.getLogger("safepoint")
+T = TypeVar("T")
+_MAX_PARTS = 10_000
+_MAX_COPY = 5 * 1024**3  # CopyObject's limit; bigger objects are copied by s3fs in parts
+
+
+class S3Store(S3Reader):
+    """ObjectStore for s3fs.S3FileSystem: the writes (the requests, retries and reads: s3read.py)."""
+
+    def check_root(self, path: str) -> None:
+        bucket, _ = self._split(path)
+        try:
+            self.run(
+                self.aretry, f"access to bucket {bucket!r}", lambda: self.call("head_bucket", Bucket=bucket)
+            )
+        except UploadError as e:
+            code = cause_code(e)
+            if code in ("404", "NoSuchBucket", "NotFound"):
+                raise FileNotFoundError(
+                    f"bucket {bucket!r} does not exist (safepoint never creates buckets)"
+                ) from None
+            if code in ("403", "AccessDenied"):
+                raise PermissionError(f"access to bucket {bucket!r} denied (check credentials)") from None
+            raise
+
+    # ---- small objects ----------------------------------------------------------------------------------
+
+    def put_bytes(self, path: str, data: bytes, *, if_absent: bool = False) -> None:
+        bucket, key = self._split(path)
+        crc = crc_hex(crc32c.crc32c(data))
+        # If-None-Match: * makes S3 refuse to overwrite (conditional write), the one atomic create S3 has.
+        cond = {"IfNoneMatch": "*"} if if_absent else {}
+        try:
+            self.run(
+                self.aretry, f"write of {self.url(path)}", lambda: self._put(bucket, key, data, crc, cond)
+            )
+        except UploadError as e:
+            if cause_code(e) in ("PreconditionFailed", "ConditionalRequestConflict"):
+                raise FileExistsError(self.url(path)) from e
+            raise
+        self.fs.invalidate_cache(path)
+
+    async def _put(self, bucket: str, key: str, data: bytes, crc: str, cond: dict[str, str]) -> Any:
+        return await self.call(
+            "put_object",
+            Bucket=bucket,
+            Key=key,
+            Body=data,
+            ChecksumAlgorithm="CRC32C",
+            ChecksumCRC32C=b64_crc(crc),
+            **cond,
+        )
+
+    def copy(self, src: str, dst: str, size: int | None = None) -> None:
+        if size is not None and size > _MAX_COPY:
+            super().copy(src, dst)
+            return
+        sb, sk = self._split(src)
+        db, dk = self._split(dst)
+        # ChecksumAlgorithm on the copy: S3 computes the copy's CRC32C itself, so confirm() can check it.
+        self.run(
+            self.aretry,
+            f"copy of {self.url(src)}",
+            lambda: self.call(
+                "copy_object",
+                Bucket=db,
+                Key=dk,
+                CopySource={"Bucket": sb, "Key": sk},
+                ChecksumAlgorithm="CRC32C",
+            ),
+        )
+        self.fs.invalidate_cache(dst)
+
+    def delete(self, paths: Sequence[str]) -> None:
+        """DeleteObjects, 1000 keys a request, checking every key's outcome: S3 answers 200 even when some
+        keys failed (s3fs's ``rm`` ignores those), and a manifest whose delete silently failed would stay
+        listed over deleted data. A retry resends the whole batch (deleting a deleted key is a no-op)."""
+        keys: dict[str, list[str]] = {}
+        for path in paths:
+            bucket, key = self._split(path)
+            keys.setdefault(bucket, []).append(key)
+        for bucket, names in keys.items():
+            for i in range(0, len(names), 1000):
+                batch = names[i : i + 1000]
+                what = f"delete of {len(batch)} objects from {self.url(bucket)}"
+                self.run(self.aretry, what, functools.partial(self._delete, bucket, batch))
+        self.fs.invalidate_cache()
+
+    async def _delete(self, bucket: str, keys: list[str]) -> None:
+        objects = {"Objects": [{"Key": k} for k in keys], "Quiet": True}
+        r = await self.call("delete_objects", Bucket=bucket, Delete=objects)
+        failed = [e for e in r.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+        if failed:
+            raise KeyDeleteError(failed)
+
+    # ---- files ------------------------------------------------------------------------------------------
+
+    def put_files(self, items: Sequence[FileCopy]) -> None:
+        self.run(self._put_all, items)
+        self.fs.invalidate_cache()
+
+    async def _put_all(self, items: Sequence[FileCopy]) -> None:
+        """Small files all at once; big files one after another, each with every slot for its parts.
+
+        One big file keeps ``concurrency`` requests busy by itself. Finishing files one by one instead of
+        interleaving all of them keeps fewer multipart uploads open (less state held by the store, and
+        less to abort) at the same request concurrency.
+        """
+        small = [i for i in items if i.size <= self.cfg.part_size]
+        big = sorted((i for i in items if i.size > self.cfg.part_size), key=lambda i: i.remote)
+
+        async def big_ones() -> None:
+            for item in big:
+                await self._put_file(item)
+
+        await self._gather([big_ones(), *(self._put_file(i) for i in small)])
+
+    def put_file(self, item: FileCopy) -> None:
+        self.put_files([item])
+
+    async def _put_file(self, item: FileCopy) -> None:
+        what = f"upload of {item.local} to {self.url(item.remote)}"
+        bucket, key = self._split(item.remote)
+        psize = max(self.cfg.part_size, -(-item.size // _MAX_PARTS))
+        part_crcs: list[int] = []
+        if item.size <= psize:
+            async with self.sem:
+                await self._gate()
+                data, crc = await self._in_pool(read_range, item.local, 0, item.size)
+                _check_local(item, crc_hex(crc))
+                await self.aretry(what, lambda: self._put(bucket, key, data, item.crc32c, {}))
+        else:
+            upload_id = await self.create_mpu(bucket, key, what)
+            try:
+
+                async def part(n: int, off: int) -> tuple[dict[str, Any], int, int]:
+                    length = min(psize, item.size - off)
+                    async with self.sem:
+                        await self._gate()
+                        data, crc = await self._in_pool(read_range, item.local, off, length)
+                        return await self.send_part(bucket, key, upload_id, n, data, crc, what), crc, length
+
+                done = await self._gather(
+                    [part(i + 1, off) for i, off in enumerate(range(0, item.size, psize))]
+                )
+                part_crcs = [crc for _, crc, _ in done]
+                _check_local(item, combine([(crc, n) for _, crc, n in done]))
+                await self.complete_mpu(bucket, key, upload_id, [p for p, _, _ in done], item.crc32c, what)
+            except BaseException:
+                await self.abort_mpu(bucket, key, upload_id)
+                raise
+        await self.aconfirm(item.remote, item.size, item.crc32c, what, part_crcs)
+
+    async def create_mpu(self, bucket: str, key: str, what: str) -> str:
+        r = await self.aretry(
+            what,
+            lambda: self.call(
+                "create_multipart_upload",
+                Bucket=bucket,
+                Key=key,
+                ChecksumAlgorithm="CRC32C",
+                # Explicit either way: a HEAD then says which kind the stored checksum is.
+                ChecksumType="FULL_OBJECT" if self.cfg.full_object_checksum else "COMPOSITE",
+            ),
+        )
+        return str(r["UploadId"])
+
+    async def send_part(
+        self, bucket: str, key: str, upload_id: str, n: int, data: bytes, crc: int, what: str
+    ) -> dict[str, Any]:
+        b64 = b64_crc(crc_hex(crc))
+        r = await self.aretry(
+            f"{what} (part {n})",
+            lambda: self.call(
+                "upload_part",
+                Bucket=bucket,
+                Key=key,
+                UploadId=upload_id,
+                PartNumber=n,
+                Body=data,
+                ChecksumAlgorithm="CRC32C",
+                ChecksumCRC32C=b64,
+            ),
+        )
+        return {"PartNumber": n, "ETag": r["ETag"], "ChecksumCRC32C": b64}
+
+    async def complete_mpu(
+        self, bucket: str, key: str, upload_id: str, parts: list[dict[str, Any]], crc: str, what: str
+    ) -> None:
+        attempts = 0
+        full = (
+            {"ChecksumCRC32C": b64_crc(crc), "ChecksumType": "FULL_OBJECT"}
+            if self.cfg.full_object_checksum
+            else {}
+        )
+
+        async def complete() -> Any:
+            nonlocal attempts
+            attempts += 1
+            try:
+                return await self.call(
+                    "complete_multipart_upload",
+                    Bucket=bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                    **full,
+                )
+            except Exception as e:
+                # A retry after a completion whose answer was lost: the upload is gone because it
+                # finished. aconfirm() then decides from the object itself.
+                if attempts > 1 and cause_code(e) == "NoSuchUpload":
+                    return None
+                raise
+
+        await self.aretry(f"{what} (complete)", complete)
+
+    async def abort_mpu(self, bucket: str, key: str, upload_id: str) -> None:
+        try:
+            await self.call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+        except Exception as e:  # parts left behind cost storage only; bucket lifecycle rules expire them
+            log.warning("safepoint: could not abort multipart upload of %s/%s: %s", bucket, key, e)
+
+    def abort_uploads(self, prefix: str) -> int:
+        """Abort the multipart uploads left open under ``prefix`` (by a killed writer: the owner calls this
+        before it uploads anything itself). Their parts are invisible but billed until then."""
+        bucket, key = self._split(prefix)
+
+        async def abort_all() -> int:
+            r = await self.call("list_multipart_uploads", Bucket=bucket, Prefix=key.rstrip("/") + "/")
+            for up in r.get("Uploads", []):
+                await self.abort_mpu(bucket, up["Key"], up["UploadId"])
+            return len(r.get("Uploads", []))
+
+        return int(self.run(self.aretry, f"listing of open uploads under {self.url(prefix)}", abort_all))
+
+    async def aconfirm(self, path: str, size: int, crc: str, what: str, parts: Sequence[int] = ()) -> None:
+        """HEAD the object: its size, and its CRC32C against ``crc`` (or, for a composite checksum, against
+        the one ``parts``' checksums make: crc32c of their big-endian bytes, "-<number of parts>")."""
+        bucket, key = self._split(path)
+        head = await self.aretry(f"{what} (confirm)", lambda: self._head(bucket, key))
+        if int(head["ContentLength"]) != size:
+            raise UploadError(f"{what}: the store holds {head['ContentLength']} bytes, expected {size}")
+        stored = head.get("ChecksumCRC32C")
+        if composite(head):
+            # S3 spells it "<b64>-<parts>" (moto's HEAD leaves the suffix off): compare the value part.
+            joined = b"".join(c.to_bytes(4, "big") for c in parts)
+            expected = b64_crc(crc_hex(crc32c.crc32c(joined)))
+            if parts and str(stored).split("-")[0] != expected:
+                raise UploadError(f"{what}: the store reports composite crc32c {stored}, expected {expected}")
+            return
+        value = hex_crc(stored) if isinstance(stored, str) else None
+        if value is not None and value != crc:
+            raise UploadError(f"{what}: the store reports crc32c {value}, expected {crc}")
+        if value is None:
+            log.debug("safepoint: %s: the store reports no full-object CRC32C; confirmed by size", what)
+
+
+class KeyDeleteError(Exception):
+    """Keys a DeleteObjects request answered 200 but did not delete; shaped like botocore's ClientError (a
+    ``response`` with the first key's code) so that retry.py tells transient codes (InternalError,
+    SlowDown) from the rest."""
+
+    def __init__(self, errors: list[dict[str, Any]]) -> None:
+        first = errors[0]
+        message = f"{first.get('Key')}: {first.get('Message', '')} ({len(errors)} key(s) not deleted)"
+        self.response = {"Error": {"Code": first.get("Code", ""), "Message": message}}
+        super().__init__(f"{first.get('Code')}: {message}")
+
+
+def _check_local(item: FileCopy, crc: str) -> None:
+    if crc != item.crc32c:
+        raise UploadError(
+            f"upload of {item.local}: the local file no longer matches its manifest (crc32c {crc} != "
+            f"{item.crc32c}); not uploading a damaged copy"
+        )

@@ -1,0 +1,310 @@
+"""upload: moving checkpoint files to and from a store, verified, in parallel, retried.
+
+``ObjectStore`` works for any fsspec file system (gs://, az://, file://, memory://, ...): files are streamed
+through ``fs.open`` with crc32c computed on the bytes actually sent, and confirmed afterwards by size and,
+where the store reports one (GCS's ``crc32c``) or reading back is cheap (local files), by checksum.
+``safepoint.remote.s3store.S3Store`` specialises it for S3, where the store itself checks CRC32C.
+Every request is retried on transient errors (see retry.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import IO, Any, TypeVar
+
+import crc32c
+
+from safepoint.remote.retry import MiB, TransferConfig, UploadError, lower_priority, retry
+from safepoint.store.checksum import crc32c_combine, crc_hex
+
+__all__ = ["FileCopy", "MiB", "ObjectStore", "RawWriter", "TransferConfig", "UploadError"]
+log = logging.getLogger("safepoint")
+T = TypeVar("T")
+GATE_POLL_S = 0.1
+"""How often a transfer parked at the shut gate checks whether it was abandoned."""
+
+
+def b64_crc(crc: str) -> str:
+    """A crc32c hex string as S3 and GCS spell it: base64 of the 4 big-endian bytes."""
+    return base64.b64encode(int(crc, 16).to_bytes(4, "big")).decode()
+
+
+def hex_crc(b64: str) -> str | None:
+    """The inverse of b64_crc; None for anything that is not a plain 4-byte value (e.g. composite)."""
+    try:
+        raw = base64.b64decode(b64, validate=True)
+    except (ValueError, TypeError):
+        return None
+    return raw.hex() if len(raw) == 4 else None
+
+
+def read_range(path: str | os.PathLike[str], offset: int, length: int) -> tuple[bytes, int]:
+    """``length`` bytes of a local file at ``offset`` and their crc32c. Raises EOFError if it ends early."""
+    with open(path, "rb", buffering=0) as f:
+        data = os.pread(f.fileno(), length, offset)
+    if len(data) != length:
+        raise EOFError(f"{os.fspath(path)} ends before byte {offset + length} (changed while uploading?)")
+    return data, crc32c.crc32c(data)
+
+
+def combine(parts: Sequence[tuple[int, int]]) -> str:
+    """crc32c hex of a file from its parts' (crc, length), in order."""
+    value = 0
+    for i, (crc, length) in enumerate(parts):
+        value = crc if i == 0 else crc32c_combine(value, crc, length)
+    return crc_hex(value)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FileCopy:
+    """One file to move: local path, store path, and what the manifest says it holds."""
+
+    local: str
+    remote: str
+    size: int
+    crc32c: str
+
+
+class ObjectStore:
+    """Verified transfers over any fsspec file system (paths are the file system's own, no protocol)."""
+
+    def __init__(self, fs: Any, cfg: TransferConfig | None = None) -> None:
+        self.fs = fs
+        self.cfg = cfg or TransferConfig()
+        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        self.protocol: str = protocol
+        # Reading back to confirm costs a second transfer over a network; on a local disk it is cheap.
+        self.local = protocol in ("file", "local")
+        # Cleared while the training loop waits for a save (tiering): transfers start no new request.
+        self.gate = threading.Event()
+        self.gate.set()
+        # Set when the preemption grace ran out with the transfer still running: a thread parked at the
+        # shut gate then raises instead of waiting forever (interpreter exit joins the pool's threads).
+        self.abandoned = threading.Event()
+
+    def pass_gate(self) -> None:
+        """Wait while the gate is shut; raise :class:`UploadError` once the transfer is abandoned."""
+        while not self.gate.wait(GATE_POLL_S):
+            if self.abandoned.is_set():
+                raise UploadError("the transfer was abandoned at the end of the preemption's grace")
+
+    def url(self, path: str) -> str:
+        return str(self.fs.unstrip_protocol(path))
+
+    def check_root(self, path: str) -> None:
+        """Fail early and clearly if the root cannot be used (missing bucket, no access)."""
+        if self.local:
+            self.fs.makedirs(path, exist_ok=True)
+        else:
+            self.sizes(path)
+
+    # ---- small objects ----------------------------------------------------------------------------------
+
+    def put_bytes(self, path: str, data: bytes, *, if_absent: bool = False) -> None:
+        """Write one small object (a manifest); ``if_absent``: fail with FileExistsError if it exists."""
+        if if_absent:
+            raise NotImplementedError(f"{self.protocol}:// has no conditional create")
+        retry(f"write of {self.url(path)}", lambda: self.fs.pipe_file(path, data), self.cfg)
+
+    def get_bytes(self, path: str) -> bytes:
+        return bytes(retry(f"read of {self.url(path)}", lambda: self.fs.cat_file(path), self.cfg))
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """{path relative to prefix: size} of every object under ``prefix`` (fresh listing, no cache)."""
+        self.fs.invalidate_cache(prefix)
+        try:
+            found = retry(
+                f"listing of {self.url(prefix)}", lambda: self.fs.find(prefix, detail=True), self.cfg
+            )
+        except UploadError as e:
+            if isinstance(e.__cause__, FileNotFoundError):
+                return {}
+            raise
+        base = prefix.rstrip("/") + "/"
+        return {p[len(base) :]: int(d.get("size") or 0) for p, d in found.items() if p.startswith(base)}
+
+    def delete(self, paths: Sequence[str]) -> None:
+        if paths:
+            retry(f"delete of {len(paths)} objects", lambda: self.fs.rm(list(paths)), self.cfg)
+
+    # ---- files ------------------------------------------------------------------------------------------
+
+    def put_files(self, items: Sequence[FileCopy]) -> None:
+        """Upload files in parallel (bounded); each is confirmed. Raises the first failure (UploadError)."""
+        self._parallel(self.put_file, items)
+
+    def put_file(self, item: FileCopy) -> None:
+        what = f"upload of {item.local} to {self.url(item.remote)}"
+        retry(what, lambda: self._stream_up(item), self.cfg)
+        self.confirm(item)
+
+    def _stream_up(self, item: FileCopy) -> None:
+        value, sent = 0, 0
+        if self.local:
+            self.fs.makedirs(self.fs._parent(item.remote), exist_ok=True)
+        with open(item.local, "rb") as src, self.fs.open(item.remote, "wb") as dst:
+            while chunk := src.read(self.cfg.part_size):
+                self.pass_gate()
+                value = crc32c.crc32c(chunk, value)
+                dst.write(chunk)
+                sent += len(chunk)
+            if (sent, crc_hex(value)) != (item.size, item.crc32c):
+                # Raising inside the with-block leaves a partial object at most; no manifest points at it.
+                raise UploadError(
+                    f"upload of {item.local}: the local file no longer matches its manifest (size {sent}, "
+                    f"crc32c {crc_hex(value)}; manifest: {item.size}, {item.crc32c}); not uploading it"
+                )
+
+    def confirm(self, item: FileCopy) -> None:
+        """Check the stored object against the manifest entry (size; crc32c where cheaply known)."""
+        # Just streamed with its crc32c checked on the way out: read back only where that is cheap.
+        problem = self.check(item.remote, item.size, item.crc32c, read=False)
+        if problem:
+            raise UploadError(f"upload of {item.local} to {self.url(item.remote)}: {problem}")
+
+    def check(self, path: str, size: int, crc: str, *, read: bool = True, deep: bool = False) -> str | None:
+        """Why the object does not match (size, crc32c), or None.
+
+        The crc32c is the store's own where it keeps one; otherwise the bytes are read if ``read`` (or the
+        store is a local disk, where reading is cheap). ``deep``: read even when the store has a checksum.
+        """
+        try:
+            stored_size, stored_crc = self.stored_checksum(path)
+        except FileNotFoundError:
+            return "file is missing"
+        if stored_size != size:
+            return f"size {stored_size} != {size} (truncated or extended)"
+        if deep or (stored_crc is None and (read or self.local)):
+            stored_crc = self.read_crc(path, size)
+        if stored_crc is not None and stored_crc != crc:
+            return f"crc32c {stored_crc} != {crc} (contents altered)"
+        return None
+
+    def stored_checksum(self, path: str) -> tuple[int, str | None]:
+        """(size, crc32c the store computed) without reading the object; crc None if it has none."""
+        self.fs.invalidate_cache(path)
+        try:
+            info = retry(f"stat of {self.url(path)}", lambda: self.fs.info(path), self.cfg)
+        except UploadError as e:
+            if isinstance(e.__cause__, FileNotFoundError):
+                raise e.__cause__ from None
+            raise
+        crc = info.get("crc32c")  # GCS reports base64 crc32c of every object
+        return int(info.get("size") or 0), hex_crc(crc) if isinstance(crc, str) else None
+
+    def read_crc(self, path: str, size: int) -> str:
+        """crc32c of a stored object, read in ranges concurrently."""
+        ranges = [(off, min(self.cfg.part_size, size - off)) for off in range(0, size, self.cfg.part_size)]
+
+        def part(rng: tuple[int, int]) -> tuple[int, int]:
+            off, n = rng
+            data = retry(
+                f"read of {self.url(path)}", lambda: self.fs.cat_file(path, start=off, end=off + n), self.cfg
+            )
+            return crc32c.crc32c(data), len(data)
+
+        return combine(self._parallel(part, ranges)) if ranges else crc_hex(0)
+
+    def download(self, path: str, local: str, size: int) -> str:
+        """Copy an object to a local file (fsync'd); return the crc32c of the bytes written."""
+        value, got = 0, 0
+
+        def fetch() -> None:
+            nonlocal value, got
+            value, got = 0, 0
+            with self.fs.open(path, "rb") as src, open(local, "wb") as dst:
+                while chunk := src.read(self.cfg.part_size):
+                    value = crc32c.crc32c(chunk, value)
+                    dst.write(chunk)
+                    got += len(chunk)
+                dst.flush()
+                os.fsync(dst.fileno())
+
+        retry(f"download of {self.url(path)}", fetch, self.cfg)
+        if got != size:
+            raise UploadError(f"download of {self.url(path)}: got {got} bytes, expected {size}")
+        return crc_hex(value)
+
+    def abort_uploads(self, prefix: str) -> int:
+        """Abort the unfinished multipart uploads under ``prefix``; how many. None on a generic store."""
+        return 0
+
+    def copy(self, src: str, dst: str, size: int | None = None) -> None:
+        """Server-side copy where the store has one."""
+        retry(f"copy of {self.url(src)}", lambda: self.fs.copy(src, dst), self.cfg)
+
+    def open_writer(self, path: str) -> RawWriter:
+        """A write stream that creates ``path`` on close (and nothing on abort)."""
+        if self.local:
+            self.fs.makedirs(self.fs._parent(path), exist_ok=True)
+        return _FsWriter(self.fs, path)
+
+    # ---- helpers ----------------------------------------------------------------------------------------
+
+    def _parallel(self, fn: Callable[[Any], T], items: Sequence[Any]) -> list[T]:
+        if len(items) <= 1:
+            return [fn(i) for i in items]
+        init = lower_priority if self.cfg.background else None
+        with concurrent.futures.ThreadPoolExecutor(
+            min(self.cfg.concurrency, len(items)), initializer=init
+        ) as ex:
+            futures = [ex.submit(fn, i) for i in items]
+            concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+            failed = [f.exception() for f in futures if f.done() and not f.cancelled() and f.exception()]
+            if failed:
+                for f in futures:
+                    f.cancel()  # start nothing more; the with-block waits for those running
+                raise failed[0]  # type: ignore[misc]
+            return [f.result() for f in futures]
+
+
+class RawWriter:
+    """What the DCP writer streams into: bytes go in, ``close`` makes the object, ``abort`` drops it."""
+
+    def write(self, data: Any) -> int:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+
+class _FsWriter(RawWriter):
+    def __init__(self, fs: Any, path: str) -> None:
+        self._fs, self._path = fs, path
+        self._f: IO[bytes] = fs.open(path, "wb")
+        self._done = False
+
+    def write(self, data: Any) -> int:
+        n = self._f.write(data)
+        return len(memoryview(data)) if n is None else int(n)
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._f.close()
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        discard = getattr(self._f, "discard", None)
+        try:
+            if callable(discard):
+                discard()
+            self._f.close()
+        finally:
+            with contextlib.suppress(OSError):
+                self._fs.rm(self._path)

@@ -1,0 +1,1 @@
+"""discover -> verify -> read -> apply: the restore pipeline."""

@@ -1,0 +1,233 @@
+"""The restore pipeline: discover -> verify -> read -> apply."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from safepoint.data import rng
+from safepoint.dist import Comm
+from safepoint.errors import CheckpointError, CorruptCheckpointError, StateMismatchError, describe_exception
+from safepoint.state import (
+    DATALOADER,
+    MODEL,
+    OPTIMIZER,
+    PER_RANK_SECTIONS,
+    RNG,
+    SCHEDULER,
+    TrainState,
+    rank_key,
+)
+from safepoint.store.layout import CheckpointStore
+from safepoint.store.manifest import MANIFEST_NAME, ORIGIN_IMPORT, ORIGIN_KEY, Manifest
+from safepoint.store.storage import SafeLoadPlanner
+
+log = logging.getLogger("safepoint")
+_REQUIRED = (MODEL, OPTIMIZER, SCHEDULER, DATALOADER)
+_SHOW = 8
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped (corrupt or unreadable) and an older one used instead."""
+
+
+class Restorer:
+    def __init__(self, layout: CheckpointStore, comm: Comm) -> None:
+        self.layout = layout
+        self.comm = comm
+
+    # ---- discover + verify ---------------------------------------------------------------------------
+
+    def choose(self, step: int | None) -> Manifest | None:
+        """Newest checkpoint that verifies on every rank (or exactly ``step``). Collective."""
+        steps = self.comm.broadcast(self.layout.committed_steps() if self.comm.is_coordinator else [])
+        if step is not None:
+            if step not in steps:
+                raise CheckpointError(
+                    f"no committed checkpoint for step {step} in {self.layout.root} "
+                    f"(available: {steps[-10:] if steps else 'none'})"
+                )
+            candidates = [step]
+        else:
+            candidates = sorted(steps, reverse=True)
+        for candidate in candidates:
+            try:
+                return self._verify_everywhere(candidate)
+            except CorruptCheckpointError as e:
+                if step is not None:
+                    raise
+                if self.comm.is_coordinator:
+                    msg = f"safepoint: skipping corrupt checkpoint: {e}; falling back to an older one"
+                    warnings.warn(msg, CheckpointWarning, stacklevel=4)
+                    log.warning(msg)
+        return None
+
+    def _verify_everywhere(self, step: int) -> Manifest:
+        """Each rank checks a share of the files; everyone learns the first problem anyone found."""
+        raw: bytes | str
+        if self.comm.is_coordinator:
+            try:
+                raw = self.layout.manifest_bytes(step)
+            except OSError as e:
+                raw = f"cannot read manifest ({e.strerror or e})"
+        else:
+            raw = b""
+        raw = self.comm.broadcast(raw)
+        if isinstance(raw, str):
+            raise CorruptCheckpointError(step, "safepoint.json", raw)
+        manifest = Manifest.from_json(raw, step_hint=step)
+        names = sorted(manifest.files)
+        mine = names[self.comm.rank :: self.comm.world_size]
+        problem: tuple[str | None, str] | None = None
+        try:
+            self.layout.verify(step, files=mine)
+        except CorruptCheckpointError as e:
+            problem = (e.file, e.reason)
+        problems = [(r, p) for r, p in enumerate(self.comm.all_gather(problem)) if p is not None]
+        if not problems:
+            return manifest
+        # Every rank holds the same list, so this extra exchange happens on all ranks or on none.
+        hidden = self.comm.broadcast(self._visible_here(step, problems) if self.comm.is_coordinator else None)
+        if hidden is not None:
+            raise CheckpointError(
+                f"checkpoint step {step}: file {hidden[1]!r} is intact as seen from rank 0, but rank "
+                f"{hidden[0]} reports: {hidden[2]}. The checkpoint root {self.layout.root} is not shared by "
+                "every rank (node-local?) or that rank's view of it is failing. Use a root every node can "
+                "read (a shared file system or object storage), or copy the checkpoint to each node."
+            )
+        rank, (file, reason) = problems[0]
+        where = f" (found by rank {rank})" if self.comm.distributed else ""
+        raise CorruptCheckpointError(step, file, reason + where)
+
+    def _visible_here(
+        self, step: int, problems: list[tuple[int, tuple[str | None, str]]]
+    ) -> tuple[int, str, str] | None:
+        """A file another rank could not verify that verifies here: the root is not shared, not corrupt."""
+        for rank, (file, reason) in problems:
+            if rank == self.comm.rank or file is None:
+                continue
+            if file != MANIFEST_NAME:  # the manifest was read here already
+                try:
+                    self.layout.verify(step, files=[file])
+                except CorruptCheckpointError:
+                    continue
+            return rank, file, reason
+        return None
+
+    # ---- read + apply --------------------------------------------------------------------------------
+
+    def load(self, manifest: Manifest, state: TrainState) -> None:
+        step = manifest.step
+        metadata = self.layout.read_metadata(step)
+        saved = set(manifest.keys)
+        wanted = state.sections()
+        # An imported checkpoint (safepoint import) holds weights only: a run starting from it keeps its
+        # fresh optimizer, scheduler and data position instead of refusing to start.
+        imported = manifest.extra.get(ORIGIN_KEY) == ORIGIN_IMPORT
+        for section in wanted:
+            if section not in saved and section in _REQUIRED and not imported:
+                raise StateMismatchError(
+                    f"checkpoint step {step} has no {section!r} state (it holds {sorted(saved)}); restore "
+                    f"without {section}=... or pick a checkpoint that has it"
+                )
+            if section not in saved:
+                warnings.warn(
+                    f"safepoint: checkpoint step {step} has no {section!r} state; leaving it as is"
+                    + (" (an imported checkpoint holds weights only)" if imported else ""),
+                    CheckpointWarning,
+                    stacklevel=3,
+                )
+        sections = [s for s in wanted if s in saved]
+        rank = self.comm.rank
+        sources = {s: (rank if rank < manifest.world_size else 0) for s in PER_RANK_SECTIONS}
+        template = state.load_template(sections, sources, rank)
+        mismatch: str | None = None
+        try:
+            check_compat(step, template, metadata)
+        except StateMismatchError as e:
+            mismatch = str(e)
+        # Shards differ per rank: if any rank cannot load, none may enter DCP's collective load.
+        mismatches = [m for m in self.comm.all_gather(mismatch) if m is not None]
+        if mismatches:
+            raise StateMismatchError(mismatches[0])
+        try:
+            dcp_load(
+                template,
+                storage_reader=self.layout.make_reader(step),
+                planner=SafeLoadPlanner(),
+                process_group=self.comm.group,
+                no_dist=not self.comm.distributed,
+            )
+        except CheckpointException as e:
+            # DCP's exception is a BaseException; hand the caller our own error (the first rank's cause).
+            causes = [exc for exc, _tb in (v for _, v in sorted(e.failures.items()))]
+            ours = [c for c in causes if isinstance(c, CheckpointError)]
+            if ours:
+                raise ours[0] from None
+            raise CheckpointError(f"loading step {step} failed: {describe_exception(e)}") from None
+        derived = None
+        if RNG in template and rank >= manifest.world_size:
+            derived = rng.derived_seed(template[RNG][rank_key(0)], rank)
+            log.info(
+                "safepoint: rank %d did not exist at save time (world size %d); RNG seeded with the "
+                "derived seed %d",
+                rank,
+                manifest.world_size,
+                derived,
+            )
+        state.apply(template, sources, derived)
+
+
+def check_compat(step: int, template: dict[str, Any], metadata: Metadata) -> None:
+    """Compare what we are about to load into with what the checkpoint holds; one clear error listing all."""
+    flat, _ = flatten_state_dict(template)
+    saved = metadata.state_dict_metadata
+    missing = [k for k in flat if k not in saved]
+    mismatched: list[str] = []
+    for key, value in flat.items():
+        md = saved.get(key)
+        if md is None:
+            continue
+        if isinstance(value, torch.Tensor):
+            if not isinstance(md, TensorStorageMetadata):
+                mismatched.append(f"{key}: checkpoint holds a non-tensor value, the target is a tensor")
+            elif tuple(md.size) != tuple(value.shape):
+                mismatched.append(f"{key}: checkpoint shape {tuple(md.size)} vs target {tuple(value.shape)}")
+        elif isinstance(md, TensorStorageMetadata):
+            mismatched.append(f"{key}: checkpoint holds a tensor, the target is {type(value).__name__}")
+    prefixes = tuple(_section_prefixes(template))
+    unexpected = [k for k in saved if k.startswith(prefixes) and k not in flat]
+    if missing or mismatched or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing from the checkpoint: {_few(missing)}")
+        if unexpected:
+            parts.append(f"{len(unexpected)} in the checkpoint but not in the target: {_few(unexpected)}")
+        if mismatched:
+            parts.append(f"{len(mismatched)} mismatched: {_few(mismatched)}")
+        raise StateMismatchError(
+            f"checkpoint step {step} does not match the state being restored (wrong model or config?): "
+            + "; ".join(parts)
+        )
+
+
+def _section_prefixes(template: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    for section, value in template.items():
+        if section in PER_RANK_SECTIONS and isinstance(value, dict):
+            out.extend(f"{section}.{k}." for k in value)
+        else:
+            out.append(f"{section}.")
+    return out
+
+
+def _few(items: list[str]) -> str:
+    shown = ", ".join(sorted(items)[:_SHOW])
+    return shown + (f", ... (+{len(items) - _SHOW} more)" if len(items) > _SHOW else "")

@@ -1,0 +1,112 @@
+"""The background half of an async save: write, checksum, commit and retain on a writer thread.
+
+One save in flight at a time. A failure is logged the moment it happens and kept until the next call into
+the manager raises it; the failed save is never committed (SyncSaver guarantees that).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from safepoint.dist import Comm
+from safepoint.errors import SaveError
+from safepoint.store.layout import CheckpointInfo
+
+log = logging.getLogger("safepoint")
+
+# The writer thread runs this much "nicer" than the thread that started it, so training wins the CPU when
+# both want it: the write only has to finish before the next save, training steps are what the user waits
+# for. On Linux nice applies per thread (a thread id is a valid PRIO_PROCESS target) and threads the writer
+# starts (DCP's extra writer threads, the crc32c helper) inherit it. Not 19: under a training loop that
+# keeps every core busy, nice 19 gets ~1.5% of a core against nice 0 and the write could take longer than
+# the save interval; nice 10 gets ~10%, and any idle CPU time (the loop's own I/O, data loading, syncs) at
+# full speed. Elsewhere (no per-thread nice) the writer runs at normal priority.
+WRITER_NICE = 10
+
+
+def lower_thread_priority(increment: int | None = None) -> None:
+    """Make the calling thread ``increment`` nicer (default WRITER_NICE, read at the call); Linux only."""
+    if increment is None:
+        increment = WRITER_NICE
+    if not sys.platform.startswith("linux") or increment <= 0:
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+    except OSError as e:  # a sandbox may forbid it: slower training, not a failed save
+        log.debug("safepoint: could not lower the writer thread's priority: %s", e)
+
+
+class BackgroundWriter:
+    def __init__(self) -> None:
+        self._future: Future[CheckpointInfo] | None = None
+        self._step: int | None = None
+        self._failure: BaseException | None = None
+        self.completed: list[CheckpointInfo] = []
+
+    @property
+    def busy(self) -> bool:
+        return self._future is not None and not self._future.done()
+
+    def submit(self, step: int, work: Callable[[], CheckpointInfo]) -> None:
+        assert not self.busy, "one save in flight"
+        fut: Future[CheckpointInfo] = Future()
+        self._future, self._step = fut, step
+
+        def run() -> None:
+            lower_thread_priority()
+            try:
+                fut.set_result(work())
+            except BaseException as e:  # every failure must reach the user
+                log.error("safepoint: background save of step %d failed: %s", step, e)
+                fut.set_exception(e)
+
+        # A daemon thread: a process that exits without close() simply never commits this save.
+        threading.Thread(target=run, name=f"safepoint-save-{step}", daemon=True).start()
+
+    def make_room(self, step: int, if_busy: str, comm: Comm) -> bool:
+        """Before a new save of ``step``: with the previous one still writing, wait for it (``if_busy``
+        "wait"; raises its failure) or skip this save (False; all ranks skip together, or none does)."""
+        busy = self.busy
+        if if_busy == "skip":
+            if comm.distributed:
+                busy = comm.any(busy)  # all ranks skip together, or none does
+            if busy:
+                log.warning("safepoint: skipping save of step %d: the previous save is still writing", step)
+                return False
+        elif busy:
+            waited = self.wait()
+            log.info("safepoint: waited %.2fs for the previous save before saving step %d", waited, step)
+            self.raise_failure()
+        return True
+
+    def wait(self) -> float:
+        """Block until the save in flight (if any) finishes; return seconds waited. Does not raise."""
+        if self._future is None:
+            return 0.0
+        t0 = time.perf_counter()
+        try:
+            self.completed.append(self._future.result())
+        except BaseException as e:
+            self._failure = e
+        self._future = None
+        return time.perf_counter() - t0
+
+    def raise_failure(self) -> None:
+        """Raise (once) the failure of a finished background save."""
+        if self._future is not None and self._future.done():
+            self.wait()
+        failure, self._failure = self._failure, None
+        if failure is None:
+            return
+        if isinstance(failure, SaveError):
+            raise failure
+        raise SaveError(
+            f"background save of step {self._step} failed and was not committed: {failure!r}"
+        ) from failure

@@ -1,0 +1,138 @@
+"""The writer process (async_writer="process"): writes one rank's items of each async save.
+
+Started by writer_process.WriterProcess with a launch line that ignores SIGINT and SIGTERM first, then
+calls ``main([program, FD, PARENT_PID, NICE])``; FD is its end of the channel. It maps the rank's staging
+segment, and for each save runs SafepointWriter.write_data (the same code as the writer thread: torch.save
+per item, crc32c as the bytes pass, fsync) over tensors that point into that segment. It exits when the
+channel closes, and within a second of its rank dying (it must not keep writing into a save nobody will
+commit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
+
+from safepoint.errors import os_error_in_chain
+from safepoint.save import ipc
+from safepoint.save.shared_buffers import SharedArena
+from safepoint.store.storage import SafepointWriter
+
+log = logging.getLogger("safepoint")
+
+
+class _Resolved:
+    """The one planner method DCP's writer calls: the data of a write item, already located."""
+
+    def __init__(self, data: dict[MetadataIndex, Any]) -> None:
+        self._data = data
+
+    def resolve_data(self, item: WriteItem) -> Any:
+        return self._data[item.index]
+
+
+def _materialize(ref: tuple[Any, ...], arena: SharedArena | None) -> Any:
+    kind = ref[0]
+    if kind == "bytes":
+        return io.BytesIO(ref[1])
+    if kind == "tensor":
+        return ref[1]
+    if kind == "arena":
+        if arena is None:
+            raise RuntimeError("an item refers to a staging segment this process was not given")
+        _, start, nbytes, dtype, storage_offset, size, stride = ref
+        return torch.empty(0, dtype=dtype).set_(arena.storage(start, nbytes), storage_offset, size, stride)
+    raise ValueError(f"unknown item kind {kind!r}")
+
+
+def _write(
+    arena: SharedArena | None, path: str, thread_count: int, plan: SavePlan, items: list[Any]
+) -> tuple[list[WriteResult], dict[str, tuple[int, str]]]:
+    data = {index: _materialize(ref, arena) for index, ref in items}
+    writer = SafepointWriter(path, thread_count=thread_count)
+    results = writer.write_data(plan, _Resolved(data)).wait()  # type: ignore[arg-type]
+    return results, writer.written_files()
+
+
+def _failure(e: BaseException) -> tuple[Any, ...]:
+    cause = os_error_in_chain(e)
+    if isinstance(cause, OSError) and cause.errno is not None:
+        return ("failed", type(cause).__name__, cause.errno, cause.strerror, cause.filename)
+    return ("failed", type(e).__name__, None, str(e), None)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A rank killed mid-save leaves this process orphaned: stop rather than finish an uncommittable write
+    (a blocked ``recv`` notices the closed channel by itself; a write in progress needs this)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="safepoint-parent-watch", daemon=True).start()
+
+
+def serve(sock: socket.socket) -> None:
+    """Answer every message with exactly one reply (the rank relies on it to keep the channel in step)."""
+    arena: SharedArena | None = None
+    ipc.send(sock, ("ready", os.getpid()))
+    while True:
+        try:
+            msg, fds = ipc.recv(sock)
+        except ipc.ChannelClosed:
+            return
+        if msg[0] in ("arena", "drop"):
+            # One staging segment at a time: the rank replaced (or is about to replace) its buffers.
+            if arena is not None:
+                arena.release()
+                arena = None  # unmapped once this save's tensors are gone too (they went with the last write)
+            if msg[0] == "arena":
+                arena = SharedArena.attach(fds[0], msg[2], msg[1])
+            ipc.send(sock, ("ok",))
+            continue
+        _, arena_id, path, thread_count, plan, items = msg
+        try:
+            if arena_id is not None and (arena is None or arena.id != arena_id):
+                raise RuntimeError(f"staging segment {arena_id} was never sent to the writer process")
+            results, files = _write(arena, path, thread_count, plan, items)
+            reply: tuple[Any, ...] = ("done", results, files)
+        except Exception as e:  # reported to the rank, which logs it and fails the save
+            reply = _failure(e)
+        del items  # the tensors of this save, before waiting for the next
+        ipc.send(sock, reply)
+
+
+def main(argv: list[str]) -> int:
+    """argv: [program, channel fd, parent pid, nice]. SIGINT and SIGTERM are already ignored (the launch
+    line in writer_process does it before any import)."""
+    fd, parent, nice = int(argv[1]), int(argv[2]), int(argv[3])
+    logging.basicConfig(level=logging.WARNING, format="safepoint writer process: %(message)s")
+    try:
+        # An absolute value for the whole process (every thread): the rank's priority plus WRITER_NICE,
+        # whichever thread of the rank started this process.
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    except OSError as e:
+        log.debug("could not set the writer process's priority: %s", e)
+    torch.set_num_threads(1)
+    _exit_with_parent(parent)
+    sock = socket.socket(fileno=fd)
+    with contextlib.suppress(ipc.ChannelClosed):  # the rank went away between messages
+        serve(sock)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

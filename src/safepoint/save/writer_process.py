@@ -1,0 +1,369 @@
+"""async_writer="process": the file writes of async saves run in a long-lived writer process per rank.
+
+Why: the writer thread shares the training process's GIL. Serializing, checksumming and writing a
+checkpoint take it in many short slices, and each slice can hold the training thread's next kernel
+launch or data-loader hand-off. A process has its own interpreter.
+
+How (and why not DCP's ``AsyncCheckpointerType.PROCESS``, measured in benchmarks/bench_async.py: it starts
+its process with torch.multiprocessing spawn, which re-imports the user's script and costs seconds per job,
+and copies the staged state a second time into shared memory on every save):
+- the process starts with the manager, in the background (``python -c`` with a launch line that calls
+  ``safepoint.save.writer_child.main``: nothing of the user's script is imported), and lives until
+  ``close()``;
+- the staging buffers are one shared-memory segment (shared_buffers.py); the process maps it once, so a
+  save sends only DCP's plan and, per item, where its bytes lie. No copy beyond the staging one;
+- everything collective (planning, metadata, commit, retention) stays in the rank's background thread:
+  only the per-rank ``write_data`` moves to the process, through SafepointWriter as before (crc32c as the
+  bytes pass, fsync).
+A writer process that dies (OOM killer, kill -9) fails that save, which is not committed; the next save
+starts a new process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from safepoint.save import background, ipc
+from safepoint.save.shared_buffers import SharedArena
+from safepoint.store.storage import SafepointWriter
+
+log = logging.getLogger("safepoint")
+
+CHILD_MODULE = "safepoint.save.writer_child"
+# The process ignores SIGINT and SIGTERM before anything else (importing torch takes seconds): a Ctrl-C or a
+# scheduler's SIGTERM to the whole process group is the rank's to act on, and the process ends with its
+# rank (channel closed, or the parent watch in writer_child).
+_LAUNCH = (
+    "import signal as s; s.signal(s.SIGINT, s.SIG_IGN); s.signal(s.SIGTERM, s.SIG_IGN); "
+    "import sys; from {module} import main; sys.exit(main(sys.argv))"
+)
+_POLL_S = 1.0  # how often a wait for the process checks that it is still alive
+_WHILE = {"write": "while writing", "arena": "while mapping the staging memory", "drop": "while unmapping it"}
+# Starting the process imports torch: seconds on a loaded node, minutes on a thrashing one. It starts with
+# the manager, so this only bounds the wait of a first save that comes before the process is ready.
+START_TIMEOUT_S = 300.0
+# An item is described by value (pickled) when it is not in the staging segment: 0-d tensors (Adam's step)
+# and non-tensor objects. Anything bigger than this is worth a warning: it means a copy per save.
+_BY_VALUE_WARN = 1024 * 1024
+
+
+class WriterProcessError(OSError):
+    """The writer process failed to start, or died while writing (the save is not committed)."""
+
+
+class WriterUnavailable(WriterProcessError):
+    """No writer process could start and the manager may fall back to the writer thread ("auto")."""
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+class WriterProcess:
+    """One writer process (started at once, in the background) and the channel to it.
+
+    Every message gets exactly one reply, so a failure anywhere in an exchange cannot leave a reply behind
+    for the next one: an exchange that does not complete ends the process (the next save starts another).
+    """
+
+    def __init__(self, *, fallback: bool = False) -> None:
+        # fallback: a process that cannot start makes every later write run on the calling thread
+        # (``unavailable`` says why) instead of failing each save.
+        self.fallback = fallback
+        self.unavailable: str | None = None
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._sock: socket.socket | None = None
+        self._ready = False
+        self._arena_sent: str | None = None
+        self._killed: str | None = None  # why we killed the process, when we did
+        # Relative to the thread that creates the manager (not to the writer thread, already at +10, that
+        # may restart the process later).
+        self._nice = min(19, _current_nice() + max(0, background.WRITER_NICE))
+        self.started = 0  # processes started so far (a dead one is replaced at the next save)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self) -> None:
+        """Start the process without waiting for it (it imports torch meanwhile)."""
+        try:
+            self._start()
+        except WriterProcessError as e:
+            self._cannot_start(e)
+
+    def _cannot_start(self, e: WriterProcessError) -> None:
+        """Without ``fallback`` re-raise; with it, every later write runs on the calling thread."""
+        if not self.fallback:
+            raise e
+        self.unavailable = str(e)
+        log.warning("safepoint: %s; async saves are written on a background thread instead", e)
+
+    def _start(self) -> None:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = dict(os.environ)
+        # The process only reads host memory: no CUDA context (memory on every GPU, seconds to create).
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        env["OMP_NUM_THREADS"] = "1"  # torch.save needs no intra-op threads; training needs the cores
+        # Import this very safepoint, however the training script found it.
+        package_root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        args = [str(theirs.fileno()), str(os.getpid()), str(self._nice)]
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", _LAUNCH.format(module=CHILD_MODULE), *args],
+                pass_fds=[theirs.fileno()],
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
+        except OSError as e:
+            mine.close()
+            raise WriterProcessError(f"could not start the safepoint writer process: {e}") from e
+        finally:
+            theirs.close()
+        self._sock, self._ready, self._arena_sent, self._killed = mine, False, None, None
+        self.started += 1
+
+    def write(
+        self, arena: SharedArena | None, path: str, thread_count: int, plan: SavePlan, items: list[Any]
+    ) -> tuple[list[WriteResult], dict[str, tuple[int, str]]]:
+        """Have the process write one rank's items; returns DCP's write results and {file: (size, crc)}.
+
+        Raises WriterUnavailable (with ``fallback``) if no process could be started for it.
+        """
+        with self._lock:
+            if self.unavailable is not None:
+                raise WriterUnavailable(self.unavailable)
+            try:
+                self._ensure_ready()
+            except WriterProcessError as e:
+                self._cannot_start(e)
+                raise WriterUnavailable(str(e)) from e
+            if arena is not None and arena.id != self._arena_sent:
+                self._expect(self._request(("arena", arena.id, arena.nbytes), [arena.fd]), "ok")
+                self._arena_sent = arena.id
+            reply = self._request(("write", arena.id if arena else None, path, thread_count, plan, items))
+        if reply[0] == "done":
+            return reply[1], reply[2]
+        if reply[0] != "failed":
+            raise WriterProcessError(f"unexpected reply from the writer process: {reply[0]!r}")
+        _, type_name, errno_, message, filename = reply
+        if errno_ is not None:
+            raise OSError(errno_, message, filename)  # PermissionError, ENOSPC...: as the thread raises them
+        raise WriterProcessError(f"the writer process failed: {type_name}: {message}")
+
+    def drop_arena(self) -> None:
+        """Before the rank allocates new staging buffers: the process unmaps the old segment first, so
+        two sets never exist at once (no save is in flight then)."""
+        with self._lock:
+            if self._arena_sent is None or self._sock is None:
+                return
+            try:
+                self._expect(self._request(("drop",)), "ok")
+            except WriterProcessError as e:
+                log.warning("safepoint: %s", e)  # the process is gone, and its mapping with it
+            self._arena_sent = None
+
+    def _request(self, msg: tuple[Any, ...], fds: list[int] | None = None) -> tuple[Any, ...]:
+        """Send one message and wait for its reply, watching the process meanwhile. Holds the lock."""
+        assert self._sock is not None and self._proc is not None
+        try:
+            ipc.send(self._sock, msg, fds)
+            while not select.select([self._sock], [], [], _POLL_S)[0]:
+                # A copy of the channel inherited by a forked process (a DataLoader worker) would hide
+                # the EOF of a dead writer: watch the process itself too.
+                if self._proc.poll() is not None:
+                    raise ipc.ChannelClosed("the writer process exited")
+            reply, _ = ipc.recv(self._sock)
+            return tuple(reply)
+        except ipc.ChannelClosed:
+            raise self._died(
+                _WHILE.get(msg[0], "while busy"),
+                "This save is not committed; the next save starts a new writer process.",
+            ) from None
+        except BaseException as e:
+            # Half an exchange (an unpicklable reply, an interrupt): the channel can no longer be trusted.
+            self._kill(f"the exchange with it failed ({e!r})")
+            raise self._died(_WHILE.get(msg[0], "while busy"), "This save is not committed.") from e
+
+    @staticmethod
+    def _expect(reply: tuple[Any, ...], kind: str) -> None:
+        if reply[0] != kind:
+            raise WriterProcessError(f"unexpected reply from the writer process: {reply!r}")
+
+    def _ensure_ready(self) -> None:
+        if self._proc is None or self._proc.poll() is not None:
+            if self._proc is not None:
+                log.warning("safepoint: the writer process had exited (%s); starting a new one", self._how())
+                self._discard()
+            self._start()
+        if self._ready:
+            return
+        assert self._sock is not None and self._proc is not None
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not select.select([self._sock], [], [], _POLL_S)[0]:
+            if self._proc.poll() is not None:
+                raise self._died("while starting", "Its output, if any, is above.")
+            if time.monotonic() > deadline:
+                self._kill(f"it did not start within {START_TIMEOUT_S:.0f} s")
+                raise self._died("while starting", "")
+        try:
+            reply, _ = ipc.recv(self._sock)
+        except ipc.ChannelClosed:
+            raise self._died("while starting", "Its output, if any, is above.") from None
+        self._expect(reply, "ready")
+        self._ready = True
+
+    def _kill(self, why: str) -> None:
+        assert self._proc is not None
+        self._killed = why
+        self._proc.kill()
+
+    def _how(self) -> str:
+        assert self._proc is not None
+        code = self._proc.poll()
+        if self._killed is not None:
+            return f"killed by safepoint: {self._killed}"
+        if code is None:
+            return "still running"
+        if code < 0:
+            hint = " (the kernel's OOM killer sends SIGKILL)" if code == -signal.SIGKILL else ""
+            return f"killed by {_signal_name(code)}{hint}"
+        return f"exit code {code}"
+
+    def _died(self, when: str, then: str) -> WriterProcessError:
+        assert self._proc is not None
+        pid = self._proc.pid
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._kill("its channel broke and it did not exit within 5 s")
+            self._proc.wait()
+        how = self._how()
+        self._discard()
+        what = f"the safepoint writer process (pid {pid}) died {when}: {how}."
+        return WriterProcessError(f"{what} {then}".strip())
+
+    def _discard(self) -> None:
+        if self._sock is not None:
+            # shutdown, not only close: a forked process (a DataLoader worker) may hold a copy of this end,
+            # and the writer must see the channel end all the same.
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+            self._sock.close()
+        self._proc, self._sock, self._ready, self._arena_sent = None, None, False, None
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """End the process: it exits when its channel closes (between writes: close waits for one)."""
+        with self._lock:
+            proc, ready = self._proc, self._ready
+            self._discard()
+        if proc is None:
+            return
+        if not ready:
+            # Never used (a short run, or closed before its first save): it may still be importing torch,
+            # and only reads the channel after that. It holds nothing: stop it now.
+            proc.kill()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("safepoint: the writer process (pid %d) did not exit; killing it", proc.pid)
+            proc.kill()
+            proc.wait()
+
+
+def _current_nice() -> int:
+    try:
+        return os.getpriority(os.PRIO_PROCESS, 0)  # the calling thread's, on Linux
+    except OSError:
+        return 0
+
+
+def describe_item(data: Any, arena: SharedArena | None) -> tuple[Any, ...]:
+    """How the writer process finds one resolved item: a place in the staging segment, or its value."""
+    if isinstance(data, io.BytesIO):
+        return ("bytes", data.getvalue())
+    if isinstance(data, torch.Tensor) and arena is not None and data.device.type == "cpu":
+        st = data.untyped_storage()
+        off = arena.offset_of(st.data_ptr(), st.nbytes())
+        if off is not None:
+            return (
+                "arena",
+                off,
+                st.nbytes(),
+                data.dtype,
+                data.storage_offset(),
+                tuple(data.size()),
+                data.stride(),
+            )
+    if isinstance(data, torch.Tensor):
+        nbytes = data.numel() * data.element_size()
+        if nbytes > _BY_VALUE_WARN:
+            log.warning("safepoint: a %d-byte tensor is outside the staging segment: copied per save", nbytes)
+        return ("tensor", data.detach().cpu())  # the process has no CUDA (a 0-d DTensor stays on device)
+    raise WriterProcessError(f"cannot hand a {type(data).__name__} item to the writer process")
+
+
+class ProcessWriter(SafepointWriter):
+    """SafepointWriter whose ``write_data`` runs in the writer process; planning and ``finish`` stay here."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        thread_count: int,
+        process: WriterProcess,
+        arena: SharedArena | None,
+    ) -> None:
+        super().__init__(path, thread_count=thread_count)
+        self._process, self._arena = process, arena
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        items = [(item.index, describe_item(planner.resolve_data(item), self._arena)) for item in plan.items]
+        try:
+            results, files = self._process.write(self._arena, str(self.path), self.thread_count, plan, items)
+        except WriterUnavailable:
+            return super().write_data(plan, planner)  # "auto" without a process: this thread writes
+        if sorted(str(r.index) for r in results) != sorted(str(i.index) for i in plan.items):
+            raise WriterProcessError(
+                f"the writer process answered for {len(results)} items, not the {len(plan.items)} planned"
+            )
+        for name, (size, crc) in files.items():
+            self.recorder.record(name, size, crc)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+
+def process_writer_factory(
+    process: WriterProcess, arena: Callable[[], SharedArena | None]
+) -> Callable[[SafepointWriter], ProcessWriter]:
+    """For SyncSaver: each save's storage writer, with its writes going to ``process``; ``arena`` gives the
+    staging segment of the state being saved (one save in flight, so it cannot change during the save)."""
+
+    def wrap(writer: SafepointWriter) -> ProcessWriter:
+        return ProcessWriter(writer.path, thread_count=writer.thread_count, process=process, arena=arena())
+
+    return wrap

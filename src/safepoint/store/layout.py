@@ -1,0 +1,373 @@
+"""commit: the on-disk layout and the commit protocol for local and network file systems.
+
+    ROOT/step-<N>/           committed: a plain DCP directory plus safepoint.json (written last)
+    ROOT/.pending/<name>/    saves in progress, and checkpoints on their way out; never listed or loaded
+    ROOT/.lease              who owns ROOT (see lease.py)
+
+Commit = fsync data files (DCP does), write + fsync the manifest, fsync the directory, rename it into
+place, fsync ROOT. Removal = one rename into .pending (atomic: the step is listed or it is not), then
+delete. Replacing an existing step swaps the two directories atomically (renameat2 RENAME_EXCHANGE) so the
+committed copy is never gone before the new one is in place.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import ctypes
+import ctypes.util
+import dataclasses
+import errno
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.storage import StorageReader
+
+from safepoint.errors import CheckpointError, CorruptCheckpointError
+from safepoint.store.checksum import crc32c_combine, crc_hex, crc_ranges, range_crc32c
+from safepoint.store.lease import Lease
+from safepoint.store.manifest import MANIFEST_NAME, Manifest
+from safepoint.store.storage import METADATA_NAME, SafepointWriter, SafeReader, read_metadata_file
+
+PENDING_DIR = ".pending"
+STEP_PREFIX = "step-"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_REPLACED_PREFIX = "replaced-"
+_DELETING_PREFIX = "deleting-"
+# Concurrent readers when verifying: big files are split into ranges so the disk sees several requests
+# at once (cold-cache reads measured ~2x faster than one sequential reader); crc32c releases the GIL.
+_VERIFY_THREADS = 8
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """A committed checkpoint as listed (the manifest parsed; file checksums not yet verified)."""
+
+    step: int
+    path: str
+    time: float
+    bytes: int
+    metrics: dict[str, float]
+    world_size: int = 1
+
+
+class CheckpointStore(Protocol):
+    """What SyncSaver and Restorer need from a checkpoint root: ``Layout`` (local and network file
+    systems) and ``remote.RemoteLayout`` (object stores) both provide it. ``pending`` is whatever
+    ``new_pending`` returned (a Path here, a store path there)."""
+
+    @property
+    def root(self) -> Any: ...
+    def step_path(self, step: int) -> Any: ...
+    def committed_steps(self) -> list[int]: ...
+    def read_manifest(self, step: int) -> Manifest: ...
+    def manifest_bytes(self, step: int) -> bytes: ...
+    def info(self, step: int, manifest: Manifest) -> CheckpointInfo: ...
+    def verify(self, step: int, files: list[str] | None = None) -> Manifest: ...
+    def read_metadata(self, step: int) -> Metadata: ...
+    def make_reader(self, step: int) -> StorageReader: ...
+    def new_pending(self, step: int, save_id: str) -> Any: ...
+    def make_writer(self, pending: Any, *, thread_count: int = 1) -> Any: ...
+    def written_sizes(self, pending: Any) -> dict[str, int]: ...
+    def commit(self, pending: Any, manifest: Manifest) -> Any: ...
+    def discard(self, pending: Any) -> None: ...
+    def remove(self, step: int) -> None: ...
+
+
+def step_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step}"
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_durably(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class Layout:
+    """Local/NFS checkpoint root. All paths and the commit protocol live here and nowhere else."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+
+    @property
+    def pending_root(self) -> Path:
+        return self.root / PENDING_DIR
+
+    def step_path(self, step: int) -> Path:
+        return self.root / step_name(step)
+
+    def ensure_root(self) -> None:
+        # Every directory created here gets its parent fsynced: otherwise a power loss after the first
+        # commits could lose ROOT's own directory entry, and every checkpoint with it.
+        missing = [p for p in (self.pending_root, self.root, *self.root.parents) if not p.exists()]
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.pending_root.mkdir(exist_ok=True)
+            for created in reversed(missing):
+                fsync_dir(created.parent)
+        except OSError as e:
+            raise CheckpointError(f"cannot create checkpoint root {self.root}: {e.strerror or e}") from e
+
+    def check_readable(self) -> None:
+        if not self.root.exists():
+            return
+        if not self.root.is_dir():
+            raise CheckpointError(f"checkpoint root {self.root} exists but is not a directory")
+        if not os.access(self.root, os.R_OK | os.X_OK):
+            raise CheckpointError(f"checkpoint root {self.root} is not readable (permission denied)")
+
+    # ---- discovery -----------------------------------------------------------------------------------
+
+    def committed_steps(self) -> list[int]:
+        """Steps whose directory holds a manifest, oldest first (manifest not yet parsed)."""
+        self.check_readable()
+        steps = []
+        try:
+            entries = list(os.scandir(self.root))
+        except FileNotFoundError:
+            return []
+        for entry in entries:
+            m = _STEP_RE.match(entry.name)
+            if m and entry.is_dir() and os.path.exists(os.path.join(entry.path, MANIFEST_NAME)):
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def read_manifest(self, step: int) -> Manifest:
+        path = self.step_path(step) / MANIFEST_NAME
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise CorruptCheckpointError(
+                step, MANIFEST_NAME, f"cannot read manifest ({e.strerror or e})"
+            ) from e
+        return Manifest.from_json(data, step_hint=step)
+
+    def info(self, step: int, manifest: Manifest) -> CheckpointInfo:
+        return CheckpointInfo(
+            step=step,
+            path=str(self.step_path(step)),
+            time=manifest.time,
+            bytes=manifest.total_bytes,
+            metrics=dict(manifest.metrics),
+            world_size=manifest.world_size,
+        )
+
+    def verify(self, step: int, files: list[str] | None = None) -> Manifest:
+        """Parse the manifest and check size + crc32c of every listed file (or the subset ``files``).
+
+        Raises CorruptCheckpointError naming the first bad file.
+        """
+        manifest = self.read_manifest(step)
+        names = sorted(manifest.files) if files is None else files
+        base = self.step_path(step)
+        problems: dict[str, str] = {}
+        ranges: dict[str, list[tuple[int, int]]] = {}
+        for name in names:
+            entry = manifest.files[name]
+            try:
+                actual = (base / name).stat().st_size
+            except FileNotFoundError:
+                problems[name] = "file is missing"
+                continue
+            if actual != entry.size:
+                problems[name] = f"size {actual} != {entry.size} (truncated or extended)"
+                continue
+            ranges[name] = crc_ranges(entry.size, _VERIFY_THREADS)
+
+        # Every range of every file is one task: a checkpoint's single big file is read by several
+        # threads at once (crc32c releases the GIL), and the ranges' checksums are combined.
+        workers = min(_VERIFY_THREADS, max(1, sum(len(parts) for parts in ranges.values())))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as ex:
+            futures = {
+                name: [(length, ex.submit(range_crc32c, base / name, off, length)) for off, length in parts]
+                for name, parts in ranges.items()
+            }
+        for name, parts in futures.items():
+            value = 0
+            for i, (length, fut) in enumerate(parts):
+                try:
+                    part = fut.result()
+                except FileNotFoundError:
+                    problems[name] = "file is missing"
+                    break
+                except EOFError:
+                    problems[name] = "file shrank while being verified (truncated)"
+                    break
+                value = part if i == 0 else crc32c_combine(value, part, length)
+            else:
+                crc, expected = crc_hex(value), manifest.files[name].crc32c
+                if crc != expected:
+                    problems[name] = f"crc32c {crc} != {expected} (contents altered)"
+        for name in names:
+            if name in problems:
+                raise CorruptCheckpointError(step, name, problems[name])
+        return manifest
+
+    # ---- saving --------------------------------------------------------------------------------------
+
+    def new_pending(self, step: int, save_id: str) -> Path:
+        return self.pending_root / f"{step_name(step)}-{save_id}"
+
+    def commit(self, pending: Path, manifest: Manifest) -> Path:
+        """Write the manifest into ``pending`` and move it into place as step-N, durably."""
+        write_file_durably(pending / MANIFEST_NAME, manifest.to_json())
+        fsync_dir(pending)
+        final = self.step_path(manifest.step)
+        if final.exists():
+            self._replace(pending, final)
+        else:
+            os.rename(pending, final)
+            try:
+                fsync_dir(self.root)
+            except OSError:
+                # Not durable, so not committed: take it back out of sight before reporting the failure.
+                os.rename(final, pending)
+                raise
+        # Housekeeping only: .pending's entries are never listed, so this cannot un-commit anything.
+        with contextlib.suppress(OSError):
+            fsync_dir(self.pending_root)
+        return final
+
+    def _replace(self, pending: Path, final: Path) -> None:
+        if _rename_exchange(pending, final):
+            # pending now holds the old copy; it is unlisted, so removing it is safe at any moment.
+            try:
+                fsync_dir(self.root)
+            except OSError:
+                _rename_exchange(pending, final)  # the old copy back in place: "older checkpoints intact"
+                raise
+            shutil.rmtree(pending, ignore_errors=True)
+            return
+        # No atomic exchange (e.g. NFS): park the old copy where recovery puts it back if we crash before
+        # the new one lands.
+        parked = self.pending_root / f"{_REPLACED_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(final, parked)
+        try:
+            os.rename(pending, final)
+        except OSError:
+            os.rename(parked, final)  # the old copy back in place before reporting "not committed"
+            raise
+        try:
+            fsync_dir(self.root)
+        except OSError:
+            os.rename(final, pending)
+            os.rename(parked, final)
+            raise
+        # The replacement is done: first make the parked copy unrecoverable (recovery puts back only
+        # "replaced-" copies), so a failed delete can never resurrect it later.
+        doomed = self.pending_root / f"{_DELETING_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(parked, doomed)
+        except OSError:
+            _remove_manifest_first(parked)
+            return
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    # ---- the seam SyncSaver/Restorer use (RemoteLayout has the same methods) ---------------------------
+
+    def make_writer(self, pending: Path, *, thread_count: int = 1) -> SafepointWriter:
+        return SafepointWriter(pending, thread_count=thread_count)
+
+    def written_sizes(self, pending: Path) -> dict[str, int]:
+        """{name: size} of the files a save left in ``pending`` (what rank 0 can see)."""
+        with contextlib.suppress(FileNotFoundError):
+            return {e.name: e.stat().st_size for e in os.scandir(pending) if e.is_file()}
+        return {}
+
+    def discard(self, pending: Path) -> None:
+        shutil.rmtree(pending, ignore_errors=True)
+
+    def manifest_bytes(self, step: int) -> bytes:
+        return (self.step_path(step) / MANIFEST_NAME).read_bytes()
+
+    def read_metadata(self, step: int) -> Metadata:
+        return read_metadata_file(self.step_path(step) / METADATA_NAME)
+
+    def make_reader(self, step: int) -> SafeReader:
+        return SafeReader(self.step_path(step))
+
+    def lease(self, stale_after_s: float) -> Lease:
+        return Lease(self.root, stale_after_s=stale_after_s)
+
+    # ---- removal and cleanup -------------------------------------------------------------------------
+
+    def remove(self, step: int) -> None:
+        """Delete a committed checkpoint; crash-safe (it is listed intact, or not at all)."""
+        src = self.step_path(step)
+        doomed = self.pending_root / f"{_DELETING_PREFIX}{src.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(src, doomed)
+        fsync_dir(self.root)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def clean_pending(self) -> list[str]:
+        """Run by a new owner: recover parked replacements, delete abandoned saves. Returns what it did."""
+        done: list[str] = []
+        for entry in self._pending_entries():
+            if entry.name.startswith(_REPLACED_PREFIX):
+                original = entry.name[len(_REPLACED_PREFIX) :].rsplit("-", 1)[0]
+                target = self.root / original
+                if not (target / MANIFEST_NAME).exists() and (entry / MANIFEST_NAME).exists():
+                    if target.exists():
+                        shutil.rmtree(target)
+                    os.rename(entry, target)
+                    fsync_dir(self.root)
+                    done.append(f"recovered {original} from an interrupted replacement")
+                    continue
+            shutil.rmtree(entry, ignore_errors=True)
+            done.append(f"removed abandoned {entry.name}")
+        return done
+
+    def _pending_entries(self) -> Iterator[Path]:
+        with contextlib.suppress(FileNotFoundError):
+            yield from sorted(self.pending_root.iterdir())
+
+
+def _remove_manifest_first(path: Path) -> None:
+    """Delete a checkpoint directory so it never looks whole while half-deleted: the manifest goes first,
+    and if that fails the directory is left intact (recovery may then put back only complete copies)."""
+    try:
+        (path / MANIFEST_NAME).unlink(missing_ok=True)
+    except OSError:
+        return
+    shutil.rmtree(path, ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _rename_exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths with Linux renameat2(RENAME_EXCHANGE); False where unsupported.
+
+    The stdlib has no binding for renameat2, hence ctypes.
+    """
+    libc_name = ctypes.util.find_library("c")
+    if not libc_name:
+        return False
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is None:
+        return False
+    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))

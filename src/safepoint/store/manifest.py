@@ -1,0 +1,153 @@
+"""The manifest ``safepoint.json``: written last, it is what makes a directory a checkpoint.
+
+It lists every file with its size and crc32c and carries a checksum of its own body, so a flipped byte in
+the manifest itself is caught too (JSON that still parses is not proof that it is intact).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import platform
+import socket
+import time
+from typing import Any
+
+import crc32c
+import torch
+
+from safepoint._version import __version__
+from safepoint.errors import CorruptCheckpointError
+from safepoint.store.checksum import crc_hex
+
+MANIFEST_NAME = "safepoint.json"
+FORMAT_NAME = "safepoint-checkpoint"
+FORMAT_VERSION = 1
+_SELF_CRC_KEY = "manifest_crc32c"
+# manifest.extra[ORIGIN_KEY]: how a checkpoint came to be ("import" = made by `safepoint import`).
+ORIGIN_KEY = "origin"
+ORIGIN_IMPORT = "import"
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class FileEntry:
+    size: int
+    crc32c: str
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Manifest:
+    """Everything safepoint knows about one committed checkpoint."""
+
+    step: int
+    """Optimizer steps completed when the state was captured."""
+    files: dict[str, FileEntry]
+    """Every file of the checkpoint (relative name) with its size and crc32c."""
+    world_size: int = 1
+    time: float = dataclasses.field(default_factory=time.time)
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    keys: list[str] = dataclasses.field(default_factory=list)
+    """Top-level state sections present (model, optimizer, ...)."""
+    save_id: str = ""
+    host: str = dataclasses.field(default_factory=socket.gethostname)
+    versions: dict[str, str] = dataclasses.field(
+        default_factory=lambda: {
+            "safepoint": __version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        }
+    )
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Free-form facts other components record (timings, tier, ...)."""
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    def to_json(self) -> bytes:
+        body: dict[str, Any] = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "step": self.step,
+            "time": self.time,
+            "world_size": self.world_size,
+            "metrics": self.metrics,
+            "keys": self.keys,
+            "save_id": self.save_id,
+            "host": self.host,
+            "versions": self.versions,
+            "extra": self.extra,
+            "files": {k: {"size": v.size, "crc32c": v.crc32c} for k, v in sorted(self.files.items())},
+        }
+        body[_SELF_CRC_KEY] = _body_crc(body)
+        return (json.dumps(body, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, *, step_hint: int | None = None) -> Manifest:
+        """Parse and self-verify a manifest; raise CorruptCheckpointError naming what is wrong."""
+
+        def bad(reason: str) -> CorruptCheckpointError:
+            return CorruptCheckpointError(step_hint, MANIFEST_NAME, reason)
+
+        try:
+            body = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise bad(f"manifest is not valid JSON ({e})") from None
+        if not isinstance(body, dict):
+            raise bad("manifest is not a JSON object")
+        if body.get("format") != FORMAT_NAME:
+            raise bad(f"not a safepoint manifest (format={body.get('format')!r})")
+        version = body.get("format_version")
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise bad(
+                f"manifest format_version {version!r} is newer than this safepoint understands "
+                f"({FORMAT_VERSION}); upgrade safepoint"
+            )
+        stored = body.pop(_SELF_CRC_KEY, None)
+        if stored != _body_crc(body):
+            raise bad("manifest checksum mismatch (the manifest itself is damaged)")
+        try:
+            files = {
+                str(name): FileEntry(size=int(e["size"]), crc32c=str(e["crc32c"]))
+                for name, e in body["files"].items()
+            }
+            manifest = cls(
+                step=int(body["step"]),
+                files=files,
+                world_size=int(body["world_size"]),
+                time=float(body["time"]),
+                metrics={str(k): float(v) for k, v in body.get("metrics", {}).items()},
+                keys=[str(k) for k in body.get("keys", [])],
+                save_id=str(body.get("save_id", "")),
+                host=str(body.get("host", "")),
+                versions={str(k): str(v) for k, v in body.get("versions", {}).items()},
+                extra=dict(body.get("extra", {})),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise bad(f"manifest is missing or has a malformed field ({e!r})") from None
+        if step_hint is not None and manifest.step != step_hint:
+            raise bad(f"manifest says step {manifest.step} but the directory is for step {step_hint}")
+        return manifest
+
+
+def clean_metrics(metrics: dict[str, Any] | None) -> dict[str, float]:
+    """Validate user metrics: finite numbers only (tensors of one element are accepted)."""
+    out: dict[str, float] = {}
+    for k, v in (metrics or {}).items():
+        if isinstance(v, torch.Tensor):
+            v = v.detach().float().item()
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"metrics[{k!r}] must be a number, got {type(v).__name__}") from None
+        if not math.isfinite(f):
+            # JSON cannot hold NaN/inf portably; record it as missing rather than fail the save.
+            continue
+        out[str(k)] = f
+    return out
+
+
+def _body_crc(body: dict[str, Any]) -> str:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    return crc_hex(crc32c.crc32c(canonical))

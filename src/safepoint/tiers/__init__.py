@@ -1,0 +1,1 @@
+"""Where saves commit and what is durable: one tier, or local-first with background uploads."""

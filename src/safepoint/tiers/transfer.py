@@ -1,0 +1,213 @@
+"""Moving checkpoints between the tiers: uploads (local -> durable) and restores (durable -> local).
+
+Both are collectives on a group of their own: every rank moves its share of the files, then rank 0
+commits on the receiving tier only if every rank succeeded, else discards what was moved (one rule, in
+:func:`move_and_commit`). Uploads: each rank its own files (``__<rank>_<n>.distcp``; rank 0 the rest).
+
+Restore takes the newest intact checkpoint of the local tier or the durable one. The local copy is used if
+it verifies. Otherwise, or if the durable tier has a newer one (the node was replaced), the durable
+checkpoint is downloaded into the local tier first (ranged GETs in parallel, crc32c checked as the bytes
+arrive, committed with the local protocol), then loaded from local disk: one transfer, where reading the
+store directly would move every byte twice (once to verify, once to load).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import re
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+from safepoint.dist import Comm
+from safepoint.errors import CheckpointError, CorruptCheckpointError
+from safepoint.remote.layout import RemoteLayout
+from safepoint.remote.retry import UploadError
+from safepoint.restore.restorer import CheckpointWarning, Restorer
+from safepoint.store.layout import Layout
+from safepoint.store.manifest import Manifest
+
+log = logging.getLogger("safepoint")
+_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Moved:
+    """What :func:`move_and_commit` found: ``problems`` and ``unexpected`` are the same on every rank;
+    ``error`` is this rank's own exception (to chain from), if it had one."""
+
+    problems: list[str]
+    unexpected: bool = False
+    """Some rank failed with something other than a CheckpointError or OSError (a bug, most likely)."""
+    error: BaseException | None = None
+
+
+def _expected(e: BaseException) -> bool:
+    return isinstance(e, (CheckpointError, OSError))
+
+
+def move_and_commit(
+    comm: Comm, move: Callable[[], object], commit: Callable[[], object], discard: Callable[[], object]
+) -> Moved:
+    """Collective: every rank runs ``move`` (its share); if all succeeded rank 0 runs ``commit``, and if
+    anything failed (a commit too) rank 0 runs ``discard``. Any exception is recorded, never raised from
+    here: every rank always reaches both collectives, so none is left waiting for one that failed. The
+    caller raises (the same decision on every rank, from the returned problems)."""
+    problem: tuple[str, bool] | None = None
+    error: BaseException | None = None
+    try:
+        move()
+    except Exception as e:
+        error, problem = e, (f"rank {comm.rank}: {e if _expected(e) else repr(e)}", not _expected(e))
+    gathered = [p for p in comm.all_gather(problem) if p]
+    problems, unexpected = [p for p, _ in gathered], any(u for _, u in gathered)
+    if comm.is_coordinator:
+        if not problems:
+            try:
+                commit()
+            except Exception as e:
+                error = error or e
+                problems.append(f"commit: {e if _expected(e) else repr(e)}")
+                unexpected = unexpected or not _expected(e)
+        if problems:
+            try:
+                discard()
+            except Exception as e:  # the problems are reported anyway; what is left is cleaned up later
+                log.warning("safepoint: could not discard the failed transfer: %r", e)
+    problems, unexpected = comm.broadcast((problems, unexpected))
+    return Moved(problems, unexpected, error)
+
+
+def upload_checkpoint(
+    comm: Comm,
+    local: Layout,
+    durable: RemoteLayout,
+    step: int,
+    pending: str,
+    committing: Callable[[], contextlib.AbstractContextManager[bool]] | None = None,
+) -> Manifest:
+    """Collective: upload local ``step`` into the durable tier's ``pending`` and commit it there (manifest
+    last). Rank 0 commits inside ``committing()``, which yields whether the commit may start (False:
+    discard instead). Raises UploadError on every rank if anything failed on any rank (chained from this
+    rank's own exception); nothing is then committed on the durable tier."""
+    manifest: Manifest | None = None
+
+    def move() -> None:
+        nonlocal manifest
+        manifest = local.read_manifest(step)
+        base = local.step_path(step)
+        mine = [n for n in sorted(manifest.files) if _owner(n, comm.world_size) == comm.rank]
+        durable.put_files(
+            pending, [(str(base / n), n, manifest.files[n].size, manifest.files[n].crc32c) for n in mine]
+        )
+
+    def commit() -> None:
+        with committing() if committing is not None else contextlib.nullcontext(True) as allowed:
+            if not allowed:
+                raise CheckpointError("abandoned at the preemption's grace deadline")
+            assert manifest is not None
+            durable.commit(pending, manifest)
+
+    moved = move_and_commit(comm, move, commit, lambda: durable.discard(pending))
+    if moved.problems or manifest is None:
+        raise UploadError(
+            f"upload of step {step} to {durable.root} failed; nothing was committed there and the "
+            f"local copy is kept ({'; '.join(moved.problems) or 'no manifest'})"
+        ) from moved.error
+    return manifest
+
+
+def _owner(name: str, world_size: int) -> int:
+    m = _RANK_FILE.match(name)
+    return int(m.group(1)) % world_size if m else 0
+
+
+def choose_across_tiers(
+    restorer: Restorer,
+    local: Layout,
+    durable: RemoteLayout,
+    step: int | None,
+    fetched: Callable[[Manifest], None],
+) -> Manifest | None:
+    """Collective: the manifest to load (``step``, or the newest intact one), downloaded if need be;
+    ``fetched`` is told of each durable checkpoint brought into the local tier."""
+    comm = restorer.comm
+    chosen: Manifest | None = None
+    missing: CheckpointError | None = None
+    try:
+        chosen = restorer.choose(step)
+    except CheckpointError as e:
+        if step is None:
+            raise
+        missing = e
+    steps = comm.broadcast(durable.committed_steps() if comm.is_coordinator else [])
+    if step is not None:
+        candidates = [step] if chosen is None and step in steps else []
+    else:
+        candidates = [s for s in reversed(steps) if chosen is None or s > chosen.step]
+    for s in candidates:
+        got = fetch_durable(comm, local, durable, s)
+        if isinstance(got, Manifest):
+            fetched(got)
+            return restorer.choose(s)
+        if comm.is_coordinator:
+            msg = f"safepoint: durable checkpoint step {s} is unusable ({got}); trying an older one"
+            # manager.restore -> Tiering.restore -> here: the warning points at the caller's line.
+            warnings.warn(msg, CheckpointWarning, stacklevel=4)
+            log.warning(msg)
+    if missing is not None:
+        raise missing
+    return chosen
+
+
+def fetch_durable(comm: Comm, local: Layout, durable: RemoteLayout, step: int) -> Manifest | str:
+    """Download a durable checkpoint into the local tier: its manifest if it worked, else what went wrong.
+
+    Collective: every rank downloads a share of the files (into the shared local root, like a save),
+    checking each file's crc32c as its bytes arrive; rank 0 commits it locally once all are in.
+    """
+    plan: tuple[bytes, str] | str = ""
+    if comm.is_coordinator:
+        try:
+            raw = durable.manifest_bytes(step)
+            manifest = Manifest.from_json(raw, step_hint=step)
+            pending = local.new_pending(step, manifest.save_id)
+            pending.mkdir(parents=True)
+            plan = (raw, str(pending))
+        except (CheckpointError, OSError) as e:
+            plan = str(e)
+    plan = comm.broadcast(plan)
+    if isinstance(plan, str):
+        return plan
+    manifest, pending = Manifest.from_json(plan[0], step_hint=step), Path(plan[1])
+
+    def get(name: str) -> None:
+        entry = manifest.files[name]
+        key = durable.object_key(step, name)
+        crc = durable.store.download(key, str(pending / name), entry.size)
+        if crc != entry.crc32c:
+            raise CorruptCheckpointError(step, name, f"crc32c {crc} != {entry.crc32c} (contents altered)")
+
+    t0 = time.perf_counter()
+    moved = move_and_commit(
+        comm,
+        lambda: durable.store._parallel(get, sorted(manifest.files)[comm.rank :: comm.world_size]),
+        lambda: local.commit(pending, manifest),
+        lambda: local.discard(pending),
+    )
+    if moved.unexpected:  # not a bad checkpoint: a failure to report, on every rank alike
+        raise CheckpointError(
+            f"downloading durable step {step} failed: {'; '.join(moved.problems)}"
+        ) from moved.error
+    if moved.problems:
+        return moved.problems[0]
+    log.info(
+        "safepoint: downloaded durable step %d (%.1f MB in %.2fs)",
+        step,
+        manifest.total_bytes / 1e6,
+        time.perf_counter() - t0,
+    )
+    return manifest
