@@ -556,15 +556,15 @@ def test_help_has_examples(command: str, capsys: pytest.CaptureFixture[str]) -> 
 def test_demo_and_bench_are_lazy_passthroughs(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    for name in ("demo", "bench"):
+    for name, module in (("demo", "safepoint.demo.main"), ("bench", "safepoint.cli.bench")):
         seen: list[list[str]] = []
-        fake = types.ModuleType(f"safepoint.{name}")
+        fake = types.ModuleType(module)
         fake.main = lambda argv, seen=seen: seen.append(argv) or 3  # type: ignore[attr-defined]
-        monkeypatch.setitem(sys.modules, f"safepoint.{name}", fake)
+        monkeypatch.setitem(sys.modules, module, fake)
         assert main([name, "--help", "-x", "1"]) == 3
         assert seen == [["--help", "-x", "1"]]
-        monkeypatch.delitem(sys.modules, f"safepoint.{name}")
-        monkeypatch.setitem(sys.modules, f"safepoint.{name}", None)  # import fails as if absent
+        monkeypatch.delitem(sys.modules, module)
+        monkeypatch.setitem(sys.modules, module, None)  # import fails as if absent
         rc, _, err = cli(capsys, name)
         assert rc == 2 and "not available" in err
 
