@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import types
@@ -527,6 +528,48 @@ def test_diff_lists_shape_changes_and_missing_keys(
     assert "2 only in step 40" in out and "3 shape mismatches" in out
 
 
+def test_diff_across_two_roots_and_two_step_paths(
+    trained: dict[int, dict[str, torch.Tensor]],
+    root: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A resumed run against its reference: two roots (the newest step both hold, or --step N), or two
+    step paths (any steps)."""
+    other = tmp_path / "resumed"
+    shutil.copytree(root, other)
+    wider = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2), nn.Linear(2, 2))
+    with safepoint.CheckpointManager(other) as mgr:
+        mgr.save(40, safepoint.TrainState(model=wider, rng=False))  # only in `other`
+    rc, out, _ = cli(capsys, "diff", root, other)
+    assert rc == 0, out
+    assert f"A: {root} step 30\nB: {other} step 30\n" in out and "0 differ" in out
+    rc, out, _ = cli(capsys, "diff", root, other, "--step", 10)
+    assert rc == 0 and f"A: {root} step 10\nB: {other} step 10\n" in out
+    rc, out, _ = cli(capsys, "diff", root / "step-10", f"{other}/step-30/", "--model-only")
+    assert rc == 1
+    for key in trained[10]:
+        expected = (trained[10][key].double() - trained[30][key].double()).abs().max().item()
+        assert re.search(rf"│ model\.{re.escape(key)}\s+│\s+{re.escape(f'{expected:.6g}')} │", out), key
+    rc, out, _ = cli(capsys, "diff", root / "step-30", other / "step-40", "--model-only")
+    assert rc == 1 and f"B: {other}/step-40\n" in out and "2 only in B" in out
+    assert re.search(r"│ model\.3\.weight\s+│\s+- │ only in B", out)
+    rc, out, _ = cli(capsys, "diff", root / "step-20", other)  # a root alone: the step path's step
+    assert rc == 0 and f"A: {root}/step-20\nB: {other} step 20\n" in out
+    # Errors name what exists.
+    rc, _, err = cli(capsys, "diff", root, other, "--step", 40)
+    assert rc == 2 and f"no committed checkpoint for step 40 in {root}; available: [10, 20, 30]" in err
+    lone = tmp_path / "lone"
+    with safepoint.CheckpointManager(lone) as mgr:
+        mgr.save(5, safepoint.TrainState(model=wider, rng=False))
+    rc, _, err = cli(capsys, "diff", root, lone)
+    assert rc == 2 and "no step is committed in both roots" in err and f"{lone}: [5]" in err
+    rc, _, err = cli(capsys, "diff", root, 10, 30, "--step", 10)
+    assert rc == 2 and "--step goes with two roots" in err
+    rc, _, err = cli(capsys, "diff", root / "step-15", other)
+    assert rc == 2 and "no committed checkpoint for step 15" in err
+
+
 # ---- usage, help, pass-through -----------------------------------------------------------------------
 
 
@@ -539,6 +582,9 @@ def test_bad_args_exit_2(root: Path, capsys: pytest.CaptureFixture[str]) -> None
         ["export", root, "out.pt", "--format", "onnx"],
         ["verify", root, "--step", "-1"],
         ["diff", root, "1"],
+        ["diff", root],
+        ["diff", root, "10", "x"],
+        ["diff", root, "10", "20", "30"],
     ):
         rc, _, err = cli(capsys, *args)
         assert rc == 2, args

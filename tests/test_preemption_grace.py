@@ -311,17 +311,19 @@ local = {"root": tmp + "/durable", "local_root": tmp + "/local"}
 cases = {
     "save_every_steps": dict(root=tmp + "/a", save_every_steps=0),
     "save_every_seconds": dict(root=tmp + "/a", save_every_seconds=-1),
-    "collective_timeout": dict(root=tmp + "/a", save_every_seconds="auto", cluster=safepoint.ClusterOptions(collective_timeout_s=-5)),
+    # (a callable: the option object itself refuses the value, inside the try below)
+    "collective_timeout": lambda: dict(root=tmp + "/a", save_every_seconds="auto", cluster=safepoint.ClusterOptions(collective_timeout_s=-5)),
     "auto_needs_local_root": dict(root="memory://run", save_every_seconds="auto"),
     "grace_seconds": dict(root=tmp + "/a", preemption=safepoint.PreemptionOptions(file=tmp + "/p"), grace_seconds=-1),
     "exit_code": dict(root=tmp + "/a", preemption_signals=(signal.SIGUSR1,), grace_seconds=-0.0),
     "keep_local_last": dict(local, keep_local_last=0, async_save=True),
     "signal": dict(root=tmp + "/a", preemption_signals=(signal.SIGKILL,), async_save=True),
+    "resume": dict(root=tmp + "/a", resume="sometimes", async_save=True),
 }
 out = {}
 for name, kw in cases.items():
     try:
-        safepoint.CheckpointManager(**kw).close()
+        safepoint.CheckpointManager(**(kw() if callable(kw) else kw)).close()
         out[name] = "accepted"
     except ValueError as e:
         out[name] = "ValueError"
@@ -348,7 +350,7 @@ def test_a_bad_argument_raises_before_any_process_group_is_created(tmp_path: Pat
     out = json.loads(lines[0][len("RESULT ") :])
     for name in ("save_every_steps", "save_every_seconds", "collective_timeout", "auto_needs_local_root"):
         assert out[name] == "ValueError", out
-    for name in ("grace_seconds", "exit_code", "keep_local_last", "signal"):
+    for name in ("grace_seconds", "exit_code", "keep_local_last", "signal", "resume"):
         assert out[name] == "ValueError", out
     assert out["leaked"] == [0, 0], out
     assert out["while_open"] == 3 and out["after_close"] == 0, out  # manager, writer, uploader groups

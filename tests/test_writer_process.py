@@ -13,6 +13,7 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,10 +31,16 @@ from tests.conftest import SUBPROCESS_ENV
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the process writer is Linux-only")
 
 
-def _manager(root: Path, **kw: object) -> safepoint.CheckpointManager:
-    return safepoint.CheckpointManager(
+def _manager(root: Path, *, ready: bool = True, **kw: object) -> safepoint.CheckpointManager:
+    """A manager with the process writer; ``ready``: once its process is ready (saves that come before
+    are written by the writer thread, and these tests are about the process)."""
+    mgr = safepoint.CheckpointManager(
         root, async_save=True, writer=safepoint.WriterOptions(async_writer="process"), **kw
     )  # type: ignore[arg-type]
+    if ready:
+        assert mgr._process is not None
+        mgr._process.wait_ready()
+    return mgr
 
 
 def _alive(pid: int) -> bool:
@@ -230,7 +237,7 @@ def test_managers_leave_no_process_or_descriptor_behind(root: Path) -> None:
     for step in range(1, 3):
         with _manager(root) as mgr:
             mgr.save(step, st)
-    with _manager(root):
+    with _manager(root, ready=False):
         pass  # closed while its process may still be starting: stopped, not waited for
     after = census()
     assert after[0] <= before[0] and after[1] <= before[1], (before, after)
@@ -244,6 +251,8 @@ def test_auto_falls_back_to_the_thread_when_no_process_can_start(
     _, st = big_state(1)
     with caplog.at_level(logging.WARNING, logger="safepoint"):
         with safepoint.CheckpointManager(root / "auto", async_save=True) as mgr:
+            assert mgr._process is not None and mgr._process._proc is not None
+            mgr._process._proc.wait(timeout=120)  # (while it starts, the thread writes without asking)
             mgr.save(1, st)
             mgr.save(2, st)
             mgr.wait()
@@ -252,7 +261,9 @@ def test_auto_falls_back_to_the_thread_when_no_process_can_start(
     assert "died while starting: exit code 1" in caplog.text
     assert "written on a background thread instead" in caplog.text
     # Asked for explicitly, the process is required: the save fails (not committed) and says why.
-    with _manager(root / "explicit") as mgr:
+    with _manager(root / "explicit", ready=False) as mgr:
+        assert mgr._process is not None and mgr._process._proc is not None
+        mgr._process._proc.wait(timeout=120)
         mgr.save(1, st)
         with pytest.raises(safepoint.SaveError, match="died while starting: exit code 1"):
             mgr.wait()
@@ -352,12 +363,82 @@ def test_close_does_not_wait_on_a_process_that_inherited_the_channel(
 
 def test_a_sigterm_to_the_process_group_while_the_writer_starts_is_ignored(root: Path) -> None:
     _, st = big_state(1)
-    with _manager(root) as mgr:
+    with _manager(root, ready=False) as mgr:
         assert mgr._process is not None and mgr._process.pid is not None
         time.sleep(0.3)  # the process is importing torch now
         os.kill(mgr._process.pid, signal.SIGTERM)
         os.kill(mgr._process.pid, signal.SIGINT)
+        mgr._process.wait_ready()
         mgr.save(1, st)
         mgr.wait()
-        assert mgr._process.started == 1
+        assert mgr._process.started == 1 and mgr._process.writes == 1
         assert [c.step for c in mgr.list()] == [1]
+
+
+_HOLD = """import os, time
+# Test only: a Python started while SAFEPOINT_TEST_HOLD names an existing file waits here, before it
+# imports anything, until the file is gone (how the test holds a real writer process from getting ready).
+while os.environ.get("SAFEPOINT_TEST_HOLD") and os.path.exists(os.environ["SAFEPOINT_TEST_HOLD"]):
+    time.sleep(0.01)
+"""
+
+
+@pytest.mark.parametrize("writer", ["auto", "process"])
+def test_saves_never_wait_for_the_writer_process_to_start(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str
+) -> None:
+    """A writer process held from getting ready (a real one, stuck in its interpreter's startup): the saves
+    meanwhile are written and committed by the writer thread, and maybe_save never waits for the process;
+    once it is ready, the process takes over."""
+    held = tmp_path / "site"
+    held.mkdir()
+    (held / "sitecustomize.py").write_text(_HOLD)
+    hold = tmp_path / "hold"
+    hold.touch()
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(p for p in (str(held), os.environ.get("PYTHONPATH")) if p)
+    )
+    monkeypatch.setenv("SAFEPOINT_TEST_HOLD", str(hold))
+    m, st = big_state(1)
+    done: list[int] = []
+    mgr = safepoint.CheckpointManager(
+        root, save_every_steps=1, async_save=True, writer=safepoint.WriterOptions(async_writer=writer)
+    )
+    loop = None
+    try:
+        process = mgr._process
+        assert process is not None
+
+        def train() -> None:
+            for step in range(1, 4):
+                with torch.no_grad():
+                    m.w.fill_(float(step))
+                assert mgr.maybe_save(step, st)
+                done.append(step)
+            mgr.wait()
+            done.append(0)
+
+        loop = threading.Thread(target=train, daemon=True)
+        loop.start()
+        loop.join(timeout=120)  # a guard against a hang, not a speed check: without the fix this never ends
+        assert done == [1, 2, 3, 0], f"maybe_save waited for the writer process to start (done: {done})"
+        assert process.pid is not None and _alive(process.pid) and process.started == 1
+        assert process.writes == 0 and process.thread_writes == 3
+        assert [c.step for c in mgr.list()] == [1, 2, 3]
+        hold.unlink()  # released: the process imports torch, reports ready, and writes the next save
+        process.wait_ready()
+        with torch.no_grad():
+            m.w.fill_(4.0)
+        mgr.save(4, st)
+        mgr.wait()
+        assert process.writes == 1 and process.started == 1
+    finally:
+        hold.unlink(missing_ok=True)
+        if loop is not None:
+            loop.join()
+        mgr.close()
+    for step in (3, 4):
+        fresh, fst = big_state(1)
+        with safepoint.CheckpointManager(root) as again:
+            assert again.restore(fst, step=step) == step
+        assert torch.all(fresh.w == float(step))

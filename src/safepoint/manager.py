@@ -29,6 +29,7 @@ from safepoint.preempt.emergency import EmergencySave
 from safepoint.preempt.preemption import Preemption
 from safepoint.remote.upload import TransferConfig
 from safepoint.restore.restorer import Restorer
+from safepoint.restore.resume import Resume
 from safepoint.save.background import BackgroundWriter
 from safepoint.save.saver import SyncSaver
 from safepoint.save.staging import Stager, tensor_bytes
@@ -70,6 +71,9 @@ class CheckpointManager:
         writer: ``safepoint.WriterOptions``: the async writer (process or thread), what a save does while
             the previous one writes, DCP writer threads.
         cluster: ``safepoint.ClusterOptions``: the collective timeout and when a lease is stale.
+        resume: what ``restore`` does: "auto" (the newest intact checkpoint, else step 0), "required"
+            (raise CheckpointError naming the root and what it holds if there is none), "never" (step 0;
+            existing checkpoints are kept, not loaded). A new root is created with a WARNING.
 
     Keywords that moved into an option object fail with their new home named (``options.MOVED_KEYWORDS``).
     """
@@ -95,6 +99,7 @@ class CheckpointManager:
         preemption: PreemptionOptions | None = None,
         cluster: ClusterOptions | None = None,
         transfer: TransferConfig | None = None,
+        resume: str = "auto",
         **moved: Any,
     ) -> None:
         reject_moved(moved)
@@ -106,7 +111,8 @@ class CheckpointManager:
         )
         retention = build_retention(keep_last, keep_every_steps, keep_best, best_metric, best_mode)
         # Every argument is validated before the first process group exists (see options.py).
-        check_manager_arguments(writer, async_save)
+        check_manager_arguments(writer, async_save, resume)
+        self._resume = Resume(resume, durable or self.layout)  # with tiering, durable says what a job has
         process_fallback = writer_process_mode(
             async_save, writer.async_writer, isinstance(self.layout, Layout)
         )
@@ -143,6 +149,7 @@ class CheckpointManager:
             raise
         self._lease: Any = None
         self._closed = False
+        self._resume.before_create(self.comm)
         self._take_ownership(cluster.lease_stale_after_s)
         self._runs: RunHistory | None = None
         if isinstance(self.layout, Layout):  # "auto" was refused above for a URL root alone
@@ -317,7 +324,9 @@ class CheckpointManager:
             self._check_step(step)
         self._writer.wait()
         self._writer.raise_failure()
-        manifest = self._tiers.restore(self._restorer, state, step)
+        manifest = self._resume.restore(
+            self.comm, step, lambda: self._tiers.restore(self._restorer, state, step)
+        )
         if manifest is None:
             return 0
         self._schedule.at(manifest.step)

@@ -129,7 +129,13 @@ def check_option_types(**options: object) -> None:
             raise TypeError(f"{name}= takes a safepoint.{kinds[name].__name__}, got {type(value).__name__}")
 
 
-def check_manager_arguments(writer: WriterOptions, async_save: bool) -> None:
+RESUME_MODES = ("auto", "required", "never")
+"""CheckpointManager(resume=...): see restore/resume.py."""
+
+
+def check_manager_arguments(writer: WriterOptions, async_save: bool, resume: object = "auto") -> None:
+    if not isinstance(resume, str) or resume not in RESUME_MODES:
+        raise ValueError(f"resume must be 'auto', 'required' or 'never', got {resume!r}")
     if writer.async_writer == "process" and not async_save:
         raise ValueError("async_writer='process' writes async saves: pass async_save=True as well")
 

@@ -16,7 +16,6 @@ from safepoint.cli import tools, tools_diff, tools_read
 from safepoint.cli.common import (
     EXIT_OK,
     EXIT_PROBLEMS,
-    STEP,
     add_flag,
     add_root,
     add_step,
@@ -108,15 +107,20 @@ def cmd_inspect(args: argparse.Namespace, out: Console, err: Console) -> int:
 
 
 def cmd_diff(args: argparse.Namespace, out: Console, err: Console) -> int:
-    layout = tools.open_root(args.root)
-    a, b = tools.resolve_step(layout, args.a), tools.resolve_step(layout, args.b)
+    side_a, side_b = tools_diff.resolve_sides(args.paths, args.step)
+    a, b = side_a.label, side_b.label
+    if len(args.paths) == 2:  # two roots or step paths: long names, said once, then A and B
+        out.print(escape(f"A: {a}\nB: {b}"))
+        a, b = "A", "B"
     include = tools_read.model_only if args.model_only else tools_read.everything
-    rows = tools_diff.diff_states(load(layout, a, err, include), load(layout, b, err, include))
-    table = Table(title=f"step {a} vs step {b}", title_justify="left")
+    rows = tools_diff.diff_states(
+        load(side_a.layout, side_a.step, err, include), load(side_b.layout, side_b.step, err, include)
+    )
+    table = Table(title=escape(f"{a} vs {b}"), title_justify="left")
     table.add_column("key", overflow="fold")
     table.add_column("max abs diff", justify="right")
     table.add_column("note")
-    notes = {"only_a": f"only in step {a}", "only_b": f"only in step {b}"}
+    notes = {"only_a": f"only in {a}", "only_b": f"only in {b}"}
     for r in rows:
         if r.identical and not args.all:
             continue
@@ -128,9 +132,11 @@ def cmd_diff(args: argparse.Namespace, out: Console, err: Console) -> int:
     if table.row_count:
         out.print(table)
     out.print(
-        f"{len(rows)} keys: {same} identical, {len(rows) - same - sum(counts.values())} differ, "
-        f"{counts['shape']} shape mismatches, {counts['only_a']} only in step {a}, "
-        f"{counts['only_b']} only in step {b}"
+        escape(
+            f"{len(rows)} keys: {same} identical, {len(rows) - same - sum(counts.values())} differ, "
+            f"{counts['shape']} shape mismatches, {counts['only_a']} only in {a}, "
+            f"{counts['only_b']} only in {b}"
+        )
     )
     return EXIT_OK if same == len(rows) else EXIT_PROBLEMS
 
@@ -153,17 +159,35 @@ def add_inspect(subs: Any) -> None:
     add_flag(p, "--json", "print JSON instead of tables")
 
 
+class _DiffPaths(argparse.Action):
+    """The positional arguments of diff, checked for shape while parsing (a wrong shape is a usage error)."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        why = tools_diff.shape_error(list(values))
+        if why is not None:
+            parser.error(why)
+        setattr(namespace, self.dest, list(values))
+
+
 def add_diff(subs: Any) -> None:
     p = command(
         subs,
         "diff",
         cmd_diff,
-        "per-tensor max abs difference between two checkpoints",
+        "per-tensor max abs difference between two checkpoints (of one root, or of two)",
         "  safepoint diff runs/ckpt 1000 2000\n  safepoint diff runs/ckpt 1000 2000 --model-only --all\n"
+        "  safepoint diff runs/reference runs/resumed            # the newest step both hold\n"
+        "  safepoint diff runs/reference runs/resumed --step 1000\n"
+        "  safepoint diff runs/a/step-1000 runs/b/step-1200\n"
         "\nexit 0 if every key is bitwise identical, 1 if anything differs (like diff(1)).",
     )
-    add_root(p)
-    p.add_argument("a", metavar="A", type=STEP, help="step A")
-    p.add_argument("b", metavar="B", type=STEP, help="step B")
+    p.add_argument(
+        "paths",
+        metavar="ROOT A B | ROOT_A ROOT_B | PATH_A/step-N PATH_B/step-M",
+        nargs="+",
+        action=_DiffPaths,
+        help="two steps of one root; two roots (step --step N, else the newest both hold); two step paths",
+    )
+    add_step(p)
     add_flag(p, "--model-only", "compare the model weights only")
     add_flag(p, "--all", "also list identical keys")

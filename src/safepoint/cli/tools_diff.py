@@ -1,14 +1,89 @@
-"""``safepoint diff``: per-key comparison of two checkpoint states (max abs difference, bitwise equality)."""
+"""``safepoint diff``: per-key comparison of two checkpoint states (max abs difference, bitwise equality),
+and which two checkpoints the command's arguments name (two steps of one root, or one of each of two
+roots: a resumed run against a reference)."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
+from safepoint.cli import tools
 from safepoint.cli.tools_read import dtype_name
+from safepoint.errors import CheckpointError
+from safepoint.store.layout import Layout
+
+_STEP_DIR = re.compile(r"step-(0|[1-9]\d*)")
+USAGE = "diff ROOT A B, diff ROOT_A ROOT_B [--step N] or diff PATH_A/step-N PATH_B/step-M"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Side:
+    """One checkpoint to compare: its root, its step, and how the output names it."""
+
+    layout: Layout
+    step: int
+    label: str
+
+
+def shape_error(paths: list[str]) -> str | None:
+    """Why ``paths`` (the command's positional arguments) fit none of the forms, or None."""
+    if len(paths) == 3:
+        if not all(p.isdigit() for p in paths[1:]):
+            return f"with three arguments, A and B are step numbers ({USAGE})"
+        return None
+    if len(paths) == 2:
+        if paths[1].isdigit():
+            return f"two steps to compare, or two roots ({USAGE}); a root named {paths[1]}: ./{paths[1]}"
+        return None
+    return f"takes two or three arguments ({USAGE})"
+
+
+def resolve_sides(paths: list[str], step: int | None) -> tuple[Side, Side]:
+    """The two checkpoints ``paths`` name (see ``USAGE``): a step path (a directory named ``step-N``) is
+    that checkpoint; a root is its step ``step``, or else the newest step both roots hold."""
+    if len(paths) == 3:
+        if step is not None:
+            raise CheckpointError(f"--step goes with two roots ({USAGE})")
+        layout = tools.open_root(paths[0])
+        a, b = (tools.resolve_step(layout, int(p)) for p in paths[1:])
+        return Side(layout, a, f"step {a}"), Side(layout, b, f"step {b}")
+    opened = [_open(p) for p in paths]
+    roots = [layout for layout, fixed in opened if fixed is None]
+    if step is None and len(roots) == 2:
+        step = _newest_common(roots)
+    elif step is None and len(roots) == 1:
+        step = next(fixed for _, fixed in opened if fixed is not None)  # the step path's step, in the root
+    sides = []
+    for (layout, fixed), given in zip(opened, paths, strict=True):
+        n = tools.resolve_step(layout, fixed if fixed is not None else step)
+        sides.append(Side(layout, n, given.rstrip("/") if fixed is not None else f"{given} step {n}"))
+    return sides[0], sides[1]
+
+
+def _open(path: str) -> tuple[Layout, int | None]:
+    """(root, step) for a step path, (root, None) for a root."""
+    norm = os.path.normpath(path)
+    m = _STEP_DIR.fullmatch(os.path.basename(norm))
+    if m is not None:
+        return tools.open_root(os.path.dirname(norm) or "."), int(m.group(1))
+    return tools.open_root(path), None
+
+
+def _newest_common(roots: list[Layout]) -> int:
+    """The newest step both roots hold (a resumed run against its reference)."""
+    held = [layout.committed_steps() for layout in roots]
+    common = set(held[0]) & set(held[1])
+    if not common:
+        listing = "; ".join(
+            f"{layout.root}: {steps[-10:] or 'none'}" for layout, steps in zip(roots, held, strict=True)
+        )
+        raise CheckpointError(f"no step is committed in both roots ({listing}); name one with --step N")
+    return max(common)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

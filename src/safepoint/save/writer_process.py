@@ -17,6 +17,10 @@ and copies the staged state a second time into shared memory on every save):
   bytes pass, fsync).
 A writer process that dies (OOM killer, kill -9) fails that save, which is not committed; the next save
 starts a new process.
+
+A save never waits for the process to start (it imports torch: seconds on a loaded node; waiting stalled
+the loop at its second save): until it reports ready, the writer thread writes (the same SafepointWriter:
+same files, checksums, commit).
 """
 
 from __future__ import annotations
@@ -73,6 +77,10 @@ class WriterUnavailable(WriterProcessError):
     """No writer process could start and the manager may fall back to the writer thread ("auto")."""
 
 
+class WriterStarting(WriterUnavailable):
+    """The writer process has not reported ready yet: the calling thread writes this save itself."""
+
+
 def _signal_name(code: int) -> str:
     try:
         return signal.Signals(-code).name
@@ -102,6 +110,9 @@ class WriterProcess:
         # may restart the process later).
         self._nice = min(19, _current_nice() + max(0, background.WRITER_NICE))
         self.started = 0  # processes started so far (a dead one is replaced at the next save)
+        self._started_at = 0.0  # time.monotonic() of the last start
+        self.writes = 0  # writes done by a process
+        self.thread_writes = 0  # writes done by the calling thread while the process was starting
 
     @property
     def pid(self) -> int | None:
@@ -144,6 +155,7 @@ class WriterProcess:
         finally:
             theirs.close()
         self._sock, self._ready, self._arena_sent, self._killed = mine, False, None, None
+        self._started_at = time.monotonic()
         self.started += 1
 
     def write(
@@ -151,21 +163,26 @@ class WriterProcess:
     ) -> tuple[list[WriteResult], dict[str, tuple[int, str]]]:
         """Have the process write one rank's items; returns DCP's write results and {file: (size, crc)}.
 
-        Raises WriterUnavailable (with ``fallback``) if no process could be started for it.
+        Raises WriterStarting while the process is still starting (never waits for it), and
+        WriterUnavailable (with ``fallback``) if no process could be started for it.
         """
         with self._lock:
             if self.unavailable is not None:
                 raise WriterUnavailable(self.unavailable)
             try:
-                self._ensure_ready()
+                ready = self._check_ready(wait=False)
             except WriterProcessError as e:
                 self._cannot_start(e)
                 raise WriterUnavailable(str(e)) from e
+            if not ready:
+                self.thread_writes += 1
+                raise WriterStarting("the writer process is still starting")
             if arena is not None and arena.id != self._arena_sent:
                 self._expect(self._request(("arena", arena.id, arena.nbytes), [arena.fd]), "ok")
                 self._arena_sent = arena.id
             reply = self._request(("write", arena.id if arena else None, path, thread_count, plan, items))
         if reply[0] == "done":
+            self.writes += 1
             return reply[1], reply[2]
         if reply[0] != "failed":
             raise WriterProcessError(f"unexpected reply from the writer process: {reply[0]!r}")
@@ -213,28 +230,41 @@ class WriterProcess:
         if reply[0] != kind:
             raise WriterProcessError(f"unexpected reply from the writer process: {reply!r}")
 
-    def _ensure_ready(self) -> None:
-        if self._proc is None or self._proc.poll() is not None:
-            if self._proc is not None:
-                log.warning("safepoint: the writer process had exited (%s); starting a new one", self._how())
-                self._discard()
+    def wait_ready(self) -> None:
+        """Block until the process has reported ready (starting one if none runs); raises
+        WriterProcessError if it cannot start. Saves never call this; tests and benchmarks do."""
+        with self._lock:
+            self._check_ready(wait=True)
+
+    def _check_ready(self, *, wait: bool) -> bool:
+        """Whether the process is ready, starting a new one if the last one exited after it was ready.
+        ``wait``: block until it is. Raises WriterProcessError if it died before ready or did not get
+        ready within START_TIMEOUT_S of its start. Holds the lock."""
+        if self._proc is not None and self._ready and self._proc.poll() is not None:
+            log.warning("safepoint: the writer process had exited (%s); starting a new one", self._how())
+            self._discard()
+        if self._proc is None:
             self._start()
         if self._ready:
-            return
+            return True
         assert self._sock is not None and self._proc is not None
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not select.select([self._sock], [], [], _POLL_S)[0]:
+        deadline = self._started_at + START_TIMEOUT_S
+        while not select.select([self._sock], [], [], _POLL_S if wait else 0)[0]:
+            # Died before it was ready (a broken environment, a failing import): not restarted per save.
             if self._proc.poll() is not None:
                 raise self._died("while starting", "Its output, if any, is above.")
             if time.monotonic() > deadline:
                 self._kill(f"it did not start within {START_TIMEOUT_S:.0f} s")
                 raise self._died("while starting", "")
+            if not wait:
+                return False
         try:
             reply, _ = ipc.recv(self._sock)
         except ipc.ChannelClosed:
             raise self._died("while starting", "Its output, if any, is above.") from None
         self._expect(reply, "ready")
         self._ready = True
+        return True
 
     def _kill(self, why: str) -> None:
         assert self._proc is not None
@@ -344,6 +374,9 @@ class ProcessWriter(SafepointWriter):
         items = [(item.index, describe_item(planner.resolve_data(item), self._arena)) for item in plan.items]
         try:
             results, files = self._process.write(self._arena, str(self.path), self.thread_count, plan, items)
+        except WriterStarting:
+            log.info("safepoint: %s written by the thread: the writer process is still starting", self.path)
+            return super().write_data(plan, planner)
         except WriterUnavailable:
             return super().write_data(plan, planner)  # "auto" without a process: this thread writes
         if sorted(str(r.index) for r in results) != sorted(str(i.index) for i in plan.items):
