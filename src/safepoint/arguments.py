@@ -6,7 +6,10 @@ leak a gloo group (and its threads) per attempt.
 
 from __future__ import annotations
 
+import math
 import os
+
+from safepoint.lease import MIN_STALE_AFTER_S, check_lease_timing, heartbeat_for
 
 ASYNC_WRITERS = ("auto", "thread", "process")
 
@@ -26,6 +29,18 @@ def check_manager_arguments(
         raise ValueError("async_writer='process' needs Linux (memfd_create); use async_writer='thread'")
     if collective_timeout_s <= 0:
         raise ValueError(f"collective_timeout_s must be positive, got {collective_timeout_s!r}")
+
+
+def check_lease_stale_after(stale_after_s: float) -> None:
+    """A finite number of seconds, at least MIN_STALE_AFTER_S; the heartbeat then beats at most every
+    quarter of it (lease.heartbeat_for), so the limit always exceeds twice the heartbeat interval."""
+    ok = isinstance(stale_after_s, (int, float)) and not isinstance(stale_after_s, bool)
+    if not ok or not math.isfinite(stale_after_s) or stale_after_s < MIN_STALE_AFTER_S:
+        raise ValueError(
+            f"lease_stale_after_s must be a finite number of seconds >= {MIN_STALE_AFTER_S:g}, got "
+            f"{stale_after_s!r}"
+        )
+    check_lease_timing(stale_after_s, heartbeat_for(stale_after_s))
 
 
 def check_keep_local_last(keep_local_last: int) -> None:

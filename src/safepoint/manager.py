@@ -10,7 +10,12 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
 
-from safepoint.arguments import check_keep_local_last, check_manager_arguments, writer_process_mode
+from safepoint.arguments import (
+    check_keep_local_last,
+    check_lease_stale_after,
+    check_manager_arguments,
+    writer_process_mode,
+)
 from safepoint.background import BackgroundWriter
 from safepoint.dist import Comm
 from safepoint.emergency import EmergencySave
@@ -106,6 +111,7 @@ class CheckpointManager:
         retention = build_retention(keep_last, keep_every_steps, keep_best, best_metric, best_mode)
         # Every argument is validated before the first process group exists (see arguments.py).
         check_manager_arguments(writer_threads, if_busy, collective_timeout_s, async_save, async_writer)
+        check_lease_stale_after(lease_stale_after_s)
         process_fallback = writer_process_mode(async_save, async_writer, isinstance(self.layout, Layout))
         self._schedule = SaveSchedule(
             save_every_steps, save_every_seconds, mtbf_seconds, local=isinstance(self.layout, Layout)

@@ -19,7 +19,7 @@ from typing import Any
 
 from safepoint.errors import CheckpointError, CorruptCheckpointError
 from safepoint.layout import STEP_PREFIX, CheckpointInfo, Layout
-from safepoint.lease import Lease
+from safepoint.lease import DEFAULT_STALE_AFTER_S
 from safepoint.manifest import MANIFEST_NAME, Manifest
 from safepoint.policy import Retention
 from safepoint.remote import RemoteLayout, is_url
@@ -255,7 +255,7 @@ def prune(layout: Layout, retention: Retention, *, dry_run: bool) -> tuple[list[
         infos = history(layout)
         doomed = retention.to_delete(infos)
         return [c.step for c in infos if c.step not in doomed], doomed
-    lease = Lease(layout.root)
+    lease = layout.lease(DEFAULT_STALE_AFTER_S)  # fences every delete/commit through layout
     lease.acquire()
     try:
         infos = history(layout)  # read again under the lease: only now can nobody else be adding

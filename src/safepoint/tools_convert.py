@@ -18,7 +18,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from safepoint.dist import Comm
 from safepoint.errors import CheckpointError
 from safepoint.layout import CheckpointInfo, Layout
-from safepoint.lease import Lease
+from safepoint.lease import DEFAULT_STALE_AFTER_S
 from safepoint.manifest import ORIGIN_IMPORT, ORIGIN_KEY
 from safepoint.policy import Retention
 from safepoint.saver import SyncSaver
@@ -167,7 +167,7 @@ def _check_flat_state_dict(src: Path, sd: Mapping[Any, Any]) -> None:
 def import_state(model_sd: dict[str, Any], layout: Layout, *, force: bool) -> CheckpointInfo:
     """Commit ``model_sd`` as step 0 through the real save path (DCP write, crc32c, manifest, rename)."""
     layout.ensure_root()
-    lease = Lease(layout.root)
+    lease = layout.lease(DEFAULT_STALE_AFTER_S)  # fences every delete/commit through layout
     lease.acquire()
     try:
         if 0 in layout.committed_steps() and not force:
