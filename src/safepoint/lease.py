@@ -204,7 +204,8 @@ class HeartbeatLease(abc.ABC):
         before each commit rename and each delete (``action`` says which, for the message): the heartbeat
         notices a takeover only at its next beat, and a process frozen after its last check must find
         out before it changes anything. An unreadable lease refuses too: ownership cannot be confirmed."""
-        self.check()
+        if self.lost:
+            raise LeaseError(f"not {action}: {self.lost}")
         try:
             holder = self._holder()
         except Unreadable as e:
