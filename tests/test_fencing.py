@@ -40,7 +40,7 @@ JOB_A = textwrap.dedent(
             pass
 
     kw = {} if mode == "sync" else {"async_save": True, "async_writer": mode}
-    mgr = safepoint.CheckpointManager(root, lease_stale_after_s=%(stale)r, **kw)
+    mgr = safepoint.CheckpointManager(root, lease_stale_after_s=STALE, **kw)
     mgr.save(1, safepoint.TrainState(rng=False, extra={"who": "A"}))
     mgr.wait()
     try:
@@ -54,8 +54,7 @@ JOB_A = textwrap.dedent(
     except safepoint.CheckpointError:
         pass
     """
-    % {"stale": STALE_S}
-)
+).replace("STALE", repr(STALE_S))
 
 # Job B, on another host: waits for A's lease to go stale, takes the root over, commits steps 2 and 3,
 # then holds the lease until told to finish.
@@ -66,7 +65,7 @@ JOB_B = textwrap.dedent(
     deadline = time.monotonic() + 120
     while True:
         try:
-            mgr = safepoint.CheckpointManager(root, lease_stale_after_s=%(stale)r)
+            mgr = safepoint.CheckpointManager(root, lease_stale_after_s=STALE)
             break
         except safepoint.LeaseError:
             assert time.monotonic() < deadline, "the lease of job A never went stale"
@@ -77,8 +76,7 @@ JOB_B = textwrap.dedent(
     sys.stdin.readline()
     mgr.close()
     """
-    % {"stale": STALE_S}
-)
+).replace("STALE", repr(STALE_S))
 
 
 def _unshare_works() -> bool:
@@ -94,9 +92,7 @@ needs_second_host = pytest.mark.skipif(
 
 
 def _spawn(cmd: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=SUBPROCESS_ENV
-    )
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=SUBPROCESS_ENV)
 
 
 def _line(proc: subprocess.Popen[str]) -> str:
