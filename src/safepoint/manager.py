@@ -23,7 +23,7 @@ from safepoint.errors import CheckpointError, Preempted
 from safepoint.history import RunHistory, outcome_of
 from safepoint.layout import CheckpointInfo, Layout
 from safepoint.manifest import clean_metrics
-from safepoint.policy import AdaptiveInterval, Retention, build_retention
+from safepoint.policy import AdaptiveInterval, Retention, Verdicts, build_retention
 from safepoint.preemption import DEFAULT_EXIT_CODE, Preemption
 from safepoint.restore import Restorer
 from safepoint.saver import SyncSaver
@@ -185,8 +185,11 @@ class CheckpointManager:
         self._preemption = Preemption.build(self.comm, **preemption)
         # With tiering, local copies are pruned by the uploader (keep_local_last); `retention` is durable's.
         saver_retention = Retention() if durable is not None else retention
-        self._saver = SyncSaver(self.layout, self.comm, saver_retention, writer_threads=writer_threads)
-        self._restorer = Restorer(self.layout, self.comm)
+        verdicts = Verdicts()  # what restore verified, for retention (the newest intact step survives)
+        self._saver = SyncSaver(
+            self.layout, self.comm, saver_retention, writer_threads=writer_threads, verdicts=verdicts
+        )
+        self._restorer = Restorer(self.layout, self.comm, verdicts)
         self._async = bool(async_save)
         self._if_busy = if_busy
         # process_fallback: None for no writer process; else whether one that cannot start may be replaced
@@ -207,7 +210,12 @@ class CheckpointManager:
             if self._process is not None:
                 wrap = process_writer_factory(self._process, lambda: self._stager.arena)
             self._bg_saver = SyncSaver(
-                self.layout, self._bg_comm, saver_retention, writer_threads=writer_threads, wrap_writer=wrap
+                self.layout,
+                self._bg_comm,
+                saver_retention,
+                writer_threads=writer_threads,
+                wrap_writer=wrap,
+                verdicts=verdicts,
             )
         self._at_exit = self._async or durable is not None
         # The uploader's collectives get their own group too (created here: same order on every rank).

@@ -17,6 +17,7 @@ from safepoint.dist import Comm
 from safepoint.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from safepoint.layout import CheckpointStore
 from safepoint.manifest import MANIFEST_NAME, ORIGIN_IMPORT, ORIGIN_KEY, Manifest
+from safepoint.policy import Verdicts
 from safepoint.saver import describe_exception
 from safepoint.state import (
     DATALOADER,
@@ -40,9 +41,10 @@ class CheckpointWarning(UserWarning):
 
 
 class Restorer:
-    def __init__(self, layout: CheckpointStore, comm: Comm) -> None:
+    def __init__(self, layout: CheckpointStore, comm: Comm, verdicts: Verdicts | None = None) -> None:
         self.layout = layout
         self.comm = comm
+        self.verdicts = verdicts if verdicts is not None else Verdicts()  # read by retention
 
     # ---- discover + verify ---------------------------------------------------------------------------
 
@@ -60,14 +62,18 @@ class Restorer:
             candidates = sorted(steps, reverse=True)
         for candidate in candidates:
             try:
-                return self._verify_everywhere(candidate)
+                manifest = self._verify_everywhere(candidate)
             except CorruptCheckpointError as e:
+                self.verdicts.record(candidate, False)
                 if step is not None:
                     raise
                 if self.comm.is_coordinator:
                     msg = f"safepoint: skipping corrupt checkpoint: {e}; falling back to an older one"
                     warnings.warn(msg, CheckpointWarning, stacklevel=4)
                     log.warning(msg)
+                continue
+            self.verdicts.record(candidate, True)
+            return manifest
         return None
 
     def _verify_everywhere(self, step: int) -> Manifest:
