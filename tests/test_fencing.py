@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import safepoint
 from safepoint.layout import Layout
+from safepoint.tiers import ReadOnlyRootWarning
 from tests.conftest import PYTHON, SUBPROCESS_ENV
 from tests.s3_fixtures import storage_options
 
@@ -208,3 +210,56 @@ def test_s3_commits_and_deletes_are_fenced(moto_endpoint: str, bucket: str) -> N
 
 if sys.platform != "linux":  # pragma: no cover
     pytestmark = pytest.mark.skip(reason="Linux only (SIGSTOP, unshare, memfd)")
+
+
+# ---- a root that cannot be written still restores (issue 13, finding 10) --------------------------------
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Any:
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {made.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _save_one(root: Path) -> None:
+    with safepoint.CheckpointManager(root) as mgr:
+        mgr.save(5, safepoint.TrainState(rng=False, extra={"t": torch.arange(64.0)}))
+
+
+def _restores_without_the_lease(root: Path, why: str) -> None:
+    state = safepoint.TrainState(rng=False, extra={"t": torch.zeros(64)})
+    with pytest.warns(ReadOnlyRootWarning, match=f"cannot take the lease .*{why}"):
+        mgr = safepoint.CheckpointManager(root)
+    with mgr:
+        assert mgr.restore(state) == 5
+        with pytest.raises(safepoint.LeaseError, match="not saving step 6: cannot take the lease"):
+            mgr.save(6, state)
+    assert torch.equal(state.extra["t"], torch.arange(64.0))  # type: ignore[index]
+
+
+def test_a_read_only_root_restores_without_the_lease(tmpfs: Path) -> None:
+    root = tmpfs / "ckpt"
+    _save_one(root)
+    subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
+    _restores_without_the_lease(root, "Read-only file system")
+
+
+def test_a_full_disk_restores_without_the_lease(tmpfs: Path) -> None:
+    root = tmpfs / "ckpt"
+    _save_one(root)
+    with open(tmpfs / "filler", "wb") as f, contextlib.suppress(OSError):
+        while True:  # until ENOSPC
+            f.write(b"\0" * (1 << 20))
+            f.flush()
+    with contextlib.suppress(OSError), open(tmpfs / "filler2", "wb") as f:
+        f.write(b"\0" * (1 << 16))
+        f.flush()
+        os.fsync(f.fileno())
+    _restores_without_the_lease(root, "No space left on device")

@@ -19,7 +19,7 @@ from safepoint.arguments import (
 from safepoint.background import BackgroundWriter
 from safepoint.dist import Comm
 from safepoint.emergency import EmergencySave
-from safepoint.errors import CheckpointError, Preempted
+from safepoint.errors import CheckpointError, LeaseError, Preempted
 from safepoint.history import RunHistory, outcome_of
 from safepoint.layout import CheckpointInfo, Layout
 from safepoint.manifest import clean_metrics
@@ -226,7 +226,9 @@ class CheckpointManager:
         )
 
     def _take_ownership(self, stale_after_s: float) -> None:
-        self._lease, error = take_ownership(self.comm, self.layout, self._tiers, self.root, stale_after_s)
+        self._lease, error, self._read_only = take_ownership(
+            self.comm, self.layout, self._tiers, self.root, stale_after_s
+        )
         if error is not None:
             if self._lease is not None:
                 self._lease.release()
@@ -270,6 +272,8 @@ class CheckpointManager:
         self._check_step(step)
         if not isinstance(state, TrainState):
             raise ValueError(f"state must be a safepoint.TrainState, got {type(state).__name__}")
+        if self._read_only is not None:
+            raise LeaseError(f"not saving step {step}: {self._read_only} when this manager started")
         if self._lease is not None:
             self._lease.check()
         self._writer.raise_failure()
