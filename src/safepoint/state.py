@@ -12,6 +12,7 @@ import io
 import json
 import pickle
 import sys
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
@@ -205,6 +206,7 @@ def _capture_extra(extra: dict[str, Any]) -> dict[str, Any]:
 
 _PLAIN = (int, float, str, bool, bytes, type(None))
 _CONTAINERS = (dict, list, tuple)
+_SAFE_CONTAINERS = (dict, list, tuple, OrderedDict)
 
 
 def restorable(value: Any, path: str = "") -> Any:
@@ -218,12 +220,17 @@ def restorable(value: Any, path: str = "") -> Any:
     other item is checked by the real rule: a round trip through ``torch.load(weights_only=True)``."""
     if isinstance(value, torch.Tensor) or type(value) in _PLAIN:
         return value
-    if type(value) in _CONTAINERS:
+    if isinstance(value, _CONTAINERS):
+        if type(value) not in _SAFE_CONTAINERS:  # OrderedDict (a model's state dict), a namedtuple, ...
+            _check_weights_only(type(value)(), path)  # the container type alone, never its tensors
+        out: Any
         if isinstance(value, dict):
             out = {k: restorable(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()}
-            return value if all(out[k] is value[k] for k in value) else out
-        items = [restorable(v, f"{path}.{i}") for i, v in enumerate(value)]
-        return value if all(a is b for a, b in zip(items, value, strict=True)) else type(value)(items)
+            same = all(out[k] is value[k] for k in value)
+        else:
+            out = [restorable(v, f"{path}.{i}") for i, v in enumerate(value)]
+            same = all(a is b for a, b in zip(out, value, strict=True))
+        return value if same else type(value)(out)
     plain = _numpy_scalar(value)
     if plain is not None:
         return plain
