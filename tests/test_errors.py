@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import safepoint
 from tests._train import Setup
@@ -114,3 +116,41 @@ def test_exception_in_user_state_dict_commits_nothing(root: Path) -> None:
         with pytest.raises(RuntimeError, match="sampler exploded"):
             mgr.save(1, safepoint.TrainState(dataloader=Broken()))
         assert mgr.list() == []
+
+
+# ---- non-tensor items are checked at save time with restore's own rules (issue 13, finding 9) ----------
+
+
+def test_numpy_scalar_hyperparameters_are_saved_as_python_numbers(tmp_path: Path) -> None:
+    import numpy as np
+
+    model = nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=np.float64(1e-3))
+    with safepoint.CheckpointManager(tmp_path / "ckpt") as mgr:
+        mgr.save(1, safepoint.TrainState(model=model, optimizer=opt, rng=False))
+    assert type(opt.param_groups[0]["lr"]) is np.float64  # the live optimizer is left as it was
+    model2 = nn.Linear(4, 2)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
+    with safepoint.CheckpointManager(tmp_path / "ckpt") as mgr:  # was: refused "not plain data"
+        assert mgr.restore(safepoint.TrainState(model=model2, optimizer=opt2, rng=False)) == 1
+    assert opt2.param_groups[0]["lr"] == 1e-3 and type(opt2.param_groups[0]["lr"]) is float
+
+
+class _Opaque:
+    pass
+
+
+class _Scheduler:
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_epoch": 3, "fn": _Opaque()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        pass
+
+
+def test_an_item_restore_would_refuse_fails_the_save_at_once(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    with safepoint.CheckpointManager(root, async_save=True, async_writer="thread") as mgr:
+        with pytest.raises(safepoint.SaveError, match=r"cannot save 'scheduler\.fn': a _Opaque .*tolist"):
+            mgr.save(1, safepoint.TrainState(scheduler=_Scheduler(), rng=False))
+        assert mgr.list() == []  # nothing committed, and the save failed in the caller, not later

@@ -76,14 +76,14 @@ def test_stale_lease_of_dead_process_is_taken_over(root: Path) -> None:
 
 
 def test_stale_lease_from_other_host_by_heartbeat(root: Path) -> None:
+    # The heartbeat is the lease file's mtime (touched by the holder through its own descriptor).
     root.mkdir(parents=True)
     rec = {"host": "elsewhere", "pid": 1, "heartbeat": 0.0, "token": "x"}
     (root / ".lease").write_text(json.dumps(rec))
+    os.utime(root / ".lease", (0.0, 0.0))
     safepoint.CheckpointManager(root).close()
-    import time
 
-    rec["heartbeat"] = time.time()
-    (root / ".lease").write_text(json.dumps(rec))
+    (root / ".lease").write_text(json.dumps(rec))  # touched just now: a live holder elsewhere
     with pytest.raises(safepoint.LeaseError, match="host 'elsewhere'"):
         safepoint.CheckpointManager(root)
 
@@ -142,6 +142,20 @@ def _swap_in(path: Path, make: Callable[[Path], object]) -> None:
     os.replace(tmp, path)
 
 
+def _wait_for(what: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Poll ``what`` until true; a generous bound only against a hang (no test relies on its length)."""
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def _beats(lease: Lease, n: int) -> None:
+    """Wait until ``n`` more heartbeats were attempted."""
+    target = lease.beats + n
+    _wait_for(lambda: lease.beats >= target)
+
+
 def test_heartbeat_rides_out_an_unreadable_lease_and_names_a_real_taker(tmp_path: Path) -> None:
     lease = Lease(tmp_path, stale_after_s=30, heartbeat_s=0.02)
     lease.acquire()
@@ -152,18 +166,16 @@ def test_heartbeat_rides_out_an_unreadable_lease_and_names_a_real_taker(tmp_path
         # EISDIR on every read (an OSError, as EIO/ESTALE on NFS), then a truncated record (not JSON):
         for make in (lambda p: os.symlink(unreadable_dir, p), lambda p: p.write_text('{"host": "x", "pi')):
             _swap_in(lease.path, make)
-            time.sleep(0.3)  # ~15 beats, each failing to read it
+            _beats(lease, 5)  # each failing to read it
             assert lease.lost is None
             lease.check()
             _swap_in(lease.path, lambda p: p.write_text(good))
-            time.sleep(0.1)
-            assert json.loads(lease.path.read_text())["heartbeat"] > json.loads(good)["heartbeat"]
+            os.utime(lease.path, (0.0, 0.0))
+            _wait_for(lambda: lease.path.stat().st_mtime > 0.0)  # renewed: touched again
         # Another owner: lost, and the message names it.
         rec = {"host": "elsewhere", "pid": 4242, "heartbeat": time.time(), "token": "theirs"}
         _swap_in(lease.path, lambda p: p.write_text(json.dumps(rec)))
-        deadline = time.monotonic() + 10
-        while lease.lost is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _wait_for(lambda: lease.lost is not None)
         assert lease.lost is not None and "taken over by pid 4242 on host 'elsewhere'" in lease.lost
         with pytest.raises(safepoint.LeaseError, match="pid 4242"):
             lease.check()
@@ -172,14 +184,74 @@ def test_heartbeat_rides_out_an_unreadable_lease_and_names_a_real_taker(tmp_path
     assert json.loads(lease.path.read_text())["token"] == "theirs"  # not ours to remove
 
 
+class _TakenOverMidRenewal(Lease):
+    """Another job takes the lease over (renames it aside, links its own) right after this owner's
+    heartbeat has read its record and found its token: the window of issue 13's finding 3."""
+
+    armed = False
+    theirs = {"host": "elsewhere", "pid": 4242, "heartbeat": 0.0, "token": "theirs"}
+
+    def _take_over(self) -> None:
+        self.armed = False
+        aside = self.path.with_name(".lease.stale-taker")
+        os.rename(self.path, aside)
+        os.unlink(aside)
+        tmp = self.path.with_name(".lease.taker.tmp")
+        tmp.write_text(json.dumps(self.theirs))
+        os.link(tmp, self.path)
+        tmp.unlink()
+
+    def _read(self) -> Any:  # the heartbeat's read before this fix
+        found = super()._read()
+        if self.armed:
+            self._take_over()
+        return found
+
+    def _parse(self, path: Path, fd: int) -> dict[str, Any]:  # the heartbeat's read now
+        record = Lease._parse(path, fd)
+        if self.armed:
+            self._take_over()
+        return record
+
+
+def test_renewal_never_overwrites_a_takeover_between_its_read_and_its_write(tmp_path: Path) -> None:
+    lease = _TakenOverMidRenewal(tmp_path, stale_after_s=30, heartbeat_s=0.02)
+    lease.acquire()
+    try:
+        lease.armed = True
+        _wait_for(lambda: lease.lost is not None)
+        assert "taken over by pid 4242 on host 'elsewhere'" in (lease.lost or "")
+        assert json.loads(lease.path.read_text())["token"] == "theirs"  # the taker's lease stands
+        with pytest.raises(safepoint.LeaseError, match="pid 4242"):
+            lease.fence("committing step 2")
+    finally:
+        lease.release()
+    assert json.loads(lease.path.read_text())["token"] == "theirs"  # and release leaves it alone
+
+
+@pytest.mark.parametrize("stale", [0, -1, float("nan"), float("inf"), 30.0, "60"])
+def test_lease_staleness_must_exceed_twice_the_heartbeat(tmp_path: Path, stale: Any) -> None:
+    with pytest.raises(ValueError, match="lease"):
+        Lease(tmp_path, stale_after_s=stale, heartbeat_s=15.0)
+    if stale != 30.0:  # the manager derives its heartbeat (a quarter of the limit at most)
+        with pytest.raises(ValueError, match="lease_stale_after_s"):
+            safepoint.CheckpointManager(tmp_path / "ckpt", lease_stale_after_s=stale)
+    assert not (tmp_path / "ckpt").exists()  # refused before touching the root
+
+
+def test_manager_heartbeat_is_a_quarter_of_a_short_staleness_limit(root: Path) -> None:
+    with safepoint.CheckpointManager(root, lease_stale_after_s=2.0) as mgr:
+        assert mgr._lease.heartbeat_s == 0.5
+    with safepoint.CheckpointManager(root) as mgr:
+        assert mgr._lease.heartbeat_s == 15.0
+
+
 def test_heartbeat_gives_up_once_unreadable_for_longer_than_the_staleness_limit(tmp_path: Path) -> None:
     lease = Lease(tmp_path, stale_after_s=0.3, heartbeat_s=0.02)
     lease.acquire()
     try:
         _swap_in(lease.path, lambda p: p.write_text(""))
-        deadline = time.monotonic() + 10
-        while lease.lost is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _wait_for(lambda: lease.lost is not None)
         assert lease.lost is not None and "longer than lease_stale_after_s=0.3s" in lease.lost
         assert "None" not in lease.lost
     finally:
@@ -191,9 +263,7 @@ def test_removed_lease_is_lost_with_a_clear_reason(tmp_path: Path) -> None:
     lease.acquire()
     try:
         lease.path.unlink()
-        deadline = time.monotonic() + 10
-        while lease.lost is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _wait_for(lambda: lease.lost is not None)
         assert lease.lost is not None and "was removed" in lease.lost and "None" not in lease.lost
     finally:
         lease.release()

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import torch
 
 import safepoint
+from safepoint.cli.main import main
 from safepoint.policy.rules import Retention, build_retention
-from safepoint.store.layout import CheckpointInfo
+from safepoint.restore.restorer import CheckpointWarning
+from safepoint.store.layout import CheckpointInfo, Layout
 from tests._train import Setup
 
 
@@ -92,3 +96,56 @@ def test_manager_applies_retention_after_commit(root: Path) -> None:
         "step-6",
         "step-7",
     ]
+
+
+# ---- the newest *verified* checkpoint survives (issue 13, finding 4) ------------------------------------
+
+
+def _saved(root: Path, steps: list[int]) -> None:
+    with safepoint.CheckpointManager(root) as mgr:
+        for step in steps:
+            mgr.save(step, safepoint.TrainState(rng=False, extra={"t": torch.arange(256.0) + step}))
+
+
+def _rot(root: Path, step: int) -> None:
+    """Flip one byte of a data file, as a failing disk would (size unchanged)."""
+    data = next(p for p in (root / f"step-{step}").iterdir() if p.suffix == ".distcp")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+
+def test_retention_keeps_the_newest_verified_and_the_one_just_saved(root: Path) -> None:
+    _saved(root, [10, 20])
+    _rot(root, 20)
+    state = safepoint.TrainState(rng=False, extra={"t": torch.zeros(256)})
+    with safepoint.CheckpointManager(root, keep_last=1) as mgr:
+        with pytest.warns(CheckpointWarning, match="step 20"):
+            assert mgr.restore(state) == 10
+        mgr.save(15, state)
+    steps = Layout(root).committed_steps()
+    assert 10 in steps and 15 in steps  # was: [20] (the corrupt one), the next restart from 0
+    with safepoint.CheckpointManager(root, keep_last=1) as mgr:
+        with pytest.warns(CheckpointWarning, match="step 20"):
+            assert mgr.restore(state) == 15
+
+
+def test_prune_never_counts_a_corrupt_or_empty_checkpoint_as_the_newest(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _saved(root, [10, 20])
+    _rot(root, 20)
+    # A planted step whose manifest lists no files at all.
+    planted = root / f"step-{10**20}"
+    planted.mkdir()
+    manifest = json.loads((root / "step-10" / "safepoint.json").read_text())
+    manifest.update(step=10**20, files={})
+    (planted / "safepoint.json").write_text(json.dumps(manifest))
+    assert main(["prune", str(root), "--keep-last", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "kept 1: [10]" in out and "step 20" in out, out
+    assert 10 in Layout(root).committed_steps()
+    state = safepoint.TrainState(rng=False, extra={"t": torch.zeros(256)})
+    with safepoint.CheckpointManager(root) as mgr, pytest.warns(CheckpointWarning):
+        assert mgr.restore(state) == 10
+    assert torch.equal(state.extra["t"], torch.arange(256.0) + 10)  # type: ignore[index]

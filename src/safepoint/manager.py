@@ -11,7 +11,7 @@ from types import TracebackType
 from typing import Any
 
 from safepoint.dist import Comm
-from safepoint.errors import CheckpointError, Preempted
+from safepoint.errors import CheckpointError, LeaseError, Preempted
 from safepoint.options import (
     ClusterOptions,
     PreemptionOptions,
@@ -23,13 +23,12 @@ from safepoint.options import (
     writer_process_mode,
 )
 from safepoint.policy.history import RunHistory, outcome_of
-from safepoint.policy.rules import AdaptiveInterval, Retention, build_retention
+from safepoint.policy.rules import AdaptiveInterval, Retention, Verdicts, build_retention
 from safepoint.policy.schedule import SaveSchedule
 from safepoint.preempt.emergency import EmergencySave
 from safepoint.preempt.preemption import Preemption
 from safepoint.remote.upload import TransferConfig
 from safepoint.restore.restorer import Restorer
-from safepoint.restore.resume import Resume
 from safepoint.save.background import BackgroundWriter
 from safepoint.save.saver import SyncSaver
 from safepoint.save.staging import Stager, tensor_bytes
@@ -38,6 +37,7 @@ from safepoint.state import TrainState
 from safepoint.store.layout import CheckpointInfo, Layout
 from safepoint.store.manifest import clean_metrics
 from safepoint.tiers.base import DurabilityLag, SingleTier, plan_tiers, take_ownership
+from safepoint.tiers.resume import Resume
 from safepoint.tiers.tiering import Tiering
 
 log = logging.getLogger("safepoint")
@@ -189,8 +189,11 @@ class CheckpointManager:
         self._preemption = Preemption.build(self.comm, **preemption)
         # With tiering, local copies are pruned by the uploader (keep_local_last); `retention` is durable's.
         saver_retention = Retention() if durable is not None else retention
-        self._saver = SyncSaver(self.layout, self.comm, saver_retention, writer_threads=writer_threads)
-        self._restorer = Restorer(self.layout, self.comm)
+        verdicts = Verdicts()  # what restore verified, for retention (the newest intact step survives)
+        self._saver = SyncSaver(
+            self.layout, self.comm, saver_retention, writer_threads=writer_threads, verdicts=verdicts
+        )
+        self._restorer = Restorer(self.layout, self.comm, verdicts)
         self._async = bool(async_save)
         self._if_busy = if_busy
         # process_fallback: None for no writer process; else whether one that cannot start may be replaced
@@ -211,7 +214,12 @@ class CheckpointManager:
             if self._process is not None:
                 wrap = process_writer_factory(self._process, lambda: self._stager.arena)
             self._bg_saver = SyncSaver(
-                self.layout, self._bg_comm, saver_retention, writer_threads=writer_threads, wrap_writer=wrap
+                self.layout,
+                self._bg_comm,
+                saver_retention,
+                writer_threads=writer_threads,
+                wrap_writer=wrap,
+                verdicts=verdicts,
             )
         self._at_exit = self._async or durable is not None
         # The uploader's collectives get their own group too (created here: same order on every rank).
@@ -222,7 +230,9 @@ class CheckpointManager:
         )
 
     def _take_ownership(self, stale_after_s: float) -> None:
-        self._lease, error = take_ownership(self.comm, self.layout, self._tiers, self.root, stale_after_s)
+        self._lease, error, self._read_only = take_ownership(
+            self.comm, self.layout, self._tiers, self.root, stale_after_s
+        )
         if error is not None:
             if self._lease is not None:
                 self._lease.release()
@@ -266,6 +276,8 @@ class CheckpointManager:
         self._check_step(step)
         if not isinstance(state, TrainState):
             raise ValueError(f"state must be a safepoint.TrainState, got {type(state).__name__}")
+        if self._read_only is not None:
+            raise LeaseError(f"not saving step {step}: {self._read_only} when this manager started")
         if self._lease is not None:
             self._lease.check()
         self._writer.raise_failure()

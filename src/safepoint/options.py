@@ -14,6 +14,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from safepoint.store.lease import MIN_STALE_AFTER_S, check_lease_timing, heartbeat_for
+
 ASYNC_WRITERS = ("auto", "thread", "process")
 DEFAULT_EXIT_CODE = 143
 """128 + SIGTERM: what a process killed by the notice's SIGTERM reports, so an orchestrator (Kubernetes
@@ -93,7 +95,7 @@ class ClusterOptions:
 
     def __post_init__(self) -> None:
         _positive_number("ClusterOptions.collective_timeout_s", self.collective_timeout_s)
-        _positive_number("ClusterOptions.lease_stale_after_s", self.lease_stale_after_s)
+        check_lease_stale_after(self.lease_stale_after_s)
 
 
 MOVED_KEYWORDS: Mapping[str, str] = {
@@ -130,7 +132,7 @@ def check_option_types(**options: object) -> None:
 
 
 RESUME_MODES = ("auto", "required", "never")
-"""CheckpointManager(resume=...): see restore/resume.py."""
+"""CheckpointManager(resume=...): see tiers/resume.py."""
 
 
 def check_manager_arguments(writer: WriterOptions, async_save: bool, resume: object = "auto") -> None:
@@ -138,6 +140,18 @@ def check_manager_arguments(writer: WriterOptions, async_save: bool, resume: obj
         raise ValueError(f"resume must be 'auto', 'required' or 'never', got {resume!r}")
     if writer.async_writer == "process" and not async_save:
         raise ValueError("async_writer='process' writes async saves: pass async_save=True as well")
+
+
+def check_lease_stale_after(stale_after_s: float) -> None:
+    """A finite number of seconds, at least MIN_STALE_AFTER_S; the heartbeat then beats at most every
+    quarter of it (lease.heartbeat_for), so the limit always exceeds twice the heartbeat interval."""
+    ok = isinstance(stale_after_s, (int, float)) and not isinstance(stale_after_s, bool)
+    if not ok or not math.isfinite(stale_after_s) or stale_after_s < MIN_STALE_AFTER_S:
+        raise ValueError(
+            f"lease_stale_after_s must be a finite number of seconds >= {MIN_STALE_AFTER_S:g}, got "
+            f"{stale_after_s!r}"
+        )
+    check_lease_timing(stale_after_s, heartbeat_for(stale_after_s))
 
 
 def check_keep_local_last(keep_local_last: int) -> None:

@@ -8,7 +8,11 @@ key, one rank's RNG would silently stand in for all.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
+import pickle
+import sys
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
@@ -17,6 +21,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from safepoint.data import rng
+from safepoint.errors import SaveError
 
 MODEL = "model"
 OPTIMIZER = "optimizer"
@@ -122,7 +127,8 @@ class TrainState:
             sd[RNG] = {rank_key(rank): rng.capture_rng()}
         if self.extra:
             sd[EXTRA] = {rank_key(rank): _capture_extra(self.extra)}
-        return sd
+        checked: dict[str, Any] = restorable(sd)
+        return checked
 
     # ---- restore -------------------------------------------------------------------------------------
 
@@ -194,3 +200,67 @@ def _capture_extra(extra: dict[str, Any]) -> dict[str, Any]:
         _check_extra_value(k, v)
         out[k] = v.state_dict() if isinstance(v, Stateful) else v
     return out
+
+
+# ---- what restore can load: checked at save time (issue 13, finding 9) ----------------------------------
+
+_PLAIN = (int, float, str, bool, bytes, type(None))
+_CONTAINERS = (dict, list, tuple)
+_SAFE_CONTAINERS = (dict, list, tuple, OrderedDict)
+
+
+def restorable(value: Any, path: str = "") -> Any:
+    """``value`` (a captured state dict) as restore will load it, or SaveError naming the first item it
+    would refuse. Restore loads every non-tensor item with ``torch.load(weights_only=True)``; an item that
+    fails that would make the checkpoint unrestorable, found only after the crash it was saved for.
+
+    NumPy scalars are converted to the Python number of the same value (lossless: float64 and narrower
+    floats, every integer width, bool; ``np.float64`` from ``lr=np.float64(1e-3)`` is common); containers
+    holding one are copied, never changed in place (they may be the live optimizer's param groups). Any
+    other item is checked by the real rule: a round trip through ``torch.load(weights_only=True)``."""
+    if isinstance(value, torch.Tensor) or type(value) in _PLAIN:
+        return value
+    if isinstance(value, _CONTAINERS):
+        if type(value) not in _SAFE_CONTAINERS:  # OrderedDict (a model's state dict), a namedtuple, ...
+            _check_weights_only(type(value)(), path)  # the container type alone, never its tensors
+        out: Any
+        if isinstance(value, dict):
+            out = {k: restorable(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()}
+            same = all(out[k] is value[k] for k in value)
+        else:
+            out = [restorable(v, f"{path}.{i}") for i, v in enumerate(value)]
+            same = all(a is b for a, b in zip(out, value, strict=True))
+        return value if same else type(value)(out)
+    plain = _numpy_scalar(value)
+    if plain is not None:
+        return plain
+    _check_weights_only(value, path)
+    return value
+
+
+def _numpy_scalar(value: Any) -> int | float | bool | None:
+    """The Python number a NumPy scalar holds exactly, or None (not NumPy, or no exact Python twin)."""
+    np = sys.modules.get("numpy")  # a NumPy scalar exists only if NumPy was imported
+    if np is None or not isinstance(value, np.generic):
+        return None
+    if isinstance(value, (np.integer, np.bool_)) or (
+        isinstance(value, np.floating) and value.dtype.itemsize <= 8
+    ):
+        item = value.item()
+        return item if type(item) in (int, float, bool) else None
+    return None
+
+
+def _check_weights_only(value: Any, path: str) -> None:
+    buf = io.BytesIO()
+    try:
+        torch.save(value, buf)
+        buf.seek(0)
+        torch.load(buf, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, TypeError, AttributeError, ValueError) as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SaveError(
+            f"cannot save {path!r}: a {type(value).__name__} is not plain data, and restore (which loads "
+            f"with torch.load(weights_only=True)) would refuse it ({why}). Store a tensor, a number, a "
+            "string, or a list/dict of them instead (e.g. float(x), x.tolist(), torch.as_tensor(x))."
+        ) from None

@@ -101,11 +101,16 @@ def cmd_prune(args: argparse.Namespace, out: Console, err: Console) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     layout = tools.open_root(args.root)
-    kept, deleted = tools.prune(layout, retention, dry_run=args.dry_run)
+    kept, deleted, corrupt = tools.prune(layout, retention, dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
     for s in deleted:
         out.print(f"{verb} step {s}")
     out.print(f"kept {len(kept)}: {kept}; {verb} {len(deleted)}")
+    if corrupt:
+        out.print(
+            f"[yellow]note[/]: failed verification, not counted as the newest and left alone: "
+            f"{', '.join(f'step {s}' for s in corrupt)} (see `safepoint verify`)"
+        )
     left = [e for e in tools.scan(layout) if e.status != tools.OK]
     if left:
         out.print(

@@ -21,7 +21,7 @@ from safepoint.errors import CheckpointError, CorruptCheckpointError
 from safepoint.policy.rules import Retention
 from safepoint.remote.layout import RemoteLayout, is_url
 from safepoint.store.layout import STEP_PREFIX, CheckpointInfo, Layout
-from safepoint.store.lease import Lease
+from safepoint.store.lease import DEFAULT_STALE_AFTER_S
 from safepoint.store.manifest import MANIFEST_NAME, Manifest
 from safepoint.store.storage import METADATA_NAME
 
@@ -249,19 +249,38 @@ def history(layout: Layout) -> list[CheckpointInfo]:
     return out
 
 
-def prune(layout: Layout, retention: Retention, *, dry_run: bool) -> tuple[list[int], list[int]]:
-    """(kept, deleted) steps. Deletes under the lease, so it never races a live writer."""
+def prune(layout: Layout, retention: Retention, *, dry_run: bool) -> tuple[list[int], list[int], list[int]]:
+    """(kept, deleted, corrupt) steps. Deletes under the lease, so it never races a live writer.
+
+    Checkpoints are verified newest first until one is intact: that one is the newest (it always
+    survives); the newer ones that failed are left alone, never counted as kept or deleted."""
     if dry_run:
-        infos = history(layout)
-        doomed = retention.to_delete(infos)
-        return [c.step for c in infos if c.step not in doomed], doomed
-    lease = Lease(layout.root)
+        return _prune_plan(layout, retention)
+    lease = layout.lease(DEFAULT_STALE_AFTER_S)  # fences every delete/commit through layout
     lease.acquire()
     try:
-        infos = history(layout)  # read again under the lease: only now can nobody else be adding
-        doomed = retention.to_delete(infos)
+        kept, doomed, corrupt = _prune_plan(layout, retention)  # under the lease: nobody else is adding
         for step in doomed:
             layout.remove(step)
-        return [c.step for c in infos if c.step not in doomed], doomed
+        return kept, doomed, corrupt
     finally:
         lease.release()
+
+
+def _prune_plan(layout: Layout, retention: Retention) -> tuple[list[int], list[int], list[int]]:
+    infos = history(layout)
+    corrupt: list[int] = []
+    newest: int | None = None
+    for info in reversed(infos):
+        try:
+            require_intact(layout, info.step)
+        except CheckpointError:
+            corrupt.append(info.step)
+            continue
+        newest = info.step
+        break
+    if newest is None:  # nothing verifies: deleting anything could lose the last usable bytes
+        return [c.step for c in infos if c.step not in corrupt], [], sorted(corrupt)
+    infos = [c for c in infos if c.step not in corrupt]
+    doomed = retention.to_delete(infos, protect={newest})
+    return [c.step for c in infos if c.step not in doomed], doomed, sorted(corrupt)

@@ -21,7 +21,7 @@ from safepoint.policy.rules import Retention
 from safepoint.save.saver import SyncSaver
 from safepoint.state import MODEL
 from safepoint.store.layout import CheckpointInfo, Layout
-from safepoint.store.lease import Lease
+from safepoint.store.lease import DEFAULT_STALE_AFTER_S
 from safepoint.store.manifest import ORIGIN_IMPORT, ORIGIN_KEY
 
 # Marks a safetensors file written by a full (not --model-only) export, whose keys carry section prefixes.
@@ -167,7 +167,7 @@ def _check_flat_state_dict(src: Path, sd: Mapping[Any, Any]) -> None:
 def import_state(model_sd: dict[str, Any], layout: Layout, *, force: bool) -> CheckpointInfo:
     """Commit ``model_sd`` as step 0 through the real save path (DCP write, crc32c, manifest, rename)."""
     layout.ensure_root()
-    lease = Lease(layout.root)
+    lease = layout.lease(DEFAULT_STALE_AFTER_S)  # fences every delete/commit through layout
     lease.acquire()
     try:
         if 0 in layout.committed_steps() and not force:

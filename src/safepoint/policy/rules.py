@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 from safepoint.store.layout import CheckpointInfo
@@ -262,17 +262,44 @@ class KeepBest:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Retention:
-    """Union of policies. No policy keeps everything. The newest checkpoint is never deleted."""
+    """Union of policies. No policy keeps everything. ``protect`` always survives: the one just committed
+    and the newest *verified* checkpoint (a newer step that failed or never had verification must not
+    stand in for it). Without ``protect`` the newest checkpoint is never deleted."""
 
     policies: tuple[RetentionPolicy, ...] = ()
 
-    def to_delete(self, history: Sequence[CheckpointInfo]) -> list[int]:
+    def to_delete(
+        self, history: Sequence[CheckpointInfo], protect: Collection[int] | None = None
+    ) -> list[int]:
         if not self.policies or not history:
             return []
-        keep: set[int] = {max(c.step for c in history)}
+        keep: set[int] = set(protect) if protect is not None else {max(c.step for c in history)}
         for p in self.policies:
             keep |= p.keep(history)
         return sorted(c.step for c in history if c.step not in keep)
+
+
+class Verdicts:
+    """What verification found in this process, per step: intact (True) or corrupt (False). Restore
+    records every step it verifies; retention keeps the newest intact one and never counts a corrupt one
+    (it is left alone: neither kept by a policy nor deleted). A step this process commits again is
+    forgotten (its bytes changed)."""
+
+    def __init__(self) -> None:
+        self._found: dict[int, bool] = {}
+
+    def record(self, step: int, intact: bool) -> None:
+        self._found[step] = intact
+
+    def forget(self, step: int) -> None:
+        self._found.pop(step, None)
+
+    def corrupt(self, step: int) -> bool:
+        return self._found.get(step) is False
+
+    def newest_intact(self, steps: Collection[int]) -> int | None:
+        good = [s for s in steps if self._found.get(s) is True]
+        return max(good) if good else None
 
 
 def build_retention(

@@ -85,6 +85,7 @@ class RemoteLayout:
         self.root = self.store.url(self.base)
         self.deep_verify = deep_verify
         self.unguarded = False
+        self.owner: Any = None  # the lease this process holds here (set by ``lease()``): fences changes
         # Replacements of a committed step that failed after its old manifest was deleted: staged prefix ->
         # the new copy's manifest. Only rolling forward can bring the step back (its old data is being
         # overwritten), so the staged copy is kept, and the next save (or listing, or owner) finishes it.
@@ -92,6 +93,11 @@ class RemoteLayout:
 
     def _p(self, *parts: str) -> str:
         return posixpath.join(self.base, *parts)
+
+    def fence(self, action: str) -> None:
+        """LeaseError unless this process still owns the root (a no-op without a lease; see lease.fence)."""
+        if self.owner is not None:
+            self.owner.fence(action)
 
     def step_path(self, step: int) -> str:
         return self.store.url(self._p(step_name(step)))
@@ -205,6 +211,7 @@ class RemoteLayout:
         """Confirm every object against ``manifest``, then write the manifest (then promote if staged)."""
         self._confirm(pending, manifest)
         final = self.step_key(manifest.step)
+        self.fence(f"committing step {manifest.step}")  # the manifest write is the commit
         if pending == final:
             self.store.put_bytes(posixpath.join(final, MANIFEST_NAME), manifest.to_json())
         else:
@@ -288,6 +295,7 @@ class RemoteLayout:
 
         Raises OSError if the manifest could not be deleted, as ``Layout.remove`` does: retention treats a
         failed removal as a cleanup to retry, never as a failure of the save that was just committed."""
+        self.fence(f"deleting step {step}")
         try:
             self.store.delete([self._p(step_name(step), MANIFEST_NAME)])
         except UploadError as e:
@@ -299,6 +307,7 @@ class RemoteLayout:
         if self.unguarded:
             return [f"not cleaning up {self.root}: without a lease, uncommitted objects may be another job's"]
         done: list[str] = []
+        self.fence("cleaning up abandoned saves")
         objects = self.store.sizes(self.base)
         committed = {step_name(int(m.group(1))) for k in objects if (m := _MANIFEST_KEY.match(k))}
         staged = {k.split("/")[1] for k in objects if k.startswith(PENDING_DIR + "/") and k.count("/") >= 2}
@@ -339,10 +348,11 @@ class RemoteLayout:
         from safepoint.remote.lease import RemoteLease
 
         if self.store.local:
-            return Lease(Path(self.base), stale_after_s=stale_after_s)
-        lease = RemoteLease.for_layout(self, stale_after_s)
-        self.unguarded = lease is None
-        return lease
+            self.owner = Lease(Path(self.base), stale_after_s=stale_after_s)
+            return self.owner
+        self.owner = RemoteLease.for_layout(self, stale_after_s)
+        self.unguarded = self.owner is None
+        return self.owner
 
     def object_key(self, step: int, name: str) -> str:
         return self._p(step_name(step), name)

@@ -5,8 +5,10 @@ does not exist, and ``If-Match: <etag>`` replaces it only if nobody changed it s
 acquire = create-if-absent; a stale lease (same host and its pid is gone, or no heartbeat for
 ``stale_after_s``, measured on the store's clock) is taken over by a replace-if-unchanged, which succeeds
 for exactly one contender; the heartbeat is a replace-if-unchanged too, so a lease taken by someone else is
-noticed at the next beat. Stores without conditional writes (gs://, az:// through fsspec here) get no lease:
-the manager logs that the root is unprotected, and the local tier's lease still guards the local root.
+noticed at the next beat, and every commit and delete first reads the lease and checks the token
+(``fence``: a frozen owner never writes a manifest or deletes after a takeover). Stores without
+conditional writes (gs://, az:// through fsspec here) get no lease: the manager logs that the root is
+unprotected, and the local tier's lease still guards the local root.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class RemoteLease(HeartbeatLease):
     thread_name = "safepoint-remote-lease"
 
     def __init__(
-        self, store: Any, key: str, *, stale_after_s: float = 120.0, heartbeat_s: float = 15.0
+        self, store: Any, key: str, *, stale_after_s: float = 120.0, heartbeat_s: float | None = None
     ) -> None:
         super().__init__(stale_after_s, heartbeat_s)
         self.store, self.key = store, key
@@ -51,6 +53,20 @@ class RemoteLease(HeartbeatLease):
             layout.root,
         )
         return None
+
+    def _where(self) -> str:
+        return str(self.store.url(self.key))
+
+    def _holder(self) -> dict[str, Any] | None:
+        try:
+            holder, etag, _ = self._read()
+        except (UploadError, OSError) as e:
+            raise Unreadable(str(e)) from e
+        if etag is None:
+            return None
+        if holder is None:
+            raise Unreadable(f"{self._where()}: not a lease record")
+        return holder
 
     def _record(self) -> bytes:
         return json.dumps({**self._owner(), "heartbeat": time.time(), "token": self.token}).encode()

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from safepoint.data import rng
 from safepoint.dist import Comm
 from safepoint.errors import CheckpointError, CorruptCheckpointError, StateMismatchError, describe_exception
+from safepoint.policy.rules import Verdicts
 from safepoint.state import (
     DATALOADER,
     MODEL,
@@ -39,9 +40,10 @@ class CheckpointWarning(UserWarning):
 
 
 class Restorer:
-    def __init__(self, layout: CheckpointStore, comm: Comm) -> None:
+    def __init__(self, layout: CheckpointStore, comm: Comm, verdicts: Verdicts | None = None) -> None:
         self.layout = layout
         self.comm = comm
+        self.verdicts = verdicts if verdicts is not None else Verdicts()  # read by retention
 
     # ---- discover + verify ---------------------------------------------------------------------------
 
@@ -59,14 +61,18 @@ class Restorer:
             candidates = sorted(steps, reverse=True)
         for candidate in candidates:
             try:
-                return self._verify_everywhere(candidate)
+                manifest = self._verify_everywhere(candidate)
             except CorruptCheckpointError as e:
+                self.verdicts.record(candidate, False)
                 if step is not None:
                     raise
                 if self.comm.is_coordinator:
                     msg = f"safepoint: skipping corrupt checkpoint: {e}; falling back to an older one"
                     warnings.warn(msg, CheckpointWarning, stacklevel=4)
                     log.warning(msg)
+                continue
+            self.verdicts.record(candidate, True)
+            return manifest
         return None
 
     def _verify_everywhere(self, step: int) -> Manifest:

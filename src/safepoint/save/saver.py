@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from safepoint.dist import Comm, PeerTimeoutError
 from safepoint.errors import CheckpointError, SaveError, describe_exception
-from safepoint.policy.rules import Retention
+from safepoint.policy.rules import Retention, Verdicts
 from safepoint.store.layout import CheckpointInfo, CheckpointStore
 from safepoint.store.manifest import FileEntry, Manifest
 
@@ -30,8 +30,11 @@ class SyncSaver:
         *,
         writer_threads: int = 1,
         wrap_writer: Callable[[Any], Any] | None = None,
+        verdicts: Verdicts | None = None,
     ) -> None:
         self.layout = layout
+        # What restore verified (shared with the Restorer): retention keeps the newest intact step.
+        self.verdicts = verdicts if verdicts is not None else Verdicts()
         self.comm = comm
         self.retention = retention
         self.writer_threads = writer_threads
@@ -99,7 +102,8 @@ class SyncSaver:
                 "Older checkpoints are intact."
             )
         if self.comm.is_coordinator:
-            self._retain()
+            self.verdicts.forget(step)  # its bytes are new: whatever was found about the old ones is moot
+            self._retain(step)
         return info
 
     def _commit(
@@ -147,17 +151,22 @@ class SyncSaver:
         )
         return self.layout.info(step, manifest)
 
-    def _retain(self) -> None:
+    def _retain(self, committed: int) -> None:
+        """Apply the policies; the step just committed and the newest step verified intact survive."""
         try:
             history = []
             for s in self.layout.committed_steps():
+                if self.verdicts.corrupt(s):
+                    continue  # never counted as the newest, as kept or as deleted
                 try:
                     history.append(self.layout.info(s, self.layout.read_manifest(s)))
                 except CheckpointError:
                     continue  # unreadable manifests are never counted as kept or deleted
-            for step in self.retention.to_delete(history):
+            good = self.verdicts.newest_intact([c.step for c in history])
+            protect = {committed} | ({good} if good is not None else set())
+            for step in self.retention.to_delete(history, protect):
                 self.layout.remove(step)
                 log.info("safepoint: retention removed step %d", step)
-        except OSError as e:
+        except (OSError, CheckpointError) as e:  # CheckpointError: LeaseError from the fence
             # The new checkpoint is committed; a failed cleanup costs space, not correctness.
             log.warning("safepoint: retention pass failed (%s); will retry after the next save", e)

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from safepoint.errors import CheckpointError, CorruptCheckpointError
 from safepoint.store.checksum import crc32c_combine, crc_hex, crc_ranges, range_crc32c
-from safepoint.store.lease import Lease
+from safepoint.store.lease import HeartbeatLease, Lease
 from safepoint.store.manifest import MANIFEST_NAME, Manifest
 from safepoint.store.storage import METADATA_NAME, SafepointWriter, SafeReader, read_metadata_file
 
@@ -104,6 +104,14 @@ class Layout:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
+        # The lease this process holds on ROOT (set by ``lease()``): every commit and delete is fenced by
+        # it. None for read-only users (restore on other ranks, the CLI's ls/verify), who change nothing.
+        self.owner: HeartbeatLease | None = None
+
+    def fence(self, action: str) -> None:
+        """LeaseError unless this process still owns ROOT (a no-op without a lease; see lease.fence)."""
+        if self.owner is not None:
+            self.owner.fence(action)
 
     @property
     def pending_root(self) -> Path:
@@ -229,6 +237,7 @@ class Layout:
         write_file_durably(pending / MANIFEST_NAME, manifest.to_json())
         fsync_dir(pending)
         final = self.step_path(manifest.step)
+        self.fence(f"committing step {manifest.step}")  # the last moment before it becomes visible
         if final.exists():
             self._replace(pending, final)
         else:
@@ -303,7 +312,9 @@ class Layout:
         return SafeReader(self.step_path(step))
 
     def lease(self, stale_after_s: float) -> Lease:
-        return Lease(self.root, stale_after_s=stale_after_s)
+        """A lease on ROOT; once acquired, it fences this layout's commits and deletes."""
+        self.owner = Lease(self.root, stale_after_s=stale_after_s)
+        return self.owner
 
     # ---- removal and cleanup -------------------------------------------------------------------------
 
@@ -311,6 +322,7 @@ class Layout:
         """Delete a committed checkpoint; crash-safe (it is listed intact, or not at all)."""
         src = self.step_path(step)
         doomed = self.pending_root / f"{_DELETING_PREFIX}{src.name}-{uuid.uuid4().hex[:8]}"
+        self.fence(f"deleting step {step}")
         os.rename(src, doomed)
         fsync_dir(self.root)
         shutil.rmtree(doomed, ignore_errors=True)
@@ -318,7 +330,10 @@ class Layout:
     def clean_pending(self) -> list[str]:
         """Run by a new owner: recover parked replacements, delete abandoned saves. Returns what it did."""
         done: list[str] = []
-        for entry in self._pending_entries():
+        entries = list(self._pending_entries())
+        if entries:
+            self.fence("cleaning up abandoned saves")
+        for entry in entries:
             if entry.name.startswith(_REPLACED_PREFIX):
                 original = entry.name[len(_REPLACED_PREFIX) :].rsplit("-", 1)[0]
                 target = self.root / original

@@ -4,6 +4,10 @@
 error naming the holder; a lease whose process is gone (same host) or whose heartbeat is stale (another
 host) is taken over. Takeover renames the stale file aside first: rename succeeds for exactly one
 contender, so two processes can never both take it.
+
+Fencing: the owner's token is checked against the lease on the store (:meth:`HeartbeatLease.fence`) right
+before every commit rename and every delete, so an owner that was frozen (SIGSTOP, a VM pause, a long GC)
+while another job took the root over can never commit or delete afterwards: its token is no longer there.
 """
 
 from __future__ import annotations
@@ -24,6 +28,11 @@ from typing import Any
 from safepoint.errors import LeaseError
 
 LEASE_NAME = ".lease"
+DEFAULT_STALE_AFTER_S = 120.0
+HEARTBEAT_S = 15.0
+"""The heartbeat interval for the default ``lease_stale_after_s`` (120 s): a quarter of it at most."""
+MIN_STALE_AFTER_S = 1.0
+"""The smallest ``lease_stale_after_s`` a manager accepts: below it the heartbeat would spin."""
 UNREADABLE_WAIT_S = 2.0
 """How long ``acquire`` keeps re-reading a lease file it cannot read (NFS EIO/ESTALE, a creator between
 its O_EXCL create and its write) before deciding by the file's age."""
@@ -32,6 +41,25 @@ log = logging.getLogger("safepoint")
 
 class Unreadable(Exception):
     """The lease record could not be read or parsed: a transient condition, never proof of a new owner."""
+
+
+def heartbeat_for(stale_after_s: float) -> float:
+    """The heartbeat interval for ``stale_after_s``: HEARTBEAT_S, or a quarter of a shorter staleness
+    limit, so a live holder always beats several times before anyone may judge it stale."""
+    return min(HEARTBEAT_S, stale_after_s / 4)
+
+
+def check_lease_timing(stale_after_s: float, heartbeat_s: float) -> None:
+    """ValueError unless both are finite numbers and the staleness limit exceeds twice the heartbeat:
+    with less, one late beat (a busy NFS server, a GC pause) lets a second job take over a live holder."""
+    for name, value in (("lease_stale_after_s", stale_after_s), ("lease heartbeat", heartbeat_s)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
+    if heartbeat_s <= 0 or stale_after_s <= 2 * heartbeat_s:
+        raise ValueError(
+            f"lease_stale_after_s must exceed twice the heartbeat interval ({heartbeat_s:g}s), got "
+            f"{stale_after_s!r}: otherwise a second job could take over a live holder"
+        )
 
 
 def heartbeat_age(holder: dict[str, Any], now: float | None = None) -> float:
@@ -79,11 +107,15 @@ class HeartbeatLease(abc.ABC):
 
     thread_name = "safepoint-lease"
 
-    def __init__(self, stale_after_s: float, heartbeat_s: float) -> None:
+    def __init__(self, stale_after_s: float, heartbeat_s: float | None) -> None:
+        if heartbeat_s is None:
+            heartbeat_s = heartbeat_for(stale_after_s) if math.isfinite(stale_after_s) else HEARTBEAT_S
+        check_lease_timing(stale_after_s, heartbeat_s)
         self.stale_after_s = stale_after_s
         self.heartbeat_s = heartbeat_s
         self.token = uuid.uuid4().hex
         self.lost: str | None = None
+        self.beats = 0  # heartbeat attempts so far (lets tests wait for beats instead of sleeping)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._renewed = time.monotonic()  # when the heartbeat last landed
@@ -124,7 +156,9 @@ class HeartbeatLease(abc.ABC):
         while not self._stop.wait(self.heartbeat_s):
             try:
                 lost = self._renew()
+                self.beats += 1
             except Unreadable as e:
+                self.beats += 1
                 # Transient (NFS EIO/ESTALE, a throttled store): retried at the next beat. Only once no
                 # heartbeat has landed for stale_after_s may another host have judged the lease stale and
                 # taken it over: from then on it cannot be counted on.
@@ -153,9 +187,37 @@ class HeartbeatLease(abc.ABC):
     def _drop(self) -> None:
         """Remove the lease if it is still ours."""
 
+    @abc.abstractmethod
+    def _holder(self) -> dict[str, Any] | None:
+        """The lease record on the store now (None: there is none); raises :class:`Unreadable`."""
+
+    @abc.abstractmethod
+    def _where(self) -> str:
+        """The lease's path or URL, for messages."""
+
     def check(self) -> None:
         if self.lost:
             raise LeaseError(self.lost)
+
+    def fence(self, action: str) -> None:
+        """Raise LeaseError unless the lease on the store still carries this owner's token. Called right
+        before each commit rename and each delete (``action`` says which, for the message): the heartbeat
+        notices a takeover only at its next beat, and a process frozen after its last check must find
+        out before it changes anything. An unreadable lease refuses too: ownership cannot be confirmed."""
+        if self.lost:
+            raise LeaseError(f"not {action}: {self.lost}")
+        try:
+            holder = self._holder()
+        except Unreadable as e:
+            raise LeaseError(f"not {action}: cannot confirm this job still owns the root ({e})") from e
+        if holder is None:
+            why = f"lease {self._where()} was removed (by hand, or the root was deleted)"
+        elif holder.get("token") != self.token:
+            why = f"lease {self._where()} was taken over by {describe_holder(holder)}"
+        else:
+            return
+        self.lost = self.lost or f"{why}; this job no longer owns the root"
+        raise LeaseError(f"not {action}: {why}; this job no longer owns the root")
 
     def stop(self) -> None:
         """End the heartbeat without waiting and without giving the lease back: it expires by itself."""
@@ -185,14 +247,36 @@ class HeartbeatLease(abc.ABC):
 
 class Lease(HeartbeatLease):
     """``ROOT/.lease`` on a local or network file system: created whole (fsynced, then hard-linked),
-    taken over by renaming the stale file aside."""
+    taken over by renaming the stale file aside, renewed by touching the very file this owner created.
 
-    def __init__(self, root: Path, *, stale_after_s: float = 120.0, heartbeat_s: float = 15.0) -> None:
+    Why the heartbeat is the file's mtime, set through a descriptor, rather than a rewritten record: a
+    renewal must be a compare-and-swap. "Read the record, check the token, replace the file" is not one: a
+    takeover between the read and the replace is overwritten, and the legitimate new owner then loses. A
+    file system offers no replace-if-unchanged by name, but an open descriptor stays bound to the inode it
+    was opened on. So renew opens ``.lease``, checks the token *in that inode*, and touches that inode
+    (futimens). A taker renames the old inode aside and links a new one in its place; a renewal racing with
+    it touches the old, orphaned inode, never the new owner's, and the next beat finds the new token. The
+    record itself is never rewritten, so readers never see it torn. Staleness is the file's mtime age."""
+
+    def __init__(
+        self, root: Path, *, stale_after_s: float = DEFAULT_STALE_AFTER_S, heartbeat_s: float | None = None
+    ) -> None:
         super().__init__(stale_after_s, heartbeat_s)
         self.path = root / LEASE_NAME
 
+    def _where(self) -> str:
+        return str(self.path)
+
     def _record(self) -> dict[str, Any]:
+        # "heartbeat" is when the lease was created; the live heartbeat is the file's mtime (see above).
         return {**self._owner(), "started": time.time(), "heartbeat": time.time(), "token": self.token}
+
+    def _age(self, holder: dict[str, Any], mtime: float) -> float:
+        """Seconds since the holder's last beat (the file's mtime); infinite for a record without a usable
+        ``heartbeat`` field (not written by a safepoint owner: proves nothing about a live holder)."""
+        if not math.isfinite(heartbeat_age(holder)):
+            return math.inf
+        return time.time() - mtime
 
     def acquire(self) -> None:
         unreadable_since: float | None = None
@@ -202,7 +286,7 @@ class Lease(HeartbeatLease):
                 self._create()
             except FileExistsError:
                 try:
-                    holder = self._read()
+                    found = self._read()
                 except Unreadable as e:
                     # Transient (EIO/ESTALE) or a creator between its create and its write: read again for
                     # a while; a file that stays unreadable is judged by its age.
@@ -217,11 +301,12 @@ class Lease(HeartbeatLease):
                             f"uses {self.path.parent}, delete it by hand; an unreadable lease is taken over "
                             f"once unchanged for lease_stale_after_s={self.stale_after_s:g}s."
                         ) from e
-                    holder = {}
-                if holder is None:
+                    found = ({}, 0.0)
+                if found is None:
                     tries += 1
                     continue  # removed between the create and the read: try to create it again
-                age = heartbeat_age(holder)
+                holder, mtime = found
+                age = self._age(holder, mtime) if holder else math.inf
                 if holder and not self._is_stale(holder, age):
                     raise self._in_use(str(self.path.parent), str(self.path), holder, age) from None
                 # Stale (or unreadable for longer than stale_after_s): move it aside; only one contender's
@@ -248,7 +333,11 @@ class Lease(HeartbeatLease):
         ``.lease`` that would lock the next owner out until it goes stale. File systems without hard
         links fall back to O_EXCL + write."""
         tmp = self.path.with_name(f"{LEASE_NAME}.{self.token}.tmp")
-        self._write_synced(tmp, self._record())
+        record = json.dumps(self._record())
+        with open(tmp, "w") as f:
+            f.write(record)
+            f.flush()
+            os.fsync(f.fileno())
         try:
             os.link(tmp, self.path)
         except FileExistsError:
@@ -256,19 +345,12 @@ class Lease(HeartbeatLease):
         except OSError:  # no hard links here (EPERM/ENOTSUP/EOPNOTSUPP on some FUSE and object mounts)
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             with os.fdopen(fd, "w") as f:
-                json.dump(self._record(), f)
+                f.write(record)
                 f.flush()
                 os.fsync(f.fileno())
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-
-    @staticmethod
-    def _write_synced(path: Path, record: dict[str, Any]) -> None:
-        with open(path, "w") as f:
-            json.dump(record, f)
-            f.flush()
-            os.fsync(f.fileno())
 
     def _file_age(self) -> float | None:
         try:
@@ -276,43 +358,93 @@ class Lease(HeartbeatLease):
         except OSError:
             return None
 
-    def _read(self) -> dict[str, Any] | None:
-        """The lease record; None if there is no lease file. Raises :class:`Unreadable` if it cannot be
-        read or parsed (transient on NFS; a creator between its create and its write)."""
+    @staticmethod
+    def _parse(path: Path, fd: int) -> dict[str, Any]:
+        """The record in the open file ``fd``; :class:`Unreadable` if it cannot be read or parsed."""
         try:
-            data = json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return None
+            chunks = []
+            while chunk := os.read(fd, 65536):
+                chunks.append(chunk)
+            data = json.loads(b"".join(chunks))
         except (OSError, ValueError) as e:
-            raise Unreadable(f"{self.path}: {e}") from e
+            raise Unreadable(f"{path}: {e}") from e
         if not isinstance(data, dict):
-            raise Unreadable(f"{self.path}: not a lease record: {data!r}")
+            raise Unreadable(f"{path}: not a lease record: {data!r}")
         return data
 
+    def _open(self) -> int | None:
+        """A descriptor on the current lease file; None if there is none. Unreadable on other errors."""
+        try:
+            return os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise Unreadable(f"{self.path}: {e}") from e
+
+    def _read(self) -> tuple[dict[str, Any], float] | None:
+        """(the lease record, the file's mtime); None if there is no lease file. Raises
+        :class:`Unreadable` if it cannot be read or parsed (transient on NFS; a creator mid-write)."""
+        fd = self._open()
+        if fd is None:
+            return None
+        try:
+            return self._parse(self.path, fd), os.fstat(fd).st_mtime
+        except OSError as e:
+            raise Unreadable(f"{self.path}: {e}") from e
+        finally:
+            os.close(fd)
+
+    def _holder(self) -> dict[str, Any] | None:
+        found = self._read()
+        return None if found is None else found[0]
+
     def _renew(self) -> str | None:
-        holder = self._read()  # Unreadable: transient, retried by _beat
-        if holder is None:
+        fd = self._open()  # Unreadable: transient, retried by _beat
+        if fd is None:
             return (
                 f"lease {self.path} was removed (by hand, or by a job that judged it stale); this job no "
                 "longer owns the root"
             )
-        if holder.get("token") != self.token:
-            return f"lease on {self.path.parent} was taken over by {describe_holder(holder)}"
-        tmp = self.path.with_name(f"{LEASE_NAME}.{self.token}.tmp")
         try:
-            # fsynced before the rename: a power loss must not turn the lease into an empty file.
-            self._write_synced(tmp, dict(holder, heartbeat=time.time()))
-            os.replace(tmp, self.path)
-        except OSError as e:
-            raise Unreadable(f"cannot write {self.path}: {e}") from e
+            holder = self._parse(self.path, fd)
+            if holder.get("token") != self.token:
+                return f"lease on {self.path.parent} was taken over by {describe_holder(holder)}"
+            try:
+                # The compare-and-swap: this inode carries our token; touching it through the descriptor
+                # can never touch a file a taker linked in since (see the class docstring).
+                os.utime(fd)
+            except OSError as e:
+                raise Unreadable(f"cannot touch {self.path}: {e}") from e
+        finally:
+            os.close(fd)
         return None
 
     def _drop(self) -> None:
+        """Remove the lease if it is still ours: moved aside first, then removed only if the file moved is
+        the very one found carrying our token (a taker's file moved by a race is put back)."""
         try:
-            holder = self._read()
-        except Unreadable as e:
+            fd = self._open()
+            if fd is None:
+                return
+            try:
+                ours = self._parse(self.path, fd).get("token") == self.token
+                ident = os.fstat(fd)
+            finally:
+                os.close(fd)
+        except (Unreadable, OSError) as e:
             log.warning("safepoint: not releasing %s: %s (it expires by itself)", self.path, e)
             return
-        if holder is not None and holder.get("token") == self.token:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+        if not ours:
+            return
+        aside = self.path.with_name(f"{LEASE_NAME}.release-{self.token}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return
+        moved = os.stat(aside)
+        if (moved.st_dev, moved.st_ino) == (ident.st_dev, ident.st_ino):
+            os.unlink(aside)
+            return
+        with contextlib.suppress(OSError):  # a taker's lease: back in place, over nothing
+            os.link(aside, self.path)
+        os.unlink(aside)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -186,13 +188,28 @@ def prune_local(
         log.warning("safepoint: local retention pass failed (%s)", e)
 
 
+# A root that cannot be written (read-only mount, full disk, no permission): restore still works.
+_CANNOT_WRITE = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM})
+
+
+def _cannot_write(e: BaseException | None) -> OSError | None:
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in _CANNOT_WRITE:
+            return e
+        e = e.__cause__
+    return None
+
+
 def take_ownership(
     comm: Comm, layout: Layout | RemoteLayout, tiers: SingleTier, root: str, stale_after_s: float
-) -> tuple[Any, CheckpointError | None]:
+) -> tuple[Any, CheckpointError | None, str | None]:
     """Collective, at the manager's start: rank 0 takes the root (lease, cleanup of unfinished saves, the
-    tiers' own step); returns (rank 0's lease or None, the error every rank then raises, or None)."""
+    tiers' own step); returns (rank 0's lease or None, the error every rank then raises, or None; why the
+    root can only be read, or None). An existing local root that cannot be written (read-only, full, no
+    permission) is read without the lease, with a warning: restoring changes nothing, and saves refuse."""
     lease: Any = None
     error: CheckpointError | None = None
+    read_only: str | None = None
     if comm.is_coordinator:
         try:
             layout.ensure_root()
@@ -201,8 +218,23 @@ def take_ownership(
                 lease.acquire()
             for line in [*layout.clean_pending(), *tiers.take_ownership(stale_after_s)]:
                 log.info("safepoint: %s", line)
-        except CheckpointError as e:
-            error = e
-        except OSError as e:
-            error = CheckpointError(f"cannot use checkpoint root {root}: {e}")
-    return lease, comm.broadcast(error)
+        except (CheckpointError, OSError) as e:
+            cause = _cannot_write(e)
+            if cause is not None and isinstance(layout, Layout) and layout.root.is_dir():
+                if lease is not None:
+                    lease.release()
+                lease, layout.owner = None, None
+                read_only = f"cannot take the lease on {root} ({cause.strerror or cause})"
+                msg = f"safepoint: {read_only}; restoring without it, and saves will fail"
+                warnings.warn(msg, ReadOnlyRootWarning, stacklevel=4)
+                log.warning(msg)
+            elif isinstance(e, CheckpointError):
+                error = e
+            else:
+                error = CheckpointError(f"cannot use checkpoint root {root}: {e}")
+    error, read_only = comm.broadcast((error, read_only))
+    return lease, error, read_only
+
+
+class ReadOnlyRootWarning(UserWarning):
+    """The checkpoint root cannot be written: the manager restores without the lease; saves fail."""

@@ -1,0 +1,265 @@
+"""Fencing: only the lease holder commits or deletes. A job frozen (SIGSTOP) inside a save after its lease
+check, whose root another job took over meanwhile, must fail that save when it resumes, and the new owner's
+checkpoints must stay intact (issue 13, finding 2). Real processes, a real second host (``unshare --uts``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import safepoint
+from safepoint.store.layout import Layout
+from safepoint.tiers.base import ReadOnlyRootWarning
+from tests.conftest import PYTHON, SUBPROCESS_ENV
+from tests.s3_fixtures import storage_options
+
+STALE_S = 2.0  # short, so B takes over quickly; A is frozen, so no heartbeat of A's can interfere
+
+# Job A: saves step 1, then step 2; step 2's capture announces itself and waits for a line on stdin (the
+# test freezes A there, after the lease check at the start of save), then A finishes the save.
+JOB_A = textwrap.dedent(
+    """
+    import sys, safepoint
+    root, mode = sys.argv[1], sys.argv[2]
+
+    class Gate:
+        def state_dict(self):
+            print("capturing", flush=True)
+            sys.stdin.readline()
+            return {"who": "A"}
+        def load_state_dict(self, sd):
+            pass
+
+    kw = {} if mode == "sync" else {"async_save": True, "async_writer": mode}
+    mgr = safepoint.CheckpointManager(root, lease_stale_after_s=STALE, **kw)
+    mgr.save(1, safepoint.TrainState(rng=False, extra={"who": "A"}))
+    mgr.wait()
+    try:
+        mgr.save(2, safepoint.TrainState(rng=False, extra={"gate": Gate()}))
+        mgr.wait()
+        print("A: committed", flush=True)
+    except safepoint.CheckpointError as e:
+        print(f"A: refused: {type(e).__name__}: {e}", flush=True)
+    try:
+        mgr.close()
+    except safepoint.CheckpointError:
+        pass
+    """
+).replace("STALE", repr(STALE_S))
+
+# Job B, on another host: waits for A's lease to go stale, takes the root over, commits steps 2 and 3,
+# then holds the lease until told to finish.
+JOB_B = textwrap.dedent(
+    """
+    import socket, sys, time, safepoint
+    root = sys.argv[1]
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            mgr = safepoint.CheckpointManager(root, lease_stale_after_s=STALE)
+            break
+        except safepoint.LeaseError:
+            assert time.monotonic() < deadline, "the lease of job A never went stale"
+            time.sleep(0.1)
+    for step in (2, 3):
+        mgr.save(step, safepoint.TrainState(rng=False, extra={"who": "B"}))
+    print("B: committed on", socket.gethostname(), flush=True)
+    sys.stdin.readline()
+    mgr.close()
+    """
+).replace("STALE", repr(STALE_S))
+
+
+def _unshare_works() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "--uts", "true"], capture_output=True)
+    return probe.returncode == 0
+
+
+needs_second_host = pytest.mark.skipif(
+    not _unshare_works(), reason="needs `unshare --uts` (root, Linux) to run job B as another host"
+)
+
+
+def _spawn(cmd: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=SUBPROCESS_ENV)
+
+
+def _line(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    return proc.stdout.readline().strip()
+
+
+@needs_second_host
+@pytest.mark.parametrize("mode", ["sync", "thread", "process"])
+def test_a_stale_owner_frozen_inside_save_never_commits_over_the_new_owner(root: Path, mode: str) -> None:
+    a = _spawn([PYTHON, "-c", JOB_A, str(root), mode])
+    b: subprocess.Popen[str] | None = None
+    try:
+        assert _line(a) == "capturing"
+        os.kill(a.pid, signal.SIGSTOP)  # frozen inside save(2), after its lease check
+        assert a.stdin is not None
+        a.stdin.write("go\n")  # read once A runs again
+        a.stdin.flush()
+        job_b = root.parent / "job_b.py"
+        job_b.write_text(JOB_B)
+        script = f"hostname nodeB && exec {PYTHON} {job_b} {root}"
+        b = _spawn(["unshare", "--uts", "sh", "-c", script])
+        assert _line(b) == "B: committed on nodeB"
+        before = {s: (root / f"step-{s}" / "safepoint.json").read_bytes() for s in (2, 3)}
+        os.kill(a.pid, signal.SIGCONT)
+        out = _line(a)
+        assert out.startswith("A: refused: "), out
+        assert "taken over by" in out and "nodeB" in out, out
+        assert a.wait(timeout=60) == 0
+        # B's checkpoints are untouched, and B still owns the root.
+        assert {s: (root / f"step-{s}" / "safepoint.json").read_bytes() for s in (2, 3)} == before
+        assert json.loads((root / ".lease").read_text())["host"] == "nodeB"
+    finally:
+        if b is not None:
+            if b.stdin is not None:
+                b.stdin.write("done\n")
+                b.stdin.close()
+            b.wait(timeout=60)
+        if a.poll() is None:
+            os.kill(a.pid, signal.SIGCONT)
+            a.kill()
+            a.wait()
+    for step in (2, 3):
+        state = safepoint.TrainState(rng=False, extra={"who": None})
+        with safepoint.CheckpointManager(root) as mgr:
+            assert mgr.restore(state, step=step) == step
+        assert state.extra == {"who": "B"}
+
+
+def _take_over(lease_path: Path) -> None:
+    """What another job's takeover does: the old file renamed aside, a new record linked in its place."""
+    os.rename(lease_path, lease_path.with_name(".lease.stale-x"))
+    tmp = lease_path.with_name(".lease.x.tmp")
+    tmp.write_text(json.dumps({"host": "nodeB", "pid": 7, "heartbeat": 0.0, "token": "theirs"}))
+    os.link(tmp, lease_path)
+
+
+def test_deletes_and_commits_are_fenced_by_the_lease_on_disk(root: Path) -> None:
+    with safepoint.CheckpointManager(root, keep_last=1) as mgr:
+        mgr.save(1, safepoint.TrainState(rng=False, extra={"n": 1}))
+        layout = mgr.layout
+        assert isinstance(layout, Layout)
+        _take_over(root / ".lease")
+        with pytest.raises(safepoint.SaveError, match="not committing step 2: .*taken over by pid 7"):
+            mgr.save(2, safepoint.TrainState(rng=False, extra={"n": 2}))
+        assert not (root / "step-2").exists()
+        with pytest.raises(safepoint.LeaseError, match="not deleting step 1: .*taken over by pid 7"):
+            layout.remove(1)
+        assert (root / "step-1" / "safepoint.json").exists()
+        with contextlib.suppress(safepoint.CheckpointError):
+            mgr.close()
+
+
+def test_a_deleted_root_is_never_recreated_and_committed_to_without_a_lease(root: Path) -> None:
+    # issue 13, finding 10: the root deleted while an async save runs; the next save must not commit into
+    # a recreated root that no lease guards.
+    mgr = safepoint.CheckpointManager(root, async_save=True, async_writer="thread")
+    try:
+        mgr.save(1, safepoint.TrainState(rng=False, extra={"n": 1}))
+        mgr.wait()  # (deleting while the writer creates files races rmtree itself, not safepoint)
+        shutil.rmtree(root)
+        with pytest.raises(safepoint.CheckpointError, match="lease .* was removed"):
+            mgr.save(2, safepoint.TrainState(rng=False, extra={"n": 2}))
+            mgr.wait()
+        assert not (root / "step-2").exists()
+        assert not (root / ".lease").exists()
+    finally:
+        with contextlib.suppress(safepoint.CheckpointError):
+            mgr.close()
+
+
+def test_s3_commits_and_deletes_are_fenced(moto_endpoint: str, bucket: str) -> None:
+    import boto3
+
+    url, opts = f"s3://{bucket}/run", storage_options(moto_endpoint)
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
+    theirs: dict[str, Any] = {"host": "nodeB", "pid": 7, "heartbeat": 0.0, "token": "theirs"}
+    mgr = safepoint.CheckpointManager(url, storage_options=opts)
+    try:
+        mgr.save(1, safepoint.TrainState(rng=False, extra={"n": 1}))
+        s3.put_object(Bucket=bucket, Key="run/.lease", Body=json.dumps(theirs).encode())
+        with pytest.raises(safepoint.SaveError, match="not committing step 2: .*taken over by pid 7"):
+            mgr.save(2, safepoint.TrainState(rng=False, extra={"n": 2}))
+        with pytest.raises(safepoint.LeaseError, match="not deleting step 1: .*taken over by pid 7"):
+            mgr.layout.remove(1)
+        keys = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="run/")["Contents"]}
+        assert "run/step-1/safepoint.json" in keys and "run/step-2/safepoint.json" not in keys
+    finally:
+        with contextlib.suppress(safepoint.CheckpointError):
+            mgr.close()
+    assert json.loads(s3.get_object(Bucket=bucket, Key="run/.lease")["Body"].read())["token"] == "theirs"
+
+
+if sys.platform != "linux":  # pragma: no cover
+    pytestmark = pytest.mark.skip(reason="Linux only (SIGSTOP, unshare, memfd)")
+
+
+# ---- a root that cannot be written still restores (issue 13, finding 10) --------------------------------
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Any:
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {made.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _save_one(root: Path) -> None:
+    with safepoint.CheckpointManager(root) as mgr:
+        mgr.save(5, safepoint.TrainState(rng=False, extra={"t": torch.arange(64.0)}))
+
+
+def _restores_without_the_lease(root: Path, why: str) -> None:
+    state = safepoint.TrainState(rng=False, extra={"t": torch.zeros(64)})
+    with pytest.warns(ReadOnlyRootWarning, match=f"cannot take the lease .*{why}"):
+        mgr = safepoint.CheckpointManager(root)
+    with mgr:
+        assert mgr.restore(state) == 5
+        with pytest.raises(safepoint.LeaseError, match="not saving step 6: cannot take the lease"):
+            mgr.save(6, state)
+    assert torch.equal(state.extra["t"], torch.arange(64.0))  # type: ignore[index]
+
+
+def test_a_read_only_root_restores_without_the_lease(tmpfs: Path) -> None:
+    root = tmpfs / "ckpt"
+    _save_one(root)
+    subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
+    _restores_without_the_lease(root, "Read-only file system")
+
+
+def test_a_full_disk_restores_without_the_lease(tmpfs: Path) -> None:
+    root = tmpfs / "ckpt"
+    _save_one(root)
+    with open(tmpfs / "filler", "wb") as f, contextlib.suppress(OSError):
+        while True:  # until ENOSPC
+            f.write(b"\0" * (1 << 20))
+            f.flush()
+    with contextlib.suppress(OSError), open(tmpfs / "filler2", "wb") as f:
+        f.write(b"\0" * (1 << 16))
+        f.flush()
+        os.fsync(f.fileno())
+    _restores_without_the_lease(root, "No space left on device")
