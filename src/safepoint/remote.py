@@ -30,6 +30,7 @@ from fsspec.core import url_to_fs
 from torch.distributed.checkpoint.metadata import Metadata
 
 from safepoint.errors import CheckpointError, CorruptCheckpointError
+from safepoint.guard import STEP_PATTERN, STEP_PREFIX
 from safepoint.layout import PENDING_DIR, CheckpointInfo, step_name
 from safepoint.lease import Lease
 from safepoint.manifest import MANIFEST_NAME, Manifest
@@ -38,9 +39,9 @@ from safepoint.storage import METADATA_NAME, safe_load_metadata
 from safepoint.upload import FileCopy, ObjectStore, TransferConfig, UploadError
 
 log = logging.getLogger("safepoint")
-_MANIFEST_KEY = re.compile(r"^step-(\d+)/" + re.escape(MANIFEST_NAME) + "$")
-_STEP_DIR = re.compile(r"^(step-\d+)/")
-_PENDING_STEP = re.compile(r"^(step-\d+)-[0-9a-f]+$")
+_MANIFEST_KEY = re.compile(rf"^({STEP_PATTERN})/" + re.escape(MANIFEST_NAME) + "$")
+_STEP_DIR = re.compile(rf"^({STEP_PATTERN})/")
+_PENDING_STEP = re.compile(rf"^({STEP_PATTERN})-[0-9a-f]+$")
 
 
 def is_url(root: object) -> bool:
@@ -121,7 +122,7 @@ class RemoteLayout:
         for rel in self.store.sizes(self.base):
             m = _MANIFEST_KEY.match(rel)
             if m:
-                steps.append(int(m.group(1)))
+                steps.append(int(m.group(1).removeprefix(STEP_PREFIX)))
         return sorted(steps)
 
     def manifest_bytes(self, step: int) -> bytes:
@@ -300,7 +301,7 @@ class RemoteLayout:
             return [f"not cleaning up {self.root}: without a lease, uncommitted objects may be another job's"]
         done: list[str] = []
         objects = self.store.sizes(self.base)
-        committed = {step_name(int(m.group(1))) for k in objects if (m := _MANIFEST_KEY.match(k))}
+        committed = {m.group(1) for k in objects if (m := _MANIFEST_KEY.match(k))}
         staged = {k.split("/")[1] for k in objects if k.startswith(PENDING_DIR + "/") and k.count("/") >= 2}
         for name in sorted(staged):
             prefix = self._p(PENDING_DIR, name)
