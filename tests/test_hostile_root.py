@@ -277,7 +277,8 @@ def test_fifo_never_blocks_verify_or_restore(root: Path) -> None:
 
 def test_file_replaced_after_verify_is_not_loaded(root: Path, tmp_path: Path) -> None:
     _save(root, 1)
-    _save(tmp_path / "other", 1)  # same shapes, other values: a well-formed replacement
+    with safepoint.CheckpointManager(tmp_path / "other") as mgr:  # same shapes, other values
+        mgr.save(1, safepoint.TrainState(model=_model(5)))
     layout = Layout(root)
     restorer = Restorer(layout, Comm(60))
     manifest = restorer.choose(None)
@@ -321,7 +322,7 @@ def test_cli_reports_structural_faults_in_one_line(
     _rewrite_metadata(root / "step-2", lambda i: kind(i.relative_path, 10**9, i.length, None))
     argv = {
         "inspect": ["inspect", str(root), "--step", "2"],
-        "export": ["export", str(root), str(tmp_path / "out.pt"), "--step", "2"],
+        "export": ["export", str(root), str(tmp_path / "out.pt"), "--step", "2", "--format", "torch"],
         "diff": ["diff", str(root), "1", "2"],
     }[command]
     assert main(argv) == 1
@@ -364,3 +365,15 @@ def test_conjugate_and_negative_views_round_trip(root: Path, view: str, side: st
     with safepoint.CheckpointManager(root) as mgr:
         assert mgr.restore(safepoint.TrainState(model=target)) == 1
     assert torch.equal(target.z.resolve_conj().resolve_neg(), saved.resolve_conj().resolve_neg())
+
+
+def test_save_never_writes_through_a_symlinked_pending(root: Path, outside: Path) -> None:
+    _save(root, 1)
+    os.rmdir(root / ".pending")
+    (root / ".pending").symlink_to(outside, target_is_directory=True)
+    before = _tree(outside)
+    with pytest.warns(UserWarning, match=r"\.pending"):
+        with safepoint.CheckpointManager(root) as mgr:
+            with pytest.raises(safepoint.SaveError, match="not a directory"):
+                mgr.save(2, safepoint.TrainState(model=_model(2)))
+    assert _tree(outside) == before

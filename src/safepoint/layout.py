@@ -31,10 +31,18 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from safepoint.checksum import crc32c_combine, crc_hex, crc_ranges, range_crc32c
 from safepoint.errors import CheckpointError, CorruptCheckpointError
-from safepoint.guard import STEP_PREFIX, file_problem, parse_step, real_dir_problem, remove_tree
+from safepoint.guard import (
+    STEP_PREFIX,
+    file_problem,
+    load_checked_metadata,
+    open_regular,
+    parse_step,
+    real_dir_problem,
+    remove_tree,
+)
 from safepoint.lease import Lease
 from safepoint.manifest import MANIFEST_NAME, Manifest
-from safepoint.storage import METADATA_NAME, SafepointWriter, SafeReader, read_metadata_file
+from safepoint.storage import METADATA_NAME, SafepointWriter, SafeReader
 
 log = logging.getLogger("safepoint")
 PENDING_DIR = ".pending"
@@ -70,8 +78,8 @@ class CheckpointStore(Protocol):
     def manifest_bytes(self, step: int) -> bytes: ...
     def info(self, step: int, manifest: Manifest) -> CheckpointInfo: ...
     def verify(self, step: int, files: list[str] | None = None) -> Manifest: ...
-    def read_metadata(self, step: int) -> Metadata: ...
-    def make_reader(self, step: int) -> StorageReader: ...
+    def read_metadata(self, step: int, manifest: Manifest) -> Metadata: ...
+    def make_reader(self, step: int, metadata: Metadata, manifest: Manifest) -> StorageReader: ...
     def new_pending(self, step: int, save_id: str) -> Any: ...
     def make_writer(self, pending: Any, *, thread_count: int = 1) -> Any: ...
     def written_sizes(self, pending: Any) -> dict[str, int]: ...
@@ -226,8 +234,6 @@ class Layout:
     # ---- saving --------------------------------------------------------------------------------------
 
     def new_pending(self, step: int, save_id: str) -> Path:
-        if problem := real_dir_problem(self.pending_root):  # a symlink would make the save write elsewhere
-            raise CheckpointError(f"{self.pending_root} is {problem}, not a directory: remove it to save")
         return self.pending_root / f"{step_name(step)}-{save_id}"
 
     def commit(self, pending: Path, manifest: Manifest) -> Path:
@@ -302,11 +308,18 @@ class Layout:
     def manifest_bytes(self, step: int) -> bytes:
         return (self.step_path(step) / MANIFEST_NAME).read_bytes()
 
-    def read_metadata(self, step: int) -> Metadata:
-        return read_metadata_file(self.step_path(step) / METADATA_NAME)
+    def read_metadata(self, step: int, manifest: Manifest) -> Metadata:
+        """``.metadata``, its bytes checked against ``manifest`` and its structure checked (guard)."""
+        size = manifest.files[METADATA_NAME].size if METADATA_NAME in manifest.files else 0
+        try:
+            with open(open_regular(self.step_path(step) / METADATA_NAME), "rb") as f:
+                data = f.read(size + 1)  # never more than the manifest allows, whatever the file holds
+        except OSError as e:
+            raise CorruptCheckpointError(step, METADATA_NAME, f"cannot read ({e.strerror or e})") from None
+        return load_checked_metadata(step, data, manifest.expected())
 
-    def make_reader(self, step: int) -> SafeReader:
-        return SafeReader(self.step_path(step))
+    def make_reader(self, step: int, metadata: Metadata, manifest: Manifest) -> SafeReader:
+        return SafeReader(self.step_path(step), metadata=metadata, expected=manifest.expected(), step=step)
 
     def lease(self, stale_after_s: float) -> Lease:
         return Lease(self.root, stale_after_s=stale_after_s)

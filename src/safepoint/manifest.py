@@ -67,6 +67,10 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files.values())
 
+    def expected(self) -> dict[str, tuple[int, str]]:
+        """{file: (size, crc32c)}: what a reader checks the bytes it reads against."""
+        return {name: (e.size, e.crc32c) for name, e in self.files.items()}
+
     def to_json(self) -> bytes:
         body: dict[str, Any] = {
             "format": FORMAT_NAME,

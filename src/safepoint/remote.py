@@ -19,7 +19,6 @@ a new owner finishes the promotion (``clean_pending``). This is the best a store
 
 from __future__ import annotations
 
-import io
 import logging
 import posixpath
 import re
@@ -30,12 +29,12 @@ from fsspec.core import url_to_fs
 from torch.distributed.checkpoint.metadata import Metadata
 
 from safepoint.errors import CheckpointError, CorruptCheckpointError
-from safepoint.guard import STEP_PATTERN, STEP_PREFIX
+from safepoint.guard import STEP_PATTERN, STEP_PREFIX, load_checked_metadata
 from safepoint.layout import PENDING_DIR, CheckpointInfo, step_name
 from safepoint.lease import Lease
 from safepoint.manifest import MANIFEST_NAME, Manifest
 from safepoint.remote_io import SafeStoreReader, StoreWriter
-from safepoint.storage import METADATA_NAME, safe_load_metadata
+from safepoint.storage import METADATA_NAME
 from safepoint.upload import FileCopy, ObjectStore, TransferConfig, UploadError
 
 log = logging.getLogger("safepoint")
@@ -173,13 +172,18 @@ class RemoteLayout:
                 raise CorruptCheckpointError(step, name, problem)
         return manifest
 
-    def read_metadata(self, step: int) -> Metadata:
-        data = self.store.get_bytes(self._p(step_name(step), METADATA_NAME))
-        return safe_load_metadata(io.BytesIO(data))
+    def read_metadata(self, step: int, manifest: Manifest) -> Metadata:
+        """``.metadata``, its bytes checked against ``manifest`` and its structure checked (guard): an
+        absolute storage path would otherwise read another bucket with the job's credentials."""
+        try:
+            data = self.store.get_bytes(self._p(step_name(step), METADATA_NAME))
+        except (UploadError, OSError) as e:
+            raise CorruptCheckpointError(step, METADATA_NAME, f"cannot read ({e})") from None
+        return load_checked_metadata(step, data, manifest.expected())
 
-    def make_reader(self, step: int) -> SafeStoreReader:
+    def make_reader(self, step: int, metadata: Metadata, manifest: Manifest) -> SafeStoreReader:
         self.store.fs.invalidate_cache(self.step_key(step))  # s3fs checks cached ETags on open
-        return SafeStoreReader(self.store, self.step_key(step))
+        return SafeStoreReader(self.store, self.step_key(step), metadata=metadata)
 
     # ---- saving -----------------------------------------------------------------------------------------
 
