@@ -377,3 +377,20 @@ def test_save_never_writes_through_a_symlinked_pending(root: Path, outside: Path
             with pytest.raises(safepoint.SaveError, match="not a directory"):
                 mgr.save(2, safepoint.TrainState(model=_model(2)))
     assert _tree(outside) == before
+
+
+# ---- finding 10: deleting an already-missing object on a non-S3 store is done, not an error ---------------
+
+
+def test_fsspec_discard_without_a_manifest_leaks_nothing(tmp_path: Path) -> None:
+    from safepoint.remote import RemoteLayout
+
+    layout = RemoteLayout(f"file://{tmp_path / 'store'}")
+    layout.ensure_root()
+    pending = layout.step_key(3)
+    layout.store.fs.makedirs(pending, exist_ok=True)
+    for name in (METADATA_NAME, DATA_FILE):  # a failed save: data objects, never a manifest
+        layout.store.put_bytes(f"{pending}/{name}", b"x" * 10)
+    layout.discard(pending)
+    assert layout.store.sizes(pending) == {}
+    layout.store.delete([f"{pending}/{MANIFEST_NAME}"])  # already gone: nothing to do, no error
