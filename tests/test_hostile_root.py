@@ -394,3 +394,47 @@ def test_fsspec_discard_without_a_manifest_leaks_nothing(tmp_path: Path) -> None
     layout.discard(pending)
     assert layout.store.sizes(pending) == {}
     layout.store.delete([f"{pending}/{MANIFEST_NAME}"])  # already gone: nothing to do, no error
+
+
+def test_verify_all_reports_an_unreadable_file_as_nobody(tmp_path: Path) -> None:
+    """A real PermissionError: root reads everything, so the CLI runs as ``nobody`` in a subprocess."""
+    import pwd
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from tests.conftest import SUBPROCESS_ENV
+
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no 'nobody' user to drop privileges to")
+    if os.geteuid() != 0:
+        pytest.skip("needs root to drop privileges (as non-root, chmod 000 is enough and tested elsewhere)")
+    base = Path(tempfile.mkdtemp(dir="/tmp"))  # pytest's tmp_path is not reachable by nobody
+    try:
+        root = base / "ckpt"
+        _save(root, 1, 2, 3)
+        for p in [base, *base.rglob("*")]:
+            p.chmod(0o755 if p.is_dir() else 0o644)
+        (root / "step-2" / DATA_FILE).chmod(0o600)
+        code = "import sys; from safepoint.cli import main; sys.exit(main(sys.argv[1:]))"
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-c", code, "verify", str(root), "--all"],
+                env=SUBPROCESS_ENV,
+                user=nobody.pw_uid,
+                group=nobody.pw_gid,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+        except PermissionError as e:
+            pytest.skip(f"nobody cannot run this Python ({e}); the unreadable-file path is not exercised")
+    finally:
+        shutil.rmtree(base)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "ok      step 1" in proc.stdout and "ok      step 3" in proc.stdout
+    assert "Permission denied" in proc.stdout and "3 checked: 2 intact, 1 corrupt" in proc.stdout
