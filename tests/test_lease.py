@@ -18,8 +18,9 @@ import pytest
 import torch
 
 import safepoint
+from safepoint.store.heartbeat import UNREADABLE_WAIT_S
 from safepoint.store.layout import Layout
-from safepoint.store.lease import UNREADABLE_WAIT_S, Lease
+from safepoint.store.lease import Lease
 from tests.conftest import REPO
 
 

@@ -365,11 +365,8 @@ def test_a_failed_fastest_tier_save_is_not_logged_as_written(
     preemption = Preemption.build(
         Comm(),
         signals=None,
-        file=tmp_path / "preempt",
-        poll=None,
-        poll_interval_s=5.0,
+        options=safepoint.PreemptionOptions(file=tmp_path / "preempt"),
         grace_seconds=10.0,
-        exit_code=143,
     )
     assert preemption is not None
     estimates = (TierEstimate("local", 0.1), TierEstimate("durable", 20.0))

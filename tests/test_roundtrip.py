@@ -201,10 +201,10 @@ def _spy_in_place(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     taken: list[bool] = []
     real = direct_read.read_in_place
 
-    def spy(*args: object) -> bool:
-        ok = real(*args)  # type: ignore[arg-type]
-        taken.append(ok)
-        return ok
+    def spy(*args: object) -> int | None:
+        crc = real(*args)  # type: ignore[arg-type]
+        taken.append(crc is not None)  # the item's crc32c when it was read in place, None when not
+        return crc
 
     monkeypatch.setattr(storage, "read_in_place", spy)
     return taken

@@ -122,30 +122,12 @@ class CheckpointManager:
         self.saves = self._schedule.saves  # the same list: what the training loop's saves cost
         self._comms: list[Comm] = []  # every group this manager created, destroyed if __init__ fails
         try:
-            self._build(
-                durable,
-                retention,
-                cluster.collective_timeout_s,
-                writer.threads,
-                async_save,
-                process_fallback,
-                writer.if_busy,
-                keep_local_last,
-                dict(
-                    signals=preemption_signals,
-                    file=notices.file,
-                    poll=notices.poll,
-                    poll_interval_s=notices.poll_interval_s,
-                    grace_seconds=grace_seconds,
-                    exit_code=notices.exit_code,
-                ),
+            self._build(durable, retention, cluster, writer, async_save, process_fallback, keep_local_last)
+            self._preemption = Preemption.build(
+                self.comm, signals=preemption_signals, options=notices, grace_seconds=grace_seconds
             )
         except BaseException:
-            for comm in self._comms:
-                comm.destroy()
-            process: WriterProcess | None = getattr(self, "_process", None)
-            if process is not None:
-                process.close()
+            self._destroy_parts()
             raise
         self._lease: Any = None
         self._closed = False
@@ -169,24 +151,30 @@ class CheckpointManager:
         self._comms.append(comm)
         return comm
 
+    def _destroy_parts(self) -> None:
+        """Give back what a failed start built: the writer process and every group."""
+        process: WriterProcess | None = getattr(self, "_process", None)
+        if process is not None:
+            process.close()
+        for comm in self._comms:
+            comm.destroy()
+
     def _build(
         self,
         durable: Any,
         retention: Retention,
-        collective_timeout_s: float,
-        writer_threads: int,
+        cluster: ClusterOptions,
+        writer: WriterOptions,
         async_save: bool,
         process_fallback: bool | None,
-        if_busy: str,
         keep_local_last: int,
-        preemption: dict[str, Any],
     ) -> None:
         """The parts that need process groups (created here, in the same order on every rank)."""
         if durable is not None:
             check_keep_local_last(keep_local_last)
+        collective_timeout_s, writer_threads = cluster.collective_timeout_s, writer.threads
         self.comm = self._new_comm(collective_timeout_s)
         self._agreement = self._schedule.attach(self.comm)
-        self._preemption = Preemption.build(self.comm, **preemption)
         # With tiering, local copies are pruned by the uploader (keep_local_last); `retention` is durable's.
         saver_retention = Retention() if durable is not None else retention
         verdicts = Verdicts()  # what restore verified, for retention (the newest intact step survives)
@@ -195,7 +183,7 @@ class CheckpointManager:
         )
         self._restorer = Restorer(self.layout, self.comm, verdicts)
         self._async = bool(async_save)
-        self._if_busy = if_busy
+        self._if_busy = writer.if_busy
         # process_fallback: None for no writer process; else whether one that cannot start may be replaced
         # by the writer thread ("auto") instead of failing the save ("process").
         self._process: WriterProcess | None = None
@@ -237,10 +225,7 @@ class CheckpointManager:
             if self._lease is not None:
                 self._lease.release()
             self._tiers.close(raise_failure=False)
-            if self._process is not None:
-                self._process.close()
-            for comm in self._comms:
-                comm.destroy()
+            self._destroy_parts()
             self._closed = True
             raise error
         self._tiers.start()

@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from safepoint.store.lease import MIN_STALE_AFTER_S, check_lease_timing, heartbeat_for
+from safepoint.store.heartbeat import MIN_STALE_AFTER_S, check_lease_timing, heartbeat_for
 
 ASYNC_WRITERS = ("auto", "thread", "process")
 DEFAULT_EXIT_CODE = 143

@@ -91,7 +91,7 @@ def load(layout: Layout, step: int, err: Console, include: tools_read.Include) -
     manifest = verified(layout, step, err)
     metadata = tools_read.read_verified_metadata(layout, step, manifest)
     with progress(err, f"reading step {step}", tools_read.planned_bytes(metadata, include)) as advance:
-        return tools_read.load_state(layout, step, metadata, include, advance)
+        return tools_read.load_state(layout, step, metadata, include, advance, manifest=manifest)
 
 
 # ---- argparse shapes -------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from safepoint.cli.common import (
 from safepoint.errors import CheckpointError, CorruptCheckpointError
 from safepoint.policy.rules import build_retention
 
-_STATUS_STYLE = {tools.OK: "green", tools.CORRUPT: "bold red", tools.PARTIAL: "yellow"}
+_STATUS_STYLE = {tools.OK: "green", tools.CORRUPT: "bold red", tools.PARTIAL: "yellow", tools.IGNORED: "red"}
 
 
 def cmd_ls(args: argparse.Namespace, out: Console, err: Console) -> int:
@@ -50,6 +50,8 @@ def cmd_ls(args: argparse.Namespace, out: Console, err: Console) -> int:
         row = [str(e.step), when(e.time), decimal(e.bytes), status, e.tier, metrics_text(e.metrics)]
         table.add_row(*row, *([escape(e.reason or "")] if problems else []))
     out.print(table)
+    if odd := tools.pending_problem(layout):
+        out.print(f"[red]warning[/]: {escape(odd)}")
     pending = tools.pending_saves(layout)
     if pending:
         out.print(

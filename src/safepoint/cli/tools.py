@@ -10,9 +10,10 @@ imports single files, tools_diff.py compares two states.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-import re
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,17 +21,18 @@ from typing import Any
 from safepoint.errors import CheckpointError, CorruptCheckpointError
 from safepoint.policy.rules import Retention
 from safepoint.remote.layout import RemoteLayout, is_url
-from safepoint.store.layout import STEP_PREFIX, CheckpointInfo, Layout
-from safepoint.store.lease import DEFAULT_STALE_AFTER_S
+from safepoint.store.guard import parse_step, real_dir_problem
+from safepoint.store.heartbeat import DEFAULT_STALE_AFTER_S
+from safepoint.store.layout import CheckpointInfo, Layout
 from safepoint.store.manifest import MANIFEST_NAME, Manifest
 from safepoint.store.storage import METADATA_NAME
 
 OK = "ok"
 CORRUPT = "corrupt"
 PARTIAL = "partial"
+IGNORED = "ignored"  # a step-N entry that is not a real directory (a symlink, a file): never followed
 TIER_LOCAL = "local"
 TIER_DURABLE = "durable"  # a URL root (object store): ls and verify read it through RemoteLayout
-_STEP_DIR = re.compile(rf"^{re.escape(STEP_PREFIX)}(\d+)$")
 
 
 # ---- root and step discovery -------------------------------------------------------------------------
@@ -64,9 +66,8 @@ def _remote_steps(layout: RemoteLayout) -> dict[int, tuple[str, int, bool]]:
     out: dict[int, tuple[str, int, bool]] = {}
     for key, size in layout.store.sizes(layout.base).items():
         top, _, rest = key.partition("/")
-        m = _STEP_DIR.match(top)
-        if m and rest:
-            step = int(m.group(1))
+        step = parse_step(top)
+        if step is not None and rest:
             _, total, has = out.get(step, (layout.step_path(step), 0, False))
             out[step] = (layout.step_path(step), total + size, has or rest == MANIFEST_NAME)
     return dict(sorted(out.items()))
@@ -92,12 +93,11 @@ class Entry:
 
 def _dir_bytes(path: Path) -> int:
     total = 0
-    for p in path.rglob("*"):
-        try:
-            if p.is_file():
-                total += p.stat().st_size
-        except OSError:
-            continue
+    for top, _dirs, files in os.walk(path):  # os.walk never descends into a symlinked directory
+        for name in files:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(top, name))
+                total += st.st_size if stat.S_ISREG(st.st_mode) else 0
     return total
 
 
@@ -107,10 +107,20 @@ def step_dirs(layout: Layout | RemoteLayout) -> dict[int, Path | str]:
         return {step: url for step, (url, _, _) in _remote_steps(layout).items()}
     out: dict[int, Path | str] = {}
     for entry in os.scandir(layout.root):
-        m = _STEP_DIR.match(entry.name)
-        if m and entry.is_dir():
-            out[int(m.group(1))] = Path(entry.path)
+        step = parse_step(entry.name)
+        if step is not None and entry.is_dir(follow_symlinks=False):
+            out[step] = Path(entry.path)
     return dict(sorted(out.items()))
+
+
+def not_directories(layout: Layout) -> dict[int, str]:
+    """step -> what it is, for every ``step-N`` entry that is not a real directory (never followed)."""
+    out = {}
+    for entry in os.scandir(layout.root):
+        step = parse_step(entry.name)
+        if step is not None and (problem := real_dir_problem(Path(entry.path))):
+            out[step] = problem
+    return out
 
 
 def scan(layout: Layout | RemoteLayout, *, verify: bool = False) -> list[Entry]:
@@ -128,6 +138,10 @@ def scan(layout: Layout | RemoteLayout, *, verify: bool = False) -> list[Entry]:
             s: (os.path.abspath(p), -1, (Path(p) / MANIFEST_NAME).exists())
             for s, p in step_dirs(layout).items()
         }
+    if isinstance(layout, Layout):
+        for step, what in not_directories(layout).items():
+            why = f"{what}, not a directory: never followed, listed or deleted"
+            entries.append(Entry(step, os.path.abspath(layout.step_path(step)), IGNORED, 0, reason=why))
     for step, (path, size, committed) in found.items():
         nbytes = size if size >= 0 else _dir_bytes(Path(path))
         if not committed:
@@ -151,12 +165,21 @@ def scan(layout: Layout | RemoteLayout, *, verify: bool = False) -> list[Entry]:
         entries.append(
             Entry(step, path, status, info.bytes, info.time, info.metrics, info.world_size, reason, tier)
         )
-    return entries
+    return sorted(entries, key=lambda e: e.step)
+
+
+def pending_problem(layout: Layout | RemoteLayout) -> str | None:
+    """A line for ``ls`` if ``.pending`` is not a real directory (never followed, never cleaned)."""
+    if isinstance(layout, RemoteLayout) or not (what := real_dir_problem(layout.pending_root)):
+        return None
+    return f"{layout.pending_root} is {what}, not a directory: never followed or cleaned; remove it by hand"
 
 
 def pending_saves(layout: Layout | RemoteLayout) -> list[str]:
     if isinstance(layout, RemoteLayout):
         return sorted({k.split("/")[0] for k in layout.store.sizes(layout.pending_key)})
+    if real_dir_problem(layout.pending_root):
+        return []
     try:
         return sorted(p.name for p in layout.pending_root.iterdir())
     except (FileNotFoundError, NotADirectoryError):

@@ -20,8 +20,8 @@ from safepoint.errors import CheckpointError
 from safepoint.policy.rules import Retention
 from safepoint.save.saver import SyncSaver
 from safepoint.state import MODEL
+from safepoint.store.heartbeat import DEFAULT_STALE_AFTER_S
 from safepoint.store.layout import CheckpointInfo, Layout
-from safepoint.store.lease import DEFAULT_STALE_AFTER_S
 from safepoint.store.manifest import ORIGIN_IMPORT, ORIGIN_KEY
 
 # Marks a safetensors file written by a full (not --model-only) export, whose keys carry section prefixes.

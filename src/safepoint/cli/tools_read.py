@@ -7,26 +7,23 @@ bytes are checked against the manifest) and every item through ``weights_only=Tr
 from __future__ import annotations
 
 import dataclasses
-import io
 import math
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
-import crc32c
 import torch
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from safepoint.errors import CheckpointError, CorruptCheckpointError, describe_exception
+from safepoint.errors import CheckpointError
 from safepoint.state import MODEL, SECTIONS
-from safepoint.store.checksum import crc_hex
+from safepoint.store.guard import as_corruption
 from safepoint.store.layout import Layout
 from safepoint.store.manifest import Manifest
-from safepoint.store.storage import METADATA_NAME, SafeLoadPlanner, SafeReader, safe_load_metadata
+from safepoint.store.storage import SafeLoadPlanner
 
 Include = Callable[[str], bool]
 
@@ -40,29 +37,9 @@ def model_only(key: str) -> bool:
 
 
 def read_verified_metadata(layout: Layout, step: int, manifest: Manifest) -> Metadata:
-    """DCP metadata of ``step``, checked against the manifest from the very bytes that are unpickled.
-
-    Reading once and checking those bytes leaves no window in which the file could change between the
-    check and the (restricted) unpickling.
-    """
-    entry = manifest.files.get(METADATA_NAME)
-    if entry is None:
-        raise CorruptCheckpointError(step, METADATA_NAME, "not listed in the manifest (not a DCP checkpoint)")
-    try:
-        data = (layout.step_path(step) / METADATA_NAME).read_bytes()
-    except OSError as e:
-        raise CorruptCheckpointError(step, METADATA_NAME, f"cannot read ({e.strerror or e})") from None
-    if len(data) != entry.size:
-        raise CorruptCheckpointError(step, METADATA_NAME, f"size {len(data)} != {entry.size}")
-    crc = crc_hex(crc32c.crc32c(data))
-    if crc != entry.crc32c:
-        raise CorruptCheckpointError(
-            step, METADATA_NAME, f"crc32c {crc} != {entry.crc32c} (contents altered)"
-        )
-    try:
-        return safe_load_metadata(io.BytesIO(data))
-    except CorruptCheckpointError as e:
-        raise CorruptCheckpointError(step, METADATA_NAME, e.reason) from None
+    """DCP metadata of ``step``, checked against the manifest from the very bytes that are unpickled, and
+    then structurally (storage paths, offsets, field types: ``guard.load_checked_metadata``)."""
+    return layout.read_metadata(step, manifest)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -157,38 +134,21 @@ class _MaterializingPlanner(SafeLoadPlanner):
             self.on_bytes(tensor.numel() * tensor.element_size())
 
 
-class _PreverifiedReader(SafeReader):
-    """SafeReader that uses the metadata we already checked instead of reading ``.metadata`` again."""
-
-    def __init__(self, path: Path, metadata: Metadata) -> None:
-        super().__init__(path)
-        self._metadata = metadata
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self._metadata.storage_meta is None:
-            self._metadata.storage_meta = StorageMeta()
-        self._metadata.storage_meta.load_id = self.load_id
-        return self._metadata
-
-
 def load_state(
     layout: Layout,
     step: int,
     metadata: Metadata,
     include: Include = everything,
     on_bytes: Callable[[int], None] | None = None,
+    *,
+    manifest: Manifest,
 ) -> dict[str, Any]:
-    """The nested state dict of a (verified) checkpoint, or the part of it ``include`` selects."""
+    """The nested state dict of a (verified) checkpoint, or the part of it ``include`` selects; what is
+    read is checked against ``manifest`` as it is read."""
     planner = _MaterializingPlanner(include, on_bytes)
     try:
-        dcp_load({}, storage_reader=_PreverifiedReader(layout.step_path(step), metadata), planner=planner)
-    except (CheckpointException, OSError, RuntimeError, ValueError) as e:
-        # DCP wraps per-item failures; a refused item (UnsafeCheckpointError) is damage, not a usage error.
-        failures = e.failures.values() if isinstance(e, CheckpointException) else []
-        for exc, _tb in failures:
-            if isinstance(exc, CorruptCheckpointError):
-                raise CorruptCheckpointError(step, exc.file, exc.reason) from None
-        raise CheckpointError(
-            f"step {step}: reading the checkpoint failed: {describe_exception(e)}"
-        ) from None
+        dcp_load({}, storage_reader=layout.make_reader(step, metadata, manifest), planner=planner)
+    except (CheckpointException, OSError, RuntimeError, ValueError, EOFError) as e:
+        # Every failure reading a verified checkpoint's bytes is damage (exit 1), not a usage error.
+        raise as_corruption(step, e) from None
     return planner.loaded

@@ -12,14 +12,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import signal
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from safepoint.dist import Agreement, Comm
 from safepoint.errors import Preempted
-from safepoint.options import DEFAULT_EXIT_CODE
+from safepoint.options import DEFAULT_EXIT_CODE, PreemptionOptions
 from safepoint.policy.emergency_plan import EmergencyPlan, TierEstimate, plan_emergency_save
 from safepoint.preempt.notices import FileNotice, Notice, NoticeSource, PollNotice, SignalNotice
 
@@ -57,35 +56,30 @@ class Preemption:
         comm: Comm,
         *,
         signals: Iterable[int | signal.Signals] | None,
-        file: str | os.PathLike[str] | None,
-        poll: Callable[[], object] | None,
-        poll_interval_s: float,
+        options: PreemptionOptions,
         grace_seconds: float | None,
-        exit_code: int,
     ) -> Preemption | None:
         """None when no notice source is configured (the default: no handlers, no thread, no collective).
 
-        Validates everything (the main-thread rule included) but starts nothing: see :meth:`start`."""
+        Validates everything (the main-thread rule included) but starts nothing: see :meth:`start`.
+        ``options`` validated its own fields when it was built."""
         if grace_seconds is not None and not (
             isinstance(grace_seconds, (int, float)) and grace_seconds > 0 and math.isfinite(grace_seconds)
         ):
             raise ValueError(f"grace_seconds must be a positive number of seconds, got {grace_seconds!r}")
-        if isinstance(exit_code, bool) or not isinstance(exit_code, int) or not 1 <= exit_code <= 255:
-            raise ValueError(
-                f"PreemptionOptions.exit_code must be an int in 1..255 (non-zero), got {exit_code!r}"
-            )
+        file, poll = options.file, options.poll
         sources: list[NoticeSource] = []
         if signals:
             sources.append(SignalNotice(signals))
         if file is not None:
             sources.append(FileNotice(file))
         if poll is not None:
-            sources.append(PollNotice(poll, poll_interval_s))
+            sources.append(PollNotice(poll, options.poll_interval_s))
         if not sources:
             if grace_seconds is not None:
                 log.warning("safepoint: grace_seconds is set but no preemption notice source is configured")
             return None
-        return cls(comm, sources, grace_seconds, exit_code)
+        return cls(comm, sources, grace_seconds, options.exit_code)
 
     def start(self) -> None:
         """Install the handlers, start the poller."""

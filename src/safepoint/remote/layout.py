@@ -19,7 +19,6 @@ a new owner finishes the promotion (``clean_pending``). This is the best a store
 
 from __future__ import annotations
 
-import io
 import logging
 import posixpath
 import re
@@ -32,15 +31,17 @@ from torch.distributed.checkpoint.metadata import Metadata
 from safepoint.errors import CheckpointError, CorruptCheckpointError
 from safepoint.remote.io import SafeStoreReader, StoreWriter
 from safepoint.remote.upload import FileCopy, ObjectStore, TransferConfig, UploadError
+from safepoint.store.guard import STEP_PATTERN, STEP_PREFIX
 from safepoint.store.layout import PENDING_DIR, CheckpointInfo, step_name
 from safepoint.store.lease import Lease
 from safepoint.store.manifest import MANIFEST_NAME, Manifest
-from safepoint.store.storage import METADATA_NAME, safe_load_metadata
+from safepoint.store.metadata_check import load_checked_metadata
+from safepoint.store.storage import METADATA_NAME
 
 log = logging.getLogger("safepoint")
-_MANIFEST_KEY = re.compile(r"^step-(\d+)/" + re.escape(MANIFEST_NAME) + "$")
-_STEP_DIR = re.compile(r"^(step-\d+)/")
-_PENDING_STEP = re.compile(r"^(step-\d+)-[0-9a-f]+$")
+_MANIFEST_KEY = re.compile(rf"^({STEP_PATTERN})/" + re.escape(MANIFEST_NAME) + "$")
+_STEP_DIR = re.compile(rf"^({STEP_PATTERN})/")
+_PENDING_STEP = re.compile(rf"^({STEP_PATTERN})-[0-9a-f]+$")
 
 
 def is_url(root: object) -> bool:
@@ -127,7 +128,7 @@ class RemoteLayout:
         for rel in self.store.sizes(self.base):
             m = _MANIFEST_KEY.match(rel)
             if m:
-                steps.append(int(m.group(1)))
+                steps.append(int(m.group(1).removeprefix(STEP_PREFIX)))
         return sorted(steps)
 
     def manifest_bytes(self, step: int) -> bytes:
@@ -178,13 +179,18 @@ class RemoteLayout:
                 raise CorruptCheckpointError(step, name, problem)
         return manifest
 
-    def read_metadata(self, step: int) -> Metadata:
-        data = self.store.get_bytes(self._p(step_name(step), METADATA_NAME))
-        return safe_load_metadata(io.BytesIO(data))
+    def read_metadata(self, step: int, manifest: Manifest) -> Metadata:
+        """``.metadata``, its bytes checked against ``manifest`` and its structure checked (guard): an
+        absolute storage path would otherwise read another bucket with the job's credentials."""
+        try:
+            data = self.store.get_bytes(self._p(step_name(step), METADATA_NAME))
+        except (UploadError, OSError) as e:
+            raise CorruptCheckpointError(step, METADATA_NAME, f"cannot read ({e})") from None
+        return load_checked_metadata(step, data, manifest.expected())
 
-    def make_reader(self, step: int) -> SafeStoreReader:
+    def make_reader(self, step: int, metadata: Metadata, manifest: Manifest) -> SafeStoreReader:
         self.store.fs.invalidate_cache(self.step_key(step))  # s3fs checks cached ETags on open
-        return SafeStoreReader(self.store, self.step_key(step))
+        return SafeStoreReader(self.store, self.step_key(step), metadata=metadata)
 
     # ---- saving -----------------------------------------------------------------------------------------
 
@@ -309,7 +315,7 @@ class RemoteLayout:
         done: list[str] = []
         self.fence("cleaning up abandoned saves")
         objects = self.store.sizes(self.base)
-        committed = {step_name(int(m.group(1))) for k in objects if (m := _MANIFEST_KEY.match(k))}
+        committed = {m.group(1) for k in objects if (m := _MANIFEST_KEY.match(k))}
         staged = {k.split("/")[1] for k in objects if k.startswith(PENDING_DIR + "/") and k.count("/") >= 2}
         for name in sorted(staged):
             prefix = self._p(PENDING_DIR, name)

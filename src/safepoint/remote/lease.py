@@ -21,7 +21,7 @@ from typing import Any
 
 from safepoint.errors import LeaseError
 from safepoint.remote.retry import UploadError, cause_code
-from safepoint.store.lease import HeartbeatLease, Unreadable, describe_holder
+from safepoint.store.heartbeat import HeartbeatLease, Unreadable, describe_holder
 
 LEASE_NAME = ".lease"
 log = logging.getLogger("safepoint")

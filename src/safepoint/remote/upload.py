@@ -131,8 +131,19 @@ class ObjectStore:
         return {p[len(base) :]: int(d.get("size") or 0) for p, d in found.items() if p.startswith(base)}
 
     def delete(self, paths: Sequence[str]) -> None:
+        """Delete ``paths``; one already missing counts as deleted (as on S3). fsspec's local, gs:// and
+        az:// file systems raise FileNotFoundError for it instead, which used to stop cleanup right after
+        the manifest and leak every data object of the step."""
         if paths:
-            retry(f"delete of {len(paths)} objects", lambda: self.fs.rm(list(paths)), self.cfg)
+            retry(f"delete of {len(paths)} objects", lambda: self._rm_present(list(paths)), self.cfg)
+
+    def _rm_present(self, paths: list[str]) -> None:
+        try:
+            self.fs.rm(paths)
+        except FileNotFoundError:
+            for path in paths:  # one at a time: the bulk call may have stopped at the missing one
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm(path)
 
     # ---- files ------------------------------------------------------------------------------------------
 

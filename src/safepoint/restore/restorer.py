@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,7 +15,12 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from safepoint.data import rng
 from safepoint.dist import Comm
-from safepoint.errors import CheckpointError, CorruptCheckpointError, StateMismatchError, describe_exception
+from safepoint.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    StateMismatchError,
+    UnsafeCheckpointError,
+)
 from safepoint.policy.rules import Verdicts
 from safepoint.state import (
     DATALOADER,
@@ -26,6 +32,7 @@ from safepoint.state import (
     TrainState,
     rank_key,
 )
+from safepoint.store.guard import as_corruption
 from safepoint.store.layout import CheckpointStore
 from safepoint.store.manifest import MANIFEST_NAME, ORIGIN_IMPORT, ORIGIN_KEY, Manifest
 from safepoint.store.storage import SafeLoadPlanner
@@ -33,6 +40,10 @@ from safepoint.store.storage import SafeLoadPlanner
 log = logging.getLogger("safepoint")
 _REQUIRED = (MODEL, OPTIMIZER, SCHEDULER, DATALOADER)
 _SHOW = 8
+
+
+class _DamagedWhileLoading(CorruptCheckpointError):
+    """Found damaged while DCP was loading it: the objects restored into may be partly overwritten."""
 
 
 class CheckpointWarning(UserWarning):
@@ -47,9 +58,11 @@ class Restorer:
 
     # ---- discover + verify ---------------------------------------------------------------------------
 
-    def choose(self, step: int | None) -> Manifest | None:
-        """Newest checkpoint that verifies on every rank (or exactly ``step``). Collective."""
+    def choose(self, step: int | None, below: int | None = None) -> Manifest | None:
+        """Newest checkpoint that verifies on every rank (or exactly ``step``); only steps before ``below``
+        if given (after ``below`` failed to load). Collective."""
         steps = self.comm.broadcast(self.layout.committed_steps() if self.comm.is_coordinator else [])
+        steps = [s for s in steps if below is None or s < below]
         if step is not None:
             if step not in steps:
                 raise CheckpointError(
@@ -66,13 +79,47 @@ class Restorer:
                 self.verdicts.record(candidate, False)
                 if step is not None:
                     raise
-                if self.comm.is_coordinator:
-                    msg = f"safepoint: skipping corrupt checkpoint: {e}; falling back to an older one"
-                    warnings.warn(msg, CheckpointWarning, stacklevel=4)
-                    log.warning(msg)
+                self.skipping(e)
                 continue
             self.verdicts.record(candidate, True)
             return manifest
+        return None
+
+    def skipping(self, e: CorruptCheckpointError) -> None:
+        if self.comm.is_coordinator:
+            msg = f"safepoint: skipping corrupt checkpoint: {e}; falling back to an older one"
+            warnings.warn(msg, CheckpointWarning, stacklevel=5)
+            log.warning(msg)
+
+    def restore(
+        self, state: TrainState, step: int | None, choose: Callable[[int | None], Manifest | None]
+    ) -> Manifest | None:
+        """``choose(below)`` a checkpoint and load it; a checkpoint that verified but turns out damaged while
+        it is read (a file replaced since, a structural fault) is skipped like one that failed to verify.
+
+        A failed read may have written into ``state``'s tensors already (they are loaded in place): an
+        older checkpoint then overwrites every one of them, and if none loads, restore raises rather than
+        return 0 with half-written state.
+        """
+        below: int | None = None
+        damaged: CorruptCheckpointError | None = None
+        while (manifest := choose(below)) is not None:
+            try:
+                self.load(manifest, state)
+                return manifest
+            except UnsafeCheckpointError:
+                raise  # a crafted checkpoint that tried to run code: stop and say so, never skip quietly
+            except CorruptCheckpointError as e:
+                self.verdicts.record(manifest.step, False)  # verified, then found damaged while read
+                if step is not None:
+                    raise
+                self.skipping(e)
+                below, damaged = manifest.step, e
+        if isinstance(damaged, _DamagedWhileLoading):
+            raise CheckpointError(
+                f"{damaged}; no older checkpoint could be loaded, and the objects being restored into were "
+                "partly overwritten: recreate them before starting from scratch"
+            )
         return None
 
     def _verify_everywhere(self, step: int) -> Manifest:
@@ -131,7 +178,7 @@ class Restorer:
 
     def load(self, manifest: Manifest, state: TrainState) -> None:
         step = manifest.step
-        metadata = self.layout.read_metadata(step)
+        metadata = self.layout.read_metadata(step, manifest)
         saved = set(manifest.keys)
         wanted = state.sections()
         # An imported checkpoint (safepoint import) holds weights only: a run starting from it keeps its
@@ -166,18 +213,18 @@ class Restorer:
         try:
             dcp_load(
                 template,
-                storage_reader=self.layout.make_reader(step),
+                storage_reader=self.layout.make_reader(step, metadata, manifest),
                 planner=SafeLoadPlanner(),
                 process_group=self.comm.group,
                 no_dist=not self.comm.distributed,
             )
-        except CheckpointException as e:
+        except (CheckpointException, OSError, EOFError, RuntimeError, ValueError) as e:
             # DCP's exception is a BaseException; hand the caller our own error (the first rank's cause).
-            causes = [exc for exc, _tb in (v for _, v in sorted(e.failures.items()))]
-            ours = [c for c in causes if isinstance(c, CheckpointError)]
-            if ours:
-                raise ours[0] from None
-            raise CheckpointError(f"loading step {step} failed: {describe_exception(e)}") from None
+            # Metadata and shapes were checked above, so what fails now is the checkpoint's bytes.
+            error = as_corruption(step, e)
+            if isinstance(error, CorruptCheckpointError) and not isinstance(error, UnsafeCheckpointError):
+                error = _DamagedWhileLoading(error.step, error.file, error.reason)
+            raise error from None
         derived = None
         if RNG in template and rank >= manifest.world_size:
             derived = rng.derived_seed(template[RNG][rank_key(0)], rank)

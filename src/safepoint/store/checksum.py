@@ -9,6 +9,8 @@ from typing import IO, Any
 
 import crc32c
 
+from safepoint.store.guard import open_regular
+
 _CHUNK = 8 * 1024 * 1024
 # Local files are checksummed in 1 MiB pieces read into one reused buffer: the crc32c then reads what the
 # copy just left in the CPU cache (8 MiB pieces measured ~10% slower with a warm page cache).
@@ -75,20 +77,58 @@ def range_crc32c(path: str | os.PathLike[str], offset: int, length: int) -> int:
 
     Combine the ranges of one file with ``crc32c_combine``. Raises EOFError if the file ends early.
     """
+    # A regular file only, never through a symlink; a FIFO put in a checkpoint must not block.
+    fd = open_regular(path)
+    try:
+        return fd_range_crc32c(fd, offset, length, os.fspath(path))
+    finally:
+        os.close(fd)
+
+
+def fd_range_crc32c(fd: int, offset: int, length: int, what: str) -> int:
+    """``range_crc32c`` of an open descriptor (positioned reads; memory bounded by one chunk)."""
     buf = bytearray(max(1, min(_READ_CHUNK, length)))
     view = memoryview(buf)
     value = 0
-    end = offset + length
-    with open(path, "rb", buffering=0) as f:
-        f.seek(offset)
-        pos = offset
-        while pos < end:
-            n = f.readinto(view[: min(len(buf), end - pos)])
-            if not n:
-                raise EOFError(f"{os.fspath(path)} ends at byte {pos}, expected at least {end}")
-            value = crc32c.crc32c(view[:n], value)
-            pos += n
+    pos, end = offset, offset + length
+    while pos < end:
+        n = os.preadv(fd, [view[: min(len(buf), end - pos)]], pos)
+        if not n:
+            raise EOFError(f"{what} ends at byte {pos}, expected at least {end}")
+        value = crc32c.crc32c(view[:n], value)
+        pos += n
     return value
+
+
+class ReadCoverage:
+    """The crc32c of a whole file, built from the pieces a reader reads (in offset order) plus the gaps
+    between them, read here: what was loaded is checked against the manifest, not what was verified
+    earlier (the file could have been replaced in between). ``finish`` returns the file's crc32c hex."""
+
+    def __init__(self, fd: int, size: int, what: str) -> None:
+        self._fd, self._size, self._what = fd, size, what
+        self._crc, self._pos = 0, 0
+        self._last: tuple[int, int] | None = None
+
+    def add(self, offset: int, length: int, crc: int) -> None:
+        """``crc`` covers ``length`` bytes at ``offset``; pieces come in offset order."""
+        if (offset, length) == self._last:
+            return  # the same item read again (two requests of one stored item)
+        if offset < self._pos:
+            raise ValueError(f"{self._what}: items overlap at byte {offset}")
+        self._gap_to(offset)
+        self._crc = crc32c_combine(self._crc, crc, length)
+        self._pos, self._last = offset + length, (offset, length)
+
+    def finish(self) -> str:
+        self._gap_to(self._size)
+        return crc_hex(self._crc)
+
+    def _gap_to(self, offset: int) -> None:
+        if offset > self._pos:
+            gap = fd_range_crc32c(self._fd, self._pos, offset - self._pos, self._what)
+            self._crc = crc32c_combine(self._crc, gap, offset - self._pos)
+            self._pos = offset
 
 
 # crc32c_combine: zlib's crc32_combine (x^(8*len2) mod P by repeated squaring), for the Castagnoli

@@ -12,7 +12,9 @@ and both are bounds-checked against the item; the read always fills exactly the 
 ``data.pkl`` is unpickled by torch's own weights-only unpickler on a storage that holds no data, so the
 description is checked (dtype, shape, layout, one storage read whole) without loading anything. A crafted
 file can at worst put bytes of its choosing into a tensor, which crafting the tensor data could do anyway.
-Integrity is not decided here: a restore verifies every file's crc32c before it reads any of them.
+Integrity: a restore verifies every file's crc32c before it reads any of them, and the reader checks the
+crc32c of what it actually read (``read_in_place`` returns the item's), so a file replaced in between is
+caught too.
 
 Anything unusual (another dtype or layout, a slice of the saved tensor, a ZIP64 item over 4 GiB, another
 byte order, a compressed record) returns False, and the caller takes DCP's general path.
@@ -27,12 +29,14 @@ import struct
 import sys
 from typing import Any
 
+import crc32c
 import torch
 import torch._weights_only_unpickler
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import ReadItem
 
 from safepoint.errors import CheckpointError
+from safepoint.store.checksum import crc32c_combine, fd_range_crc32c
 
 # The central directory of a one-tensor torch.save is 7 entries (~600 bytes) plus the end records (~100):
 # one read of the item's last few KiB holds all of it.
@@ -53,25 +57,33 @@ DescriptionCache = dict[bytes, Described | None]
 
 
 def read_in_place(
-    f: io.FileIO, md: _StorageInfo, req: ReadItem, target: torch.Tensor, cache: DescriptionCache
-) -> bool:
-    """Read the item's tensor into ``target`` if it is exactly that tensor; False (nothing touched) if not."""
+    fd: int, md: _StorageInfo, req: ReadItem, target: torch.Tensor, cache: DescriptionCache
+) -> int | None:
+    """Read the item's tensor into ``target`` if it is exactly that tensor and return the crc32c of the
+    item's bytes (all of them: headers read here, the data as it lands); None (nothing touched) if not."""
     if (
         type(target) is not torch.Tensor
         or target.device.type != "cpu"
         or target.layout != torch.strided
         or target.is_quantized
+        # A conjugate or negative view's memory holds conj(x) or -x: raw bytes would land flipped.
+        or target.is_conj()
+        or target.is_neg()
         or not target.is_contiguous()
         or any(req.storage_offsets)
         or tuple(req.lengths) != tuple(target.shape)
     ):
-        return False
+        return None
     nbytes = target.numel() * target.element_size()
-    offset = _locate(f.fileno(), md, target.dtype, tuple(target.shape), nbytes, cache)
+    offset = _locate(fd, md, target.dtype, tuple(target.shape), nbytes, cache)
     if offset is None:
-        return False
-    _pread_into(f.fileno(), target.data_ptr(), nbytes, md.offset + offset, req)
-    return True
+        return None
+    what = f"item {req.storage_index.fqn!r}"
+    head = fd_range_crc32c(fd, md.offset, offset, what)
+    data = _pread_into(fd, target.data_ptr(), nbytes, md.offset + offset, req)
+    tail_at = offset + nbytes
+    tail = fd_range_crc32c(fd, md.offset + tail_at, md.length - tail_at, what)
+    return crc32c_combine(crc32c_combine(head, data, nbytes), tail, md.length - tail_at)
 
 
 def _locate(
@@ -184,6 +196,8 @@ def _describe(pickled: bytes) -> Described | None:
         return None
     if (
         type(saved) is not torch.Tensor
+        or saved.is_conj()
+        or saved.is_neg()
         or len(storages) != 1
         or saved.storage_offset() != 0
         or saved.layout != torch.strided
@@ -194,8 +208,10 @@ def _describe(pickled: bytes) -> Described | None:
     return saved.dtype, tuple(saved.shape), storages[0][0], storages[0][1]
 
 
-def _pread_into(fd: int, address: int, nbytes: int, position: int, req: ReadItem) -> None:
-    done = 0
+def _pread_into(fd: int, address: int, nbytes: int, position: int, req: ReadItem) -> int:
+    """Read ``nbytes`` at ``position`` into memory at ``address``; the crc32c of what landed there (each
+    piece checksummed right after its read, while it is in the CPU cache)."""
+    done, value = 0, 0
     while done < nbytes:
         n = min(_READ_PIECE, nbytes - done)
         buf = (ctypes.c_char * n).from_address(address + done)
@@ -206,4 +222,6 @@ def _pread_into(fd: int, address: int, nbytes: int, position: int, req: ReadItem
                 f"item {req.storage_index.fqn!r}: the file ended {nbytes - done} bytes early "
                 "(changed after it was verified?)"
             )
+        value = crc32c.crc32c(memoryview(buf)[:got], value)
         done += got
+    return value

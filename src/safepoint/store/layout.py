@@ -18,10 +18,10 @@ import ctypes
 import ctypes.util
 import dataclasses
 import errno
+import logging
 import os
-import re
-import shutil
 import uuid
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,13 +31,22 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from safepoint.errors import CheckpointError, CorruptCheckpointError
 from safepoint.store.checksum import crc32c_combine, crc_hex, crc_ranges, range_crc32c
-from safepoint.store.lease import HeartbeatLease, Lease
+from safepoint.store.guard import (
+    STEP_PREFIX,
+    file_problem,
+    open_regular,
+    parse_step,
+    real_dir_problem,
+    remove_tree,
+)
+from safepoint.store.heartbeat import HeartbeatLease
+from safepoint.store.lease import Lease
 from safepoint.store.manifest import MANIFEST_NAME, Manifest
-from safepoint.store.storage import METADATA_NAME, SafepointWriter, SafeReader, read_metadata_file
+from safepoint.store.metadata_check import load_checked_metadata
+from safepoint.store.storage import METADATA_NAME, SafepointWriter, SafeReader
 
+log = logging.getLogger("safepoint")
 PENDING_DIR = ".pending"
-STEP_PREFIX = "step-"
-_STEP_RE = re.compile(r"^step-(\d+)$")
 _REPLACED_PREFIX = "replaced-"
 _DELETING_PREFIX = "deleting-"
 # Concurrent readers when verifying: big files are split into ranges so the disk sees several requests
@@ -70,8 +79,8 @@ class CheckpointStore(Protocol):
     def manifest_bytes(self, step: int) -> bytes: ...
     def info(self, step: int, manifest: Manifest) -> CheckpointInfo: ...
     def verify(self, step: int, files: list[str] | None = None) -> Manifest: ...
-    def read_metadata(self, step: int) -> Metadata: ...
-    def make_reader(self, step: int) -> StorageReader: ...
+    def read_metadata(self, step: int, manifest: Manifest) -> Metadata: ...
+    def make_reader(self, step: int, metadata: Metadata, manifest: Manifest) -> StorageReader: ...
     def new_pending(self, step: int, save_id: str) -> Any: ...
     def make_writer(self, pending: Any, *, thread_count: int = 1) -> Any: ...
     def written_sizes(self, pending: Any) -> dict[str, int]: ...
@@ -151,9 +160,11 @@ class Layout:
         except FileNotFoundError:
             return []
         for entry in entries:
-            m = _STEP_RE.match(entry.name)
-            if m and entry.is_dir() and os.path.exists(os.path.join(entry.path, MANIFEST_NAME)):
-                steps.append(int(m.group(1)))
+            # A symlinked step-N is never a checkpoint (it would read, and retention delete, elsewhere).
+            step = parse_step(entry.name)
+            is_dir = step is not None and entry.is_dir(follow_symlinks=False)
+            if is_dir and step is not None and file_problem(Path(entry.path) / MANIFEST_NAME) is None:
+                steps.append(step)
         return sorted(steps)
 
     def read_manifest(self, step: int) -> Manifest:
@@ -188,11 +199,10 @@ class Layout:
         ranges: dict[str, list[tuple[int, int]]] = {}
         for name in names:
             entry = manifest.files[name]
-            try:
-                actual = (base / name).stat().st_size
-            except FileNotFoundError:
-                problems[name] = "file is missing"
+            if problem := file_problem(base / name):
+                problems[name] = problem
                 continue
+            actual = (base / name).lstat().st_size
             if actual != entry.size:
                 problems[name] = f"size {actual} != {entry.size} (truncated or extended)"
                 continue
@@ -213,6 +223,9 @@ class Layout:
                     part = fut.result()
                 except FileNotFoundError:
                     problems[name] = "file is missing"
+                    break
+                except OSError as e:  # unreadable, or replaced by a FIFO/symlink since the lstat above
+                    problems[name] = f"cannot read ({e.strerror or e})"
                     break
                 except EOFError:
                     problems[name] = "file shrank while being verified (truncated)"
@@ -261,7 +274,7 @@ class Layout:
             except OSError:
                 _rename_exchange(pending, final)  # the old copy back in place: "older checkpoints intact"
                 raise
-            shutil.rmtree(pending, ignore_errors=True)
+            remove_tree(pending)
             return
         # No atomic exchange (e.g. NFS): park the old copy where recovery puts it back if we crash before
         # the new one lands.
@@ -286,7 +299,7 @@ class Layout:
         except OSError:
             _remove_manifest_first(parked)
             return
-        shutil.rmtree(doomed, ignore_errors=True)
+        remove_tree(doomed)
 
     # ---- the seam SyncSaver/Restorer use (RemoteLayout has the same methods) ---------------------------
 
@@ -300,16 +313,23 @@ class Layout:
         return {}
 
     def discard(self, pending: Path) -> None:
-        shutil.rmtree(pending, ignore_errors=True)
+        remove_tree(pending)
 
     def manifest_bytes(self, step: int) -> bytes:
         return (self.step_path(step) / MANIFEST_NAME).read_bytes()
 
-    def read_metadata(self, step: int) -> Metadata:
-        return read_metadata_file(self.step_path(step) / METADATA_NAME)
+    def read_metadata(self, step: int, manifest: Manifest) -> Metadata:
+        """``.metadata``, its bytes checked against ``manifest`` and its structure checked (guard)."""
+        size = manifest.files[METADATA_NAME].size if METADATA_NAME in manifest.files else 0
+        try:
+            with open(open_regular(self.step_path(step) / METADATA_NAME), "rb") as f:
+                data = f.read(size + 1)  # never more than the manifest allows, whatever the file holds
+        except OSError as e:
+            raise CorruptCheckpointError(step, METADATA_NAME, f"cannot read ({e.strerror or e})") from None
+        return load_checked_metadata(step, data, manifest.expected())
 
-    def make_reader(self, step: int) -> SafeReader:
-        return SafeReader(self.step_path(step))
+    def make_reader(self, step: int, metadata: Metadata, manifest: Manifest) -> SafeReader:
+        return SafeReader(self.step_path(step), metadata=metadata, expected=manifest.expected(), step=step)
 
     def lease(self, stale_after_s: float) -> Lease:
         """A lease on ROOT; once acquired, it fences this layout's commits and deletes."""
@@ -321,15 +341,22 @@ class Layout:
     def remove(self, step: int) -> None:
         """Delete a committed checkpoint; crash-safe (it is listed intact, or not at all)."""
         src = self.step_path(step)
+        if problem := real_dir_problem(src):
+            raise OSError(f"not deleting {src}: it is {problem}, not a checkpoint directory")
         doomed = self.pending_root / f"{_DELETING_PREFIX}{src.name}-{uuid.uuid4().hex[:8]}"
         self.fence(f"deleting step {step}")
         os.rename(src, doomed)
         fsync_dir(self.root)
-        shutil.rmtree(doomed, ignore_errors=True)
+        remove_tree(doomed)
 
     def clean_pending(self) -> list[str]:
         """Run by a new owner: recover parked replacements, delete abandoned saves. Returns what it did."""
         done: list[str] = []
+        if problem := real_dir_problem(self.pending_root):
+            msg = f"safepoint: {self.pending_root} is {problem}, not a directory; left alone (remove it)"
+            warnings.warn(msg, UserWarning, stacklevel=2)
+            log.warning(msg)
+            return [msg]
         entries = list(self._pending_entries())
         if entries:
             self.fence("cleaning up abandoned saves")
@@ -337,15 +364,18 @@ class Layout:
             if entry.name.startswith(_REPLACED_PREFIX):
                 original = entry.name[len(_REPLACED_PREFIX) :].rsplit("-", 1)[0]
                 target = self.root / original
-                if not (target / MANIFEST_NAME).exists() and (entry / MANIFEST_NAME).exists():
-                    if target.exists():
-                        shutil.rmtree(target)
+                if (
+                    real_dir_problem(entry) is None
+                    and real_dir_problem(target) is None
+                    and file_problem(target / MANIFEST_NAME) is not None
+                    and file_problem(entry / MANIFEST_NAME) is None
+                ):
+                    remove_tree(target)
                     os.rename(entry, target)
                     fsync_dir(self.root)
                     done.append(f"recovered {original} from an interrupted replacement")
                     continue
-            shutil.rmtree(entry, ignore_errors=True)
-            done.append(f"removed abandoned {entry.name}")
+            done.append(remove_tree(entry) or f"removed abandoned {entry.name}")
         return done
 
     def _pending_entries(self) -> Iterator[Path]:
@@ -360,7 +390,7 @@ def _remove_manifest_first(path: Path) -> None:
         (path / MANIFEST_NAME).unlink(missing_ok=True)
     except OSError:
         return
-    shutil.rmtree(path, ignore_errors=True)
+    remove_tree(path)
 
 
 _RENAME_EXCHANGE = 2

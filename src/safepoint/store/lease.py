@@ -12,237 +12,27 @@ while another job took the root over can never commit or delete afterwards: its 
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import json
 import logging
 import math
 import os
-import socket
-import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 from safepoint.errors import LeaseError
+from safepoint.store.heartbeat import (
+    DEFAULT_STALE_AFTER_S,
+    UNREADABLE_WAIT_S,
+    HeartbeatLease,
+    Unreadable,
+    describe_holder,
+    heartbeat_age,
+)
 
-LEASE_NAME = ".lease"
-DEFAULT_STALE_AFTER_S = 120.0
-HEARTBEAT_S = 15.0
-"""The heartbeat interval for the default ``lease_stale_after_s`` (120 s): a quarter of it at most."""
-MIN_STALE_AFTER_S = 1.0
-"""The smallest ``lease_stale_after_s`` a manager accepts: below it the heartbeat would spin."""
-UNREADABLE_WAIT_S = 2.0
-"""How long ``acquire`` keeps re-reading a lease file it cannot read (NFS EIO/ESTALE, a creator between
-its O_EXCL create and its write) before deciding by the file's age."""
 log = logging.getLogger("safepoint")
-
-
-class Unreadable(Exception):
-    """The lease record could not be read or parsed: a transient condition, never proof of a new owner."""
-
-
-def heartbeat_for(stale_after_s: float) -> float:
-    """The heartbeat interval for ``stale_after_s``: HEARTBEAT_S, or a quarter of a shorter staleness
-    limit, so a live holder always beats several times before anyone may judge it stale."""
-    return min(HEARTBEAT_S, stale_after_s / 4)
-
-
-def check_lease_timing(stale_after_s: float, heartbeat_s: float) -> None:
-    """ValueError unless both are finite numbers and the staleness limit exceeds twice the heartbeat:
-    with less, one late beat (a busy NFS server, a GC pause) lets a second job take over a live holder."""
-    for name, value in (("lease_stale_after_s", stale_after_s), ("lease heartbeat", heartbeat_s)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
-    if heartbeat_s <= 0 or stale_after_s <= 2 * heartbeat_s:
-        raise ValueError(
-            f"lease_stale_after_s must exceed twice the heartbeat interval ({heartbeat_s:g}s), got "
-            f"{stale_after_s!r}: otherwise a second job could take over a live holder"
-        )
-
-
-def heartbeat_age(holder: dict[str, Any], now: float | None = None) -> float:
-    """Seconds since ``holder``'s last heartbeat; infinite (stale) when the record has no usable one (null,
-    a string, garbled): a heartbeat that cannot be read proves nothing about the holder being alive."""
-    beat = holder.get("heartbeat")
-    if isinstance(beat, bool) or not isinstance(beat, (int, float)) or not math.isfinite(beat):
-        return math.inf
-    return (time.time() if now is None else now) - float(beat)
-
-
-def describe_holder(holder: dict[str, Any]) -> str:
-    """'pid 12 on host 'a'' or, for a record that names neither, what it holds (never 'pid None')."""
-    pid, host = holder.get("pid"), holder.get("host")
-    if pid is None and host is None:
-        return f"an owner whose lease record names no pid or host ({holder!r})"
-    return f"pid {pid if pid is not None else '?'} on host {host!r}"
-
-
-def _proc_start_ticks(pid: int) -> int | None:
-    """Process start time from /proc (guards against pid reuse); None where /proc is absent."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _pid_alive(pid: int, start_ticks: int | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    current = _proc_start_ticks(pid)
-    return start_ticks is None or current is None or current == start_ticks
-
-
-class HeartbeatLease(abc.ABC):
-    """What the file lease and the S3 lease share: a token naming this owner, the owner record, staleness,
-    and a heartbeat thread that renews the lease until it is released or found taken by someone else.
-    Subclasses say how to renew once (:meth:`_renew`) and how to give the lease back (:meth:`_drop`)."""
-
-    thread_name = "safepoint-lease"
-
-    def __init__(self, stale_after_s: float, heartbeat_s: float | None) -> None:
-        if heartbeat_s is None:
-            heartbeat_s = heartbeat_for(stale_after_s) if math.isfinite(stale_after_s) else HEARTBEAT_S
-        check_lease_timing(stale_after_s, heartbeat_s)
-        self.stale_after_s = stale_after_s
-        self.heartbeat_s = heartbeat_s
-        self.token = uuid.uuid4().hex
-        self.lost: str | None = None
-        self.beats = 0  # heartbeat attempts so far (lets tests wait for beats instead of sleeping)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._renewed = time.monotonic()  # when the heartbeat last landed
-
-    def _owner(self) -> dict[str, Any]:
-        """Who holds the lease: host and pid, plus the process start time against pid reuse."""
-        return {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "start_ticks": _proc_start_ticks(os.getpid()),
-        }
-
-    def _is_stale(self, holder: dict[str, Any], age: float) -> bool:
-        """A holder on this host is judged by its process (gone or not); elsewhere by ``age``, the time
-        since its last heartbeat, against ``stale_after_s``."""
-        if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
-            if holder["pid"] == os.getpid() and holder.get("token") != self.token:
-                return False  # another manager in this very process: alive by definition
-            return not _pid_alive(holder["pid"], holder.get("start_ticks"))
-        return age > self.stale_after_s
-
-    def _in_use(self, root: str, lease: str, holder: dict[str, Any], age: float) -> LeaseError:
-        beat = f"lease heartbeat {age:.0f}s ago" if math.isfinite(age) else "no readable lease heartbeat"
-        return LeaseError(
-            f"checkpoint root {root} is in use by {describe_holder(holder)} "
-            f"({beat}). Two writers would corrupt each other's checkpoints: stop the "
-            f"other job or use another root. If that job is dead on another host, the lease expires after "
-            f"{self.stale_after_s:.0f}s; or delete {lease} by hand."
-        )
-
-    def _start_heartbeat(self) -> None:
-        self._stop.clear()
-        self._renewed = time.monotonic()
-        self._thread = threading.Thread(target=self._beat, name=self.thread_name, daemon=True)
-        self._thread.start()
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self.heartbeat_s):
-            try:
-                lost = self._renew()
-                self.beats += 1
-            except Unreadable as e:
-                self.beats += 1
-                # Transient (NFS EIO/ESTALE, a throttled store): retried at the next beat. Only once no
-                # heartbeat has landed for stale_after_s may another host have judged the lease stale and
-                # taken it over: from then on it cannot be counted on.
-                silent = time.monotonic() - self._renewed
-                if silent <= self.stale_after_s:
-                    log.warning("safepoint: lease heartbeat failed (will retry): %s", e)
-                    continue
-                lost = (
-                    f"lease heartbeat failed for {silent:.0f}s, longer than lease_stale_after_s="
-                    f"{self.stale_after_s:g}s (another job may have taken the root over meanwhile); last "
-                    f"error: {e}"
-                )
-            if lost is not None:
-                self.lost = lost
-                log.error("safepoint: %s", lost)
-                return
-            self._renewed = time.monotonic()
-
-    @abc.abstractmethod
-    def _renew(self) -> str | None:
-        """Renew once. Returns why the lease is lost (another owner holds it, or it was removed), or None
-        once renewed; raises :class:`Unreadable` for a transient failure (retried at the next beat, until
-        no heartbeat has landed for ``stale_after_s``)."""
-
-    @abc.abstractmethod
-    def _drop(self) -> None:
-        """Remove the lease if it is still ours."""
-
-    @abc.abstractmethod
-    def _holder(self) -> dict[str, Any] | None:
-        """The lease record on the store now (None: there is none); raises :class:`Unreadable`."""
-
-    @abc.abstractmethod
-    def _where(self) -> str:
-        """The lease's path or URL, for messages."""
-
-    def check(self) -> None:
-        if self.lost:
-            raise LeaseError(self.lost)
-
-    def fence(self, action: str) -> None:
-        """Raise LeaseError unless the lease on the store still carries this owner's token. Called right
-        before each commit rename and each delete (``action`` says which, for the message): the heartbeat
-        notices a takeover only at its next beat, and a process frozen after its last check must find
-        out before it changes anything. An unreadable lease refuses too: ownership cannot be confirmed."""
-        if self.lost:
-            raise LeaseError(f"not {action}: {self.lost}")
-        try:
-            holder = self._holder()
-        except Unreadable as e:
-            raise LeaseError(f"not {action}: cannot confirm this job still owns the root ({e})") from e
-        if holder is None:
-            why = f"lease {self._where()} was removed (by hand, or the root was deleted)"
-        elif holder.get("token") != self.token:
-            why = f"lease {self._where()} was taken over by {describe_holder(holder)}"
-        else:
-            return
-        self.lost = self.lost or f"{why}; this job no longer owns the root"
-        raise LeaseError(f"not {action}: {why}; this job no longer owns the root")
-
-    def stop(self) -> None:
-        """End the heartbeat without waiting and without giving the lease back: it expires by itself."""
-        self._stop.set()
-
-    def release(self, timeout: float | None = None) -> bool:
-        """Stop the heartbeat and give the lease back. ``timeout``: return after this long at most (the
-        heartbeat thread and the removal together); what is not done by then goes on in a daemon thread,
-        and if the process exits first the lease expires by itself (``stale_after_s``; on this host, as
-        soon as the process is gone). Returns whether it was given back in time."""
-        self._stop.set()
-        thread, self._thread = self._thread, None
-
-        def finish() -> None:
-            if thread is not None:
-                thread.join(timeout=5)
-            self._drop()
-
-        if timeout is None:
-            finish()
-            return True
-        releaser = threading.Thread(target=finish, name=f"{self.thread_name}-release", daemon=True)
-        releaser.start()
-        releaser.join(max(0.0, timeout))
-        return not releaser.is_alive()
+LEASE_NAME = ".lease"
 
 
 class Lease(HeartbeatLease):

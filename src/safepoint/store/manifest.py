@@ -20,6 +20,8 @@ import torch
 from safepoint._version import __version__
 from safepoint.errors import CorruptCheckpointError
 from safepoint.store.checksum import crc_hex
+from safepoint.store.guard import bare_name_problem
+from safepoint.store.storage import METADATA_NAME
 
 MANIFEST_NAME = "safepoint.json"
 FORMAT_NAME = "safepoint-checkpoint"
@@ -65,6 +67,10 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files.values())
 
+    def expected(self) -> dict[str, tuple[int, str]]:
+        """{file: (size, crc32c)}: what a reader checks the bytes it reads against."""
+        return {name: (e.size, e.crc32c) for name, e in self.files.items()}
+
     def to_json(self) -> bytes:
         body: dict[str, Any] = {
             "format": FORMAT_NAME,
@@ -108,10 +114,7 @@ class Manifest:
         if stored != _body_crc(body):
             raise bad("manifest checksum mismatch (the manifest itself is damaged)")
         try:
-            files = {
-                str(name): FileEntry(size=int(e["size"]), crc32c=str(e["crc32c"]))
-                for name, e in body["files"].items()
-            }
+            files = _parse_files(body["files"])
             manifest = cls(
                 step=int(body["step"]),
                 files=files,
@@ -126,9 +129,40 @@ class Manifest:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise bad(f"manifest is missing or has a malformed field ({e!r})") from None
+        if problem := _listing_problem(files):
+            raise bad(problem)
         if step_hint is not None and manifest.step != step_hint:
             raise bad(f"manifest says step {manifest.step} but the directory is for step {step_hint}")
         return manifest
+
+
+def _parse_files(listed: Any) -> dict[str, FileEntry]:
+    """The manifest's {name: FileEntry}; raises TypeError/ValueError for malformed entries."""
+    if not isinstance(listed, dict):
+        raise TypeError(f"files is a {type(listed).__name__}, not an object")
+    files = {}
+    for name, e in listed.items():
+        size = e["size"]
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ValueError(f"file {name!r}: size {size!r} is not a non-negative integer")
+        files[name] = FileEntry(size=size, crc32c=str(e["crc32c"]))
+    return files
+
+
+def _listing_problem(files: dict[str, FileEntry]) -> str | None:
+    """Why the file list cannot be a checkpoint's: a name that is not a bare file name (``../x``, ``/etc``,
+    ``a/b``) would make verify read outside the checkpoint; no ``.metadata`` or no data file is no DCP
+    checkpoint at all (an empty list would otherwise verify trivially)."""
+    for name in files:
+        if problem := bare_name_problem(name):
+            return f"manifest lists {problem}"
+    if MANIFEST_NAME in files:
+        return "manifest lists itself"
+    if METADATA_NAME not in files:
+        return f"manifest does not list {METADATA_NAME} (not a DCP checkpoint)"
+    if len(files) < 2:
+        return "manifest lists no data file"
+    return None
 
 
 def clean_metrics(metrics: dict[str, Any] | None) -> dict[str, float]:

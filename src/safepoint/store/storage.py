@@ -19,8 +19,9 @@ import warnings
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
+import crc32c
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint._traverse import set_element
@@ -41,12 +42,12 @@ from torch.distributed.checkpoint.planner import (
     SavePlanner,
 )
 from torch.distributed.checkpoint.storage import WriteResult
-from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
-from safepoint.errors import CheckpointError, UnsafeCheckpointError, os_error_in_chain
-from safepoint.store.checksum import ChecksummingWriter, ChecksumRecorder
+from safepoint.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError, os_error_in_chain
+from safepoint.store.checksum import ChecksummingWriter, ChecksumRecorder, ReadCoverage
 from safepoint.store.direct_read import DescriptionCache, read_in_place
+from safepoint.store.guard import open_regular, real_dir_problem
 
 METADATA_NAME = ".metadata"
 
@@ -134,9 +135,10 @@ def safe_load_metadata(data: IO[bytes]) -> Metadata:
     except UnsafeCheckpointError:
         raise
     except Exception as e:
-        raise UnsafeCheckpointError(None, METADATA_NAME, f"unreadable DCP metadata ({e!r})") from None
+        # Damage, not a refusal: the checkpoint is corrupt (a restore falls back past it).
+        raise CorruptCheckpointError(None, METADATA_NAME, f"unreadable DCP metadata ({e!r})") from None
     if not isinstance(md, Metadata):
-        raise UnsafeCheckpointError(
+        raise CorruptCheckpointError(
             None, METADATA_NAME, f"metadata is a {type(md).__name__}, not DCP Metadata"
         )
     return md
@@ -167,6 +169,13 @@ class _ChecksummingFileSystem(FileSystem):
         except Exception as e:
             self.recorder.failed(Path(path).name, e)
             raise
+
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
+        # The save's directory is created in ROOT/.pending: if that is a symlink, the save would be written
+        # outside ROOT. Raised here, inside DCP's collective save, so every rank fails the save together.
+        if problem := real_dir_problem(Path(path).parent):
+            raise OSError(f"{Path(path).parent} is {problem}, not a directory; not saving through it")
+        super().mkdir(path)
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         super().rename(path, new_path)
@@ -214,9 +223,26 @@ class SafeReader(FileSystemReader):
     (same dtype and shape, contiguous, no offset, host byte order: every single-process restore and every
     restore at the same sharding), its data record is read straight into the destination's memory
     (``direct_read``: only an offset and a description are taken from the zip, both checked). Anything else
-    takes DCP's path. Either way nothing here decides whether bytes are trustworthy: a restore verifies the
-    checkpoint's crc32c before it reads anything.
+    takes DCP's path.
+
+    Given ``metadata`` (already checked: ``guard.load_checked_metadata``) it is used instead of reading
+    ``.metadata`` again. Given ``expected`` ({file: (size, crc32c)} from the manifest), only regular files
+    are opened (no symlink, no FIFO), and the crc32c of every byte read is checked against the manifest as
+    it is read: a file replaced after verification raises CorruptCheckpointError.
     """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        metadata: Metadata | None = None,
+        expected: dict[str, tuple[int, str]] | None = None,
+        step: int | None = None,
+    ) -> None:
+        super().__init__(path)
+        self._checked_metadata = metadata
+        self._expected = expected
+        self._step = step
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if not _is_local(self.fs):
@@ -226,31 +252,64 @@ class SafeReader(FileSystemReader):
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         cache: DescriptionCache = {}
         for relative_path, reqs in per_file.items():
-            path = self.fs.concat_path(self.path, relative_path)
-            with open(path, "rb", buffering=0) as f:
-                # In file order: the reads then sweep the file once, front to back.
-                for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
-                    self._read_item(f, req, planner, cache)
+            self._read_file(relative_path, reqs, planner, cache)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _read_item(self, f: io.FileIO, req: ReadItem, planner: LoadPlanner, cache: DescriptionCache) -> None:
+    def _read_file(
+        self, name: str, reqs: list[ReadItem], planner: LoadPlanner, cache: DescriptionCache
+    ) -> None:
+        fd = open_regular(self.fs.concat_path(self.path, name))
+        try:
+            coverage = None
+            if self._expected is not None:
+                size, crc = self._expected[name]
+                if os.fstat(fd).st_size != size:
+                    self._changed(name, f"size {os.fstat(fd).st_size} != {size}")
+                coverage = ReadCoverage(fd, size, name)
+            # In file order: the reads then sweep the file once, front to back.
+            for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+                md: _StorageInfo = self.storage_data[req.storage_index]
+                item_crc = self._read_item(fd, req, planner, cache)
+                if coverage is not None:
+                    coverage.add(md.offset, md.length, item_crc)
+            if coverage is not None and (actual := coverage.finish()) != crc:
+                self._changed(name, f"crc32c {actual} != {crc}")
+        finally:
+            os.close(fd)
+
+    def _changed(self, name: str, what: str) -> NoReturn:
+        raise CorruptCheckpointError(
+            self._step, name, f"{what} as read (the file changed after it was verified)"
+        )
+
+    def _read_item(self, fd: int, req: ReadItem, planner: LoadPlanner, cache: DescriptionCache) -> int:
+        """Load one item; the crc32c of its bytes as read."""
         md: _StorageInfo = self.storage_data[req.storage_index]
         target = None
         if req.type != LoadItemType.BYTE_IO:
             target = planner.resolve_tensor(req).detach()
-            if not md.transform_descriptors and read_in_place(f, md, req, target, cache):
-                planner.commit_tensor(req, target)
-                return
-        # DCP's own path (FileSystemReader.read_data) for this item, on a fresh view: the attempt above
-        # moved the file's position.
-        stream: IO[bytes] = _create_file_view(f, md.offset, md.length)  # type: ignore[assignment]
+            if not md.transform_descriptors:
+                crc = read_in_place(fd, md, req, target, cache)
+                if crc is not None:
+                    planner.commit_tensor(req, target)
+                    return crc
+        # DCP's own path (FileSystemReader.read_data) for this item, from the item's bytes read once here
+        # (their crc32c is what is checked; the length was checked against the file's real size).
+        raw = bytearray(md.length)
+        got = os.preadv(fd, [raw], md.offset) if md.length else 0
+        if got != md.length:
+            raise CorruptCheckpointError(
+                self._step, md.relative_path, f"item {req.storage_index.fqn!r} is cut short"
+            )
+        crc = crc32c.crc32c(raw)
+        stream: IO[bytes] = io.BytesIO(raw)
         if md.transform_descriptors:
             stream = self.transforms.transform_load_stream(req, md.transform_descriptors, stream)
         if target is None:
             planner.load_bytes(req, io.BytesIO(stream.read(-1)))
-            return
+            return crc
         if not stream.seekable():
             stream = io.BytesIO(stream.read(-1))
         tensor = weights_only_load(stream, req.storage_index.fqn)
@@ -265,12 +324,14 @@ class SafeReader(FileSystemReader):
             )
         target.copy_(tensor)
         planner.commit_tensor(req, target)
+        return crc
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        rank = kwargs.get("rank")
-        path = self._get_metadata_path(rank)
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = safe_load_metadata(f)  # type: ignore[arg-type]
+        if self._checked_metadata is not None:
+            metadata = self._checked_metadata
+        else:
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                metadata = safe_load_metadata(f)  # type: ignore[arg-type]
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         assert metadata.storage_meta is not None

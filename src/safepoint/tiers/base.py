@@ -121,9 +121,8 @@ class SingleTier:
         pass
 
     def restore(self, restorer: Restorer, state: TrainState, step: int | None) -> Manifest | None:
-        manifest = restorer.choose(step)
+        manifest = restorer.restore(state, step, lambda below: restorer.choose(step, below))
         if manifest is not None:
-            restorer.load(manifest, state)
             self.observe(manifest.step)
         return manifest
 

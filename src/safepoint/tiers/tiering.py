@@ -342,9 +342,14 @@ class Tiering(SingleTier):
 
     def restore(self, restorer: Restorer, state: TrainState, step: int | None) -> Manifest | None:
         with self._no_prune:  # the uploader must not delete a local copy while it is chosen and loaded
-            manifest = choose_across_tiers(restorer, self.local, self.durable, step, self._fetched)
+            manifest = restorer.restore(
+                state,
+                step,
+                lambda below: choose_across_tiers(
+                    restorer, self.local, self.durable, step, self._fetched, below
+                ),
+            )
             if manifest is not None:
-                restorer.load(manifest, state)
                 self.observe(manifest.step)
         return manifest
 

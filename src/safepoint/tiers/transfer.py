@@ -131,6 +131,7 @@ def choose_across_tiers(
     durable: RemoteLayout,
     step: int | None,
     fetched: Callable[[Manifest], None],
+    below: int | None = None,
 ) -> Manifest | None:
     """Collective: the manifest to load (``step``, or the newest intact one), downloaded if need be;
     ``fetched`` is told of each durable checkpoint brought into the local tier."""
@@ -138,7 +139,7 @@ def choose_across_tiers(
     chosen: Manifest | None = None
     missing: CheckpointError | None = None
     try:
-        chosen = restorer.choose(step)
+        chosen = restorer.choose(step, below)
     except CheckpointError as e:
         if step is None:
             raise
@@ -147,7 +148,9 @@ def choose_across_tiers(
     if step is not None:
         candidates = [step] if chosen is None and step in steps else []
     else:
-        candidates = [s for s in reversed(steps) if chosen is None or s > chosen.step]
+        candidates = [
+            s for s in reversed(steps) if (chosen is None or s > chosen.step) and (below is None or s < below)
+        ]
     for s in candidates:
         got = fetch_durable(comm, local, durable, s)
         if isinstance(got, Manifest):

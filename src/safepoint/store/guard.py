@@ -1,0 +1,156 @@
+"""What a hostile or damaged root cannot make safepoint do (docs/reliability.md, "Threat model").
+
+- Name a step any other way than ``step-(0|[1-9][0-9]*)`` (``step-02`` and ``step-٢`` are not step 2).
+- Name a file outside its checkpoint: every file name in a manifest or in ``.metadata`` is a bare name.
+- Open anything but a regular file: no symlink is followed (O_NOFOLLOW), a FIFO never blocks
+  (O_NONBLOCK, then fstat), a directory or device is refused.
+- Make a delete follow a symlink: trees are removed through directory descriptors, and a path that is a
+  symlink (or not a directory) is left where it is and reported.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import stat
+from pathlib import Path
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from safepoint.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
+
+STEP_PREFIX = "step-"
+METADATA_FILE = ".metadata"  # storage.METADATA_NAME (storage imports this module)
+# The one step-name pattern, used for directories and object prefixes alike. ASCII digits only (Python's
+# \d also matches other scripts' digits) and no leading zeros: step-02 and step-٢ are not step 2.
+STEP_PATTERN = r"step-(?:0|[1-9][0-9]*)"
+STEP_RE = re.compile(rf"^{STEP_PATTERN}$")
+
+
+def parse_step(name: str) -> int | None:
+    """The step a directory (or object prefix) name stands for, or None if it is not exactly a step name."""
+    return int(name[len(STEP_PREFIX) :]) if STEP_RE.match(name) else None
+
+
+def bare_name_problem(name: object) -> str | None:
+    """Why ``name`` is not a plain file name inside one directory, or None if it is one."""
+    if not isinstance(name, str):
+        return f"{name!r} is a {type(name).__name__}, not a file name"
+    if name in ("", ".", "..") or "/" in name or "\\" in name or "\x00" in name:
+        return f"{name!r} is not a plain file name (a path outside the checkpoint?)"
+    return None
+
+
+def open_regular(path: str | os.PathLike[str]) -> int:
+    """A read-only descriptor of ``path`` if it is a regular file, not reached through a symlink.
+
+    O_NONBLOCK keeps a FIFO from blocking the open; once fstat says regular file it is cleared (it means
+    nothing for regular files anyway). Raises OSError (ELOOP for a symlink) or NotRegularFileError.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFileError(f"{os.fspath(path)} is {describe_mode(mode)}, not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class NotRegularFileError(OSError):
+    """A checkpoint file that is a FIFO, directory, device or socket."""
+
+
+def describe_mode(mode: int) -> str:
+    for test, what in (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISLNK, "a symlink"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return what
+    return "of an unknown file type"
+
+
+def file_problem(path: Path) -> str | None:
+    """Why a checkpoint file cannot be read as one (lstat: a symlink is refused, never followed)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return "file is missing"
+    except OSError as e:
+        return f"cannot stat ({e.strerror or e})"
+    if not stat.S_ISREG(mode):
+        return f"{describe_mode(mode)}, not a regular file"
+    return None
+
+
+def real_dir_problem(path: Path) -> str | None:
+    """Why ``path`` is not a real directory (a symlink to one is not), or None; None if it is missing."""
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return None if stat.S_ISDIR(mode) else describe_mode(mode)
+
+
+def remove_tree(path: Path) -> str | None:
+    """Delete the real directory ``path`` and everything in it, never following a symlink.
+
+    ``shutil.rmtree`` on Linux walks through directory descriptors (``rmtree.avoids_symlink_attacks``): a
+    symlink inside is unlinked, not followed. ``path`` itself: a symlink is unlinked (the link is ours to
+    remove, its target is not), anything else that is not a directory is left alone. Returns what was left
+    alone and why, or None.
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):  # gone, or its parent is not a directory
+        return None
+    if stat.S_ISLNK(mode):
+        os.unlink(path)
+        return None
+    if not stat.S_ISDIR(mode):
+        return f"{path} is {describe_mode(mode)}; left alone"
+    if not shutil.rmtree.avoids_symlink_attacks:  # pragma: no cover - every Linux Python has it
+        raise OSError(f"refusing to delete {path}: this platform's rmtree can follow symlinks")
+    shutil.rmtree(path, ignore_errors=True)
+    return None
+
+
+def check_bare(step: int | None, name: object, what: str) -> str:
+    """``name`` if it is a bare file name, else CorruptCheckpointError naming ``what`` it came from."""
+    problem = bare_name_problem(name)
+    if problem is not None:
+        raise CorruptCheckpointError(step, what, problem)
+    assert isinstance(name, str)
+    return name
+
+
+# ---- .metadata: every field DCP will use, checked before DCP uses it --------------------------------------
+
+
+def as_corruption(step: int, e: BaseException) -> CheckpointError:
+    """What a failure while reading a verified checkpoint's bytes means: that checkpoint is corrupt (the
+    caller warns and falls back), whatever was raised (EOFError, PermissionError, a zip error from
+    torch.load, DCP's CheckpointException around any of them). A StateMismatchError stays what it is."""
+    causes: list[BaseException] = [e]
+    if isinstance(e, CheckpointException):
+        causes = [exc for _rank, (exc, _tb) in sorted(e.failures.items())] or [e]
+    for c in causes:
+        if isinstance(c, CorruptCheckpointError):
+            return type(c)(step if c.step is None else c.step, c.file, c.reason)
+    for c in causes:
+        if isinstance(c, StateMismatchError):
+            return c
+    first = causes[0]
+    lines = str(first).strip().splitlines()
+    return CorruptCheckpointError(
+        step, None, f"unreadable ({type(first).__name__}: {lines[0] if lines else ''})"
+    )
