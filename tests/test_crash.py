@@ -3,6 +3,7 @@ whose tensors are exactly that step's, and no pending state is ever listed or lo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -50,7 +51,9 @@ def _kill_campaign(root: Path, kills: int, seed: int, mode: str = "") -> list[in
         stdout=subprocess.PIPE,
         text=True,
         cwd=REPO,
-        env=SUBPROCESS_ENV,
+        # The tag reaches the ranks and their writer processes: other tests' writers (pytest-xdist runs
+        # tests side by side) are never counted as this campaign's orphans.
+        env=dict(SUBPROCESS_ENV, SAFEPOINT_TEST_TAG=str(root)),
     )
     assert zygote.stdin is not None and zygote.stdout is not None
     restored = []
@@ -96,14 +99,16 @@ def test_sigkill_during_save_20_times(tmp_path: Path) -> None:
     assert restored == sorted(restored), "a committed checkpoint was lost"
 
 
-def _orphaned_writers() -> list[int]:
-    """Writer processes (async_writer="process") whose rank is gone."""
+def _orphaned_writers(tag: str) -> list[int]:
+    """Writer processes (async_writer="process") of this campaign (``tag``) whose rank is gone."""
     found = []
     for p in psutil.process_iter(["cmdline", "ppid"]):
         ppid = int(p.info["ppid"] or 0)
         orphan = ppid in (0, 1) or not psutil.pid_exists(ppid)  # reparented once its rank died
         if "safepoint.save.writer_child" in " ".join(p.info["cmdline"] or []) and orphan:
-            found.append(p.pid)
+            with contextlib.suppress(psutil.Error):
+                if p.environ().get("SAFEPOINT_TEST_TAG") == tag:
+                    found.append(p.pid)
     return found
 
 
@@ -112,10 +117,11 @@ def _async_campaign(tmp_path: Path, kills: int, seed: int) -> None:
     previous save included. Every restore is exactly one committed step, and no writer outlives its rank."""
     restored = _kill_campaign(tmp_path / "ckpt", kills=kills, seed=seed, mode="async")
     assert restored == sorted(restored), "a committed checkpoint was lost"
+    tag = str(tmp_path / "ckpt")
     deadline = time.monotonic() + 10
-    while _orphaned_writers() and time.monotonic() < deadline:
+    while _orphaned_writers(tag) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _orphaned_writers() == [], "a writer process outlived its rank"
+    assert _orphaned_writers(tag) == [], "a writer process outlived its rank"
 
 
 def test_sigkill_during_async_process_saves(tmp_path: Path) -> None:
