@@ -279,5 +279,12 @@ def test_loop_cost_is_the_step_gap_around_a_save_against_its_neighbours() -> Non
         events.append({"event": "step", "rank": 0, "step": step, "t": t})
         t += 0.1 + (1.5 if step == 5 else 0.0)
     events += [{"event": "save", "rank": 0, "step": s, "t": 0.0, "blocking_ms": 1.0} for s in (5, 12, 20)]
+    # A restarted attempt repeats steps 3..6 with its own clock; it waited 9 s for a fault after step 4.
+    again = [
+        {"event": "step", "rank": 0, "step": s, "t": 100.0 + s + (9 if s > 4 else 0)} for s in range(3, 7)
+    ]
+    events += [dict(e, attempt=1) for e in again]
+    events += [{"event": "kill-ready", "rank": 0, "step": 4, "t": 0.0, "attempt": 1}]
+    events = [dict(e, attempt=e.get("attempt", 0)) for e in events]
     run = LaunchResult("A", "run", 2, 0, 0.0, t, events)
     assert loop_costs_ms(run) == pytest.approx([1500.0, 0.0], abs=1e-6)

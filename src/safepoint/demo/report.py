@@ -205,17 +205,22 @@ def loop_costs_ms(launch: LaunchResult) -> list[float]:
     step to the next, less the median step time of up to LOOP_WINDOW save-free steps on each side.
 
     The blocking time a save reports is what safepoint measured of itself; this is what the loop saw
-    (a stall outside the measured call, e.g. waiting on a process start, shows here and not there)."""
-    times = {e["step"]: e["t"] for e in launch.of("step")}
-    saved = {e["step"] for e in launch.of("save")}
-    gaps = {s: times[s + 1] - times[s] for s in times if s + 1 in times}
+    (a stall outside the measured call, e.g. waiting on a process start, shows here and not there).
+    Steps are compared within one torchrun attempt (a restarted attempt repeats step numbers), and a
+    step where the job waited for the demo's fault (kill-ready, preempt-ready) is no baseline."""
     costs = []
-    for s in sorted(saved):
-        if s not in gaps:
-            continue  # the launch ended (or was stopped) right after this save
-        near = [g for n, g in gaps.items() if 0 < abs(n - s) <= LOOP_WINDOW and n not in saved]
-        if near:
-            costs.append(max(0.0, gaps[s] - statistics.median(near)) * 1000)
+    for attempt in sorted({e.get("attempt", 0) for e in launch.events}):
+        mine = [e for e in launch.events if e.get("attempt", 0) == attempt and e["rank"] == 0]
+        times = {e["step"]: e["t"] for e in mine if e["event"] == "step"}
+        saved = {e["step"] for e in mine if e["event"] == "save"}
+        waited = {e["step"] for e in mine if e["event"] in ("kill-ready", "preempt-ready")}
+        gaps = {s: times[s + 1] - times[s] for s in times if s + 1 in times and s not in waited}
+        for s in sorted(saved):
+            if s not in gaps:
+                continue  # the attempt ended (or was stopped) right after this save
+            near = [g for n, g in gaps.items() if 0 < abs(n - s) <= LOOP_WINDOW and n not in saved]
+            if near:
+                costs.append(max(0.0, gaps[s] - statistics.median(near)) * 1000)
     return costs
 
 
