@@ -149,7 +149,10 @@ m = torch.nn.Linear(4, 4)
 with safepoint.CheckpointManager({str(root)!r}, keep_last=1) as mgr:
     st = safepoint.TrainState(model=m)
     mgr.save(1, st)
-    L.shutil.rmtree = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    def die(*a, **k):
+        os.kill(os.getpid(), signal.SIGKILL)
+    die.avoids_symlink_attacks = True  # the deleter refuses an rmtree that could follow symlinks
+    L.shutil.rmtree = die
     mgr.save(2, st)
 """
     proc = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=str(REPO / "src")))
