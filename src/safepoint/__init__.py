@@ -23,6 +23,7 @@ from safepoint.policy.rules import (
     Retention,
 )
 from safepoint.preempt.preemption import Preempted
+from safepoint.preempt.shield import ShieldedWorkerInit, shield_worker_init
 from safepoint.remote.layout import RemoteLayout
 from safepoint.remote.upload import TransferConfig, UploadError
 from safepoint.restore.restorer import CheckpointWarning
@@ -52,6 +53,7 @@ __all__ = [
     "ResumableSampler",
     "Retention",
     "SaveError",
+    "ShieldedWorkerInit",
     "StateMismatchError",
     "TrainState",
     "TransferConfig",
@@ -60,4 +62,5 @@ __all__ = [
     "WriterOptions",
     "__version__",
     "init_process_group",
+    "shield_worker_init",
 ]

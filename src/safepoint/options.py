@@ -73,9 +73,15 @@ class PreemptionOptions:
     """How often ``file`` and ``poll`` are checked."""
     exit_code: int = DEFAULT_EXIT_CODE
     """The exit status ``safepoint.Preempted`` carries after the emergency save (default 143)."""
+    shield_workers: bool = True
+    """DataLoader worker processes forked while the manager is open survive ``preemption_signals`` sent to
+    the whole process group (torchrun's agent, Slurm) so the emergency save can run; they still exit when
+    the rank shuts the loader down or dies. False: workers die of the signal as PyTorch makes them."""
 
     def __post_init__(self) -> None:
         _positive_number("PreemptionOptions.poll_interval_s", self.poll_interval_s)
+        if not isinstance(self.shield_workers, bool):
+            raise ValueError(f"PreemptionOptions.shield_workers must be a bool, got {self.shield_workers!r}")
         if self.poll is not None and not callable(self.poll):
             raise ValueError(f"PreemptionOptions.poll must be callable, got {self.poll!r}")
         # 0 would tell torchrun and the scheduler that the job finished: it would never be restarted.
