@@ -24,6 +24,7 @@ from safepoint.errors import (
 from safepoint.policy.rules import Verdicts
 from safepoint.state import (
     DATALOADER,
+    KEYED_SECTIONS,
     MODEL,
     OPTIMIZER,
     PER_RANK_SECTIONS,
@@ -274,7 +275,7 @@ def check_compat(step: int, template: dict[str, Any], metadata: Metadata) -> Non
 def _section_prefixes(template: dict[str, Any]) -> list[str]:
     out: list[str] = []
     for section, value in template.items():
-        if section in PER_RANK_SECTIONS and isinstance(value, dict):
+        if section in KEYED_SECTIONS and isinstance(value, dict):
             out.extend(f"{section}.{k}." for k in value)
         else:
             out.append(f"{section}.")
