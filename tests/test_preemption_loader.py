@@ -37,11 +37,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _term_group(tmp_path: Path, context: str, shield: str) -> tuple[int, str, list[int]]:
+def _term_group(tmp_path: Path, context: str, shield: str, *extra: str) -> tuple[int, str, list[int]]:
     out = tmp_path / "out"
     out.mkdir()
     proc = subprocess.Popen(
-        [sys.executable, str(CHILD), str(tmp_path / "root"), str(out), context, shield],
+        [sys.executable, str(CHILD), str(tmp_path / "root"), str(out), context, shield, *extra],
         env=SUBPROCESS_ENV,
         stderr=subprocess.PIPE,
         text=True,
@@ -64,9 +64,12 @@ def _term_group(tmp_path: Path, context: str, shield: str) -> tuple[int, str, li
     return proc.returncode, err, workers
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_group_sigterm_with_loader_workers_saves_and_exits_143(tmp_path: Path, context: str) -> None:
-    rc, err, workers = _term_group(tmp_path, context, "shield")
+@pytest.mark.parametrize(("context", "hold"), [("fork", ""), ("spawn", ""), ("fork", "hold")])
+def test_group_sigterm_with_loader_workers_saves_and_exits_143(
+    tmp_path: Path, context: str, hold: str
+) -> None:
+    # hold: the workers are still running at exit, and only obeying their parent's SIGTERM ends them.
+    rc, err, workers = _term_group(tmp_path, context, "shield", *([hold] if hold else []))
     assert rc == 143, err[-3000:]
     assert "killed by signal" not in err
     saved = [p.name for p in (tmp_path / "root").glob("step-*")]

@@ -2,9 +2,11 @@
 tests/test_preemption_loader.py. The test signals the whole process group (as torchrun's agent and Slurm
 do), so the workers get the SIGTERM with the training process.
 
-    python loader_term.py ROOT DIR fork|spawn shield|noshield
+    python loader_term.py ROOT DIR fork|spawn shield|noshield [hold]
 
-Each worker writes its pid to ``DIR/worker.<pid>``; after 3 steps the process writes ``DIR/ready`` and
+``hold``: the loader's iterator is kept in a global, as a script's top level keeps it, so its workers are
+still running at interpreter exit and multiprocessing's exit handler stops them (``terminate()``: SIGTERM
+from the parent, which a shielded worker must obey). Each worker writes its pid to ``DIR/worker.<pid>``; after 3 steps the process writes ``DIR/ready`` and
 trains on (slowly) until signalled.
 """
 
@@ -20,6 +22,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import safepoint
+
+HELD: list[object] = []
 
 
 def record_pid(worker_id: int) -> None:
@@ -44,7 +48,10 @@ def main() -> None:
     ) as mgr:
         step = mgr.restore(state)
         while True:
-            for x, y in loader:
+            it = iter(loader)
+            if sys.argv[5:] == ["hold"]:
+                HELD.append(it)
+            for x, y in it:
                 loss = ((model(x) - y) ** 2).mean()
                 opt.zero_grad()
                 loss.backward()
