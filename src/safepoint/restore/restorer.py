@@ -22,8 +22,10 @@ from safepoint.errors import (
     UnsafeCheckpointError,
 )
 from safepoint.policy.rules import Verdicts
+from safepoint.restore.partial import STRICT_HINT, Plan, RestoreReport, Selection, plan
 from safepoint.state import (
     DATALOADER,
+    KEYED_SECTIONS,
     MODEL,
     OPTIMIZER,
     PER_RANK_SECTIONS,
@@ -55,6 +57,8 @@ class Restorer:
         self.layout = layout
         self.comm = comm
         self.verdicts = verdicts if verdicts is not None else Verdicts()  # read by retention
+        self.selection = Selection()  # what the current restore() loads (its strict/ignore/remap)
+        self.last_report: RestoreReport | None = None
 
     # ---- discover + verify ---------------------------------------------------------------------------
 
@@ -177,33 +181,39 @@ class Restorer:
     # ---- read + apply --------------------------------------------------------------------------------
 
     def load(self, manifest: Manifest, state: TrainState) -> None:
-        step = manifest.step
+        step, sel = manifest.step, self.selection
         metadata = self.layout.read_metadata(step, manifest)
         saved = set(manifest.keys)
         wanted = state.sections()
+        ignored = [s for s in wanted if sel.ignores_section(s)]
+        wanted = [s for s in wanted if s not in ignored]
         # An imported checkpoint (safepoint import) holds weights only: a run starting from it keeps its
         # fresh optimizer, scheduler and data position instead of refusing to start.
         imported = manifest.extra.get(ORIGIN_KEY) == ORIGIN_IMPORT
-        for section in wanted:
-            if section not in saved and section in _REQUIRED and not imported:
+        absent = [s for s in wanted if s not in saved]
+        for section in absent:
+            if section in _REQUIRED and not imported and sel.strict:
                 raise StateMismatchError(
                     f"checkpoint step {step} has no {section!r} state (it holds {sorted(saved)}); restore "
-                    f"without {section}=... or pick a checkpoint that has it"
+                    f"without {section}=... or pick a checkpoint that has it (or restore(strict=False))"
                 )
-            if section not in saved:
-                warnings.warn(
-                    f"safepoint: checkpoint step {step} has no {section!r} state; leaving it as is"
-                    + (" (an imported checkpoint holds weights only)" if imported else ""),
-                    CheckpointWarning,
-                    stacklevel=3,
-                )
+            warnings.warn(
+                f"safepoint: checkpoint step {step} has no {section!r} state; leaving it as is"
+                + (" (an imported checkpoint holds weights only)" if imported else ""),
+                CheckpointWarning,
+                stacklevel=3,
+            )
         sections = [s for s in wanted if s in saved]
         rank = self.comm.rank
         sources = {s: (rank if rank < manifest.world_size else 0) for s in PER_RANK_SECTIONS}
         template = state.load_template(sections, sources, rank)
         mismatch: str | None = None
+        matched: Plan | None = None
         try:
-            check_compat(step, template, metadata)
+            if sel.default:
+                check_compat(step, template, metadata)
+            else:
+                matched = plan(step, template, metadata, tuple(_section_prefixes(template)), sel)
         except StateMismatchError as e:
             mismatch = str(e)
         # Shards differ per rank: if any rank cannot load, none may enter DCP's collective load.
@@ -212,7 +222,7 @@ class Restorer:
             raise StateMismatchError(mismatches[0])
         try:
             dcp_load(
-                template,
+                template if matched is None else matched.to_load,
                 storage_reader=self.layout.make_reader(step, metadata, manifest),
                 planner=SafeLoadPlanner(),
                 process_group=self.comm.group,
@@ -225,6 +235,9 @@ class Restorer:
             if isinstance(error, CorruptCheckpointError) and not isinstance(error, UnsafeCheckpointError):
                 error = _DamagedWhileLoading(error.step, error.file, error.reason)
             raise error from None
+        if matched is not None:
+            template = matched.put_back()
+        self.last_report = _report(step, str(self.layout.root), matched, absent, ignored)
         derived = None
         if RNG in template and rank >= manifest.world_size:
             derived = rng.derived_seed(template[RNG][rank_key(0)], rank)
@@ -236,6 +249,22 @@ class Restorer:
                 derived,
             )
         state.apply(template, sources, derived)
+
+
+def _report(
+    step: int, source: str, matched: Plan | None, absent: list[str], ignored: list[str]
+) -> RestoreReport:
+    found = matched.report if matched is not None else {}
+    return RestoreReport(
+        step=step,
+        source=source,
+        loaded=len(matched.pairs) if matched is not None else 0,
+        missing=tuple(absent + found.get("missing", [])),
+        unexpected=tuple(found.get("unexpected", [])),
+        mismatched=tuple(found.get("mismatched", [])),
+        ignored=tuple(ignored + found.get("ignored", [])),
+        remapped=tuple(found.get("remapped", [])),
+    )
 
 
 def check_compat(step: int, template: dict[str, Any], metadata: Metadata) -> None:
@@ -268,13 +297,14 @@ def check_compat(step: int, template: dict[str, Any], metadata: Metadata) -> Non
         raise StateMismatchError(
             f"checkpoint step {step} does not match the state being restored (wrong model or config?): "
             + "; ".join(parts)
+            + STRICT_HINT
         )
 
 
 def _section_prefixes(template: dict[str, Any]) -> list[str]:
     out: list[str] = []
     for section, value in template.items():
-        if section in PER_RANK_SECTIONS and isinstance(value, dict):
+        if section in KEYED_SECTIONS and isinstance(value, dict):
             out.extend(f"{section}.{k}." for k in value)
         else:
             out.append(f"{section}.")
