@@ -1,4 +1,4 @@
-"""A torchrun worker for tests/test_preemption_loader.py: a DDP job reading through a DataLoader with worker
+"""A torchrun worker for tests/preempt/test_preemption_loader.py: a DDP job reading through a DataLoader with worker
 processes, preempted by SIGTERM to torchrun's agent (which signals each rank's whole process group, so the
 loader's workers get it too).
 

@@ -1,5 +1,5 @@
 """One training process reading through a DataLoader with 2 worker processes, for
-tests/test_preemption_loader.py. The test signals the whole process group (as torchrun's agent and Slurm
+tests/preempt/test_preemption_loader.py. The test signals the whole process group (as torchrun's agent and Slurm
 do), so the workers get the SIGTERM with the training process.
 
     python loader_term.py ROOT DIR fork|spawn shield|noshield [hold]
