@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import queue
 import threading
 import warnings
 from collections.abc import Generator, Iterator
@@ -30,6 +31,7 @@ from torch.distributed.checkpoint.filesystem import (
     FileSystem,
     FileSystemReader,
     FileSystemWriter,
+    SerializationFormat,
     _StorageInfo,
 )
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -48,6 +50,7 @@ from safepoint.errors import CheckpointError, CorruptCheckpointError, UnsafeChec
 from safepoint.store.checksum import ChecksummingWriter, ChecksumRecorder, ReadCoverage
 from safepoint.store.direct_read import DescriptionCache, read_in_place
 from safepoint.store.guard import open_regular, real_dir_problem
+from safepoint.store.item_writer import write_queue
 
 METADATA_NAME = ".metadata"
 
@@ -208,6 +211,16 @@ class SafepointWriter(FileSystemWriter):
             name, error = failure
             cause = os_error_in_chain(error)
             raise OSError(f"{what} writing {name}: {type(cause).__name__}: {cause}") from error
+        return fut
+
+    def _write_data(self, planner: SavePlanner, file_queue: queue.Queue[Any]) -> Future[list[WriteResult]]:
+        # DCP's own loop calls torch.save once per tensor item; item_writer writes the same bytes from a
+        # per-shape template, in batched writes. Anything DCP's loop would treat differently (stream
+        # extensions, safetensors) keeps DCP's loop.
+        if self.transforms.extensions or self.serialization_format != SerializationFormat.TORCH_SAVE:
+            return super()._write_data(planner, file_queue)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(write_queue(self, planner, file_queue))
         return fut
 
     def written_files(self) -> dict[str, tuple[int, str]]:

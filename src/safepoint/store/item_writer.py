@@ -1,0 +1,266 @@
+"""Write a rank's DCP items without calling ``torch.save`` once per tensor, in DCP's exact on-disk format.
+
+DCP's ``FileSystemWriter`` stores every tensor item as one ``torch.save`` zip inside the rank's ``.distcp``
+file, and ``dcp.load`` (and safepoint's reader) read each item as such a zip. For thousands of small tensors
+``torch.save`` costs ~0.5 ms each (pickling, zip headers, end records) and hands the stream hundreds of
+thousands of tiny writes. Here each item's bytes are produced from a *template*: ``torch.save`` of a tensor of
+the same dtype, shape and strides, taken once, split around its data record. With torch's per-record CRC-32
+off (safepoint's writes turn it off: ``storage.torch_crc32_off``), nothing else in a one-tensor
+``torch.save`` depends on the data, so template head + the tensor's bytes + template tail is byte for byte
+what ``torch.save`` writes. That is checked when a template is made (two saves of different data must share
+head and tail, and the data record must hold exactly the tensor's bytes); any tensor that does not qualify,
+or any check that fails, goes through ``torch.save`` itself. Small pieces are gathered into one buffer and
+written with one call, so the checksumming stream sees a few large writes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import logging
+import os
+import queue
+import struct
+import threading
+import zipfile
+from typing import IO, Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StorageInfo
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+# Pieces below this are copied into the batch buffer; bigger tensor data is written straight from the
+# tensor's memory (one copy fewer, and the checksumming stream overlaps its crc32c with the write).
+_DIRECT_MIN = 256 * 1024
+# The batch buffer is written out once it holds this much.
+_BATCH = 4 * 1024 * 1024
+# Templates are few (one per distinct dtype/shape/stride); a state with endlessly varied shapes must not
+# grow the cache without bound.
+_MAX_TEMPLATES = 4096
+_LOCAL = struct.Struct("<4s5H3I2H")
+
+Template = tuple[bytes, bytes]  # (head, tail) around the tensor's bytes
+_templates: dict[tuple[Any, ...], Template | None] = {}
+_templates_lock = threading.Lock()
+log = logging.getLogger("safepoint")
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor's memory (no copy); ``t`` must outlive the view."""
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """Whether ``torch.save(t)`` is a function of dtype, shape, strides and the raw bytes only."""
+    return (
+        type(t) is torch.Tensor
+        and t.device.type == "cpu"
+        and t.layout == torch.strided
+        and not t.is_quantized
+        and not t.is_conj()
+        and not t.is_neg()
+        and not t.requires_grad
+        and all(n is None for n in getattr(t, "names", ()))
+        and t.numel() > 0
+        and t.is_contiguous()
+        and t.storage_offset() == 0
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        and not torch._utils._get_obj_state(t)  # type: ignore[no-untyped-call]
+    )
+
+
+def _saved(t: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return buf.getvalue()
+
+
+def _split(raw: bytes, data: memoryview) -> Template | None:
+    """(head, tail) of a one-tensor torch.save around its data record, if that record holds ``data``."""
+    try:
+        infos = zipfile.ZipFile(io.BytesIO(raw)).infolist()
+    except zipfile.BadZipFile:
+        return None
+    records = [i for i in infos if i.filename.endswith("/data/0")]
+    if len(records) != 1 or records[0].file_size != len(data) or records[0].compress_type != 0:
+        return None
+    at = records[0].header_offset
+    fields = _LOCAL.unpack_from(raw, at)
+    start = at + _LOCAL.size + fields[9] + fields[10]
+    if raw[start : start + len(data)] != data:
+        return None
+    return raw[:start], raw[start + len(data) :]
+
+
+def _make_template(t: torch.Tensor) -> Template | None:
+    data = tensor_bytes(t)
+    first = _split(_saved(t), data)
+    # The same shape with every byte flipped: anything in head or tail that depended on the data shows.
+    flipped = torch.bitwise_not(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    other = torch.empty_like(t, memory_format=torch.contiguous_format)
+    ctypes.memmove(other.data_ptr(), flipped.data_ptr(), data.nbytes)
+    second = _split(_saved(other), tensor_bytes(other))
+    return first if first is not None and first == second else None
+
+
+def template_for(t: torch.Tensor) -> Template | None:
+    """The (head, tail) that ``torch.save(t)`` puts around ``t``'s bytes, or None: use torch.save."""
+    if torch.serialization.get_crc32_options() or not _plain(t):
+        return None
+    key = (t.dtype, tuple(t.shape), t.stride(), torch.serialization._get_storage_alignment())
+    if key not in _templates:
+        made = _make_template(t)
+        with _templates_lock:
+            if len(_templates) >= _MAX_TEMPLATES:
+                _templates.clear()
+            _templates[key] = made
+    return _templates[key]
+
+
+class _NoClose:
+    """What torch.save writes through for a fallback item: the stream stays open for the next item."""
+
+    def __init__(self, out: BatchedStream) -> None:
+        self._out = out
+
+    def write(self, data: Any) -> int:
+        return self._out.write(data)
+
+    def flush(self) -> None:
+        pass
+
+
+class BatchedStream:
+    """Gathers small writes into one buffer; big pieces go straight to the stream. Tracks the position."""
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        self._stream = stream
+        self._buf = bytearray()
+        self.pos = stream.tell()
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        n = view.nbytes
+        if n >= _DIRECT_MIN:
+            self.flush()
+            self._write_all(view)
+        else:
+            self._buf += view
+            if len(self._buf) >= _BATCH:
+                self.flush()
+        self.pos += n
+        return n
+
+    def flush(self) -> None:
+        if self._buf:
+            self._write_all(memoryview(self._buf))
+            self._buf = bytearray()
+
+    def _write_all(self, view: memoryview) -> None:
+        while view.nbytes:
+            n = self._stream.write(view)
+            if not n:
+                raise OSError(f"short write: {view.nbytes} bytes could not be written")
+            view = view[n:]
+
+
+def write_items(
+    stream: IO[bytes],
+    file_name: str,
+    items: list[WriteItem],
+    planner: SavePlanner,
+) -> list[WriteResult]:
+    """Write ``items`` to ``stream`` exactly as DCP's writer would (byte items first, then tensors)."""
+    out = BatchedStream(stream)
+    results: list[WriteResult] = []
+    ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
+    ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
+    for item in ordered:
+        offset = out.pos
+        if item.type == WriteItemType.BYTE_IO:
+            data = planner.resolve_data(item)
+            if not isinstance(data, io.BytesIO):
+                raise TypeError(f"item {item.index.fqn!r}: DCP byte items must be io.BytesIO")
+            out.write(data.getbuffer())
+        else:
+            _write_tensor(out, _resolve_tensor(planner, item))
+        length = out.pos - offset
+        info = _StorageInfo(file_name, offset, length)
+        results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
+    out.flush()
+    return results
+
+
+def _resolve_tensor(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
+    # What DCP's _SerialCpuLoader hands to torch.save: detached, on the CPU, with a minimal storage.
+    tensor = planner.resolve_data(item)
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"item {item.index.fqn!r}: expected a tensor, got {type(tensor).__name__}")
+    tensor = tensor.detach().cpu()
+    if tensor.untyped_storage().size() != tensor.nbytes:
+        tensor = tensor.clone()
+    return tensor
+
+
+def _write_tensor(out: BatchedStream, tensor: torch.Tensor) -> None:
+    template = template_for(tensor)
+    if template is None:
+        torch.save(tensor, _NoClose(out))  # type: ignore[arg-type]
+        return
+    head, tail = template
+    out.write(head)
+    out.write(tensor_bytes(tensor))
+    out.write(tail)
+
+
+def write_queue(
+    writer: FileSystemWriter, planner: SavePlanner, file_queue: queue.Queue[Any]
+) -> list[WriteResult]:
+    """Write every file of DCP's ``file_queue`` (path, name, items) on ``writer.thread_count`` threads.
+
+    The main thread's failure raises; an extra thread's failure is logged and its items' results go
+    missing, as with DCP's own threads (the caller counts results and raises with the recorded error).
+    """
+    results: queue.Queue[list[WriteResult]] = queue.Queue()
+    threads = [
+        threading.Thread(target=_drain, args=(writer, file_queue, results, planner, True))
+        for _ in range(1, writer.thread_count)
+    ]
+    for t in threads:
+        t.start()
+    try:
+        _drain(writer, file_queue, results, planner, False)
+    finally:
+        for t in threads:
+            t.join()
+    written: list[WriteResult] = []
+    while not results.empty():
+        written += results.get_nowait()
+    return written
+
+
+def _drain(
+    writer: FileSystemWriter,
+    file_queue: queue.Queue[Any],
+    results: queue.Queue[list[WriteResult]],
+    planner: SavePlanner,
+    extra_thread: bool,
+) -> None:
+    try:
+        while True:
+            try:
+                path, file_name, items = file_queue.get_nowait()
+            except queue.Empty:
+                return
+            with writer.fs.create_stream(path, "wb") as stream:
+                written = write_items(stream, file_name, items, planner)  # type: ignore[arg-type]
+                if writer.sync_files:
+                    # Flushes the stream's buffer first (ChecksummingWriter.fileno), as DCP relies on.
+                    os.fsync(stream.fileno())
+            results.put(written)
+    except Exception:
+        if not extra_thread:
+            raise
+        log.exception("safepoint: a writer thread failed")
