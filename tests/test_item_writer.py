@@ -136,3 +136,25 @@ def test_writer_threads_write_the_same_items(tmp_path: Path, threads: int) -> No
     with torch_crc32_off():
         dcp.save(state, storage_writer=writer, no_dist=True)
     assert _items(tmp_path / "ours") == _items(tmp_path / "dcp")
+
+
+def test_big_tensors_are_written_by_torch_save_itself() -> None:
+    # A template of a big tensor would cost two torch.saves of it to make; its fixed cost is noise anyway.
+    with torch_crc32_off():
+        assert item_writer.template_for(torch.zeros(1024 * 1024 // 4)) is not None
+        assert item_writer.template_for(torch.zeros(1024 * 1024 // 4 + 1)) is None
+
+
+def test_a_changed_state_is_planned_afresh(tmp_path: Path) -> None:
+    # Saves reuse DCP's cached plan while the state keeps its shape; a new shape must not reuse it.
+    mgr = safepoint.CheckpointManager(tmp_path / "root")
+    small, big = nn.Linear(4, 4), nn.Linear(5, 6)
+    mgr.save(1, safepoint.TrainState(model=small, rng=False))
+    mgr.save(2, safepoint.TrainState(model=small, rng=False))
+    mgr.save(3, safepoint.TrainState(model=big, rng=False))
+    fresh = nn.Linear(5, 6)
+    assert mgr.restore(safepoint.TrainState(model=fresh, rng=False)) == 3
+    assert _same_bits(fresh.weight.detach(), big.weight.detach())
+    again = nn.Linear(4, 4)
+    assert mgr.restore(safepoint.TrainState(model=again, rng=False), step=2) == 2
+    assert _same_bits(again.weight.detach(), small.weight.detach())

@@ -38,6 +38,9 @@ _BATCH = 4 * 1024 * 1024
 # Templates are few (one per distinct dtype/shape/stride); a state with endlessly varied shapes must not
 # grow the cache without bound.
 _MAX_TEMPLATES = 4096
+# Tensors above this go through torch.save itself: its fixed cost is noise next to their bytes, and a
+# template of a big tensor would cost two torch.saves of it (and their memory) to make and check.
+_TEMPLATE_MAX = 1024 * 1024
 _LOCAL = struct.Struct("<4s5H3I2H")
 
 Template = tuple[bytes, bytes]  # (head, tail) around the tensor's bytes
@@ -46,28 +49,40 @@ _templates_lock = threading.Lock()
 log = logging.getLogger("safepoint")
 
 
+# ctypes makes a new array type per length (~8 us): one per distinct tensor size, reused.
+_array_types: dict[int, Any] = {}
+# Named tensors only exist in some builds; the check costs ~2 us per tensor where they do not.
+_HAS_NAMES = hasattr(torch.Tensor, "names")
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor's memory (no copy); ``t`` must outlive the view."""
     n = t.numel() * t.element_size()
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+    array = _array_types.get(n)
+    if array is None:
+        if len(_array_types) >= _MAX_TEMPLATES:
+            _array_types.clear()
+        array = _array_types[n] = ctypes.c_char * n
+    return memoryview(array.from_address(t.data_ptr())).cast("B")
 
 
 def _plain(t: torch.Tensor) -> bool:
     """Whether ``torch.save(t)`` is a function of dtype, shape, strides and the raw bytes only."""
     return (
         type(t) is torch.Tensor
-        and t.device.type == "cpu"
+        and t.is_cpu
         and t.layout == torch.strided
         and not t.is_quantized
         and not t.is_conj()
         and not t.is_neg()
         and not t.requires_grad
-        and all(n is None for n in getattr(t, "names", ()))
-        and t.numel() > 0
+        and not (_HAS_NAMES and any(n is not None for n in t.names))  # type: ignore[attr-defined]
+        and 0 < t.numel() * t.element_size() <= _TEMPLATE_MAX
         and t.is_contiguous()
         and t.storage_offset() == 0
         and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-        and not torch._utils._get_obj_state(t)  # type: ignore[no-untyped-call]
+        # What torch._utils._get_obj_state finds on an exact torch.Tensor (no slots): its __dict__.
+        and not t.__dict__
     )
 
 
@@ -107,9 +122,16 @@ def _make_template(t: torch.Tensor) -> Template | None:
 
 def template_for(t: torch.Tensor) -> Template | None:
     """The (head, tail) that ``torch.save(t)`` puts around ``t``'s bytes, or None: use torch.save."""
-    if torch.serialization.get_crc32_options() or not _plain(t):
+    if torch.serialization.get_crc32_options():
         return None
-    key = (t.dtype, tuple(t.shape), t.stride(), torch.serialization._get_storage_alignment())
+    return _template(t, torch.serialization._get_storage_alignment())
+
+
+def _template(t: torch.Tensor, alignment: int) -> Template | None:
+    """``template_for`` with torch's settings read once per file by the caller (~25 us each)."""
+    if not _plain(t):
+        return None
+    key = (t.dtype, tuple(t.shape), t.stride(), alignment)
     if key not in _templates:
         made = _make_template(t)
         with _templates_lock:
@@ -153,6 +175,15 @@ class BatchedStream:
         self.pos += n
         return n
 
+    def write_small(self, *pieces: bytes | memoryview) -> None:
+        """Append small pieces (each under the direct-write threshold) to the buffer."""
+        buf = self._buf
+        for piece in pieces:
+            buf += piece
+            self.pos += len(piece)
+        if len(buf) >= _BATCH:
+            self.flush()
+
     def flush(self) -> None:
         if self._buf:
             self._write_all(memoryview(self._buf))
@@ -175,6 +206,10 @@ def write_items(
     """Write ``items`` to ``stream`` exactly as DCP's writer would (byte items first, then tensors)."""
     out = BatchedStream(stream)
     results: list[WriteResult] = []
+    # Templates hold only while torch writes no CRC-32 (it would depend on the data); read once per file.
+    alignment = (
+        None if torch.serialization.get_crc32_options() else torch.serialization._get_storage_alignment()
+    )
     ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
     ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
     for item in ordered:
@@ -185,7 +220,7 @@ def write_items(
                 raise TypeError(f"item {item.index.fqn!r}: DCP byte items must be io.BytesIO")
             out.write(data.getbuffer())
         else:
-            _write_tensor(out, _resolve_tensor(planner, item))
+            _write_tensor(out, _resolve_tensor(planner, item), alignment)
         length = out.pos - offset
         info = _StorageInfo(file_name, offset, length)
         results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
@@ -204,15 +239,19 @@ def _resolve_tensor(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
     return tensor
 
 
-def _write_tensor(out: BatchedStream, tensor: torch.Tensor) -> None:
-    template = template_for(tensor)
+def _write_tensor(out: BatchedStream, tensor: torch.Tensor, alignment: int | None) -> None:
+    template = None if alignment is None else _template(tensor, alignment)
     if template is None:
         torch.save(tensor, _NoClose(out))  # type: ignore[arg-type]
         return
     head, tail = template
-    out.write(head)
-    out.write(tensor_bytes(tensor))
-    out.write(tail)
+    data = tensor_bytes(tensor)
+    if data.nbytes < _DIRECT_MIN:
+        out.write_small(head, data, tail)
+    else:
+        out.write(head)
+        out.write(data)
+        out.write(tail)
 
 
 def write_queue(
