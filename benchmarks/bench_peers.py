@@ -223,7 +223,13 @@ def run_state(kind: str, args: argparse.Namespace) -> dict[str, Any]:
             for v in rotated(saves, rnd):
                 out = base / f"save-{v}"
                 gc.collect()
-                t = timed(peers.save(v, out))
+                try:
+                    t = timed(peers.save(v, out))
+                except Exception as e:  # a failed save is a result too: recorded, reported, not timed
+                    runs.append({"phase": "save", "variant": v, "round": rnd, "error": repr(e)})
+                    print(f"{kind} save {v} round {rnd} failed: {e!r}", flush=True)
+                    remove(out)
+                    continue
                 runs.append(
                     {
                         "phase": "save",
@@ -265,10 +271,16 @@ def run_state(kind: str, args: argparse.Namespace) -> dict[str, Any]:
 def summarize(result: dict[str, Any]) -> list[list[str]]:
     rows = []
     for phase, base in (("save", "torch.save"), ("restore", "torch.load")):
-        runs = [r for r in result["runs"] if r["phase"] == phase]
+        failed = [r for r in result["runs"] if r["phase"] == phase and "error" in r]
+        runs = [r for r in result["runs"] if r["phase"] == phase and "error" not in r]
         ref = {r["round"]: r["s"] for r in runs if r["variant"] == base}
-        for v in dict.fromkeys(r["variant"] for r in runs):
+        for v in dict.fromkeys(r["variant"] for r in result["runs"] if r["phase"] == phase):
             mine = [r for r in runs if r["variant"] == v]
+            if not mine:
+                rows.append(
+                    [result["state"], phase, v, *[""] * 5, str(sum(r["variant"] == v for r in failed))]
+                )
+                continue
             ratios = paired_ratios({r["round"]: r["s"] for r in mine}, ref, lambda a, b: a / b)
             q1, q3 = quartiles(ratios)
             blocking = [r["blocking_s"] for r in mine if r.get("blocking_s") is not None]
@@ -282,6 +294,7 @@ def summarize(result: dict[str, Any]) -> list[list[str]]:
                     f"{median(r['cpu_s'] for r in mine):.2f}",
                     f"{median(blocking):.3f}" if blocking else "",
                     f"{median(r['loadavg_1m'][0] for r in mine if r['loadavg_1m']):.1f}",
+                    str(sum(r["variant"] == v for r in failed)),
                 ]
             )
     return rows
@@ -296,6 +309,7 @@ COLUMNS = [
     "cpu s",
     "blocking s",
     "load 1m",
+    "failed",
 ]
 
 
