@@ -132,13 +132,16 @@ def _template(t: torch.Tensor, alignment: int) -> Template | None:
     if not _plain(t):
         return None
     key = (t.dtype, tuple(t.shape), t.stride(), alignment)
-    if key not in _templates:
-        made = _make_template(t)
-        with _templates_lock:
-            if len(_templates) >= _MAX_TEMPLATES:
-                _templates.clear()
-            _templates[key] = made
-    return _templates[key]
+    try:
+        return _templates[key]
+    except KeyError:
+        pass
+    made = _make_template(t)
+    with _templates_lock:  # writer threads share the cache; another may clear it meanwhile
+        if len(_templates) >= _MAX_TEMPLATES:
+            _templates.clear()
+        _templates[key] = made
+    return made
 
 
 class _NoClose:
