@@ -111,3 +111,27 @@ def test_bench_async_tiny_run(tmp_path: Path) -> None:
     # Every checkpoint it wrote is deleted again.
     assert not any((tmp_path / "disk").rglob("*.distcp"))
     assert not any((tmp_path / "shm").rglob("*.distcp"))
+
+
+def test_bench_peers_tiny_run(tmp_path: Path) -> None:
+    # Every variant once on a tiny state (the torch-checkpointing ones only where the bench extra is installed).
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "bench_peers.py"),
+        "--layers=4",
+        "--width=64",
+        "--rounds=1",
+        f"--base={tmp_path / 'base'}",
+        f"--out={out}",
+    ]
+    (tmp_path / "base").mkdir()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "bench_peers.json").read_text())
+    seen = {(r["state"], run["phase"], run["variant"]) for r in result["results"] for run in r["runs"]}
+    for state in ("small", "large"):
+        for variant in ("torch.save", "safepoint-sync", "safepoint-async", "dcp.save", "dcp.async_save"):
+            assert (state, "save", variant) in seen
+        for variant in ("torch.load", "safepoint", "dcp.load"):
+            assert (state, "restore", variant) in seen

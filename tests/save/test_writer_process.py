@@ -351,11 +351,11 @@ def test_close_does_not_wait_on_a_process_that_inherited_the_channel(
     assert mgr._process is not None and mgr._process._sock is not None
     holder = subprocess.Popen(["sleep", "60"], pass_fds=[mgr._process._sock.fileno()])
     try:
-        t0 = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="safepoint"):
             mgr.close()
-        assert time.monotonic() - t0 < 5
-        assert "did not exit" not in caplog.text
+        # Waiting on the holder's copy would have run into close()'s timeout, which kills the process
+        # and says so: the log tells it, not a wall-clock bound (which a loaded machine breaks).
+        assert "did not exit" not in caplog.text and holder.poll() is None
     finally:
         holder.kill()
         holder.wait()

@@ -40,6 +40,10 @@ class SyncSaver:
         self.writer_threads = writer_threads
         # async_writer="process": the storage writer of each save, handed to the writer process.
         self.wrap_writer = wrap_writer
+        # DCP's plan cache is class-level, under a key that defaults to the planner's class name: a key of
+        # this saver's own keeps two managers in one process (two models, a benchmark) from overwriting
+        # each other's cached plans on every save.
+        self._plan_key = f"safepoint-{uuid.uuid4().hex}"
 
     def write(
         self,
@@ -62,7 +66,7 @@ class SyncSaver:
             dcp_save(
                 state_dict,
                 storage_writer=writer,
-                planner=DefaultSavePlanner(),
+                planner=self._planner(),
                 process_group=self.comm.group,
                 no_dist=not self.comm.distributed,
             )
@@ -105,6 +109,14 @@ class SyncSaver:
             self.verdicts.forget(step)  # its bytes are new: whatever was found about the old ones is moot
             self._retain(step)
         return info
+
+    def _planner(self) -> DefaultSavePlanner:
+        # With the same state (every save of a training run) DCP reuses the global plan and metadata of
+        # the previous save instead of rebuilding them item by item (~0.1 ms per item); a changed local
+        # plan is detected (compared item by item) and planned afresh.
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        planner._cached_plans_key = self._plan_key
+        return planner
 
     def _commit(
         self,

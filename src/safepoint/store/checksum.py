@@ -85,11 +85,13 @@ def range_crc32c(path: str | os.PathLike[str], offset: int, length: int) -> int:
         os.close(fd)
 
 
-def fd_range_crc32c(fd: int, offset: int, length: int, what: str) -> int:
-    """``range_crc32c`` of an open descriptor (positioned reads; memory bounded by one chunk)."""
-    buf = bytearray(max(1, min(_READ_CHUNK, length)))
+def fd_range_crc32c(fd: int, offset: int, length: int, what: str, value: int = 0) -> int:
+    """``range_crc32c`` of an open descriptor (positioned reads; memory bounded by one chunk), extending
+    ``value`` (the crc32c of the bytes before the range)."""
+    if not length:
+        return value
+    buf = bytearray(min(_READ_CHUNK, length))
     view = memoryview(buf)
-    value = 0
     pos, end = offset, offset + length
     while pos < end:
         n = os.preadv(fd, [view[: min(len(buf), end - pos)]], pos)
@@ -109,6 +111,20 @@ class ReadCoverage:
         self._fd, self._size, self._what = fd, size, what
         self._crc, self._pos = 0, 0
         self._last: tuple[int, int] | None = None
+
+    def running(self, offset: int, length: int) -> int | None:
+        """The crc32c of the file up to ``offset`` (gaps read here), for the reader to extend with the
+        ``length`` bytes it reads there and hand to ``extended``; None if that item was just read."""
+        if (offset, length) == self._last:
+            return None  # the same item read again (two requests of one stored item)
+        if offset < self._pos:
+            raise ValueError(f"{self._what}: items overlap at byte {offset}")
+        self._gap_to(offset)
+        return self._crc
+
+    def extended(self, offset: int, length: int, crc: int) -> None:
+        """``crc`` is ``running(offset, length)`` extended by the bytes read there."""
+        self._crc, self._pos, self._last = crc, offset + length, (offset, length)
 
     def add(self, offset: int, length: int, crc: int) -> None:
         """``crc`` covers ``length`` bytes at ``offset``; pieces come in offset order."""

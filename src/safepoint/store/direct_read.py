@@ -27,6 +27,7 @@ import io
 import os
 import struct
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import crc32c
@@ -36,7 +37,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import ReadItem
 
 from safepoint.errors import CheckpointError
-from safepoint.store.checksum import crc32c_combine, fd_range_crc32c
+from safepoint.store.checksum import fd_range_crc32c
 
 # The central directory of a one-tensor torch.save is 7 entries (~600 bytes) plus the end records (~100):
 # one read of the item's last few KiB holds all of it.
@@ -53,14 +54,26 @@ _BYTEORDER = sys.byteorder.encode()
 # data.pkl bytes -> (dtype, shape, storage key, storage bytes), or None if not a plain whole tensor. Tensors
 # of one shape pickle identically, so a model's few hundred items need only a handful of unpicklings.
 Described = tuple[torch.dtype, tuple[int, ...], str, int]
-DescriptionCache = dict[bytes, Described | None]
+# Also (dtype, shape, item length) -> (data offset, bytes before the data, bytes after it) of small items.
+Layout = tuple[int, bytes, bytes]
+DescriptionCache = dict[Any, Any]
+Read = Callable[[int, int], bytes]  # (offset within the item, size) -> bytes
+# Items up to this size are read whole with one call and copied: one system call instead of ~8.
+_SMALL = 1024 * 1024
 
 
 def read_in_place(
-    fd: int, md: _StorageInfo, req: ReadItem, target: torch.Tensor, cache: DescriptionCache
+    fd: int,
+    md: _StorageInfo,
+    req: ReadItem,
+    target: torch.Tensor,
+    cache: DescriptionCache,
+    crc: int = 0,
 ) -> int | None:
-    """Read the item's tensor into ``target`` if it is exactly that tensor and return the crc32c of the
-    item's bytes (all of them: headers read here, the data as it lands); None (nothing touched) if not."""
+    """Read the item's tensor into ``target`` if it is exactly that tensor and return ``crc`` extended by
+    the crc32c of the item's bytes (all of them: headers read here, the data as it lands); None (nothing
+    touched) if not. Chaining the file's running crc32c through the items costs nothing; combining
+    per-item checksums afterwards cost more than the reads for thousands of small items."""
     if (
         type(target) is not torch.Tensor
         or target.device.type != "cpu"
@@ -75,50 +88,98 @@ def read_in_place(
     ):
         return None
     nbytes = target.numel() * target.element_size()
-    offset = _locate(fd, md, target.dtype, tuple(target.shape), nbytes, cache)
-    if offset is None:
+    if md.length <= _SMALL:
+        return _read_small(fd, md, target, nbytes, cache, crc)
+    found = _locate(_file_reader(fd, md), md.length, target.dtype, tuple(target.shape), nbytes, cache)
+    if found is None:
         return None
+    offset = found[0]
     what = f"item {req.storage_index.fqn!r}"
-    head = fd_range_crc32c(fd, md.offset, offset, what)
-    data = _pread_into(fd, target.data_ptr(), nbytes, md.offset + offset, req)
+    crc = fd_range_crc32c(fd, md.offset, offset, what, crc)
+    crc = _pread_into(fd, target.data_ptr(), nbytes, md.offset + offset, req, crc)
     tail_at = offset + nbytes
-    tail = fd_range_crc32c(fd, md.offset + tail_at, md.length - tail_at, what)
-    return crc32c_combine(crc32c_combine(head, data, nbytes), tail, md.length - tail_at)
+    return fd_range_crc32c(fd, md.offset + tail_at, md.length - tail_at, what, crc)
+
+
+def _read_small(
+    fd: int, md: _StorageInfo, target: torch.Tensor, nbytes: int, cache: DescriptionCache, crc: int
+) -> int | None:
+    """A small item: read whole with one call, found in memory, copied into ``target``."""
+    raw = bytearray(md.length)
+    if os.preadv(fd, [raw], md.offset) != md.length:
+        return None  # cut short: DCP's path reads it again and says so
+    view = memoryview(raw)
+    key = (target.dtype, tuple(target.shape), md.length)
+    # Items of one shape share every byte around their data: a layout already parsed and checked for an
+    # item with the same bytes before and after the data is this item's layout too.
+    known = cache.get(key)
+    if known is not None and view[: known[0]] == known[1] and view[known[0] + nbytes :] == known[2]:
+        offset = known[0]
+    else:
+        found = _locate(lambda at, n: bytes(view[at : at + n]), md.length, key[0], key[1], nbytes, cache)
+        if found is None:
+            return None
+        offset, cacheable = found
+        if cacheable:
+            cache[key] = (offset, bytes(view[:offset]), bytes(view[offset + nbytes :]))
+    if nbytes:
+        ctypes.memmove(target.data_ptr(), (ctypes.c_char * nbytes).from_buffer(raw, offset), nbytes)
+    return crc32c.crc32c(raw, crc)
+
+
+def _file_reader(fd: int, md: _StorageInfo) -> Read:
+    return lambda at, n: os.pread(fd, n, md.offset + at)
 
 
 def _locate(
-    fd: int,
-    md: _StorageInfo,
+    read: Read,
+    length: int,
     dtype: torch.dtype,
     shape: tuple[int, ...],
     nbytes: int,
     cache: DescriptionCache,
-) -> int | None:
-    """Offset within the item of the data record of a (dtype, shape) tensor of ``nbytes``, or None."""
-    records = _directory(fd, md)
-    if records is None:
+) -> tuple[int, bool] | None:
+    """Offset within the item of the data record of a (dtype, shape) tensor of ``nbytes``, or None; and
+    whether nothing that decided it lies within the data (so items with the same other bytes agree)."""
+    found = _directory(read, length)
+    if found is None:
         return None
+    records, structure_at = found
     by_leaf = {name.partition("/")[2]: entry for name, entry in records.items()}
-    byteorder = _record(fd, md, by_leaf.get("byteorder"))
-    pickled = _record(fd, md, by_leaf.get("data.pkl"))
+    byteorder = _record(read, length, by_leaf.get("byteorder"))
+    pickled = _record(read, length, by_leaf.get("data.pkl"))
     if byteorder != _BYTEORDER or pickled is None:
         return None
     if pickled not in cache:
         cache[pickled] = _describe(pickled)
     described = cache[pickled]
-    if described is None or described[:2] != (dtype, shape) or described[3] != nbytes:
+    if not isinstance(described, tuple) or described[:2] != (dtype, shape) or described[3] != nbytes:
         return None
     data = by_leaf.get(f"data/{described[2]}")
     if data is None or data[1] != nbytes:
         return None
-    return _data_offset(fd, md, data)
+    offset = _data_offset(read, length, data)
+    if offset is None:
+        return None
+    end = offset + nbytes
+    outside = structure_at >= end and all(
+        _clear_of(read, length, e, offset, end) for e in (by_leaf["byteorder"], by_leaf["data.pkl"])
+    )
+    return offset, outside
 
 
-def _directory(fd: int, md: _StorageInfo) -> dict[str, tuple[int, int]] | None:
-    """{record name: (local header offset, size)} of the item's zip, stored (uncompressed) records only."""
-    tail_len = min(md.length, _TAIL)
-    tail_at = md.length - tail_len
-    tail = os.pread(fd, tail_len, md.offset + tail_at)
+def _clear_of(read: Read, length: int, entry: tuple[int, int], offset: int, end: int) -> bool:
+    """Whether a record (local header and bytes) lies wholly before ``offset`` or from ``end`` on."""
+    start = _data_offset(read, length, entry)
+    return start is not None and (start + entry[1] <= offset or entry[0] >= end)
+
+
+def _directory(read: Read, length: int) -> tuple[dict[str, tuple[int, int]], int] | None:
+    """{record name: (local header offset, size)} of the item's zip, stored (uncompressed) records only;
+    and where the central directory starts."""
+    tail_len = min(length, _TAIL)
+    tail_at = length - tail_len
+    tail = read(tail_at, tail_len)
     end = tail.rfind(b"PK\x05\x06")
     if len(tail) != tail_len or end < 0 or end + _EOCD.size > len(tail):
         return None
@@ -142,32 +203,32 @@ def _directory(fd: int, md: _StorageInfo) -> dict[str, tuple[int, int]] | None:
             return None
         records[name] = (header, usize)
         pos += _CDIR.size + nlen + elen + clen
-    return records
+    return records, cd_offset
 
 
-def _data_offset(fd: int, md: _StorageInfo, entry: tuple[int, int]) -> int | None:
+def _data_offset(read: Read, length: int, entry: tuple[int, int]) -> int | None:
     """Where a record's bytes start within the item (after its local header), bounds-checked."""
     header, size = entry
-    if header + _LOCAL.size > md.length:
+    if header + _LOCAL.size > length:
         return None
-    local = os.pread(fd, _LOCAL.size, md.offset + header)
+    local = read(header, _LOCAL.size)
     if len(local) != _LOCAL.size:
         return None
     fields = _LOCAL.unpack(local)
     if fields[0] != b"PK\x03\x04":
         return None
     start = header + _LOCAL.size + fields[9] + fields[10]
-    return start if start + size <= md.length else None
+    return start if start + size <= length else None
 
 
-def _record(fd: int, md: _StorageInfo, entry: tuple[int, int] | None) -> bytes | None:
+def _record(read: Read, length: int, entry: tuple[int, int] | None) -> bytes | None:
     """A small record's bytes (data.pkl, byteorder)."""
     if entry is None or entry[1] > 1024 * 1024:
         return None
-    start = _data_offset(fd, md, entry)
+    start = _data_offset(read, length, entry)
     if start is None:
         return None
-    data = os.pread(fd, entry[1], md.offset + start)
+    data = read(start, entry[1])
     return data if len(data) == entry[1] else None
 
 
@@ -208,10 +269,10 @@ def _describe(pickled: bytes) -> Described | None:
     return saved.dtype, tuple(saved.shape), storages[0][0], storages[0][1]
 
 
-def _pread_into(fd: int, address: int, nbytes: int, position: int, req: ReadItem) -> int:
-    """Read ``nbytes`` at ``position`` into memory at ``address``; the crc32c of what landed there (each
-    piece checksummed right after its read, while it is in the CPU cache)."""
-    done, value = 0, 0
+def _pread_into(fd: int, address: int, nbytes: int, position: int, req: ReadItem, value: int) -> int:
+    """Read ``nbytes`` at ``position`` into memory at ``address``; ``value`` extended by the crc32c of
+    what landed there (each piece checksummed right after its read, while it is in the CPU cache)."""
+    done = 0
     while done < nbytes:
         n = min(_READ_PIECE, nbytes - done)
         buf = (ctypes.c_char * n).from_address(address + done)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import queue
 import threading
 import warnings
 from collections.abc import Generator, Iterator
@@ -30,6 +31,7 @@ from torch.distributed.checkpoint.filesystem import (
     FileSystem,
     FileSystemReader,
     FileSystemWriter,
+    SerializationFormat,
     _StorageInfo,
 )
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -48,6 +50,7 @@ from safepoint.errors import CheckpointError, CorruptCheckpointError, UnsafeChec
 from safepoint.store.checksum import ChecksummingWriter, ChecksumRecorder, ReadCoverage
 from safepoint.store.direct_read import DescriptionCache, read_in_place
 from safepoint.store.guard import open_regular, real_dir_problem
+from safepoint.store.item_writer import write_queue
 
 METADATA_NAME = ".metadata"
 
@@ -210,6 +213,16 @@ class SafepointWriter(FileSystemWriter):
             raise OSError(f"{what} writing {name}: {type(cause).__name__}: {cause}") from error
         return fut
 
+    def _write_data(self, planner: SavePlanner, file_queue: queue.Queue[Any]) -> Future[list[WriteResult]]:
+        # DCP's own loop calls torch.save once per tensor item; item_writer writes the same bytes from a
+        # per-shape template, in batched writes. Anything DCP's loop would treat differently (stream
+        # extensions, safetensors) keeps DCP's loop.
+        if self.transforms.extensions or self.serialization_format != SerializationFormat.TORCH_SAVE:
+            return super()._write_data(planner, file_queue)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(write_queue(self, planner, file_queue))
+        return fut
+
     def written_files(self) -> dict[str, tuple[int, str]]:
         return self.recorder.snapshot()
 
@@ -271,9 +284,10 @@ class SafeReader(FileSystemReader):
             # In file order: the reads then sweep the file once, front to back.
             for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
                 md: _StorageInfo = self.storage_data[req.storage_index]
-                item_crc = self._read_item(fd, req, planner, cache)
-                if coverage is not None:
-                    coverage.add(md.offset, md.length, item_crc)
+                running = coverage.running(md.offset, md.length) if coverage is not None else None
+                item_crc = self._read_item(fd, req, planner, cache, running or 0)
+                if coverage is not None and running is not None:
+                    coverage.extended(md.offset, md.length, item_crc)
             if coverage is not None and (actual := coverage.finish()) != crc:
                 self._changed(name, f"crc32c {actual} != {crc}")
         finally:
@@ -284,14 +298,16 @@ class SafeReader(FileSystemReader):
             self._step, name, f"{what} as read (the file changed after it was verified)"
         )
 
-    def _read_item(self, fd: int, req: ReadItem, planner: LoadPlanner, cache: DescriptionCache) -> int:
-        """Load one item; the crc32c of its bytes as read."""
+    def _read_item(
+        self, fd: int, req: ReadItem, planner: LoadPlanner, cache: DescriptionCache, running: int
+    ) -> int:
+        """Load one item; ``running`` (the file's crc32c up to the item) extended by its bytes as read."""
         md: _StorageInfo = self.storage_data[req.storage_index]
         target = None
         if req.type != LoadItemType.BYTE_IO:
             target = planner.resolve_tensor(req).detach()
             if not md.transform_descriptors:
-                crc = read_in_place(fd, md, req, target, cache)
+                crc = read_in_place(fd, md, req, target, cache, running)
                 if crc is not None:
                     planner.commit_tensor(req, target)
                     return crc
@@ -303,7 +319,7 @@ class SafeReader(FileSystemReader):
             raise CorruptCheckpointError(
                 self._step, md.relative_path, f"item {req.storage_index.fqn!r} is cut short"
             )
-        crc = crc32c.crc32c(raw)
+        crc = crc32c.crc32c(raw, running)
         stream: IO[bytes] = io.BytesIO(raw)
         if md.transform_descriptors:
             stream = self.transforms.transform_load_stream(req, md.transform_descriptors, stream)
