@@ -48,7 +48,9 @@ def test_option_objects_are_frozen_and_documented(cls: type) -> None:
     source = Path(safepoint.options.__file__).read_text()
     for f in dataclasses.fields(cls):
         # each field is followed by its docstring
-        assert f'{f.name}: ' in source and '"""' in source.split(f"    {f.name}: ", 1)[1].split("\n")[1], f.name
+        assert f"{f.name}: " in source and '"""' in source.split(f"    {f.name}: ", 1)[1].split("\n")[1], (
+            f.name
+        )
 
 
 @pytest.mark.parametrize(

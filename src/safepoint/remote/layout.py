@@ -348,15 +348,15 @@ class RemoteLayout:
             log.warning("safepoint: could not abort unfinished multipart uploads under %s: %s", self.root, e)
         return done
 
-    def lease(self, stale_after_s: float) -> Any:
+    def lease(self, stale_after_s: float, job: str | None = None) -> Any:
         """The owner's lease on this root: S3 conditional writes, O_EXCL for file://; None elsewhere (then
         ``clean_pending`` leaves uncommitted objects alone: they may be another writer's save in flight)."""
         from safepoint.remote.lease import RemoteLease
 
         if self.store.local:
-            self.owner = Lease(Path(self.base), stale_after_s=stale_after_s)
+            self.owner = Lease(Path(self.base), stale_after_s=stale_after_s, job=job)
             return self.owner
-        self.owner = RemoteLease.for_layout(self, stale_after_s)
+        self.owner = RemoteLease.for_layout(self, stale_after_s, job)
         self.unguarded = self.owner is None
         return self.owner
 

@@ -331,9 +331,9 @@ class Layout:
     def make_reader(self, step: int, metadata: Metadata, manifest: Manifest) -> SafeReader:
         return SafeReader(self.step_path(step), metadata=metadata, expected=manifest.expected(), step=step)
 
-    def lease(self, stale_after_s: float) -> Lease:
-        """A lease on ROOT; once acquired, it fences this layout's commits and deletes."""
-        self.owner = Lease(self.root, stale_after_s=stale_after_s)
+    def lease(self, stale_after_s: float, job: str | None = None) -> Lease:
+        """A lease on ROOT (held for ``job``: store/job.py); once acquired, it fences commits and deletes."""
+        self.owner = Lease(self.root, stale_after_s=stale_after_s, job=job)
         return self.owner
 
     # ---- removal and cleanup -------------------------------------------------------------------------
