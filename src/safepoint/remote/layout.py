@@ -188,7 +188,7 @@ class RemoteLayout:
             raise CorruptCheckpointError(step, METADATA_NAME, f"cannot read ({e})") from None
         return load_checked_metadata(step, data, manifest.expected())
 
-    def make_reader(self, step: int, metadata: Metadata, manifest: Manifest) -> SafeStoreReader:
+    def make_reader(self, step: int, metadata: Metadata | None, manifest: Manifest) -> SafeStoreReader:
         self.store.fs.invalidate_cache(self.step_key(step))  # s3fs checks cached ETags on open
         return SafeStoreReader(self.store, self.step_key(step), metadata=metadata)
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -85,6 +86,88 @@ class Restorer:
             return manifest
         return None
 
+    def restore_newest(self, state: TrainState, step: int | None) -> Manifest | None:
+        """Choose, verify and load with one collective of our own plus DCP's (issue 15, item 4).
+
+        Every rank lists the root and reads the newest candidate's manifest itself, verifies its share of
+        the files, and one all_gather tells everyone whether all ranks saw the same manifest and found it
+        intact; the check of the state against ``.metadata`` rides on DCP's plan collective. Ranks that
+        disagree (a root not shared, a stale NFS listing) fall back to :meth:`restore`, where rank 0
+        chooses; a candidate that fails is skipped like there (the next one costs another exchange)."""
+        below: int | None = None
+        damaged: CorruptCheckpointError | None = None
+        while True:
+            candidate, manifest, problem = self._look(step, below)
+            seen = self.comm.all_gather((candidate, manifest.save_id if manifest else None, problem))
+            if len({(c, sid) for c, sid, _ in seen}) > 1:
+                if self.comm.is_coordinator:
+                    log.warning(
+                        "safepoint: ranks see different checkpoints in %s (%s); rank 0 chooses",
+                        self.layout.root,
+                        sorted({(c, sid) for c, sid, _ in seen}, key=str)[:4],
+                    )
+                return self.restore(state, step, functools.partial(self._choose_below, step, below))
+            if candidate is None:
+                break
+            if isinstance(problem, str):
+                raise CheckpointError(problem)  # the step asked for is not committed (same on every rank)
+            problems = [(r, p) for r, (_, _, p) in enumerate(seen) if isinstance(p, tuple)]
+            try:
+                if problems or manifest is None:
+                    self._raise_problems(candidate, problems)
+                self.load(manifest, state)
+            except UnsafeCheckpointError:
+                raise
+            except CorruptCheckpointError as e:
+                self.verdicts.record(candidate, False)
+                if step is not None:
+                    raise
+                self.skipping(e)
+                below, damaged = candidate, e
+                continue
+            self.verdicts.record(candidate, True)
+            return manifest
+        if isinstance(damaged, _DamagedWhileLoading):
+            raise CheckpointError(
+                f"{damaged}; no older checkpoint could be loaded, and the objects being restored into were "
+                "partly overwritten: recreate them before starting from scratch"
+            )
+        return None
+
+    def _choose_below(self, step: int | None, start: int | None, below: int | None) -> Manifest | None:
+        return self.choose(step, start if below is None else below)
+
+    def _look(
+        self, step: int | None, below: int | None
+    ) -> tuple[int | None, Manifest | None, str | tuple[str | None, str] | None]:
+        """This rank's view: (the candidate step or None, its manifest, and a message if ``step`` is not
+        committed, or (file, reason) if this rank's share of the files does not verify, or None)."""
+        steps = [s for s in self.layout.committed_steps() if below is None or s < below]
+        if step is not None and step not in steps:
+            return (
+                step,
+                None,
+                (
+                    f"no committed checkpoint for step {step} in {self.layout.root} "
+                    f"(available: {steps[-10:] if steps else 'none'})"
+                ),
+            )
+        candidate = step if step is not None else (max(steps) if steps else None)
+        if candidate is None:
+            return None, None, None
+        try:
+            raw = self.layout.manifest_bytes(candidate)
+        except OSError as e:
+            return candidate, None, (MANIFEST_NAME, f"cannot read manifest ({e.strerror or e})")
+        try:
+            manifest = Manifest.from_json(raw, step_hint=candidate)
+            self.layout.verify(
+                candidate, files=sorted(manifest.files)[self.comm.rank :: self.comm.world_size]
+            )
+        except CorruptCheckpointError as e:
+            return candidate, None, (e.file, e.reason)
+        return candidate, manifest, None
+
     def skipping(self, e: CorruptCheckpointError) -> None:
         if self.comm.is_coordinator:
             msg = f"safepoint: skipping corrupt checkpoint: {e}; falling back to an older one"
@@ -146,7 +229,10 @@ class Restorer:
         problems = [(r, p) for r, p in enumerate(self.comm.all_gather(problem)) if p is not None]
         if not problems:
             return manifest
-        # Every rank holds the same list, so this extra exchange happens on all ranks or on none.
+        self._raise_problems(step, problems)
+
+    def _raise_problems(self, step: int, problems: list[tuple[int, tuple[str | None, str]]]) -> NoReturn:
+        """Every rank holds the same ``problems``, so this extra exchange happens on all ranks or none."""
         hidden = self.comm.broadcast(self._visible_here(step, problems) if self.comm.is_coordinator else None)
         if hidden is not None:
             raise CheckpointError(
@@ -158,6 +244,18 @@ class Restorer:
         rank, (file, reason) = problems[0]
         where = f" (found by rank {rank})" if self.comm.distributed else ""
         raise CorruptCheckpointError(step, file, reason + where)
+
+    def _not_loadable(self, step: int, found: list[tuple[int, CheckpointError]]) -> NoReturn:
+        """Raise, on every rank alike, what the ranks found in DCP's planning step (``found``: the same
+        list on every rank, from DCP's CheckpointException)."""
+        for _, error in found:
+            if isinstance(error, UnsafeCheckpointError):
+                raise UnsafeCheckpointError(step, error.file, error.reason)
+        for _, error in found:
+            if isinstance(error, StateMismatchError):
+                raise StateMismatchError(str(error))
+        problems = [(r, (e.file, e.reason)) for r, e in found if isinstance(e, CorruptCheckpointError)]
+        self._raise_problems(step, problems)
 
     def _visible_here(
         self, step: int, problems: list[tuple[int, tuple[str | None, str]]]
@@ -177,8 +275,10 @@ class Restorer:
     # ---- read + apply --------------------------------------------------------------------------------
 
     def load(self, manifest: Manifest, state: TrainState) -> None:
+        """Load ``manifest``'s (verified) checkpoint into ``state``. Reading ``.metadata`` and checking the
+        state against it happen inside DCP's planning step, whose collective carries any rank's failure
+        to every rank before anything is loaded: no collective of our own."""
         step = manifest.step
-        metadata = self.layout.read_metadata(step, manifest)
         saved = set(manifest.keys)
         wanted = state.sections()
         # An imported checkpoint (safepoint import) holds weights only: a run starting from it keeps its
@@ -201,24 +301,38 @@ class Restorer:
         rank = self.comm.rank
         sources = {s: (rank if rank < manifest.world_size else 0) for s in PER_RANK_SECTIONS}
         template = state.load_template(sections, sources, rank)
-        mismatch: str | None = None
-        try:
-            check_compat(step, template, metadata)
-        except StateMismatchError as e:
-            mismatch = str(e)
-        # Shards differ per rank: if any rank cannot load, none may enter DCP's collective load.
-        mismatches = [m for m in self.comm.all_gather(mismatch) if m is not None]
-        if mismatches:
-            raise StateMismatchError(mismatches[0])
+
+        def prepare() -> Metadata:
+            # Inside DCP's planning step, on every rank: a failure here reaches every rank through DCP's
+            # plan collective before anything is loaded (no collective of our own).
+            try:
+                metadata = self.layout.read_metadata(step, manifest)
+                check_compat(step, template, metadata)
+            except (CorruptCheckpointError, StateMismatchError) as e:
+                raise _NotLoadable(e) from None
+            return metadata
+
+        reader = self.layout.make_reader(step, None, manifest)
+        reader.prepare = prepare
         try:
             dcp_load(
                 template,
-                storage_reader=self.layout.make_reader(step, metadata, manifest),
+                storage_reader=reader,
                 planner=SafeLoadPlanner(),
                 process_group=self.comm.group,
                 no_dist=not self.comm.distributed,
             )
+        except _NotLoadable as e:  # no_dist: raised here directly
+            self._not_loadable(step, [(rank, e.error)])
         except (CheckpointException, OSError, EOFError, RuntimeError, ValueError) as e:
+            if isinstance(e, CheckpointException):
+                found = [
+                    (r, exc.error)
+                    for r, (exc, _) in sorted(e.failures.items())
+                    if isinstance(exc, _NotLoadable)
+                ]
+                if found:
+                    self._not_loadable(step, found)
             # DCP's exception is a BaseException; hand the caller our own error (the first rank's cause).
             # Metadata and shapes were checked above, so what fails now is the checkpoint's bytes.
             error = as_corruption(step, e)
@@ -236,6 +350,18 @@ class Restorer:
                 derived,
             )
         state.apply(template, sources, derived)
+
+
+class _NotLoadable(Exception):
+    """Raised inside DCP's planning step: this rank found the checkpoint corrupt or not matching the state
+    (``error``). DCP hands it to every rank inside its CheckpointException."""
+
+    def __init__(self, error: CheckpointError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+    def __reduce__(self) -> tuple[type, tuple[CheckpointError]]:
+        return type(self), (self.error,)
 
 
 def check_compat(step: int, template: dict[str, Any], metadata: Metadata) -> None:

@@ -121,7 +121,7 @@ class SingleTier:
         pass
 
     def restore(self, restorer: Restorer, state: TrainState, step: int | None) -> Manifest | None:
-        manifest = restorer.restore(state, step, lambda below: restorer.choose(step, below))
+        manifest = restorer.restore_newest(state, step)
         if manifest is not None:
             self.observe(manifest.step)
         return manifest
