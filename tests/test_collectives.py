@@ -33,3 +33,16 @@ def test_save_and_restore_run_at_most_one_collective_more_than_plain_dcp(tmp_pat
     assert total["safepoint_restore"] <= total["dcp_load"] + 1, counts
     # Gathers go to rank 0: no all-gather of safepoint's own in a save.
     assert counts["safepoint_save"].get("all_gather_object", 0) == 0, counts
+
+
+def test_a_manifest_damaged_for_every_rank_is_corrupt_not_a_root_that_is_not_shared(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [
+        PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        str(REPO / "tests" / "procs" / "corrupt_manifest_worker.py"), str(tmp_path / "ckpt"), str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [(out / f"rank{r}").read_text() for r in (0, 1)] == ["1", "1"]  # fell back together
+    assert "skipping corrupt checkpoint: step 2" in proc.stderr

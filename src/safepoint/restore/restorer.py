@@ -261,9 +261,10 @@ class Restorer:
         self, step: int, problems: list[tuple[int, tuple[str | None, str]]]
     ) -> tuple[int, str, str] | None:
         """A file another rank could not verify that verifies here: the root is not shared, not corrupt."""
+        bad_here = {file for rank, (file, _) in problems if rank == self.comm.rank}
         for rank, (file, reason) in problems:
-            if rank == self.comm.rank or file is None:
-                continue
+            if rank == self.comm.rank or file is None or file in bad_here:
+                continue  # bad here too (every rank reads the manifest itself now): corrupt, not hidden
             if file != MANIFEST_NAME:  # the manifest was read here already
                 try:
                     self.layout.verify(step, files=[file])
