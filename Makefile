@@ -4,6 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 LINT_PATHS := $(wildcard src tests benchmarks examples)
+# Test processes side by side (pytest-xdist); each test file stays on one worker (module fixtures run once).
+# Measured on the 2-core VM in docs/reliability.md ("The default suite").
+TEST_WORKERS ?= 2
 
 .PHONY: test demo lint typecheck bench slow clean
 
@@ -23,7 +26,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 test: lint typecheck
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 slow: $(STAMP)
 	$(VENV)/bin/pytest -q -m slow

@@ -8,8 +8,8 @@ c10d) are not counted twice, because c10d calls its own module's functions, not 
 Counted around the second ``mgr.save`` (steady state: the first one also agrees on a session id), around
 ``mgr.restore``, around ``dcp.save`` and ``dcp.load`` of the same state on the same group. Rank 0 writes
 {"world": N, "safepoint_save": {...}, "dcp_save": {...}, "safepoint_restore": {...}, "dcp_load": {...}},
-each {collective name: calls}. Used by tests/test_collectives.py (a regression fails) and for the table in
-docs/benchmarks.md.
+each {collective name: calls}. Used by tests/dist/test_collectives.py (a regression fails) and for the table
+in docs/benchmarks.md.
 """
 
 from __future__ import annotations

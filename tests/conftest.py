@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-# S3 on loopback (moto server) and a fault-injecting proxy, for tests/test_object_store.py.
+# S3 on loopback (moto server) and a fault-injecting proxy, for tests/remote/test_object_store.py.
 from tests.s3_fixtures import bucket, moto_endpoint, proxy  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent

@@ -83,3 +83,13 @@ def test_every_room_is_a_subpackage_and_no_module_is_oversized() -> None:
     assert top <= {"__init__", "_version", "manager", "state", "errors", "dist", "options"}, top
     sizes = {str(p.relative_to(SRC)): len(p.read_text().splitlines()) for p in SRC.rglob("*.py")}
     assert {name: n for name, n in sizes.items() if n > MAX_LINES} == {}
+
+
+def test_paths_computed_from_a_module_file_point_where_they_mean() -> None:
+    """A module moved into a room keeps paths it derives from ``__file__`` right (caught after the move)."""
+    from safepoint.cli import bench
+    from safepoint.save import writer_process
+
+    assert (Path(writer_process.PACKAGE_ROOT) / "safepoint" / "__init__.py").is_file()
+    assert Path(writer_process.PACKAGE_ROOT) == SRC.parent
+    assert "parents[3]" in Path(bench.__file__).read_text() and (SRC.parents[1] / "benchmarks").is_dir()

@@ -150,8 +150,9 @@ class _Scheduler:
 
 def test_an_item_restore_would_refuse_fails_the_save_at_once(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
-    writer = safepoint.WriterOptions(async_writer="thread")
-    with safepoint.CheckpointManager(root, async_save=True, writer=writer) as mgr:
+    with safepoint.CheckpointManager(
+        root, async_save=True, writer=safepoint.WriterOptions(async_writer="thread")
+    ) as mgr:
         with pytest.raises(safepoint.SaveError, match=r"cannot save 'scheduler\.fn': a _Opaque .*tolist"):
             mgr.save(1, safepoint.TrainState(scheduler=_Scheduler(), rng=False))
         assert mgr.list() == []  # nothing committed, and the save failed in the caller, not later

@@ -2,7 +2,7 @@
 
 The distributed examples run under real torchrun with 2 ranks (gloo on CPU) and resume at another world
 size; the same runs with NCCL are skipped without 2 GPUs. The Slurm and Kubernetes files and
-preemptible_train.py are run by tests/test_preemption.py.
+preemptible_train.py are run by tests/preempt/test_preemption.py.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def test_distributed_example_resumes_at_another_world_size(
 
 def test_every_example_is_listed_and_run() -> None:
     readme = (EXAMPLES / "README.md").read_text()
-    tests = "".join(p.read_text() for p in (REPO / "tests").glob("test_*.py"))
+    tests = "".join(p.read_text() for p in (REPO / "tests").rglob("test_*.py"))
     for path in sorted(EXAMPLES.rglob("*")):
         if path.is_file() and path.name != "README.md" and "__pycache__" not in path.parts:
             rel = path.relative_to(EXAMPLES).as_posix()

@@ -12,7 +12,7 @@ from safepoint.errors import (
     UnsafeCheckpointError,
 )
 from safepoint.manager import CheckpointManager
-from safepoint.options import ClusterOptions, PreemptionOptions, WriterOptions
+from safepoint.options import ClusterOptions, PreemptionOptions, WarmStart, WriterOptions
 from safepoint.policy.rules import (
     AdaptiveInterval,
     EveryNSeconds,
@@ -23,8 +23,10 @@ from safepoint.policy.rules import (
     Retention,
 )
 from safepoint.preempt.preemption import Preempted
+from safepoint.preempt.shield import ShieldedWorkerInit, shield_worker_init
 from safepoint.remote.layout import RemoteLayout
 from safepoint.remote.upload import TransferConfig, UploadError
+from safepoint.restore.partial import RestoreReport
 from safepoint.restore.restorer import CheckpointWarning
 from safepoint.state import TrainState
 from safepoint.store.layout import CheckpointInfo
@@ -49,15 +51,19 @@ __all__ = [
     "Preempted",
     "PreemptionOptions",
     "RemoteLayout",
+    "RestoreReport",
     "ResumableSampler",
     "Retention",
     "SaveError",
+    "ShieldedWorkerInit",
     "StateMismatchError",
     "TrainState",
     "TransferConfig",
     "UnsafeCheckpointError",
     "UploadError",
+    "WarmStart",
     "WriterOptions",
     "__version__",
     "init_process_group",
+    "shield_worker_init",
 ]

@@ -6,7 +6,7 @@ import atexit
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
 
@@ -15,10 +15,12 @@ from safepoint.errors import CheckpointError, LeaseError, Preempted
 from safepoint.options import (
     ClusterOptions,
     PreemptionOptions,
+    WarmStart,
     WriterOptions,
     check_keep_local_last,
     check_manager_arguments,
     check_option_types,
+    check_step,
     reject_moved,
     writer_process_mode,
 )
@@ -28,6 +30,7 @@ from safepoint.policy.schedule import SaveSchedule
 from safepoint.preempt.emergency import EmergencySave
 from safepoint.preempt.preemption import Preemption
 from safepoint.remote.upload import TransferConfig
+from safepoint.restore.partial import RestoreReport, Selection
 from safepoint.restore.restorer import Restorer
 from safepoint.save.background import BackgroundWriter
 from safepoint.save.saver import SyncSaver
@@ -75,6 +78,7 @@ class CheckpointManager:
         resume: what ``restore`` does: "auto" (the newest intact checkpoint, else step 0), "required"
             (raise CheckpointError naming the root and what it holds if there is none), "never" (step 0;
             existing checkpoints are kept, not loaded). A new root is created with a WARNING.
+        init_from: a warm start (root, step-N directory or ``safepoint.WarmStart``) when ``root`` has none.
 
     Keywords that moved into an option object fail with their new home named (``options.MOVED_KEYWORDS``).
     """
@@ -101,6 +105,7 @@ class CheckpointManager:
         cluster: ClusterOptions | None = None,
         transfer: TransferConfig | None = None,
         resume: str = "auto",
+        init_from: str | os.PathLike[str] | WarmStart | None = None,
         **moved: Any,
     ) -> None:
         reject_moved(moved)
@@ -114,13 +119,12 @@ class CheckpointManager:
         # Every argument is validated before the first process group exists (see options.py).
         check_manager_arguments(writer, async_save, resume)
         self._job = job_identity(cluster.job_id)  # SAFEPOINT_JOB_ID is checked here too
-        self._resume = Resume(resume, durable or self.layout)  # with tiering, durable says what a job has
-        process_fallback = writer_process_mode(
-            async_save, writer.async_writer, isinstance(self.layout, Layout)
-        )
-        self._schedule = SaveSchedule(
-            save_every_steps, save_every_seconds, local=isinstance(self.layout, Layout)
-        )
+        warm = WarmStart.of(init_from)  # with tiering, the durable root says what a job has
+        self._resume = Resume(resume, durable or self.layout, warm, storage_options)
+        self.last_restore: RestoreReport | None = None  # what the last restore() loaded, and left
+        local = isinstance(self.layout, Layout)
+        process_fallback = writer_process_mode(async_save, writer.async_writer, local)
+        self._schedule = SaveSchedule(save_every_steps, save_every_seconds, local=local)
         self.saves = self._schedule.saves  # the same list: what the training loop's saves cost
         self._comms: list[Comm] = []  # every group this manager created, destroyed if __init__ fails
         try:
@@ -237,7 +241,7 @@ class CheckpointManager:
     def maybe_save(self, step: int, state: TrainState, metrics: dict[str, Any] | None = None) -> bool:
         """Save if a policy says it is due. Returns whether a save happened: False also when
         ``if_busy="skip"`` skipped it (a time policy stays due; a step policy waits for its next step)."""
-        self._check_step(step)
+        check_step(step)
         self._tiers.observe(step)  # durability_lag() counts steps trained since the last durable save
         if self._emergency is not None and self._emergency.preemption.agreed(step):
             self._emergency.run(step, state, metrics)
@@ -260,7 +264,7 @@ class CheckpointManager:
     ) -> tuple[bool, CheckpointInfo | None]:
         """(whether a save started, not skipped by ``if_busy="skip"``; the committed checkpoint if sync)."""
         self._check_open()
-        self._check_step(step)
+        check_step(step)
         if not isinstance(state, TrainState):
             raise ValueError(f"state must be a safepoint.TrainState, got {type(state).__name__}")
         if self._read_only is not None:
@@ -311,20 +315,26 @@ class CheckpointManager:
 
     # ---- restoring -----------------------------------------------------------------------------------
 
-    def restore(self, state: TrainState, step: int | None = None) -> int:
-        """Load the newest intact checkpoint (or exactly ``step``) into ``state``.
-
-        Returns the number of steps completed in the restored checkpoint, 0 if there is none.
-        """
+    def restore(
+        self,
+        state: TrainState,
+        step: int | None = None,
+        *,
+        strict: bool = True,
+        ignore: Iterable[str] | None = None,
+        remap: Callable[[str], str | None] | None = None,
+    ) -> int:
+        """Load the newest intact checkpoint (or exactly ``step``) into ``state``; returns its step, 0 if
+        there is none. ``strict=False`` loads what matches; ``ignore``: key patterns never loaded;
+        ``remap``: saved key -> state key. What was left is in ``last_restore`` (restore/partial.py)."""
         self._check_open()
         if not isinstance(state, TrainState):
             raise ValueError(f"state must be a safepoint.TrainState, got {type(state).__name__}")
-        if step is not None:
-            self._check_step(step)
+        check_step(step, optional=True)
         self._writer.wait()
         self._writer.raise_failure()
-        manifest = self._resume.restore(
-            self.comm, step, lambda: self._tiers.restore(self._restorer, state, step)
+        manifest, self.last_restore = self._resume.restore(
+            self.comm, step, state, self._tiers, self._restorer, Selection.of(strict, ignore, remap)
         )
         if manifest is None:
             return 0
@@ -397,19 +407,13 @@ class CheckpointManager:
     ) -> None:
         if self._runs is not None:
             self._runs.end(outcome_of(exc))  # an exception out of the loop is a failure for the MTBF
-        if not isinstance(exc, Preempted):
-            self.close()
-            return
         try:
             self.close()
         except Exception as e:  # a background failure must not replace the exit code of the notice
+            if not isinstance(exc, Preempted):
+                raise
             log.error("safepoint: while exiting on the preemption notice: %s", e)
 
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed")
-
-    @staticmethod
-    def _check_step(step: int) -> None:
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")

@@ -74,15 +74,60 @@ class PreemptionOptions:
     """How often ``file`` and ``poll`` are checked."""
     exit_code: int = DEFAULT_EXIT_CODE
     """The exit status ``safepoint.Preempted`` carries after the emergency save (default 143)."""
+    shield_workers: bool = True
+    """DataLoader worker processes forked while the manager is open survive ``preemption_signals`` sent to
+    the whole process group (torchrun's agent, Slurm) so the emergency save can run; they still exit when
+    the rank shuts the loader down or dies. False: workers die of the signal as PyTorch makes them."""
 
     def __post_init__(self) -> None:
         _positive_number("PreemptionOptions.poll_interval_s", self.poll_interval_s)
+        if not isinstance(self.shield_workers, bool):
+            raise ValueError(f"PreemptionOptions.shield_workers must be a bool, got {self.shield_workers!r}")
         if self.poll is not None and not callable(self.poll):
             raise ValueError(f"PreemptionOptions.poll must be callable, got {self.poll!r}")
         # 0 would tell torchrun and the scheduler that the job finished: it would never be restarted.
         code = self.exit_code
         if isinstance(code, bool) or not isinstance(code, int) or not 1 <= code <= 255:
             raise ValueError(f"PreemptionOptions.exit_code must be an int in 1..255 (non-zero), got {code!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class WarmStart:
+    """``CheckpointManager(init_from=...)``: where a fresh run starts from when its own root holds no
+    checkpoint (a plain path or URL means ``WarmStart(path=...)``). Read only: nothing is written there."""
+
+    path: str | os.PathLike[str]
+    """Another run's root (its newest intact checkpoint) or one step's directory (``runs/a/step-1000``)."""
+    step: int | None = None
+    """With a root: load exactly this step instead of the newest."""
+    strict: bool = True
+    """As ``restore(strict=...)``: False loads what matches and reports the rest."""
+    ignore: tuple[str, ...] = ()
+    """As ``restore(ignore=...)``: key patterns never loaded (``("optimizer", "scheduler")`` for weights
+    only)."""
+    remap: Callable[[str], str | None] | None = None
+    """As ``restore(remap=...)``: saved key -> state key (None drops it)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
+            raise ValueError(f"WarmStart.path must be a non-empty path or URL, got {self.path!r}")
+        step = self.step
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ValueError(f"WarmStart.step must be a non-negative int or None, got {step!r}")
+        if not isinstance(self.strict, bool):
+            raise ValueError(f"WarmStart.strict must be a bool, got {self.strict!r}")
+        if isinstance(self.ignore, str) or not all(isinstance(p, str) and p for p in self.ignore):
+            raise ValueError(f"WarmStart.ignore must be a tuple of key patterns, got {self.ignore!r}")
+        if self.remap is not None and not callable(self.remap):
+            raise ValueError(f"WarmStart.remap must be callable, got {self.remap!r}")
+
+    @classmethod
+    def of(cls, spec: WarmStart | str | os.PathLike[str] | None) -> WarmStart | None:
+        if spec is None or isinstance(spec, WarmStart):
+            return spec
+        if not isinstance(spec, (str, os.PathLike)):
+            raise ValueError(f"init_from must be a path, a URL or a safepoint.WarmStart, got {spec!r}")
+        return cls(path=spec)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,6 +166,14 @@ MOVED_KEYWORDS: Mapping[str, str] = {
     "upload_concurrency": "transfer=safepoint.TransferConfig(concurrency=...)",
 }
 """Keywords of CheckpointManager that moved into an option object, and their new home."""
+
+
+def check_step(step: int | None, *, optional: bool = False) -> None:
+    """A step is a non-negative int (the optimizer steps completed); ``optional``: None is accepted."""
+    if optional and step is None:
+        return
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
 
 
 def reject_moved(kwargs: Mapping[str, Any]) -> None:

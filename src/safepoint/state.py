@@ -2,7 +2,10 @@
 
 Top-level sections are the constants below. Rank-local sections (RNG, data position, extra) are keyed by
 rank (``rng.rank_1....``) because DCP deduplicates values that look replicated across ranks: without the
-key, one rank's RNG would silently stand in for all.
+key, one rank's RNG would silently stand in for all. Named sections (``modules``, ``optimizers``,
+``objects``) are keyed by the user's name (``modules.ema.tok.weight``): each name is a section of its own
+in the manifest (``modules.ema``), so adding one later leaves every older checkpoint loadable, and
+``model``/``optimizer`` keep the keys they always had.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import dataclasses
 import io
 import json
 import pickle
+import re
 import sys
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -29,9 +33,17 @@ SCHEDULER = "scheduler"
 DATALOADER = "dataloader"
 RNG = "rng"
 EXTRA = "extra"
-SECTIONS = (MODEL, OPTIMIZER, SCHEDULER, DATALOADER, RNG, EXTRA)
+MODULES = "modules"
+OPTIMIZERS = "optimizers"
+OBJECTS = "objects"
+SECTIONS = (MODEL, OPTIMIZER, SCHEDULER, DATALOADER, RNG, EXTRA, MODULES, OPTIMIZERS, OBJECTS)
 PER_RANK_SECTIONS = frozenset({DATALOADER, RNG, EXTRA})
+NAMED_SECTIONS = (MODULES, OPTIMIZERS, OBJECTS)
+KEYED_SECTIONS = PER_RANK_SECTIONS | frozenset(NAMED_SECTIONS)
+"""Sections whose value is a dict of independent entries (by rank or by name): one entry's keys are never
+"unexpected" for another's."""
 RANK_PREFIX = "rank_"
+_NAME = re.compile(r"[A-Za-z0-9_-]+\Z")  # no ".": DCP flattens nested keys with dots
 
 
 def rank_key(rank: int) -> str:
@@ -60,8 +72,17 @@ class TrainState:
     """Stateful objects and JSON-able values, saved per rank and restored into this same dict."""
     rng: bool = True
     """Save and restore Python, NumPy, torch CPU and CUDA RNG state, per rank."""
+    modules: dict[str, nn.Module] | None = None
+    """Named modules beside ``model`` (an EMA copy, a GAN's discriminator, a teacher), each saved sharded
+    exactly like ``model``, under ``modules.<name>.``. A name added later is left as initialised (with a
+    warning) when an older checkpoint is restored."""
+    optimizers: dict[str, torch.optim.Optimizer | list[torch.optim.Optimizer]] | None = None
+    """The optimizers of named modules, by the module's name (saved under ``optimizers.<name>.``)."""
+    objects: dict[str, Any] | None = None
+    """Named Stateful objects replicated across ranks (like ``scheduler``), under ``objects.<name>.``."""
 
     def __post_init__(self) -> None:
+        self._check_named()
         if self.model is not None and not isinstance(self.model, nn.Module):
             raise ValueError(f"TrainState(model=...) must be an nn.Module, got {type(self.model).__name__}")
         if self.optimizer is not None:
@@ -90,6 +111,41 @@ class TrainState:
                 if not isinstance(k, str):
                     raise ValueError(f"TrainState(extra=...) keys must be strings, got {k!r}")
                 _check_extra_value(k, v)
+                _check_not_sharded(k, v)
+
+    def _check_named(self) -> None:
+        for field in NAMED_SECTIONS:
+            named = getattr(self, field)
+            if named is None:
+                continue
+            if not isinstance(named, dict):
+                raise ValueError(f"TrainState({field}=...) must be a dict of name -> object")
+            for name, obj in named.items():
+                if not isinstance(name, str) or not _NAME.match(name):
+                    raise ValueError(
+                        f"TrainState({field}=...): name {name!r} must be letters, digits, '_' or '-' (it is "
+                        "part of every saved key)"
+                    )
+                if field == MODULES and not isinstance(obj, nn.Module):
+                    raise ValueError(f"TrainState(modules={{{name!r}: ...}}) must be an nn.Module")
+                if field == OPTIMIZERS:
+                    if name not in (self.modules or {}):
+                        raise ValueError(
+                            f"TrainState(optimizers={{{name!r}: ...}}) needs modules={{{name!r}: ...}} too "
+                            "(optimizer state is keyed by the module's parameter names)"
+                        )
+                    if not all(isinstance(o, torch.optim.Optimizer) for o in _as_list(obj)):
+                        raise ValueError(
+                            f"TrainState(optimizers={{{name!r}: ...}}) must be an Optimizer or a list of them"
+                        )
+                if field == OBJECTS and not isinstance(obj, Stateful):
+                    raise ValueError(
+                        f"TrainState(objects={{{name!r}: ...}}) needs state_dict() and load_state_dict(); "
+                        f"{type(obj).__name__} has not"
+                    )
+
+    def _named_optimizers(self, name: str) -> list[torch.optim.Optimizer]:
+        return _as_list((self.optimizers or {}).get(name))
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         if self.optimizer is None:
@@ -107,7 +163,10 @@ class TrainState:
             RNG: self.rng,
             EXTRA: bool(self.extra),
         }
-        return [s for s in SECTIONS if present[s]]
+        named = [f"{MODULES}.{n}" for n in self.modules or {}]
+        named += [f"{OPTIMIZERS}.{n}" for n in self.optimizers or {}]
+        named += [f"{OBJECTS}.{n}" for n in self.objects or {}]
+        return [s for s in SECTIONS if present.get(s)] + named
 
     # ---- capture -------------------------------------------------------------------------------------
 
@@ -127,6 +186,7 @@ class TrainState:
             sd[RNG] = {rank_key(rank): rng.capture_rng()}
         if self.extra:
             sd[EXTRA] = {rank_key(rank): _capture_extra(self.extra)}
+        sd.update(self._capture_named(self.sections()))
         checked: dict[str, Any] = restorable(sd)
         return checked
 
@@ -152,7 +212,25 @@ class TrainState:
             sd[RNG] = {rank_key(sources[RNG]): rng.capture_rng()}
         if EXTRA in wanted and self.extra:
             sd[EXTRA] = {rank_key(sources[EXTRA]): _capture_extra(self.extra)}
+        sd.update(self._capture_named(wanted))
         return sd
+
+    def _capture_named(self, wanted: Iterable[str]) -> dict[str, Any]:
+        """``{"modules": {name: sd}, "optimizers": {name: sd}, "objects": {name: sd}}`` for the named sections
+        in ``wanted`` (``"modules.ema"``, ...); each module with its own optimizers, as ``model`` is."""
+        wanted = set(wanted)
+        out: dict[str, dict[str, Any]] = {}
+        for name, module in (self.modules or {}).items():
+            if f"{MODULES}.{name}" not in wanted:
+                continue
+            model_sd, optim_sd = get_state_dict(module, self._named_optimizers(name))
+            out.setdefault(MODULES, {})[name] = model_sd
+            if f"{OPTIMIZERS}.{name}" in wanted and name in (self.optimizers or {}):
+                out.setdefault(OPTIMIZERS, {})[name] = optim_sd
+        for name, obj in (self.objects or {}).items():
+            if f"{OBJECTS}.{name}" in wanted:
+                out.setdefault(OBJECTS, {})[name] = obj.state_dict()
+        return out
 
     def apply(self, sd: dict[str, Any], sources: dict[str, int], derived_rng_seed: int | None) -> None:
         """Push loaded values back into the live objects."""
@@ -164,6 +242,16 @@ class TrainState:
                 model_state_dict=sd[MODEL],
                 optim_state_dict=sd.get(OPTIMIZER, {}),
             )
+        loaded_optims = sd.get(OPTIMIZERS, {})
+        for name, model_sd in sd.get(MODULES, {}).items():
+            set_state_dict(
+                (self.modules or {})[name],
+                self._named_optimizers(name) if name in loaded_optims else [],
+                model_state_dict=model_sd,
+                optim_state_dict=loaded_optims.get(name, {}),
+            )
+        for name, obj_sd in sd.get(OBJECTS, {}).items():
+            (self.objects or {})[name].load_state_dict(obj_sd)
         if SCHEDULER in sd:
             self.scheduler.load_state_dict(sd[SCHEDULER])
         if DATALOADER in sd:
@@ -192,6 +280,45 @@ def _check_extra_value(key: str, value: Any) -> None:
             f"TrainState(extra={{{key!r}: ...}}) must be a Stateful object, a tensor or a JSON-able value; "
             f"got {type(value).__name__}"
         ) from None
+
+
+def _as_list(opt: Any) -> list[torch.optim.Optimizer]:
+    if opt is None:
+        return []
+    return [opt] if isinstance(opt, torch.optim.Optimizer) else list(opt)
+
+
+def _check_not_sharded(key: str, value: Any) -> None:
+    """A sharded tensor in per-rank ``extra`` fails DCP's global plan only at the first save (``invalid
+    fill tensor-volume``), possibly long into the run: refuse it when the TrainState is built."""
+    found = _sharded_path(value.state_dict() if isinstance(value, Stateful) else value, key)
+    if found is not None:
+        raise ValueError(
+            f"TrainState(extra={{{key!r}: ...}}) holds a sharded tensor ({found}); extra is saved per rank "
+            "and cannot hold sharded state. Pass it as a named section instead: "
+            f"TrainState(modules={{{key!r}: module}}, optimizers={{{key!r}: optimizer}}) for a module, "
+            f"or objects={{{key!r}: obj}} for another Stateful object"
+        )
+
+
+def _sharded_path(value: Any, path: str) -> str | None:
+    if isinstance(value, torch.Tensor):
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(value, DTensor) or type(value).__name__ == "ShardedTensor":
+            return path
+        return None
+    if isinstance(value, dict):
+        items: Iterable[tuple[Any, Any]] = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return None
+    for k, v in items:
+        found = _sharded_path(v, f"{path}.{k}")
+        if found is not None:
+            return found
+    return None
 
 
 def _capture_extra(extra: dict[str, Any]) -> dict[str, Any]:

@@ -1,1 +1,1 @@
-"""torchrun plan workers for tests/test_distributed.py and the helpers shared with other launchers."""
+"""torchrun plan workers for tests/dist/test_distributed.py and the helpers shared with other launchers."""

@@ -1,6 +1,6 @@
 """The test side of the torchrun plan workers: launching a plan, reading what the ranks logged, comparing
-the state dicts they dumped. Used by tests/test_distributed.py, tests/test_preemption.py and
-tests/test_preemption_tiered.py."""
+the state dicts they dumped. Used by tests/dist/test_distributed.py, tests/preempt/test_preemption.py and
+tests/preempt/test_preemption_tiered.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A torchrun worker that runs a list of small distributed training jobs, for tests/test_distributed.py.
+"""A torchrun worker that runs a list of small distributed training jobs, for tests/dist/test_distributed.py.
 
     python -m torch.distributed.run --standalone --nproc-per-node=N [--max-restarts=R] worker.py PLAN.json
 

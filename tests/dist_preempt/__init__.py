@@ -1,1 +1,1 @@
-"""torchrun plan worker for tests/test_preemption.py and tests/test_preemption_tiered.py."""
+"""torchrun plan worker for tests/preempt/test_preemption.py and tests/preempt/test_preemption_tiered.py."""

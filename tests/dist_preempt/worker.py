@@ -1,4 +1,4 @@
-"""A torchrun worker for tests/test_preemption.py: small DDP jobs that get preempted or SIGKILLed.
+"""A torchrun worker for tests/preempt/test_preemption.py: small DDP jobs that get preempted or SIGKILLed.
 
     python -m torch.distributed.run --standalone --nproc-per-node=N [--max-restarts=R] worker.py PLAN.json
 

@@ -1,4 +1,4 @@
-"""torchrun worker for tests/test_collectives.py: every rank now reads the manifest itself, so a manifest
+"""torchrun worker for tests/dist/test_collectives.py: every rank now reads the manifest itself, so a manifest
 damaged for everyone must read as a corrupt checkpoint (fall back), never as "the root is not shared".
 
     torchrun --standalone --nproc-per-node=2 corrupt_manifest_worker.py ROOT OUT

@@ -1,4 +1,4 @@
-"""A torchrun worker for tests/test_elastic.py: an elastic job that trains until torchrun's agent stops it.
+"""A torchrun worker for tests/dist/test_elastic.py: an elastic job that trains until torchrun's agent stops it.
 
     torchrun --nnodes=1:2 --rdzv-backend=c10d ... elastic_worker.py OUT ROOT FINAL_STEPS
 

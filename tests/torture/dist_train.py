@@ -1,4 +1,4 @@
-"""A 2-rank torchrun training job for the SIGKILL campaign (tests/test_torture_kill.py).
+"""A 2-rank torchrun training job for the SIGKILL campaign (tests/torture/test_torture_kill.py).
 
     python -m torch.distributed.run --standalone --nproc-per-node=2 --max-restarts=R dist_train.py PLAN.json
 

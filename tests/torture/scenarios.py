@@ -402,7 +402,7 @@ def soak(
 
     def kw() -> dict[str, Any]:
         # The thread writer: a writer process per cycle would add seconds per cycle (its torch import);
-        # tests/test_writer_process.py checks managers leave no process or descriptor behind.
+        # tests/save/test_writer_process.py checks managers leave no process or descriptor behind.
         return {
             "keep_last": 2,
             "async_save": async_save,

@@ -36,7 +36,7 @@ SUITES = {
 
 def _bench_dir() -> Path | None:
     # src/safepoint/bench.py -> <checkout>/benchmarks
-    here = Path(__file__).resolve().parents[2] / "benchmarks"
+    here = Path(__file__).resolve().parents[3] / "benchmarks"  # src/safepoint/cli/ -> the checkout
     return here if here.is_dir() else None
 
 

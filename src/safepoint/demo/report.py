@@ -196,6 +196,34 @@ def _reason(message: str) -> str:
     return message.removesuffix("; falling back to an older one")
 
 
+LOOP_WINDOW = 10
+"""Steps on each side of a save whose (save-free) step times make its baseline."""
+
+
+def loop_costs_ms(launch: LaunchResult) -> list[float]:
+    """What each periodic save cost the training loop, as rank 0 felt it: the wall time from the saved
+    step to the next, less the median step time of up to LOOP_WINDOW save-free steps on each side.
+
+    The blocking time a save reports is what safepoint measured of itself; this is what the loop saw
+    (a stall outside the measured call, e.g. waiting on a process start, shows here and not there).
+    Steps are compared within one torchrun attempt (a restarted attempt repeats step numbers), and a
+    step where the job waited for the demo's fault (kill-ready, preempt-ready) is no baseline."""
+    costs = []
+    for attempt in sorted({e.get("attempt", 0) for e in launch.events}):
+        mine = [e for e in launch.events if e.get("attempt", 0) == attempt and e["rank"] == 0]
+        times = {e["step"]: e["t"] for e in mine if e["event"] == "step"}
+        saved = {e["step"] for e in mine if e["event"] == "save"}
+        waited = {e["step"] for e in mine if e["event"] in ("kill-ready", "preempt-ready")}
+        gaps = {s: times[s + 1] - times[s] for s in times if s + 1 in times and s not in waited}
+        for s in sorted(saved):
+            if s not in gaps:
+                continue  # the attempt ended (or was stopped) right after this save
+            near = [g for n, g in gaps.items() if 0 < abs(n - s) <= LOOP_WINDOW and n not in saved]
+            if near:
+                costs.append(max(0.0, gaps[s] - statistics.median(near)) * 1000)
+    return costs
+
+
 def stats(r: Report, segs: list[Segment]) -> dict[str, Any]:
     runs = [launch for launch in r.launches if launch.role == "run"]
     periodic = [e["blocking_ms"] for launch in runs for e in launch.of("save")]
@@ -206,6 +234,7 @@ def stats(r: Report, segs: list[Segment]) -> dict[str, Any]:
         if e.get("blocking_ms") is not None
     ]
     rates = [s["bytes"] / s["write_s"] / 1e6 for s in r.saves if s.get("write_s")]
+    felt = [c for launch in runs for c in loop_costs_ms(launch)]
     lost = [max(0, prev.reached - seg.restored) for prev, seg in itertools.pairwise(segs)]
     ref = next(launch for launch in r.launches if launch.name == "reference")
     return {
@@ -215,6 +244,8 @@ def stats(r: Report, segs: list[Segment]) -> dict[str, Any]:
         "blocking_ms_mean": statistics.fmean(periodic) if periodic else None,
         "blocking_ms_max": max(periodic, default=None),
         "emergency_blocking_ms": emergency[0] if emergency else None,
+        "loop_cost_ms_mean": statistics.fmean(felt) if felt else None,
+        "loop_cost_ms_max": max(felt, default=None),
         "checkpoint_mb": statistics.fmean(s["bytes"] for s in r.saves) / 1e6 if r.saves else None,
         "write_mb_s": statistics.fmean(rates) if rates else None,
         "restarts": len(segs) - 1,
@@ -252,6 +283,10 @@ def tables(r: Report, segs: list[Segment], st: dict[str, Any], cks: list[Check])
         (
             "blocking ms, async saves (mean / max)",
             f"{_fmt(st['blocking_ms_mean'])} / {_fmt(st['blocking_ms_max'])}",
+        ),
+        (
+            "step-time cost felt by the loop, ms (mean / max)",
+            f"{_fmt(st['loop_cost_ms_mean'])} / {_fmt(st['loop_cost_ms_max'])}",
         ),
         ("blocking ms, emergency save (sync)", _fmt(st["emergency_blocking_ms"])),
         ("checkpoint size MB", _fmt(st["checkpoint_mb"], ".2f")),

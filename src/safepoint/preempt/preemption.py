@@ -20,6 +20,7 @@ from safepoint.dist import Agreement, Comm
 from safepoint.errors import Preempted
 from safepoint.options import DEFAULT_EXIT_CODE, PreemptionOptions
 from safepoint.policy.emergency_plan import EmergencyPlan, TierEstimate, plan_emergency_save
+from safepoint.preempt import shield
 from safepoint.preempt.notices import FileNotice, Notice, NoticeSource, PollNotice, SignalNotice
 
 log = logging.getLogger("safepoint")
@@ -36,13 +37,20 @@ class Preemption:
     """Notice sources, the cross-rank agreement and the emergency-save plan, for one manager."""
 
     def __init__(
-        self, comm: Comm, sources: Sequence[NoticeSource], grace_seconds: float | None, exit_code: int
+        self,
+        comm: Comm,
+        sources: Sequence[NoticeSource],
+        grace_seconds: float | None,
+        exit_code: int,
+        shield_workers: bool = True,
     ) -> None:
         self.comm = comm
         self.sources = list(sources)
         self.grace_seconds = grace_seconds
         self.exit_code = exit_code
         self.notice = Notice()
+        self.shield_workers = shield_workers
+        self._shield: frozenset[signal.Signals] | None = None
         # Checking on every maybe_save would cost one all_reduce per training step (~0.4 ms on gloo here);
         # ranks compare flags about every CHECK_EVERY_S instead, at steps they all agree on.
         self.agreement = Agreement(comm, CHECK_EVERY_S)
@@ -79,7 +87,7 @@ class Preemption:
             if grace_seconds is not None:
                 log.warning("safepoint: grace_seconds is set but no preemption notice source is configured")
             return None
-        return cls(comm, sources, grace_seconds, options.exit_code)
+        return cls(comm, sources, grace_seconds, options.exit_code, options.shield_workers)
 
     def start(self) -> None:
         """Install the handlers, start the poller."""
@@ -92,6 +100,9 @@ class Preemption:
             for s in started:
                 s.stop()
             raise
+        signals = [sig for s in self.sources if isinstance(s, SignalNotice) for sig in s.signals]
+        if signals and self.shield_workers:
+            self._shield = shield.activate(signals)
 
     def agreed(self, step: int) -> bool:
         """Called by every rank at every maybe_save: True on all ranks once any rank has a notice."""
@@ -193,6 +204,9 @@ class Preemption:
         return exc
 
     def stop(self) -> None:
+        if self._shield is not None:
+            shield.deactivate(self._shield)
+            self._shield = None
         for s in self.sources:
             s.stop()
 

@@ -6,12 +6,10 @@ import functools
 import logging
 import warnings
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import NoReturn
 
-import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from safepoint.data import rng
@@ -23,6 +21,8 @@ from safepoint.errors import (
     UnsafeCheckpointError,
 )
 from safepoint.policy.rules import Verdicts
+from safepoint.restore.compat import NotLoadable, check_compat, report, section_prefixes
+from safepoint.restore.partial import Plan, RestoreReport, Selection, plan
 from safepoint.state import (
     DATALOADER,
     MODEL,
@@ -40,7 +40,6 @@ from safepoint.store.storage import SafeLoadPlanner
 
 log = logging.getLogger("safepoint")
 _REQUIRED = (MODEL, OPTIMIZER, SCHEDULER, DATALOADER)
-_SHOW = 8
 
 
 class _DamagedWhileLoading(CorruptCheckpointError):
@@ -56,6 +55,8 @@ class Restorer:
         self.layout = layout
         self.comm = comm
         self.verdicts = verdicts if verdicts is not None else Verdicts()  # read by retention
+        self.selection = Selection()  # what the current restore() loads (its strict/ignore/remap)
+        self.last_report: RestoreReport | None = None
 
     # ---- discover + verify ---------------------------------------------------------------------------
 
@@ -276,61 +277,79 @@ class Restorer:
     # ---- read + apply --------------------------------------------------------------------------------
 
     def load(self, manifest: Manifest, state: TrainState) -> None:
-        """Load ``manifest``'s (verified) checkpoint into ``state``. Reading ``.metadata`` and checking the
-        state against it happen inside DCP's planning step, whose collective carries any rank's failure
-        to every rank before anything is loaded: no collective of our own."""
-        step = manifest.step
+        """Load ``manifest``'s (verified) checkpoint into ``state``. For a full restore, reading
+        ``.metadata`` and checking the state against it happen inside DCP's planning step, whose collective
+        carries any rank's failure to every rank before anything is loaded: no collective of our own. A
+        partial restore (strict=False, ignore, remap) plans from ``.metadata`` first, and agrees with one
+        all_gather."""
+        step, sel = manifest.step, self.selection
         saved = set(manifest.keys)
         wanted = state.sections()
+        ignored = [s for s in wanted if sel.ignores_section(s)]
+        wanted = [s for s in wanted if s not in ignored]
         # An imported checkpoint (safepoint import) holds weights only: a run starting from it keeps its
         # fresh optimizer, scheduler and data position instead of refusing to start.
         imported = manifest.extra.get(ORIGIN_KEY) == ORIGIN_IMPORT
-        for section in wanted:
-            if section not in saved and section in _REQUIRED and not imported:
+        absent = [s for s in wanted if s not in saved]
+        for section in absent:
+            if section in _REQUIRED and not imported and sel.strict:
                 raise StateMismatchError(
                     f"checkpoint step {step} has no {section!r} state (it holds {sorted(saved)}); restore "
-                    f"without {section}=... or pick a checkpoint that has it"
+                    f"without {section}=... or pick a checkpoint that has it (or restore(strict=False))"
                 )
-            if section not in saved:
-                warnings.warn(
-                    f"safepoint: checkpoint step {step} has no {section!r} state; leaving it as is"
-                    + (" (an imported checkpoint holds weights only)" if imported else ""),
-                    CheckpointWarning,
-                    stacklevel=3,
-                )
+            warnings.warn(
+                f"safepoint: checkpoint step {step} has no {section!r} state; leaving it as is"
+                + (" (an imported checkpoint holds weights only)" if imported else ""),
+                CheckpointWarning,
+                stacklevel=3,
+            )
         sections = [s for s in wanted if s in saved]
         rank = self.comm.rank
         sources = {s: (rank if rank < manifest.world_size else 0) for s in PER_RANK_SECTIONS}
         template = state.load_template(sections, sources, rank)
+        matched: Plan | None = None
+        if sel.default:
 
-        def prepare() -> Metadata:
-            # Inside DCP's planning step, on every rank: a failure here reaches every rank through DCP's
-            # plan collective before anything is loaded (no collective of our own).
+            def prepare() -> Metadata:
+                # Inside DCP's planning step, on every rank: a failure here reaches every rank through
+                # DCP's plan collective before anything is loaded (no collective of our own).
+                try:
+                    metadata = self.layout.read_metadata(step, manifest)
+                    check_compat(step, template, metadata)
+                except (CorruptCheckpointError, StateMismatchError) as e:
+                    raise NotLoadable(e) from None
+                return metadata
+
+            reader = self.layout.make_reader(step, None, manifest)
+            reader.prepare = prepare
+        else:
+            metadata = self.layout.read_metadata(step, manifest)
+            mismatch: str | None = None
             try:
-                metadata = self.layout.read_metadata(step, manifest)
-                check_compat(step, template, metadata)
-            except (CorruptCheckpointError, StateMismatchError) as e:
-                raise _NotLoadable(e) from None
-            return metadata
-
-        reader = self.layout.make_reader(step, None, manifest)
-        reader.prepare = prepare
+                matched = plan(step, template, metadata, tuple(section_prefixes(template)), sel)
+            except StateMismatchError as e:
+                mismatch = str(e)
+            # Shards differ per rank: if any rank cannot load, none may enter DCP's collective load.
+            mismatches = [m for m in self.comm.all_gather(mismatch) if m is not None]
+            if mismatches:
+                raise StateMismatchError(mismatches[0])
+            reader = self.layout.make_reader(step, metadata, manifest)
         try:
             dcp_load(
-                template,
+                template if matched is None else matched.to_load,
                 storage_reader=reader,
                 planner=SafeLoadPlanner(),
                 process_group=self.comm.group,
                 no_dist=not self.comm.distributed,
             )
-        except _NotLoadable as e:  # no_dist: raised here directly
+        except NotLoadable as e:  # no_dist: raised here directly
             self._not_loadable(step, [(rank, e.error)])
         except (CheckpointException, OSError, EOFError, RuntimeError, ValueError) as e:
             if isinstance(e, CheckpointException):
                 found = [
                     (r, exc.error)
                     for r, (exc, _) in sorted(e.failures.items())
-                    if isinstance(exc, _NotLoadable)
+                    if isinstance(exc, NotLoadable)
                 ]
                 if found:
                     self._not_loadable(step, found)
@@ -340,6 +359,9 @@ class Restorer:
             if isinstance(error, CorruptCheckpointError) and not isinstance(error, UnsafeCheckpointError):
                 error = _DamagedWhileLoading(error.step, error.file, error.reason)
             raise error from None
+        if matched is not None:
+            template = matched.put_back()
+        self.last_report = report(step, str(self.layout.root), matched, absent, ignored)
         derived = None
         if RNG in template and rank >= manifest.world_size:
             derived = rng.derived_seed(template[RNG][rank_key(0)], rank)
@@ -351,63 +373,3 @@ class Restorer:
                 derived,
             )
         state.apply(template, sources, derived)
-
-
-class _NotLoadable(Exception):
-    """Raised inside DCP's planning step: this rank found the checkpoint corrupt or not matching the state
-    (``error``). DCP hands it to every rank inside its CheckpointException."""
-
-    def __init__(self, error: CheckpointError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-    def __reduce__(self) -> tuple[type, tuple[CheckpointError]]:
-        return type(self), (self.error,)
-
-
-def check_compat(step: int, template: dict[str, Any], metadata: Metadata) -> None:
-    """Compare what we are about to load into with what the checkpoint holds; one clear error listing all."""
-    flat, _ = flatten_state_dict(template)
-    saved = metadata.state_dict_metadata
-    missing = [k for k in flat if k not in saved]
-    mismatched: list[str] = []
-    for key, value in flat.items():
-        md = saved.get(key)
-        if md is None:
-            continue
-        if isinstance(value, torch.Tensor):
-            if not isinstance(md, TensorStorageMetadata):
-                mismatched.append(f"{key}: checkpoint holds a non-tensor value, the target is a tensor")
-            elif tuple(md.size) != tuple(value.shape):
-                mismatched.append(f"{key}: checkpoint shape {tuple(md.size)} vs target {tuple(value.shape)}")
-        elif isinstance(md, TensorStorageMetadata):
-            mismatched.append(f"{key}: checkpoint holds a tensor, the target is {type(value).__name__}")
-    prefixes = tuple(_section_prefixes(template))
-    unexpected = [k for k in saved if k.startswith(prefixes) and k not in flat]
-    if missing or mismatched or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing from the checkpoint: {_few(missing)}")
-        if unexpected:
-            parts.append(f"{len(unexpected)} in the checkpoint but not in the target: {_few(unexpected)}")
-        if mismatched:
-            parts.append(f"{len(mismatched)} mismatched: {_few(mismatched)}")
-        raise StateMismatchError(
-            f"checkpoint step {step} does not match the state being restored (wrong model or config?): "
-            + "; ".join(parts)
-        )
-
-
-def _section_prefixes(template: dict[str, Any]) -> list[str]:
-    out: list[str] = []
-    for section, value in template.items():
-        if section in PER_RANK_SECTIONS and isinstance(value, dict):
-            out.extend(f"{section}.{k}." for k in value)
-        else:
-            out.append(f"{section}.")
-    return out
-
-
-def _few(items: list[str]) -> str:
-    shown = ", ".join(sorted(items)[:_SHOW])
-    return shown + (f", ... (+{len(items) - _SHOW} more)" if len(items) > _SHOW else "")

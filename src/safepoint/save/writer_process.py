@@ -53,6 +53,8 @@ from safepoint.store.storage import SafepointWriter
 log = logging.getLogger("safepoint")
 
 CHILD_MODULE = "safepoint.save.writer_child"
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+"""The directory holding the ``safepoint`` package this module belongs to (src/safepoint/save/ -> src)."""
 # The process ignores SIGINT and SIGTERM before anything else (importing torch takes seconds): a Ctrl-C or a
 # scheduler's SIGTERM to the whole process group is the rank's to act on, and the process ends with its
 # rank (channel closed, or the parent watch in writer_child).
@@ -140,8 +142,7 @@ class WriterProcess:
         env["CUDA_VISIBLE_DEVICES"] = ""
         env["OMP_NUM_THREADS"] = "1"  # torch.save needs no intra-op threads; training needs the cores
         # Import this very safepoint, however the training script found it.
-        package_root = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         args = [str(theirs.fileno()), str(os.getpid()), str(self._nice)]
         try:
             self._proc = subprocess.Popen(

@@ -4,7 +4,7 @@ DCP gathers every rank's write results on the coordinator, for ``finish`` (the `
 rank's file list travels with them as one more ``WriteResult`` under a reserved index, and ``finish`` takes
 it out before DCP sees the results, so ``.metadata`` is exactly what plain DCP writes. The commit then
 needs no gather of its own: a save runs DCP's collectives and one broadcast of the outcome (issue 15,
-item 4; counted in tests/test_collectives.py).
+item 4; counted in tests/dist/test_collectives.py).
 """
 
 from __future__ import annotations

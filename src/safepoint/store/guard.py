@@ -133,7 +133,7 @@ def check_bare(step: int | None, name: object, what: str) -> str:
     return name
 
 
-# ---- .metadata: every field DCP will use, checked before DCP uses it --------------------------------------
+# ---- what a failure while reading means ------------------------------------------------------------------
 
 
 def as_corruption(step: int, e: BaseException) -> CheckpointError:

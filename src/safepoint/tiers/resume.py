@@ -10,19 +10,32 @@
 It is the manager's argument, not restore()'s: it is decided once per job (every launch of a job runs the
 same line), it is checked with the other arguments before a process group exists, and the root's creation
 (warned about at the manager's start) is part of the same question.
+
+``init_from=`` (a warm start) is the manager's for the same reasons: it applies only when the job's own root
+has no checkpoint (so a restarted fine-tune resumes its own progress, never the starting point again: what
+torchtitan's ``initial_load_path`` and Composer's ``load_path`` do), and ``restore()`` stays the one
+idempotent call every launch makes. The source is only read: no lease is taken and nothing is written.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
+from typing import Any
 
 from safepoint.dist import Comm
 from safepoint.errors import CheckpointError
-from safepoint.remote.layout import RemoteLayout
+from safepoint.options import WarmStart
+from safepoint.remote.layout import RemoteLayout, is_url
+from safepoint.restore.partial import RestoreReport, Selection
+from safepoint.restore.restorer import Restorer
+from safepoint.state import TrainState
+from safepoint.store.guard import parse_step
 from safepoint.store.layout import Layout
-from safepoint.store.manifest import Manifest
+from safepoint.store.manifest import MANIFEST_NAME, Manifest
+from safepoint.tiers.base import SingleTier
 
 log = logging.getLogger("safepoint")
 
@@ -43,9 +56,18 @@ class Resume:
     """One manager's ``resume`` mode and the root it resumes from (the durable one, with tiering: a new
     node's local disk is always empty)."""
 
-    def __init__(self, mode: str, root: Layout | RemoteLayout) -> None:
+    def __init__(
+        self,
+        mode: str,
+        root: Layout | RemoteLayout,
+        init_from: WarmStart | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
         self.mode, self.root = mode, root
+        self.init_from, self.storage_options = init_from, storage_options
         self.created = False  # this manager created the root (rank 0 knows)
+        self.report: RestoreReport | None = None
+        """What the warm start of the last restore() loaded (None: none happened)."""
 
     @property
     def where(self) -> str:
@@ -65,8 +87,31 @@ class Resume:
                 "safepoint: creating a new checkpoint root %s: a fresh run, nothing to resume", self.where
             )
 
-    def restore(self, comm: Comm, step: int | None, load: Callable[[], Manifest | None]) -> Manifest | None:
-        """``load()`` (the tiers' restore, collective) as the mode says; None: start at step 0."""
+    def restore(
+        self,
+        comm: Comm,
+        step: int | None,
+        state: TrainState,
+        tiers: SingleTier,
+        restorer: Restorer,
+        selection: Selection,
+    ) -> tuple[Manifest | None, RestoreReport | None]:
+        """The tiers' restore with ``restorer`` (collective) as the mode says, loading what ``selection``
+        selects; no manifest: start at step 0 (after the warm start from ``init_from``, if
+        one is configured). The report says what was loaded and what was left."""
+        self.report = None
+        restorer.selection, restorer.last_report = selection, None
+        manifest = self._own(comm, step, lambda: tiers.restore(restorer, state, step))
+        if manifest is None:
+            if self.init_from is not None and step is None:
+                self.warm_start(comm, state, self.init_from)
+            return None, self.report
+        report = restorer.last_report
+        if report is not None and not report.complete and comm.is_coordinator:
+            log.warning("safepoint: restore of step %d: %s", manifest.step, report.describe())
+        return manifest, report
+
+    def _own(self, comm: Comm, step: int | None, load: Callable[[], Manifest | None]) -> Manifest | None:
         if self.mode == "never":
             if step is not None:
                 raise ValueError(
@@ -88,6 +133,21 @@ class Resume:
             )
         return manifest
 
+    def warm_start(self, comm: Comm, state: TrainState, spec: WarmStart) -> None:
+        """Load ``spec``'s checkpoint into ``state`` (collective); the run still starts at step 0."""
+        layout, step, where = _open_source(spec, self.storage_options)
+        restorer = Restorer(layout, comm)  # its own verdicts: retention of this root never sees them
+        restorer.selection = Selection(strict=spec.strict, ignore=spec.ignore, remap=spec.remap)
+        manifest = restorer.restore(state, step, lambda below: restorer.choose(step, below))
+        if manifest is None or restorer.last_report is None:
+            raise CheckpointError(f"init_from={where!r}: no intact checkpoint there to start from")
+        self.report = dataclasses.replace(restorer.last_report, source=where, warm_start=True)
+        if comm.is_coordinator:
+            log.warning(
+                "safepoint: no checkpoint in %s: warm start from %s step %d (%s); training starts at step 0",
+                self.where, where, manifest.step, self.report.describe(),
+            )  # fmt: skip
+
     def describe(self) -> str:
         """What the root holds, for the error of resume='required'."""
         try:
@@ -107,3 +167,20 @@ class Resume:
         if steps:  # committed but none restorable: each was reported above (corrupt, unreadable)
             return f"no intact checkpoint among steps {steps}; it holds: {shown}"
         return f"no checkpoint (a step-N directory with a manifest); it holds: {shown}"
+
+
+def _open_source(spec: WarmStart, storage_options: dict[str, Any] | None) -> tuple[Any, int | None, str]:
+    """(a read-only layout, the step to load or None for the newest, the source as shown)."""
+    path = os.fspath(spec.path).rstrip("/")
+    parent, _, name = path.rpartition("/")
+    step = parse_step(name)
+    if is_url(path) and not path.startswith("file://"):
+        if step is not None and parent:
+            return RemoteLayout(parent, storage_options), step, path
+        return RemoteLayout(path, storage_options), spec.step, path
+    local = path.removeprefix("file://")
+    if step is not None and os.path.isfile(os.path.join(local, MANIFEST_NAME)):
+        return Layout(os.path.dirname(os.path.abspath(local))), step, local
+    if not os.path.isdir(local):
+        raise CheckpointError(f"init_from={local!r} does not exist (a checkpoint root or a step-N directory)")
+    return Layout(local), spec.step, local

@@ -120,6 +120,7 @@ def test_demo_survives_every_fault_bitwise(quick_demo: DemoRun) -> None:
     assert st["emergency_saves"] == 1 and st["emergency_blocking_ms"] > 0
     assert st["steps_lost"] == sum(st["steps_lost_per_restart"]) > 0
     assert st["blocking_ms_mean"] > 0 and st["write_mb_s"] > 0
+    assert st["loop_cost_ms_mean"] is not None and st["loop_cost_ms_max"] >= st["loop_cost_ms_mean"] >= 0
     # A different world size cannot be bitwise equal to the 2-rank reference; the demo says by how much.
     assert s["max_abs_diff_vs_2rank_throughout"] > 0
     for title in ("fault schedule", "checkpointing", "checks", "VERDICT: ok"):
@@ -265,3 +266,25 @@ def test_demo_kills_only_a_rank_that_is_still_torchruns(tmp_path: Path) -> None:
         for p in (torchrun, stranger):
             p.kill()
             p.wait()
+
+
+def test_loop_cost_is_the_step_gap_around_a_save_against_its_neighbours() -> None:
+    from safepoint.demo.launch import LaunchResult
+    from safepoint.demo.report import loop_costs_ms
+
+    # Steps every 0.1 s; the save at step 5 stalls the loop by 1.5 s outside anything it measured itself,
+    # the one at step 12 by nothing; the run ends right after the save at step 20 (no next step: skipped).
+    t, events = 0.0, []
+    for step in range(1, 21):
+        events.append({"event": "step", "rank": 0, "step": step, "t": t})
+        t += 0.1 + (1.5 if step == 5 else 0.0)
+    events += [{"event": "save", "rank": 0, "step": s, "t": 0.0, "blocking_ms": 1.0} for s in (5, 12, 20)]
+    # A restarted attempt repeats steps 3..6 with its own clock; it waited 9 s for a fault after step 4.
+    again = [
+        {"event": "step", "rank": 0, "step": s, "t": 100.0 + s + (9 if s > 4 else 0)} for s in range(3, 7)
+    ]
+    events += [dict(e, attempt=1) for e in again]
+    events += [{"event": "kill-ready", "rank": 0, "step": 4, "t": 0.0, "attempt": 1}]
+    events = [dict(e, attempt=e.get("attempt", 0)) for e in events]
+    run = LaunchResult("A", "run", 2, 0, 0.0, t, events)
+    assert loop_costs_ms(run) == pytest.approx([1500.0, 0.0], abs=1e-6)

@@ -17,7 +17,7 @@ import pytest
 import safepoint
 from safepoint.store.job import job_identity
 from tests.conftest import PYTHON, SUBPROCESS_ENV
-from tests.test_fencing import _unshare_works
+from tests.store.test_fencing import _unshare_works
 
 # Takes the root as `who` (or says it was refused), saves the steps `now`, then, once a line arrives on
 # stdin, tries to save the steps `later`; says what happened, and holds the lease until stdin closes.

@@ -4,7 +4,7 @@ Single process (tests/torture/kills.py): a real training loop (dropout, every RN
 step with retention; killed at random moments aimed from its own begin/end-of-save lines. After each kill
 this process restores and compares the state bitwise with an uninterrupted run at that step; at the end
 a child resumes and trains to the last step, matching the uninterrupted run at every step.
-(tests/test_crash.py has the campaign on step-filled tensors -- 20 kills, 200 with -m slow; this one adds
+(tests/save/test_crash.py has the campaign on step-filled tensors -- 20 kills, 200 with -m slow; this one adds
 real training and bitwise exactness.)
 
 Two ranks: ``torch.distributed.run --standalone --nproc-per-node=2`` (gloo, CPU) with --max-restarts; a

@@ -4,7 +4,7 @@ The plan sees both tiers: the local save (timed from the local manifests) and th
 uploads this run and its predecessors measured, ``LOCAL_ROOT/.uploads.json``). Uploads are made slow for
 real: the fault proxy holds the first data PUT of a step until the test lets it through, so the measured
 upload takes ~SLOW_UPLOAD_S while the local save of the tiny model takes milliseconds. Notices are real
-SIGTERMs to this process, as in tests/test_preemption.py.
+SIGTERMs to this process, as in tests/preempt/test_preemption.py.
 
 The last test does the same with a 2-rank torchrun job (tests/dist_preempt/worker.py, gloo), SIGTERM to one
 worker: both ranks must agree on the plan, the emergency step is committed locally with both ranks' shards,

@@ -1,0 +1,139 @@
+"""Preemption with DataLoader worker processes: the signal reaches the workers too (torchrun's agent and
+Slurm signal every process of the rank), and the emergency save must still happen.
+
+Single process: the test signals the process group of a real training process with two real workers
+(tests/procs/loader_term.py). torchrun: SIGTERM to the agent, which ``killpg``s each rank
+(tests/dist_preempt/loader_worker.py); the resumed run equals an uninterrupted one bitwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, SUBPROCESS_ENV
+from tests.dist.launch import assert_bitwise, events, finish, load, ready_pids, start
+
+CHILD = REPO / "tests" / "procs" / "loader_term.py"
+WORKER = REPO / "tests" / "dist_preempt" / "loader_worker.py"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead; only its parent (gone, or init) has not reaped it yet.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def _term_group(tmp_path: Path, context: str, shield: str, *extra: str) -> tuple[int, str, list[int]]:
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, str(CHILD), str(tmp_path / "root"), str(out), context, shield, *extra],
+        env=SUBPROCESS_ENV,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        while not (out / "ready").exists():
+            assert proc.poll() is None, proc.communicate()[1]
+            time.sleep(0.02)
+        workers = [int(p.name.split(".")[1]) for p in out.glob("worker.*")]
+        assert len(workers) == 2
+        os.killpg(proc.pid, signal.SIGTERM)  # the rank and its workers together, as torchrun's agent does
+        # Bounded only to fail instead of hanging forever: a worker that ignores its parent's terminate()
+        # makes multiprocessing's exit handler join it forever.
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, err, workers
+
+
+@pytest.mark.parametrize(("context", "hold"), [("fork", ""), ("spawn", ""), ("fork", "hold")])
+def test_group_sigterm_with_loader_workers_saves_and_exits_143(
+    tmp_path: Path, context: str, hold: str
+) -> None:
+    # hold: the workers are still running at exit, and only obeying their parent's SIGTERM ends them.
+    rc, err, workers = _term_group(tmp_path, context, "shield", *([hold] if hold else []))
+    assert rc == 143, err[-3000:]
+    assert "killed by signal" not in err
+    saved = [p.name for p in (tmp_path / "root").glob("step-*")]
+    assert len(saved) == 1 and "emergency save of step" in err, err[-3000:]
+    assert not [w for w in workers if _alive(w)]  # the workers exited with the process
+
+
+def test_without_the_shield_the_workers_die_first(tmp_path: Path) -> None:
+    rc, err, _ = _term_group(tmp_path, "fork", "noshield")
+    assert rc != 143 and "is killed by signal: Terminated" in err, err[-3000:]
+    assert not list((tmp_path / "root").glob("step-*"))
+
+
+# ---- torchrun -------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Runs:
+    out: Path
+    logs: dict[str, str]
+    steps: dict[str, int]
+
+
+def _job(name: str, root: Path, steps: int, **kw: object) -> dict[str, object]:
+    return {"name": name, "root": str(root), "steps": steps, **kw}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    out = tmp_path_factory.mktemp("loader")
+    kinds = ("torch", "stateful")
+    procs = {
+        k: start(WORKER, out, k, [_job(k, out / k, 100_000, loader=k, preempt=True, ready_after=3)])
+        for k in kinds
+    }
+    for k, proc in procs.items():
+        ready_pids(out, k, proc)
+        os.kill(proc.pid, signal.SIGTERM)  # the agent only: it signals each rank's process group
+    logs = {k: finish(out, k, proc)[1] for k, proc in procs.items()}
+    steps = {}
+    for k in kinds:
+        found = {e["step"] for e in events(out, k, "preempted")}
+        assert len(found) == 1, f"{k}: {found}\n{logs[k][-4000:]}"
+        steps[k] = found.pop()
+    jobs = []
+    for k in kinds:
+        jobs.append(_job(f"{k}-resume", out / k, steps[k] + 5, loader=k))
+        jobs.append(_job(f"{k}-ref", out / f"{k}-ref", steps[k] + 5, loader=k))
+    rc, logs["b"] = finish(out, "b", start(WORKER, out, "b", jobs))
+    assert rc == 0, logs["b"][-4000:]
+    return Runs(out, logs, steps)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kind", ["torch", "stateful"])
+def test_torchrun_sigterm_with_loader_workers_saves_exits_143_and_resumes_bitwise(
+    runs: Runs, kind: str
+) -> None:
+    log, step = runs.logs[kind], runs.steps[kind]
+    assert "killed by signal" not in log, log[-4000:]
+    # The ranks exited by themselves on SIGTERM: the agent never had to SIGKILL them.
+    assert "forcefully exiting" not in log, log[-4000:]
+    pre = events(runs.out, kind, "preempted")
+    assert sorted(e["rank"] for e in pre) == [0, 1]
+    assert all(e["saved"] == step and e["code"] == 143 for e in pre), pre
+    assert [e["step"] for e in events(runs.out, f"{kind}-resume", "restored")] == [step, step]
+    assert_bitwise(load(runs.out / f"{kind}-resume.final.pt"), load(runs.out / f"{kind}-ref.final.pt"))
