@@ -23,6 +23,10 @@ class CorruptCheckpointError(CheckpointError):
         what = f", file {file!r}" if file else ""
         super().__init__(f"{where}{what}: {reason}")
 
+    def __reduce__(self) -> tuple[type, tuple[int | None, str | None, str]]:
+        # It crosses ranks inside DCP's CheckpointException (pickled): rebuilt from its own fields.
+        return type(self), (self.step, self.file, self.reason)
+
 
 class LeaseError(CheckpointError):
     """Another live process owns the checkpoint root."""

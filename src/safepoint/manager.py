@@ -37,6 +37,7 @@ from safepoint.save.saver import SyncSaver
 from safepoint.save.staging import Stager, tensor_bytes
 from safepoint.save.writer_process import WriterProcess, process_writer_factory
 from safepoint.state import TrainState
+from safepoint.store.job import job_identity
 from safepoint.store.layout import CheckpointInfo, Layout
 from safepoint.store.manifest import clean_metrics
 from safepoint.tiers.base import DurabilityLag, SingleTier, plan_tiers, take_ownership
@@ -117,15 +118,13 @@ class CheckpointManager:
         retention = build_retention(keep_last, keep_every_steps, keep_best, best_metric, best_mode)
         # Every argument is validated before the first process group exists (see options.py).
         check_manager_arguments(writer, async_save, resume)
+        self._job = job_identity(cluster.job_id)  # SAFEPOINT_JOB_ID is checked here too
         warm = WarmStart.of(init_from)  # with tiering, the durable root says what a job has
         self._resume = Resume(resume, durable or self.layout, warm, storage_options)
         self.last_restore: RestoreReport | None = None  # what the last restore() loaded, and left
-        process_fallback = writer_process_mode(
-            async_save, writer.async_writer, isinstance(self.layout, Layout)
-        )
-        self._schedule = SaveSchedule(
-            save_every_steps, save_every_seconds, local=isinstance(self.layout, Layout)
-        )
+        local = isinstance(self.layout, Layout)
+        process_fallback = writer_process_mode(async_save, writer.async_writer, local)
+        self._schedule = SaveSchedule(save_every_steps, save_every_seconds, local=local)
         self.saves = self._schedule.saves  # the same list: what the training loop's saves cost
         self._comms: list[Comm] = []  # every group this manager created, destroyed if __init__ fails
         try:
@@ -226,7 +225,7 @@ class CheckpointManager:
 
     def _take_ownership(self, stale_after_s: float) -> None:
         self._lease, error, self._read_only = take_ownership(
-            self.comm, self.layout, self._tiers, self.root, stale_after_s
+            self.comm, self.layout, self._tiers, self.root, stale_after_s, self._job
         )
         if error is not None:
             if self._lease is not None:

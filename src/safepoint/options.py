@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from safepoint.store.heartbeat import MIN_STALE_AFTER_S, check_lease_timing, heartbeat_for
+from safepoint.store.job import check_job_id
 
 ASYNC_WRITERS = ("auto", "thread", "process")
 DEFAULT_EXIT_CODE = 143
@@ -137,10 +138,17 @@ class ClusterOptions:
     """Bound on every collective safepoint runs among ranks: a dead peer is an error, not a hang."""
     lease_stale_after_s: float = 120.0
     """A lease whose heartbeat is older than this (another host) is taken over."""
+    job_id: str | None = None
+    """Names this job in the root's lease: a restart of the same job takes the lease over at once, on any
+    host, instead of waiting ``lease_stale_after_s`` for the dead holder's heartbeat to age (the old holder
+    is fenced out). None: ``SAFEPOINT_JOB_ID``, else Slurm's job id, else torchrun's ``--rdzv-id`` (see
+    docs/elastic.md). It must name one job only: ids many jobs share ("none", "default") are refused."""
 
     def __post_init__(self) -> None:
         _positive_number("ClusterOptions.collective_timeout_s", self.collective_timeout_s)
         check_lease_stale_after(self.lease_stale_after_s)
+        if self.job_id is not None:
+            check_job_id(self.job_id)
 
 
 MOVED_KEYWORDS: Mapping[str, str] = {

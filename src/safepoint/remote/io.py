@@ -20,10 +20,15 @@ from typing import IO, Any, cast
 
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from safepoint.remote.s3writer import open_writer
 from safepoint.remote.upload import ObjectStore
 from safepoint.store.checksum import ChecksummingWriter, ChecksumRecorder
+from safepoint.store.file_report import Files, split_files, with_files
 from safepoint.store.storage import SafeReader
 
 
@@ -74,7 +79,11 @@ class _StoreFileSystem(FsspecFileSystem):
 
 
 class StoreWriter(FileSystemWriter):
-    """DCP writer into a store path; records (size, crc32c) of every file as it streams out."""
+    """DCP writer into a store path; records (size, crc32c) of every file as it streams out, and hands
+    each rank's list to the coordinator through DCP's write collective (store/file_report.py)."""
+
+    rank_files: list[Files] | None = None
+    """Every rank's files, in rank order: set on the coordinator by :meth:`finish`."""
 
     def __init__(self, store: ObjectStore, path: str, *, thread_count: int = 1) -> None:
         # sync_files: objects are durable once their upload completes; DCP's fallback os.sync() would only
@@ -83,6 +92,15 @@ class StoreWriter(FileSystemWriter):
         self.recorder = ChecksumRecorder()
         self.fs = _StoreFileSystem(store, self.recorder)  # type: ignore[assignment]
         self.path = path
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        fut = super().write_data(plan, planner)
+        fut.wait()
+        return with_files(fut, self.written_files())
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        self.rank_files, results = split_files(results)
+        super().finish(metadata, results)
 
     def written_files(self) -> dict[str, tuple[int, str]]:
         return self.recorder.snapshot()

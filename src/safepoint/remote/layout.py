@@ -188,7 +188,7 @@ class RemoteLayout:
             raise CorruptCheckpointError(step, METADATA_NAME, f"cannot read ({e})") from None
         return load_checked_metadata(step, data, manifest.expected())
 
-    def make_reader(self, step: int, metadata: Metadata, manifest: Manifest) -> SafeStoreReader:
+    def make_reader(self, step: int, metadata: Metadata | None, manifest: Manifest) -> SafeStoreReader:
         self.store.fs.invalidate_cache(self.step_key(step))  # s3fs checks cached ETags on open
         return SafeStoreReader(self.store, self.step_key(step), metadata=metadata)
 
@@ -348,15 +348,15 @@ class RemoteLayout:
             log.warning("safepoint: could not abort unfinished multipart uploads under %s: %s", self.root, e)
         return done
 
-    def lease(self, stale_after_s: float) -> Any:
+    def lease(self, stale_after_s: float, job: str | None = None) -> Any:
         """The owner's lease on this root: S3 conditional writes, O_EXCL for file://; None elsewhere (then
         ``clean_pending`` leaves uncommitted objects alone: they may be another writer's save in flight)."""
         from safepoint.remote.lease import RemoteLease
 
         if self.store.local:
-            self.owner = Lease(Path(self.base), stale_after_s=stale_after_s)
+            self.owner = Lease(Path(self.base), stale_after_s=stale_after_s, job=job)
             return self.owner
-        self.owner = RemoteLease.for_layout(self, stale_after_s)
+        self.owner = RemoteLease.for_layout(self, stale_after_s, job)
         self.unguarded = self.owner is None
         return self.owner
 

@@ -34,19 +34,25 @@ class RemoteLease(HeartbeatLease):
     thread_name = "safepoint-remote-lease"
 
     def __init__(
-        self, store: Any, key: str, *, stale_after_s: float = 120.0, heartbeat_s: float | None = None
+        self,
+        store: Any,
+        key: str,
+        *,
+        stale_after_s: float = 120.0,
+        heartbeat_s: float | None = None,
+        job: str | None = None,
     ) -> None:
-        super().__init__(stale_after_s, heartbeat_s)
+        super().__init__(stale_after_s, heartbeat_s, job)
         self.store, self.key = store, key
         self.bucket, self.obj = store._split(key)
         self.etag: str | None = None
 
     @classmethod
-    def for_layout(cls, layout: Any, stale_after_s: float) -> RemoteLease | None:
+    def for_layout(cls, layout: Any, stale_after_s: float, job: str | None = None) -> RemoteLease | None:
         from safepoint.remote.s3store import S3Store
 
         if isinstance(layout.store, S3Store):
-            return cls(layout.store, layout._p(LEASE_NAME), stale_after_s=stale_after_s)
+            return cls(layout.store, layout._p(LEASE_NAME), stale_after_s=stale_after_s, job=job)
         log.warning(
             "safepoint: %s has no conditional writes through fsspec; nothing stops a second job from "
             "writing to it at the same time",
@@ -130,7 +136,7 @@ class RemoteLease(HeartbeatLease):
                 if cause_code(e) not in _CONFLICT:
                     raise
                 continue
-            log.warning("safepoint: took over the stale lease of %s", holder)
+            self._took_over(holder)
             self._start_heartbeat()
             return
         raise LeaseError(f"could not acquire {self.store.url(self.key)}: it keeps changing hands")

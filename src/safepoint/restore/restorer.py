@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import NoReturn
 
-import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from safepoint.data import rng
@@ -22,10 +21,10 @@ from safepoint.errors import (
     UnsafeCheckpointError,
 )
 from safepoint.policy.rules import Verdicts
-from safepoint.restore.partial import STRICT_HINT, Plan, RestoreReport, Selection, plan
+from safepoint.restore.compat import NotLoadable, check_compat, report, section_prefixes
+from safepoint.restore.partial import Plan, RestoreReport, Selection, plan
 from safepoint.state import (
     DATALOADER,
-    KEYED_SECTIONS,
     MODEL,
     OPTIMIZER,
     PER_RANK_SECTIONS,
@@ -41,7 +40,6 @@ from safepoint.store.storage import SafeLoadPlanner
 
 log = logging.getLogger("safepoint")
 _REQUIRED = (MODEL, OPTIMIZER, SCHEDULER, DATALOADER)
-_SHOW = 8
 
 
 class _DamagedWhileLoading(CorruptCheckpointError):
@@ -88,6 +86,88 @@ class Restorer:
             self.verdicts.record(candidate, True)
             return manifest
         return None
+
+    def restore_newest(self, state: TrainState, step: int | None) -> Manifest | None:
+        """Choose, verify and load with one collective of our own plus DCP's (issue 15, item 4).
+
+        Every rank lists the root and reads the newest candidate's manifest itself, verifies its share of
+        the files, and one all_gather tells everyone whether all ranks saw the same manifest and found it
+        intact; the check of the state against ``.metadata`` rides on DCP's plan collective. Ranks that
+        disagree (a root not shared, a stale NFS listing) fall back to :meth:`restore`, where rank 0
+        chooses; a candidate that fails is skipped like there (the next one costs another exchange)."""
+        below: int | None = None
+        damaged: CorruptCheckpointError | None = None
+        while True:
+            candidate, manifest, problem = self._look(step, below)
+            seen = self.comm.all_gather((candidate, manifest.save_id if manifest else None, problem))
+            if len({(c, sid) for c, sid, _ in seen}) > 1:
+                if self.comm.is_coordinator:
+                    log.warning(
+                        "safepoint: ranks see different checkpoints in %s (%s); rank 0 chooses",
+                        self.layout.root,
+                        sorted({(c, sid) for c, sid, _ in seen}, key=str)[:4],
+                    )
+                return self.restore(state, step, functools.partial(self._choose_below, step, below))
+            if candidate is None:
+                break
+            if isinstance(problem, str):
+                raise CheckpointError(problem)  # the step asked for is not committed (same on every rank)
+            problems = [(r, p) for r, (_, _, p) in enumerate(seen) if isinstance(p, tuple)]
+            try:
+                if problems or manifest is None:
+                    self._raise_problems(candidate, problems)
+                self.load(manifest, state)
+            except UnsafeCheckpointError:
+                raise
+            except CorruptCheckpointError as e:
+                self.verdicts.record(candidate, False)
+                if step is not None:
+                    raise
+                self.skipping(e)
+                below, damaged = candidate, e
+                continue
+            self.verdicts.record(candidate, True)
+            return manifest
+        if isinstance(damaged, _DamagedWhileLoading):
+            raise CheckpointError(
+                f"{damaged}; no older checkpoint could be loaded, and the objects being restored into were "
+                "partly overwritten: recreate them before starting from scratch"
+            )
+        return None
+
+    def _choose_below(self, step: int | None, start: int | None, below: int | None) -> Manifest | None:
+        return self.choose(step, start if below is None else below)
+
+    def _look(
+        self, step: int | None, below: int | None
+    ) -> tuple[int | None, Manifest | None, str | tuple[str | None, str] | None]:
+        """This rank's view: (the candidate step or None, its manifest, and a message if ``step`` is not
+        committed, or (file, reason) if this rank's share of the files does not verify, or None)."""
+        steps = [s for s in self.layout.committed_steps() if below is None or s < below]
+        if step is not None and step not in steps:
+            return (
+                step,
+                None,
+                (
+                    f"no committed checkpoint for step {step} in {self.layout.root} "
+                    f"(available: {steps[-10:] if steps else 'none'})"
+                ),
+            )
+        candidate = step if step is not None else (max(steps) if steps else None)
+        if candidate is None:
+            return None, None, None
+        try:
+            raw = self.layout.manifest_bytes(candidate)
+        except OSError as e:
+            return candidate, None, (MANIFEST_NAME, f"cannot read manifest ({e.strerror or e})")
+        try:
+            manifest = Manifest.from_json(raw, step_hint=candidate)
+            self.layout.verify(
+                candidate, files=sorted(manifest.files)[self.comm.rank :: self.comm.world_size]
+            )
+        except CorruptCheckpointError as e:
+            return candidate, None, (e.file, e.reason)
+        return candidate, manifest, None
 
     def skipping(self, e: CorruptCheckpointError) -> None:
         if self.comm.is_coordinator:
@@ -150,7 +230,10 @@ class Restorer:
         problems = [(r, p) for r, p in enumerate(self.comm.all_gather(problem)) if p is not None]
         if not problems:
             return manifest
-        # Every rank holds the same list, so this extra exchange happens on all ranks or on none.
+        self._raise_problems(step, problems)
+
+    def _raise_problems(self, step: int, problems: list[tuple[int, tuple[str | None, str]]]) -> NoReturn:
+        """Every rank holds the same ``problems``, so this extra exchange happens on all ranks or none."""
         hidden = self.comm.broadcast(self._visible_here(step, problems) if self.comm.is_coordinator else None)
         if hidden is not None:
             raise CheckpointError(
@@ -163,13 +246,26 @@ class Restorer:
         where = f" (found by rank {rank})" if self.comm.distributed else ""
         raise CorruptCheckpointError(step, file, reason + where)
 
+    def _not_loadable(self, step: int, found: list[tuple[int, CheckpointError]]) -> NoReturn:
+        """Raise, on every rank alike, what the ranks found in DCP's planning step (``found``: the same
+        list on every rank, from DCP's CheckpointException)."""
+        for _, error in found:
+            if isinstance(error, UnsafeCheckpointError):
+                raise UnsafeCheckpointError(step, error.file, error.reason)
+        for _, error in found:
+            if isinstance(error, StateMismatchError):
+                raise StateMismatchError(str(error))
+        problems = [(r, (e.file, e.reason)) for r, e in found if isinstance(e, CorruptCheckpointError)]
+        self._raise_problems(step, problems)
+
     def _visible_here(
         self, step: int, problems: list[tuple[int, tuple[str | None, str]]]
     ) -> tuple[int, str, str] | None:
         """A file another rank could not verify that verifies here: the root is not shared, not corrupt."""
+        bad_here = {file for rank, (file, _) in problems if rank == self.comm.rank}
         for rank, (file, reason) in problems:
-            if rank == self.comm.rank or file is None:
-                continue
+            if rank == self.comm.rank or file is None or file in bad_here:
+                continue  # bad here too (every rank reads the manifest itself now): corrupt, not hidden
             if file != MANIFEST_NAME:  # the manifest was read here already
                 try:
                     self.layout.verify(step, files=[file])
@@ -181,8 +277,12 @@ class Restorer:
     # ---- read + apply --------------------------------------------------------------------------------
 
     def load(self, manifest: Manifest, state: TrainState) -> None:
+        """Load ``manifest``'s (verified) checkpoint into ``state``. For a full restore, reading
+        ``.metadata`` and checking the state against it happen inside DCP's planning step, whose collective
+        carries any rank's failure to every rank before anything is loaded: no collective of our own. A
+        partial restore (strict=False, ignore, remap) plans from ``.metadata`` first, and agrees with one
+        all_gather."""
         step, sel = manifest.step, self.selection
-        metadata = self.layout.read_metadata(step, manifest)
         saved = set(manifest.keys)
         wanted = state.sections()
         ignored = [s for s in wanted if sel.ignores_section(s)]
@@ -207,28 +307,52 @@ class Restorer:
         rank = self.comm.rank
         sources = {s: (rank if rank < manifest.world_size else 0) for s in PER_RANK_SECTIONS}
         template = state.load_template(sections, sources, rank)
-        mismatch: str | None = None
         matched: Plan | None = None
-        try:
-            if sel.default:
-                check_compat(step, template, metadata)
-            else:
-                matched = plan(step, template, metadata, tuple(_section_prefixes(template)), sel)
-        except StateMismatchError as e:
-            mismatch = str(e)
-        # Shards differ per rank: if any rank cannot load, none may enter DCP's collective load.
-        mismatches = [m for m in self.comm.all_gather(mismatch) if m is not None]
-        if mismatches:
-            raise StateMismatchError(mismatches[0])
+        if sel.default:
+
+            def prepare() -> Metadata:
+                # Inside DCP's planning step, on every rank: a failure here reaches every rank through
+                # DCP's plan collective before anything is loaded (no collective of our own).
+                try:
+                    metadata = self.layout.read_metadata(step, manifest)
+                    check_compat(step, template, metadata)
+                except (CorruptCheckpointError, StateMismatchError) as e:
+                    raise NotLoadable(e) from None
+                return metadata
+
+            reader = self.layout.make_reader(step, None, manifest)
+            reader.prepare = prepare
+        else:
+            metadata = self.layout.read_metadata(step, manifest)
+            mismatch: str | None = None
+            try:
+                matched = plan(step, template, metadata, tuple(section_prefixes(template)), sel)
+            except StateMismatchError as e:
+                mismatch = str(e)
+            # Shards differ per rank: if any rank cannot load, none may enter DCP's collective load.
+            mismatches = [m for m in self.comm.all_gather(mismatch) if m is not None]
+            if mismatches:
+                raise StateMismatchError(mismatches[0])
+            reader = self.layout.make_reader(step, metadata, manifest)
         try:
             dcp_load(
                 template if matched is None else matched.to_load,
-                storage_reader=self.layout.make_reader(step, metadata, manifest),
+                storage_reader=reader,
                 planner=SafeLoadPlanner(),
                 process_group=self.comm.group,
                 no_dist=not self.comm.distributed,
             )
+        except NotLoadable as e:  # no_dist: raised here directly
+            self._not_loadable(step, [(rank, e.error)])
         except (CheckpointException, OSError, EOFError, RuntimeError, ValueError) as e:
+            if isinstance(e, CheckpointException):
+                found = [
+                    (r, exc.error)
+                    for r, (exc, _) in sorted(e.failures.items())
+                    if isinstance(exc, NotLoadable)
+                ]
+                if found:
+                    self._not_loadable(step, found)
             # DCP's exception is a BaseException; hand the caller our own error (the first rank's cause).
             # Metadata and shapes were checked above, so what fails now is the checkpoint's bytes.
             error = as_corruption(step, e)
@@ -237,7 +361,7 @@ class Restorer:
             raise error from None
         if matched is not None:
             template = matched.put_back()
-        self.last_report = _report(step, str(self.layout.root), matched, absent, ignored)
+        self.last_report = report(step, str(self.layout.root), matched, absent, ignored)
         derived = None
         if RNG in template and rank >= manifest.world_size:
             derived = rng.derived_seed(template[RNG][rank_key(0)], rank)
@@ -249,68 +373,3 @@ class Restorer:
                 derived,
             )
         state.apply(template, sources, derived)
-
-
-def _report(
-    step: int, source: str, matched: Plan | None, absent: list[str], ignored: list[str]
-) -> RestoreReport:
-    found = matched.report if matched is not None else {}
-    return RestoreReport(
-        step=step,
-        source=source,
-        loaded=len(matched.pairs) if matched is not None else 0,
-        missing=tuple(absent + found.get("missing", [])),
-        unexpected=tuple(found.get("unexpected", [])),
-        mismatched=tuple(found.get("mismatched", [])),
-        ignored=tuple(ignored + found.get("ignored", [])),
-        remapped=tuple(found.get("remapped", [])),
-    )
-
-
-def check_compat(step: int, template: dict[str, Any], metadata: Metadata) -> None:
-    """Compare what we are about to load into with what the checkpoint holds; one clear error listing all."""
-    flat, _ = flatten_state_dict(template)
-    saved = metadata.state_dict_metadata
-    missing = [k for k in flat if k not in saved]
-    mismatched: list[str] = []
-    for key, value in flat.items():
-        md = saved.get(key)
-        if md is None:
-            continue
-        if isinstance(value, torch.Tensor):
-            if not isinstance(md, TensorStorageMetadata):
-                mismatched.append(f"{key}: checkpoint holds a non-tensor value, the target is a tensor")
-            elif tuple(md.size) != tuple(value.shape):
-                mismatched.append(f"{key}: checkpoint shape {tuple(md.size)} vs target {tuple(value.shape)}")
-        elif isinstance(md, TensorStorageMetadata):
-            mismatched.append(f"{key}: checkpoint holds a tensor, the target is {type(value).__name__}")
-    prefixes = tuple(_section_prefixes(template))
-    unexpected = [k for k in saved if k.startswith(prefixes) and k not in flat]
-    if missing or mismatched or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing from the checkpoint: {_few(missing)}")
-        if unexpected:
-            parts.append(f"{len(unexpected)} in the checkpoint but not in the target: {_few(unexpected)}")
-        if mismatched:
-            parts.append(f"{len(mismatched)} mismatched: {_few(mismatched)}")
-        raise StateMismatchError(
-            f"checkpoint step {step} does not match the state being restored (wrong model or config?): "
-            + "; ".join(parts)
-            + STRICT_HINT
-        )
-
-
-def _section_prefixes(template: dict[str, Any]) -> list[str]:
-    out: list[str] = []
-    for section, value in template.items():
-        if section in KEYED_SECTIONS and isinstance(value, dict):
-            out.extend(f"{section}.{k}." for k in value)
-        else:
-            out.append(f"{section}.")
-    return out
-
-
-def _few(items: list[str]) -> str:
-    shown = ", ".join(sorted(items)[:_SHOW])
-    return shown + (f", ... (+{len(items) - _SHOW} more)" if len(items) > _SHOW else "")

@@ -44,6 +44,17 @@ class SyncSaver:
         # this saver's own keeps two managers in one process (two models, a benchmark) from overwriting
         # each other's cached plans on every save.
         self._plan_key = f"safepoint-{uuid.uuid4().hex}"
+        self._session: str | None = None
+        self._saves = 0
+        self._index: dict[int, CheckpointInfo] = {}  # retention's view of the root (see _retain)
+
+    def _next_save_id(self) -> str:
+        """A hex id unique to this save: a session id agreed once (one broadcast, at the first save), then
+        a counter every rank advances alike (saves are collective), so later saves need no collective."""
+        if self._session is None:
+            self._session = self.comm.broadcast(uuid.uuid4().hex[:8] if self.comm.is_coordinator else "")
+        self._saves += 1
+        return f"{self._session}{self._saves:04x}"
 
     def write(
         self,
@@ -56,13 +67,15 @@ class SyncSaver:
     ) -> CheckpointInfo:
         """Write a captured (or staged) state dict and commit it. Collective: every rank calls it."""
         t0 = time.perf_counter()
-        save_id = self.comm.broadcast(uuid.uuid4().hex[:12] if self.comm.is_coordinator else "")
+        save_id = self._next_save_id()
         pending = self.layout.new_pending(step, save_id)
         writer = self.layout.make_writer(pending, thread_count=self.writer_threads)
         if self.wrap_writer is not None:
             writer = self.wrap_writer(writer)
         error: str | None = None
         try:
+            # DCP's write collective also carries each rank's file list to rank 0 (store/file_report.py),
+            # and raises the same error on every rank when any rank failed.
             dcp_save(
                 state_dict,
                 storage_writer=writer,
@@ -72,23 +85,18 @@ class SyncSaver:
             )
         except (CheckpointException, OSError, RuntimeError, ValueError) as e:
             error = describe_exception(e)
-        try:
-            gathered = self.comm.all_gather((writer.written_files(), error))
-        except PeerTimeoutError as e:
-            if error is None:
-                raise
-            # DCP's own collective usually timed out first (same group); its message names the cause.
-            raise PeerTimeoutError(f"{e} This rank's write had already failed: {error}") from e
-        errors = [err for _, err in gathered if err]
+        errors = [error] if error else []
         info: CheckpointInfo | None = None
         if self.comm.is_coordinator:
             if not errors:
                 try:
+                    per_rank = list(writer.rank_files or [{}])
+                    per_rank[self.comm.rank] = writer.written_files()  # with the .metadata finish wrote
                     info = self._commit(
                         step,
                         pending,
                         save_id,
-                        [f for f, _ in gathered],
+                        per_rank,
                         sections,
                         metrics,
                         manifest_extra or {},
@@ -98,8 +106,18 @@ class SyncSaver:
                     errors.append(describe_exception(e))
             if errors:
                 self.layout.discard(pending)
-        outcome = self.comm.broadcast((info, errors))
-        info, errors = outcome
+        # The one collective of our own: rank 0's verdict (committed, or why not) for every rank.
+        try:
+            info, verdict = self.comm.broadcast((info, errors))
+        except PeerTimeoutError as e:
+            if error is None:
+                raise
+            # DCP's own collective usually timed out first (same group); its message names the cause.
+            raise PeerTimeoutError(f"{e} This rank's write had already failed: {error}") from e
+        if info is not None and error is not None:
+            # Rank 0 had every rank's files and committed: this rank failed after its part was done.
+            log.warning("safepoint: step %d committed, though this rank reported: %s", step, error)
+        errors = verdict or ([error] if error and info is None else [])
         if errors or info is None:
             raise SaveError(
                 f"save of step {step} failed and was not committed ({'; '.join(dict.fromkeys(errors))}). "
@@ -107,7 +125,7 @@ class SyncSaver:
             )
         if self.comm.is_coordinator:
             self.verdicts.forget(step)  # its bytes are new: whatever was found about the old ones is moot
-            self._retain(step)
+            self._retain(step, info)
         return info
 
     def _planner(self) -> DefaultSavePlanner:
@@ -163,21 +181,35 @@ class SyncSaver:
         )
         return self.layout.info(step, manifest)
 
-    def _retain(self, committed: int) -> None:
-        """Apply the policies; the step just committed and the newest step verified intact survive."""
+    def _retain(self, committed: int, info: CheckpointInfo) -> None:
+        """Apply the policies; the step just committed and the newest step verified intact survive.
+
+        From an index (``_index``: step -> (its manifest's save id, info)) kept across saves, so a save
+        lists the root once and reads only manifests it has not seen (at most the new one's, which it
+        wrote), instead of every manifest on every save. No policy: nothing to do, nothing read."""
+        if not self.retention.policies:
+            return
         try:
+            self._index[committed] = info
+            steps = self.layout.committed_steps()
+            for s in list(self._index):
+                if s not in steps:
+                    del self._index[s]  # removed (by us, by prune, by hand)
             history = []
-            for s in self.layout.committed_steps():
+            for s in steps:
                 if self.verdicts.corrupt(s):
                     continue  # never counted as the newest, as kept or as deleted
-                try:
-                    history.append(self.layout.info(s, self.layout.read_manifest(s)))
-                except CheckpointError:
-                    continue  # unreadable manifests are never counted as kept or deleted
+                if s not in self._index:
+                    try:
+                        self._index[s] = self.layout.info(s, self.layout.read_manifest(s))
+                    except CheckpointError:
+                        continue  # unreadable manifests are never counted as kept or deleted
+                history.append(self._index[s])
             good = self.verdicts.newest_intact([c.step for c in history])
             protect = {committed} | ({good} if good is not None else set())
             for step in self.retention.to_delete(history, protect):
                 self.layout.remove(step)
+                self._index.pop(step, None)
                 log.info("safepoint: retention removed step %d", step)
         except (OSError, CheckpointError) as e:  # CheckpointError: LeaseError from the fence
             # The new checkpoint is committed; a failed cleanup costs space, not correctness.

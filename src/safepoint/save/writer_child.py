@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from safepoint.errors import os_error_in_chain
 from safepoint.save import ipc
 from safepoint.save.shared_buffers import SharedArena
+from safepoint.store.file_report import split_files
 from safepoint.store.storage import SafepointWriter
 
 log = logging.getLogger("safepoint")
@@ -63,7 +64,8 @@ def _write(
     data = {index: _materialize(ref, arena) for index, ref in items}
     writer = SafepointWriter(path, thread_count=thread_count)
     results = writer.write_data(plan, _Resolved(data)).wait()  # type: ignore[arg-type]
-    return results, writer.written_files()
+    # The file list goes back on its own; the parent's ProcessWriter adds it to its results for DCP.
+    return split_files([results])[1][0], writer.written_files()
 
 
 def _failure(e: BaseException) -> tuple[Any, ...]:

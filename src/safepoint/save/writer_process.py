@@ -47,6 +47,7 @@ from torch.futures import Future
 
 from safepoint.save import background, ipc
 from safepoint.save.shared_buffers import SharedArena
+from safepoint.store.file_report import with_files
 from safepoint.store.storage import SafepointWriter
 
 log = logging.getLogger("safepoint")
@@ -388,7 +389,7 @@ class ProcessWriter(SafepointWriter):
             self.recorder.record(name, size, crc)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
-        return fut
+        return with_files(fut, self.written_files())
 
 
 def process_writer_factory(

@@ -100,13 +100,14 @@ class HeartbeatLease(abc.ABC):
 
     thread_name = "safepoint-lease"
 
-    def __init__(self, stale_after_s: float, heartbeat_s: float | None) -> None:
+    def __init__(self, stale_after_s: float, heartbeat_s: float | None, job: str | None = None) -> None:
         if heartbeat_s is None:
             heartbeat_s = heartbeat_for(stale_after_s) if math.isfinite(stale_after_s) else HEARTBEAT_S
         check_lease_timing(stale_after_s, heartbeat_s)
         self.stale_after_s = stale_after_s
         self.heartbeat_s = heartbeat_s
         self.token = uuid.uuid4().hex
+        self.job = job  # store/job.py: a holder of the same job is taken over at once, on any host
         self.lost: str | None = None
         self.beats = 0  # heartbeat attempts so far (lets tests wait for beats instead of sleeping)
         self._stop = threading.Event()
@@ -114,29 +115,55 @@ class HeartbeatLease(abc.ABC):
         self._renewed = time.monotonic()  # when the heartbeat last landed
 
     def _owner(self) -> dict[str, Any]:
-        """Who holds the lease: host and pid, plus the process start time against pid reuse."""
+        """Who holds the lease: host and pid, plus the process start time against pid reuse, and the job
+        (None: no job identity, see store/job.py)."""
         return {
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "start_ticks": _proc_start_ticks(os.getpid()),
+            "job": self.job,
         }
 
+    def _same_process(self, holder: dict[str, Any]) -> bool:
+        return holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid()
+
+    def _same_job(self, holder: dict[str, Any]) -> bool:
+        """A previous attempt of this very job (a restart, on any host): taken over at once. Never another
+        manager in this process, which is alive by definition."""
+        return self.job is not None and holder.get("job") == self.job and not self._same_process(holder)
+
     def _is_stale(self, holder: dict[str, Any], age: float) -> bool:
-        """A holder on this host is judged by its process (gone or not); elsewhere by ``age``, the time
-        since its last heartbeat, against ``stale_after_s``."""
+        """Whether ``holder`` may be taken over: a previous attempt of this job always; a holder on this
+        host when its process is gone; elsewhere when ``age``, the time since its last heartbeat, exceeds
+        ``stale_after_s``."""
+        if self._same_job(holder):
+            return True
         if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
             if holder["pid"] == os.getpid() and holder.get("token") != self.token:
                 return False  # another manager in this very process: alive by definition
             return not _pid_alive(holder["pid"], holder.get("start_ticks"))
         return age > self.stale_after_s
 
+    def _took_over(self, holder: dict[str, Any] | None) -> None:
+        who = describe_holder(holder) if holder else "an unreadable lease file"
+        if holder and self._same_job(holder):
+            log.warning(
+                "safepoint: took over the lease of %s: a previous attempt of this job (%s)", who, self.job
+            )
+        else:
+            log.warning("safepoint: took over the stale lease of %s", who)
+
     def _in_use(self, root: str, lease: str, holder: dict[str, Any], age: float) -> LeaseError:
         beat = f"lease heartbeat {age:.0f}s ago" if math.isfinite(age) else "no readable lease heartbeat"
+        theirs = holder.get("job")
+        jobs = f"job {theirs!r}" if isinstance(theirs, str) else "no job id"
+        ours = f"this job is {self.job!r}" if self.job else "this job has no job id"
         return LeaseError(
             f"checkpoint root {root} is in use by {describe_holder(holder)} "
-            f"({beat}). Two writers would corrupt each other's checkpoints: stop the "
+            f"({jobs}; {beat}). Two writers would corrupt each other's checkpoints: stop the "
             f"other job or use another root. If that job is dead on another host, the lease expires after "
-            f"{self.stale_after_s:.0f}s; or delete {lease} by hand."
+            f"{self.stale_after_s:.0f}s, a restart of the same job takes it over at once ({ours}; see "
+            f"ClusterOptions.job_id), or delete {lease} by hand."
         )
 
     def _start_heartbeat(self) -> None:

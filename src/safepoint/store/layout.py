@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.storage import StorageReader
 
 from safepoint.errors import CheckpointError, CorruptCheckpointError
 from safepoint.store.checksum import crc32c_combine, crc_hex, crc_ranges, range_crc32c
@@ -80,7 +79,7 @@ class CheckpointStore(Protocol):
     def info(self, step: int, manifest: Manifest) -> CheckpointInfo: ...
     def verify(self, step: int, files: list[str] | None = None) -> Manifest: ...
     def read_metadata(self, step: int, manifest: Manifest) -> Metadata: ...
-    def make_reader(self, step: int, metadata: Metadata, manifest: Manifest) -> StorageReader: ...
+    def make_reader(self, step: int, metadata: Metadata | None, manifest: Manifest) -> SafeReader: ...
     def new_pending(self, step: int, save_id: str) -> Any: ...
     def make_writer(self, pending: Any, *, thread_count: int = 1) -> Any: ...
     def written_sizes(self, pending: Any) -> dict[str, int]: ...
@@ -328,12 +327,12 @@ class Layout:
             raise CorruptCheckpointError(step, METADATA_NAME, f"cannot read ({e.strerror or e})") from None
         return load_checked_metadata(step, data, manifest.expected())
 
-    def make_reader(self, step: int, metadata: Metadata, manifest: Manifest) -> SafeReader:
+    def make_reader(self, step: int, metadata: Metadata | None, manifest: Manifest) -> SafeReader:
         return SafeReader(self.step_path(step), metadata=metadata, expected=manifest.expected(), step=step)
 
-    def lease(self, stale_after_s: float) -> Lease:
-        """A lease on ROOT; once acquired, it fences this layout's commits and deletes."""
-        self.owner = Lease(self.root, stale_after_s=stale_after_s)
+    def lease(self, stale_after_s: float, job: str | None = None) -> Lease:
+        """A lease on ROOT (held for ``job``: store/job.py); once acquired, it fences commits and deletes."""
+        self.owner = Lease(self.root, stale_after_s=stale_after_s, job=job)
         return self.owner
 
     # ---- removal and cleanup -------------------------------------------------------------------------

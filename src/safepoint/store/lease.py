@@ -49,9 +49,14 @@ class Lease(HeartbeatLease):
     record itself is never rewritten, so readers never see it torn. Staleness is the file's mtime age."""
 
     def __init__(
-        self, root: Path, *, stale_after_s: float = DEFAULT_STALE_AFTER_S, heartbeat_s: float | None = None
+        self,
+        root: Path,
+        *,
+        stale_after_s: float = DEFAULT_STALE_AFTER_S,
+        heartbeat_s: float | None = None,
+        job: str | None = None,
     ) -> None:
-        super().__init__(stale_after_s, heartbeat_s)
+        super().__init__(stale_after_s, heartbeat_s, job)
         self.path = root / LEASE_NAME
 
     def _where(self) -> str:
@@ -105,10 +110,7 @@ class Lease(HeartbeatLease):
                 with contextlib.suppress(FileNotFoundError):
                     os.rename(self.path, aside)
                     os.unlink(aside)
-                    log.warning(
-                        "safepoint: took over the stale lease of %s",
-                        describe_holder(holder) if holder else "an unreadable lease file",
-                    )
+                    self._took_over(holder)
                 tries += 1
                 continue
             self._start_heartbeat()

@@ -17,7 +17,7 @@ import pickle
 import queue
 import threading
 import warnings
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, NoReturn
@@ -49,6 +49,7 @@ from torch.futures import Future
 from safepoint.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError, os_error_in_chain
 from safepoint.store.checksum import ChecksummingWriter, ChecksumRecorder, ReadCoverage
 from safepoint.store.direct_read import DescriptionCache, read_in_place
+from safepoint.store.file_report import Files, split_files, with_files
 from safepoint.store.guard import open_regular, real_dir_problem
 from safepoint.store.item_writer import write_queue
 
@@ -186,7 +187,11 @@ class _ChecksummingFileSystem(FileSystem):
 
 
 class SafepointWriter(FileSystemWriter):
-    """DCP FileSystemWriter that records (size, crc32c) of every file it writes, as it writes."""
+    """DCP FileSystemWriter that records (size, crc32c) of every file it writes, as it writes, and hands
+    each rank's list to the coordinator through DCP's write collective (store/file_report.py)."""
+
+    rank_files: list[Files] | None = None
+    """Every rank's files, in rank order: set on the coordinator by :meth:`finish`."""
 
     def __init__(self, path: str | os.PathLike[str], *, thread_count: int = 1) -> None:
         super().__init__(
@@ -211,7 +216,11 @@ class SafepointWriter(FileSystemWriter):
             name, error = failure
             cause = os_error_in_chain(error)
             raise OSError(f"{what} writing {name}: {type(cause).__name__}: {cause}") from error
-        return fut
+        return with_files(fut, self.written_files())
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        self.rank_files, results = split_files(results)
+        super().finish(metadata, results)
 
     def _write_data(self, planner: SavePlanner, file_queue: queue.Queue[Any]) -> Future[list[WriteResult]]:
         # DCP's own loop calls torch.save once per tensor item; item_writer writes the same bytes from a
@@ -256,6 +265,17 @@ class SafeReader(FileSystemReader):
         self._checked_metadata = metadata
         self._expected = expected
         self._step = step
+        self.prepare: Callable[[], Metadata] | None = None
+        """Run by DCP's planning step on every rank, instead of reading ``.metadata``: what it raises
+        reaches every rank through DCP's plan collective (restore/restorer.py verifies this way)."""
+        self._deferred: Exception | None = None
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        if self._deferred is not None:
+            raise self._deferred
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if not _is_local(self.fs):
@@ -343,6 +363,15 @@ class SafeReader(FileSystemReader):
         return crc
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self.prepare is not None:
+            prepare, self.prepare = self.prepare, None
+            try:
+                self._checked_metadata = prepare()
+            except Exception as e:
+                # DCP turns a read_metadata failure into an AssertionError naming it; raised from
+                # set_up_storage_reader instead, it reaches every rank as itself.
+                self._deferred = e
+                self._checked_metadata = Metadata(state_dict_metadata={})
         if self._checked_metadata is not None:
             metadata = self._checked_metadata
         else:

@@ -83,7 +83,7 @@ class SingleTier:
         self._seen = 0
         self._started = time.time()
 
-    def take_ownership(self, stale_after_s: float) -> list[str]:
+    def take_ownership(self, stale_after_s: float, job: str | None = None) -> list[str]:
         return []
 
     def start(self) -> None:
@@ -121,7 +121,7 @@ class SingleTier:
         pass
 
     def restore(self, restorer: Restorer, state: TrainState, step: int | None) -> Manifest | None:
-        manifest = restorer.restore(state, step, lambda below: restorer.choose(step, below))
+        manifest = restorer.restore_newest(state, step)
         if manifest is not None:
             self.observe(manifest.step)
         return manifest
@@ -200,22 +200,28 @@ def _cannot_write(e: BaseException | None) -> OSError | None:
 
 
 def take_ownership(
-    comm: Comm, layout: Layout | RemoteLayout, tiers: SingleTier, root: str, stale_after_s: float
+    comm: Comm,
+    layout: Layout | RemoteLayout,
+    tiers: SingleTier,
+    root: str,
+    stale_after_s: float,
+    job: str | None = None,
 ) -> tuple[Any, CheckpointError | None, str | None]:
-    """Collective, at the manager's start: rank 0 takes the root (lease, cleanup of unfinished saves, the
-    tiers' own step); returns (rank 0's lease or None, the error every rank then raises, or None; why the
-    root can only be read, or None). An existing local root that cannot be written (read-only, full, no
-    permission) is read without the lease, with a warning: restoring changes nothing, and saves refuse."""
+    """Collective, at the manager's start: rank 0 takes the root for ``job`` (store/job.py: lease, cleanup
+    of unfinished saves, the tiers' own step); returns (rank 0's lease or None, the error every rank then
+    raises, or None; why the root can only be read, or None). An existing local root that cannot be
+    written (read-only, full, no permission) is read without the lease, with a warning: restoring changes
+    nothing, and saves refuse."""
     lease: Any = None
     error: CheckpointError | None = None
     read_only: str | None = None
     if comm.is_coordinator:
         try:
             layout.ensure_root()
-            lease = layout.lease(stale_after_s)
+            lease = layout.lease(stale_after_s, job)
             if lease is not None:
                 lease.acquire()
-            for line in [*layout.clean_pending(), *tiers.take_ownership(stale_after_s)]:
+            for line in [*layout.clean_pending(), *tiers.take_ownership(stale_after_s, job)]:
                 log.info("safepoint: %s", line)
         except (CheckpointError, OSError) as e:
             cause = _cannot_write(e)

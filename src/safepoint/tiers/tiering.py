@@ -80,11 +80,11 @@ class Tiering(SingleTier):
 
     # ---- lifecycle (manager's __init__ / close) ---------------------------------------------------------
 
-    def take_ownership(self, stale_after_s: float) -> list[str]:
+    def take_ownership(self, stale_after_s: float, job: str | None = None) -> list[str]:
         """Rank 0, during the manager's ownership step: lease + cleanup of the durable root, and a scan for
         local checkpoints that never became durable (a previous run died while uploading)."""
         self.durable.ensure_root()
-        self._lease = self.durable.lease(stale_after_s)
+        self._lease = self.durable.lease(stale_after_s, job)
         if self._lease is not None:
             self._lease.acquire()
         done = [f"durable tier: {line}" for line in self.durable.clean_pending()]

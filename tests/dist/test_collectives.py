@@ -1,0 +1,48 @@
+"""Collectives per save and per restore stay at most one above plain DCP's (issue 15, item 4).
+
+A real torchrun job (benchmarks/collectives.py) wraps every public collective of torch.distributed with a
+counter and counts them around a steady-state ``mgr.save``, ``mgr.restore``, and plain ``dcp.save`` /
+``dcp.load`` of the same state on the same group. safepoint's own traffic is one broadcast per save (rank
+0's verdict; DCP's write collective carries each rank's file list) and one per restore (the chosen step and
+its manifest; each rank's verification and the state check ride on DCP's plan collective).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import PYTHON, REPO, SUBPROCESS_ENV
+
+
+@pytest.mark.parametrize("ranks", [2])
+def test_save_and_restore_run_at_most_one_collective_more_than_plain_dcp(tmp_path: Path, ranks: int) -> None:
+    out = tmp_path / "counts.json"
+    cmd = [
+        PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+        str(REPO / "benchmarks" / "collectives.py"), str(out), str(tmp_path / "roots"),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(out.read_text())
+    total = {name: sum(calls.values()) for name, calls in counts.items() if name != "world"}
+    assert total["safepoint_save"] <= total["dcp_save"] + 1, counts
+    assert total["safepoint_restore"] <= total["dcp_load"] + 1, counts
+    # Gathers go to rank 0: no all-gather of safepoint's own in a save.
+    assert counts["safepoint_save"].get("all_gather_object", 0) == 0, counts
+
+
+def test_a_manifest_damaged_for_every_rank_is_corrupt_not_a_root_that_is_not_shared(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [
+        PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        str(REPO / "tests" / "procs" / "corrupt_manifest_worker.py"), str(tmp_path / "ckpt"), str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [(out / f"rank{r}").read_text() for r in (0, 1)] == ["1", "1"]  # fell back together
+    assert "skipping corrupt checkpoint: step 2" in proc.stderr
