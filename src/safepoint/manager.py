@@ -261,16 +261,20 @@ class CheckpointManager:
         self._check_step(step)
         if not isinstance(state, TrainState):
             raise ValueError(f"state must be a safepoint.TrainState, got {type(state).__name__}")
-        if self._read_only is not None:
-            raise LeaseError(f"not saving step {step}: {self._read_only} when this manager started")
-        if self._lease is not None:
-            self._lease.check()
+        self._check_owner(step)
         self._writer.raise_failure()
         self._tiers.raise_failure()
         clean = clean_metrics(metrics)
         if self._async:
             return self._save_async(step, state, clean), None
         return True, self._save_sync(step, state, clean)
+
+    def _check_owner(self, step: int) -> None:
+        """A LeaseError for a root this manager may not write (read-only, or the lease was lost)."""
+        if self._read_only is not None:
+            raise LeaseError(f"not saving step {step}: {self._read_only} when this manager started")
+        if self._lease is not None:
+            self._lease.check()
 
     def _save_sync(
         self,
@@ -281,6 +285,7 @@ class CheckpointManager:
         *,
         upload: bool = True,
     ) -> CheckpointInfo:
+        self._check_owner(step)  # again: the emergency save (preempt/) calls this directly
         with self._tiers.paused():  # uploads hold off while training waits for this save
             t0 = time.perf_counter()
             sd = state.capture(self.comm.rank)
