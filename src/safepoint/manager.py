@@ -172,8 +172,8 @@ class CheckpointManager:
         """The parts that need process groups (created here, in the same order on every rank)."""
         if durable is not None:
             check_keep_local_last(keep_local_last)
-        collective_timeout_s, writer_threads = cluster.collective_timeout_s, writer.threads
-        self.comm = self._new_comm(collective_timeout_s)
+        timeout, writer_threads = cluster.collective_timeout_s, writer.threads
+        self.comm = self._new_comm(timeout)
         self._agreement = self._schedule.attach(self.comm)
         # With tiering, local copies are pruned by the uploader (keep_local_last); `retention` is durable's.
         saver_retention = Retention() if durable is not None else retention
@@ -195,7 +195,7 @@ class CheckpointManager:
         self._writer = BackgroundWriter()
         # The writer thread runs collectives; it gets its own group so they never interleave with the
         # training thread's (maybe_save agreement, restore) on the same group.
-        self._bg_comm = self._new_comm(collective_timeout_s) if self._async else None
+        self._bg_comm = self._new_comm(timeout) if self._async else None
         self._bg_saver: SyncSaver | None = None
         if self._bg_comm is not None:
             wrap = None
@@ -212,7 +212,7 @@ class CheckpointManager:
         self._at_exit = self._async or durable is not None
         # The uploader's collectives get their own group too (created here: same order on every rank).
         self._tiers = (
-            Tiering(self.layout, durable, retention, keep_local_last, self._new_comm(collective_timeout_s))
+            Tiering(self.layout, durable, retention, keep_local_last, self._new_comm(timeout), verdicts)
             if durable is not None and isinstance(self.layout, Layout)
             else SingleTier(self.layout)
         )
