@@ -514,3 +514,29 @@ def test_durable_retention_keeps_the_newest_verified(tmp_path: Path, moto_endpoi
             mgr.save(15, s2.state())
             mgr.wait()
     assert RemoteLayout(url, opts).committed_steps() == [10, 15, 20]
+
+
+def test_object_replaced_after_verify_is_not_loaded(moto_endpoint: str, bucket: str) -> None:
+    """Data objects are checked as they are read, like local files: an object replaced between verification
+    and the load (same size, other values) is found and the restore falls back."""
+    from safepoint.dist import Comm
+    from safepoint.restore.restorer import Restorer
+
+    url, opts = f"s3://{bucket}/run", storage_options(moto_endpoint)
+    other = f"s3://{bucket}/other"
+    s = Setup()
+    with safepoint.CheckpointManager(url, storage_options=opts) as mgr:
+        for step in (1, 2):
+            s.step()
+            mgr.save(step, s.state())
+    with safepoint.CheckpointManager(other, storage_options=opts) as mgr:
+        s.step()
+        mgr.save(2, s.state())  # same shapes, other values
+    layout = RemoteLayout(url, opts)
+    restorer = Restorer(layout, Comm(60))
+    manifest = restorer.choose(None)
+    assert manifest is not None and manifest.step == 2
+    fs = _fs(moto_endpoint)
+    fs.pipe(f"{bucket}/run/step-2/__0_0.distcp", fs.cat(f"{bucket}/other/step-2/__0_0.distcp"))
+    with pytest.raises(safepoint.CorruptCheckpointError, match="__0_0.distcp.*as read"):
+        restorer.load(manifest, Setup().state())

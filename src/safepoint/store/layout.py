@@ -136,15 +136,13 @@ class Layout:
         missing = [p for p in (self.pending_root, self.root, *self.root.parents) if not p.exists()]
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            self.pending_root.mkdir(exist_ok=True)
+            # A .pending that is not a real directory (a symlink, a file) is left alone and reported by
+            # clean_pending; restores work, saves refuse to write through it (storage.py).
+            if real_dir_problem(self.pending_root) is None:
+                self.pending_root.mkdir(exist_ok=True)
             for created in reversed(missing):
                 fsync_dir(created.parent)
         except OSError as e:
-            if problem := real_dir_problem(self.pending_root):  # say which entry is in the way, and why
-                raise CheckpointError(
-                    f"cannot use checkpoint root {self.root}: {self.pending_root} is {problem}, not a "
-                    "directory (safepoint keeps saves in progress there); remove it"
-                ) from e
             raise CheckpointError(f"cannot create checkpoint root {self.root}: {e.strerror or e}") from e
 
     def check_readable(self) -> None:

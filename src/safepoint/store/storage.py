@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from safepoint.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError, os_error_in_chain
-from safepoint.store.checksum import ChecksummingWriter, ChecksumRecorder, ReadCoverage
+from safepoint.store.checksum import ChecksummingWriter, ChecksumRecorder, ReadCoverage, fd_range_crc32c
 from safepoint.store.direct_read import DescriptionCache, read_in_place
 from safepoint.store.guard import open_regular, real_dir_problem
 
@@ -267,7 +267,7 @@ class SafeReader(FileSystemReader):
                 size, crc = self._expected[name]
                 if os.fstat(fd).st_size != size:
                     self._changed(name, f"size {os.fstat(fd).st_size} != {size}")
-                coverage = ReadCoverage(fd, size, name)
+                coverage = ReadCoverage(lambda off, n: fd_range_crc32c(fd, off, n, name), size, name)
             # In file order: the reads then sweep the file once, front to back.
             for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
                 md: _StorageInfo = self.storage_data[req.storage_index]
@@ -299,6 +299,18 @@ class SafeReader(FileSystemReader):
         # (their crc32c is what is checked; the length was checked against the file's real size).
         raw = bytearray(md.length)
         got = os.preadv(fd, [raw], md.offset) if md.length else 0
+        return self._load_item_bytes(req, md, raw, got, planner, target)
+
+    def _load_item_bytes(
+        self,
+        req: ReadItem,
+        md: _StorageInfo,
+        raw: bytes | bytearray,
+        got: int,
+        planner: LoadPlanner,
+        target: torch.Tensor | None,
+    ) -> int:
+        """Load one item from its bytes as read (``got`` of them); the crc32c of those bytes."""
         if got != md.length:
             raise CorruptCheckpointError(
                 self._step, md.relative_path, f"item {req.storage_index.fqn!r} is cut short"
