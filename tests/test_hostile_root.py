@@ -505,8 +505,31 @@ def test_parked_copy_is_kept_when_its_step_is_a_symlink(root: Path, outside: Pat
     assert sorted(p.name for p in outside.iterdir()) == ["precious.txt", "sub"]
 
 
-def test_a_pending_that_is_a_file_is_named_in_the_error(root: Path) -> None:
-    root.mkdir()
+def test_a_pending_that_is_a_file_is_reported_and_restores_still_work(root: Path) -> None:
+    """A .pending that is a regular file made opening the root fail with a generic 'File exists': even a
+    restore was refused. It is now reported like a symlinked .pending, restores work, saves refuse."""
+    saved = _save(root, 1)
+    os.rmdir(root / ".pending")
     (root / ".pending").write_bytes(b"x")
-    with pytest.raises(safepoint.CheckpointError, match=r"\.pending is a regular file, not a directory"):
-        safepoint.CheckpointManager(root)
+    with pytest.warns(UserWarning, match=r"\.pending is a regular file, not a directory"):
+        with safepoint.CheckpointManager(root) as mgr:
+            model = _model(0)
+            assert mgr.restore(safepoint.TrainState(model=model)) == 1
+            _assert_weights(model.state_dict(), saved[1])
+            with pytest.raises(safepoint.SaveError, match=r"\.pending is a regular file, not a directory"):
+                mgr.save(2, safepoint.TrainState(model=model))
+    assert (root / ".pending").read_bytes() == b"x"
+
+
+def test_an_offset_repointed_inside_a_verified_file_falls_back(root: Path) -> None:
+    """Offsets pointed at byte 1 of the data file (manifest re-forged): the bytes there are no pickle.
+    That was taken for a checkpoint that tried to run code (UnsafeCheckpointError: restore stopped); it is
+    damage, and restore falls back to the intact step."""
+    saved = _save(root, 1, 2)
+    kind = type(next(iter(read_metadata_file(root / "step-2" / METADATA_NAME).storage_data.values())))
+    _rewrite_metadata(
+        root / "step-2", lambda i: kind(i.relative_path, 1, i.length, i.transform_descriptors)
+    )
+    step, weights, msgs = _restore(root)
+    assert step == 1 and any("step 2" in s for s in msgs)
+    _assert_weights(weights, saved[1])

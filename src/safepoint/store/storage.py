@@ -361,6 +361,12 @@ def weights_only_load(stream: IO[bytes], fqn: str) -> Any:
         why = next(
             (ln.strip() for ln in detail if "WeightsUnpickler error" in ln), detail[-1] if detail else ""
         )
+        if not any("global" in ln.lower() for ln in detail):
+            # No refused global: these bytes are no pickle at all (an offset re-pointed inside a verified
+            # file, say). Damage to fall back from, not a checkpoint that tried to run code.
+            raise CorruptCheckpointError(
+                None, None, f"item {fqn!r} is not a readable torch.save record ({why or 'unpickling failed'})"
+            ) from None
         raise UnsafeCheckpointError(
             None, None, f"refusing to load item {fqn!r}: it is not plain data ({why})"
         ) from None
