@@ -527,9 +527,20 @@ def test_an_offset_repointed_inside_a_verified_file_falls_back(root: Path) -> No
     damage, and restore falls back to the intact step."""
     saved = _save(root, 1, 2)
     kind = type(next(iter(read_metadata_file(root / "step-2" / METADATA_NAME).storage_data.values())))
-    _rewrite_metadata(
-        root / "step-2", lambda i: kind(i.relative_path, 1, i.length, i.transform_descriptors)
-    )
+    _rewrite_metadata(root / "step-2", lambda i: kind(i.relative_path, 1, i.length, i.transform_descriptors))
     step, weights, msgs = _restore(root)
     assert step == 1 and any("step 2" in s for s in msgs)
     _assert_weights(weights, saved[1])
+
+
+def test_deleting_a_step_never_moves_it_through_a_symlinked_pending(root: Path, outside: Path) -> None:
+    """Retention and prune moved the doomed step into .pending before deleting it: through a .pending that
+    is a symlink, into the directory outside ROOT, and deleted it there. It is now deleted in place."""
+    _save(root, 1, 2)
+    os.rmdir(root / ".pending")
+    (root / ".pending").symlink_to(outside, target_is_directory=True)
+    os.utime(outside, (1_000_000, 2_000_000))
+    assert main(["prune", str(root), "--keep-last", "1"]) == 0
+    assert not (root / "step-1").exists() and (root / "step-2").is_dir()
+    assert outside.stat().st_mtime == 2_000_000, "an entry was made or removed outside ROOT"
+    assert sorted(p.name for p in outside.iterdir()) == ["precious.txt", "sub"]

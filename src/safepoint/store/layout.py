@@ -352,8 +352,12 @@ class Layout:
         src = self.step_path(step)
         if problem := real_dir_problem(src):
             raise OSError(f"not deleting {src}: it is {problem}, not a checkpoint directory")
-        doomed = self.pending_root / f"{_DELETING_PREFIX}{src.name}-{uuid.uuid4().hex[:8]}"
         self.fence(f"deleting step {step}")
+        if real_dir_problem(self.pending_root) or not self.pending_root.exists():
+            # Moving it into a .pending that is a symlink would move it (and delete it) outside ROOT.
+            _remove_manifest_first(src)  # unlisted first, then deleted in place
+            return
+        doomed = self.pending_root / f"{_DELETING_PREFIX}{src.name}-{uuid.uuid4().hex[:8]}"
         os.rename(src, doomed)
         fsync_dir(self.root)
         remove_tree(doomed)
