@@ -136,8 +136,7 @@ class Layout:
         missing = [p for p in (self.pending_root, self.root, *self.root.parents) if not p.exists()]
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            # A .pending that is not a real directory (a symlink, a file) is left alone and reported by
-            # clean_pending; restores work, saves refuse to write through it (storage.py).
+            # A .pending that is not a real directory is left alone, reported by clean_pending (saves refuse).
             if real_dir_problem(self.pending_root) is None:
                 self.pending_root.mkdir(exist_ok=True)
             for created in reversed(missing):
@@ -354,8 +353,7 @@ class Layout:
             raise OSError(f"not deleting {src}: it is {problem}, not a checkpoint directory")
         self.fence(f"deleting step {step}")
         if real_dir_problem(self.pending_root) or not self.pending_root.exists():
-            # Moving it into a .pending that is a symlink would move it (and delete it) outside ROOT.
-            _remove_manifest_first(src)  # unlisted first, then deleted in place
+            _remove_manifest_first(src)  # in place: through a symlinked .pending it would go outside ROOT
             return
         doomed = self.pending_root / f"{_DELETING_PREFIX}{src.name}-{uuid.uuid4().hex[:8]}"
         os.rename(src, doomed)
