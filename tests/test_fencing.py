@@ -42,8 +42,8 @@ JOB_A = textwrap.dedent(
         def load_state_dict(self, sd):
             pass
 
-    kw = {} if mode == "sync" else {"async_save": True, "async_writer": mode}
-    mgr = safepoint.CheckpointManager(root, lease_stale_after_s=STALE, **kw)
+    kw = {} if mode == "sync" else {"async_save": True, "writer": safepoint.WriterOptions(async_writer=mode)}
+    mgr = safepoint.CheckpointManager(root, cluster=safepoint.ClusterOptions(lease_stale_after_s=STALE), **kw)
     mgr.save(1, safepoint.TrainState(rng=False, extra={"who": "A"}))
     mgr.wait()
     try:
@@ -68,7 +68,7 @@ JOB_B = textwrap.dedent(
     deadline = time.monotonic() + 120
     while True:
         try:
-            mgr = safepoint.CheckpointManager(root, lease_stale_after_s=STALE)
+            mgr = safepoint.CheckpointManager(root, cluster=safepoint.ClusterOptions(lease_stale_after_s=STALE))
             break
         except safepoint.LeaseError:
             assert time.monotonic() < deadline, "the lease of job A never went stale"
@@ -172,7 +172,9 @@ def test_deletes_and_commits_are_fenced_by_the_lease_on_disk(root: Path) -> None
 def test_a_deleted_root_is_never_recreated_and_committed_to_without_a_lease(root: Path) -> None:
     # issue 13, finding 10: the root deleted while an async save runs; the next save must not commit into
     # a recreated root that no lease guards.
-    mgr = safepoint.CheckpointManager(root, async_save=True, async_writer="thread")
+    mgr = safepoint.CheckpointManager(
+        root, async_save=True, writer=safepoint.WriterOptions(async_writer="thread")
+    )
     try:
         mgr.save(1, safepoint.TrainState(rng=False, extra={"n": 1}))
         mgr.wait()  # (deleting while the writer creates files races rmtree itself, not safepoint)
