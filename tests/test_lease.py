@@ -236,12 +236,14 @@ def test_lease_staleness_must_exceed_twice_the_heartbeat(tmp_path: Path, stale: 
         Lease(tmp_path, stale_after_s=stale, heartbeat_s=15.0)
     if stale != 30.0:  # the manager derives its heartbeat (a quarter of the limit at most)
         with pytest.raises(ValueError, match="lease_stale_after_s"):
-            safepoint.CheckpointManager(tmp_path / "ckpt", lease_stale_after_s=stale)
+            safepoint.CheckpointManager(
+                tmp_path / "ckpt", cluster=safepoint.ClusterOptions(lease_stale_after_s=stale)
+            )
     assert not (tmp_path / "ckpt").exists()  # refused before touching the root
 
 
 def test_manager_heartbeat_is_a_quarter_of_a_short_staleness_limit(root: Path) -> None:
-    with safepoint.CheckpointManager(root, lease_stale_after_s=2.0) as mgr:
+    with safepoint.CheckpointManager(root, cluster=safepoint.ClusterOptions(lease_stale_after_s=2.0)) as mgr:
         assert mgr._lease.heartbeat_s == 0.5
     with safepoint.CheckpointManager(root) as mgr:
         assert mgr._lease.heartbeat_s == 15.0
