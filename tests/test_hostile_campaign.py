@@ -369,9 +369,13 @@ def _attack(a: Attack, p: Pristine, w: World) -> None:
             shutil.rmtree(pending)
             pending.write_bytes(b"x")
         elif how == 2:
-            (pending / f"replaced-step-{a.step}-1234abcd").symlink_to(w.outside, target_is_directory=True)
+            with contextlib.suppress(FileExistsError):  # the same attack drawn twice
+                (pending / f"replaced-step-{a.step}-1234abcd").symlink_to(w.outside, target_is_directory=True)
         else:
-            (pending / f"step-{a.step + 10}-abcdef").symlink_to(w.outside / "dir", target_is_directory=True)
+            with contextlib.suppress(FileExistsError):
+                (pending / f"step-{a.step + 10}-abcdef").symlink_to(
+                    w.outside / "dir", target_is_directory=True
+                )
 
 
 # ---- the invariants ----------------------------------------------------------------------------------------
