@@ -53,11 +53,9 @@ class CheckpointManager:
     Args:
         root: checkpoint directory (created if missing), or a URL (``s3://bucket/run``; any fsspec URL).
         save_every_steps: ``maybe_save`` saves when ``step`` is a multiple of this.
-        save_every_seconds: ``maybe_save`` saves when this many seconds passed since the last save
-            (ranks agree: due on all or on none). ``"auto"`` (or a ``safepoint.AdaptiveInterval``, whose
-            ``mtbf_s`` gives M): the interval from the measured blocking cost of recent saves and the MTBF,
-            by Daly's formula; M is otherwise learned from the restarts recorded in ``ROOT/.attempts.json``.
-            See docs/preemption.md.
+        save_every_seconds: ``maybe_save`` saves when this many seconds passed since the last save (ranks
+            agree); ``"auto"`` or a ``safepoint.AdaptiveInterval``: Daly's interval from the measured save
+            cost and the MTBF (docs/preemption.md).
         keep_last / keep_every_steps / keep_best (+ best_metric, best_mode): retention; the union of
             what each keeps survives, and the newest checkpoint always does. None of them: keep all.
         async_save: ``save``/``maybe_save`` block only while the state is copied into reused host buffers;
@@ -66,18 +64,15 @@ class CheckpointManager:
             uploader makes each one durable at ``root``. keep_local_last: local copies kept (default 1;
             never one that is not durable yet). storage_options: passed to fsspec (endpoint, credentials).
             ``transfer=safepoint.TransferConfig(...)``: retries, concurrency, part sizes. See docs/storage.md.
-        preemption_signals: notice signals (default: none). On a notice, the next ``maybe_save`` (all ranks
-            agree) saves the current step synchronously and raises ``safepoint.Preempted``.
-            ``preemption=safepoint.PreemptionOptions(...)`` adds a sentinel file, a polled callable and the
-            exit code.
+        preemption_signals: notice signals (default: none). On a notice, the next ``maybe_save`` saves the
+            current step and raises ``safepoint.Preempted``; ``preemption=`` adds other notice sources.
         grace_seconds: time from a notice to SIGKILL; a save expected not to fit is skipped and logged
             (with tiering, one whose upload alone does not fit is committed locally only).
         writer: ``safepoint.WriterOptions``: the async writer (process or thread), what a save does while
             the previous one writes, DCP writer threads.
-        cluster: ``safepoint.ClusterOptions``: the collective timeout and when a lease is stale.
-        resume: what ``restore`` does: "auto" (the newest intact checkpoint, else step 0), "required"
-            (raise CheckpointError naming the root and what it holds if there is none), "never" (step 0;
-            existing checkpoints are kept, not loaded). A new root is created with a WARNING.
+        cluster: ``safepoint.ClusterOptions``: collective timeout, lease staleness, the job's identity.
+        resume: "auto" (the newest intact checkpoint, else step 0), "required" (CheckpointError naming the
+            root and what it holds if there is none), "never" (step 0; checkpoints kept, not loaded).
         init_from: a warm start (root, step-N directory or ``safepoint.WarmStart``) when ``root`` has none.
 
     Keywords that moved into an option object fail with their new home named (``options.MOVED_KEYWORDS``).
@@ -178,8 +173,8 @@ class CheckpointManager:
         """The parts that need process groups (created here, in the same order on every rank)."""
         if durable is not None:
             check_keep_local_last(keep_local_last)
-        collective_timeout_s, writer_threads = cluster.collective_timeout_s, writer.threads
-        self.comm = self._new_comm(collective_timeout_s)
+        timeout, writer_threads = cluster.collective_timeout_s, writer.threads
+        self.comm = self._new_comm(timeout)
         self._agreement = self._schedule.attach(self.comm)
         # With tiering, local copies are pruned by the uploader (keep_local_last); `retention` is durable's.
         saver_retention = Retention() if durable is not None else retention
@@ -201,7 +196,7 @@ class CheckpointManager:
         self._writer = BackgroundWriter()
         # The writer thread runs collectives; it gets its own group so they never interleave with the
         # training thread's (maybe_save agreement, restore) on the same group.
-        self._bg_comm = self._new_comm(collective_timeout_s) if self._async else None
+        self._bg_comm = self._new_comm(timeout) if self._async else None
         self._bg_saver: SyncSaver | None = None
         if self._bg_comm is not None:
             wrap = None
@@ -218,7 +213,7 @@ class CheckpointManager:
         self._at_exit = self._async or durable is not None
         # The uploader's collectives get their own group too (created here: same order on every rank).
         self._tiers = (
-            Tiering(self.layout, durable, retention, keep_local_last, self._new_comm(collective_timeout_s))
+            Tiering(self.layout, durable, retention, keep_local_last, self._new_comm(timeout), verdicts)
             if durable is not None and isinstance(self.layout, Layout)
             else SingleTier(self.layout)
         )
@@ -267,16 +262,20 @@ class CheckpointManager:
         check_step(step)
         if not isinstance(state, TrainState):
             raise ValueError(f"state must be a safepoint.TrainState, got {type(state).__name__}")
-        if self._read_only is not None:
-            raise LeaseError(f"not saving step {step}: {self._read_only} when this manager started")
-        if self._lease is not None:
-            self._lease.check()
+        self._check_owner(step)
         self._writer.raise_failure()
         self._tiers.raise_failure()
         clean = clean_metrics(metrics)
         if self._async:
             return self._save_async(step, state, clean), None
         return True, self._save_sync(step, state, clean)
+
+    def _check_owner(self, step: int) -> None:
+        """A LeaseError for a root this manager may not write (read-only, or the lease was lost)."""
+        if self._read_only is not None:
+            raise LeaseError(f"not saving step {step}: {self._read_only} when this manager started")
+        if self._lease is not None:
+            self._lease.check()
 
     def _save_sync(
         self,
@@ -287,6 +286,7 @@ class CheckpointManager:
         *,
         upload: bool = True,
     ) -> CheckpointInfo:
+        self._check_owner(step)  # again: the emergency save (preempt/) calls this directly
         with self._tiers.paused():  # uploads hold off while training waits for this save
             t0 = time.perf_counter()
             sd = state.capture(self.comm.rank)

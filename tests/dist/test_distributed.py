@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 import safepoint
 from safepoint.data import rng
 from safepoint.store.layout import Layout
-from safepoint.store.storage import SafeLoadPlanner, SafeReader
+from safepoint.store.reader import SafeLoadPlanner, SafeReader
 from tests.conftest import REPO
 from tests.dist.launch import assert_bitwise, events, finish, load, start
 

@@ -486,3 +486,57 @@ def test_cli_ls_and_verify_read_s3_urls(
     assert cli.main(["verify", url, "--all"]) == 1
     out = capsys.readouterr().out
     assert "ok      step 1" in out and "CORRUPT step 2: __0_0.distcp: crc32c" in out, out
+
+
+def test_durable_retention_keeps_the_newest_verified(tmp_path: Path, moto_endpoint: str, bucket: str) -> None:
+    """Steps 10 and 20 are durable, 20 rots in both tiers. A keep_last=1 restart restores 10 and saves 15:
+    15 is uploaded (not "superseded" by the corrupt 20), 10 (the newest verified) survives durable retention,
+    and the corrupt 20 is left alone. The old rule kept only the corrupt 20, and a restart began at 0."""
+    url, opts, local = f"s3://{bucket}/run", storage_options(moto_endpoint), tmp_path / "l"
+    kw: dict[str, Any] = dict(local_root=local, storage_options=opts, keep_last=1, keep_local_last=2)
+    s = Setup()
+    with safepoint.CheckpointManager(url, local_root=local, storage_options=opts) as mgr:  # keeps all
+        for step in (10, 20):
+            s.step()
+            mgr.save(step, s.state())
+            mgr.wait()
+    assert RemoteLayout(url, opts).committed_steps() == [10, 20]
+    data = local / "step-20" / "__0_0.distcp"
+    rotten = bytearray(data.read_bytes())
+    rotten[len(rotten) // 2] ^= 0xFF
+    data.write_bytes(bytes(rotten))
+    _fs(moto_endpoint).pipe(f"{bucket}/run/step-20/__0_0.distcp", bytes(rotten))
+    s2 = Setup()
+    with pytest.warns(UserWarning, match="step 20"):
+        with safepoint.CheckpointManager(url, **kw) as mgr:
+            assert mgr.restore(s2.state()) == 10
+            s2.step()
+            mgr.save(15, s2.state())
+            mgr.wait()
+    assert RemoteLayout(url, opts).committed_steps() == [10, 15, 20]
+
+
+def test_object_replaced_after_verify_is_not_loaded(moto_endpoint: str, bucket: str) -> None:
+    """Data objects are checked as they are read, like local files: an object replaced between verification
+    and the load (same size, other values) is found and the restore falls back."""
+    from safepoint.dist import Comm
+    from safepoint.restore.restorer import Restorer
+
+    url, opts = f"s3://{bucket}/run", storage_options(moto_endpoint)
+    other = f"s3://{bucket}/other"
+    s = Setup()
+    with safepoint.CheckpointManager(url, storage_options=opts) as mgr:
+        for step in (1, 2):
+            s.step()
+            mgr.save(step, s.state())
+    with safepoint.CheckpointManager(other, storage_options=opts) as mgr:
+        s.step()
+        mgr.save(2, s.state())  # same shapes, other values
+    layout = RemoteLayout(url, opts)
+    restorer = Restorer(layout, Comm(60))
+    manifest = restorer.choose(None)
+    assert manifest is not None and manifest.step == 2
+    fs = _fs(moto_endpoint)
+    fs.pipe(f"{bucket}/run/step-2/__0_0.distcp", fs.cat(f"{bucket}/other/step-2/__0_0.distcp"))
+    with pytest.raises(safepoint.CorruptCheckpointError, match="__0_0.distcp.*as read"):
+        restorer.load(manifest, Setup().state())

@@ -227,7 +227,8 @@ def test_restore_reads_every_tensor_in_place(root: Path, monkeypatch: pytest.Mon
 def test_in_place_reads_fall_back_for_other_dtypes_and_layouts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from safepoint.store.storage import SafeLoadPlanner, SafepointWriter, SafeReader
+    from safepoint.store.reader import SafeLoadPlanner, SafeReader
+    from safepoint.store.storage import SafepointWriter
 
     src = {
         "a": torch.randn(6, 4),

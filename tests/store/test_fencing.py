@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -269,3 +270,31 @@ def test_a_full_disk_restores_without_the_lease(tmpfs: Path) -> None:
         f.flush()
         os.fsync(f.fileno())
     _restores_without_the_lease(root, "No space left on device")
+
+
+def test_an_emergency_save_on_a_read_only_root_is_a_lease_error(tmpfs: Path, tmp_path: Path) -> None:
+    """The emergency save called the writer directly and failed with an OS error on a read-only root; it
+    now refuses like save() does: a LeaseError, nothing saved, and the restart resumes from step 5."""
+    root = tmpfs / "ckpt"
+    _save_one(root)
+    subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
+    flag = tmp_path / "preempt"
+    state = safepoint.TrainState(rng=False, extra={"t": torch.zeros(64)})
+    with pytest.warns(ReadOnlyRootWarning):
+        mgr = safepoint.CheckpointManager(root, preemption=safepoint.PreemptionOptions(file=flag))
+    try:
+        assert mgr.restore(state) == 5
+        flag.touch()
+        deadline = time.monotonic() + 120  # the file is polled in the background: wait for its notice
+        with pytest.raises(safepoint.Preempted) as info:
+            step = 6
+            while time.monotonic() < deadline:
+                mgr.maybe_save(step, state)
+                step += 1
+                time.sleep(0.01)
+        assert info.value.saved_step is None and info.value.resume_step == 5
+        assert isinstance(info.value.__cause__, safepoint.LeaseError)
+        assert "cannot take the lease" in str(info.value.__cause__)
+    finally:
+        with contextlib.suppress(safepoint.CheckpointError):
+            mgr.close()

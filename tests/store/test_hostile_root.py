@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import safepoint
-from safepoint.cli import main
+from safepoint.cli.main import main
 from safepoint.cli.tools import scan, step_dirs
 from safepoint.dist import Comm
 from safepoint.restore.restorer import CheckpointWarning, Restorer
@@ -438,3 +438,127 @@ def test_verify_all_reports_an_unreadable_file_as_nobody(tmp_path: Path) -> None
     assert "Traceback" not in proc.stderr
     assert "ok      step 1" in proc.stdout and "ok      step 3" in proc.stdout
     assert "Permission denied" in proc.stdout and "3 checked: 2 intact, 1 corrupt" in proc.stdout
+
+
+# ---- found by the campaign (tests/test_hostile_campaign.py) ----------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["symlink_outside", "fifo"])
+def test_a_manifest_is_never_read_through_a_symlink_or_from_a_fifo(
+    root: Path, outside: Path, how: str
+) -> None:
+    """A manifest linked to a file elsewhere was read from there (one linked to /dev/zero was read until
+    memory ran out); a FIFO blocked. Only a regular file in the step directory is a manifest."""
+    saved = _save(root, 1, 2)
+    manifest = root / "step-2" / MANIFEST_NAME
+    if how == "symlink_outside":
+        elsewhere = outside / MANIFEST_NAME
+        elsewhere.write_bytes(manifest.read_bytes())  # the true manifest, kept outside ROOT
+        manifest.unlink()
+        manifest.symlink_to(elsewhere)
+    else:
+        manifest.unlink()
+        os.mkfifo(manifest)
+    step, weights, _ = _restore(root)
+    assert step == 1
+    _assert_weights(weights, saved[1])
+    assert main(["verify", str(root), "--all"]) in (0, 1)  # no hang, no traceback
+
+
+def test_verify_and_prune_refuse_a_forged_metadata(root: Path, tmp_path: Path) -> None:
+    """A .metadata whose storage path leaves the checkpoint, with a forged manifest, verifies byte for byte;
+    restore refuses it, so `verify` must report it and `prune` must not keep it as the newest (it deleted
+    step 1, the newest checkpoint restore accepts)."""
+    _save(root, 1, 2)
+    stolen = tmp_path / "stolen.distcp"
+    stolen.write_bytes((root / "step-2" / DATA_FILE).read_bytes())
+    kind = type(next(iter(read_metadata_file(root / "step-2" / METADATA_NAME).storage_data.values())))
+    _rewrite_metadata(
+        root / "step-2", lambda i: kind(str(stolen), i.offset, i.length, i.transform_descriptors)
+    )
+    assert main(["verify", str(root), "--step", "2"]) == 1
+    assert main(["prune", str(root), "--keep-last", "1"]) == 0
+    assert (root / "step-1").is_dir() and (root / "step-2").is_dir()
+
+
+def test_ls_warns_of_a_hostile_pending_in_an_empty_root(
+    root: Path, outside: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root.mkdir()
+    (root / ".pending").symlink_to(outside, target_is_directory=True)
+    assert main(["ls", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "no checkpoints" in out and "warning" in out and ".pending" in out
+
+
+def test_parked_copy_is_kept_when_its_step_is_a_symlink(root: Path, outside: Path) -> None:
+    """An interrupted replacement left the good copy parked in .pending; step-N is now a symlink. The link
+    is not followed or replaced, and the parked copy (maybe the only good one) is kept, with a warning."""
+    _save(root, 1)
+    parked = root / ".pending" / "replaced-step-1-1234abcd"
+    os.rename(root / "step-1", parked)
+    (root / "step-1").symlink_to(outside, target_is_directory=True)
+    with pytest.warns(UserWarning, match="kept the parked copy"):
+        with safepoint.CheckpointManager(root):
+            pass
+    assert (parked / MANIFEST_NAME).is_file() and (root / "step-1").is_symlink()
+    assert sorted(p.name for p in outside.iterdir()) == ["precious.txt", "sub"]
+
+
+def test_a_pending_that_is_a_file_is_reported_and_restores_still_work(root: Path) -> None:
+    """A .pending that is a regular file made opening the root fail with a generic 'File exists': even a
+    restore was refused. It is now reported like a symlinked .pending, restores work, saves refuse."""
+    saved = _save(root, 1)
+    os.rmdir(root / ".pending")
+    (root / ".pending").write_bytes(b"x")
+    with pytest.warns(UserWarning, match=r"\.pending is a regular file, not a directory"):
+        with safepoint.CheckpointManager(root) as mgr:
+            model = _model(0)
+            assert mgr.restore(safepoint.TrainState(model=model)) == 1
+            _assert_weights(model.state_dict(), saved[1])
+            with pytest.raises(safepoint.SaveError, match=r"\.pending is a regular file, not a directory"):
+                mgr.save(2, safepoint.TrainState(model=model))
+    assert (root / ".pending").read_bytes() == b"x"
+
+
+def test_an_offset_repointed_inside_a_verified_file_falls_back(root: Path) -> None:
+    """Offsets pointed at byte 1 of the data file (manifest re-forged): the bytes there are no pickle.
+    That was taken for a checkpoint that tried to run code (UnsafeCheckpointError: restore stopped); it is
+    damage, and restore falls back to the intact step."""
+    saved = _save(root, 1, 2)
+    kind = type(next(iter(read_metadata_file(root / "step-2" / METADATA_NAME).storage_data.values())))
+    _rewrite_metadata(root / "step-2", lambda i: kind(i.relative_path, 1, i.length, i.transform_descriptors))
+    step, weights, msgs = _restore(root)
+    assert step == 1 and any("step 2" in s for s in msgs)
+    _assert_weights(weights, saved[1])
+
+
+def test_deleting_a_step_never_moves_it_through_a_symlinked_pending(root: Path, outside: Path) -> None:
+    """Retention and prune moved the doomed step into .pending before deleting it: through a .pending that
+    is a symlink, into the directory outside ROOT, and deleted it there. It is now deleted in place."""
+    _save(root, 1, 2)
+    os.rmdir(root / ".pending")
+    (root / ".pending").symlink_to(outside, target_is_directory=True)
+    os.utime(outside, (1_000_000, 2_000_000))
+    assert main(["prune", str(root), "--keep-last", "1"]) == 0
+    assert not (root / "step-1").exists() and (root / "step-2").is_dir()
+    assert outside.stat().st_mtime == 2_000_000, "an entry was made or removed outside ROOT"
+    assert sorted(p.name for p in outside.iterdir()) == ["precious.txt", "sub"]
+
+
+def test_metadata_objects_missing_a_field_are_corruption(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A .metadata whose storage info comes back without `offset` (pickle restores whatever state the bytes
+    carry; manifest re-forged): `verify` raised AttributeError with a traceback. It is damage."""
+    saved = _save(root, 1, 2)
+    md = read_metadata_file(root / "step-2" / METADATA_NAME)
+    for info in md.storage_data.values():
+        object.__delattr__(info, "offset")
+    (root / "step-2" / METADATA_NAME).write_bytes(pickle.dumps(md))
+    _reforge(root / "step-2")
+    assert main(["verify", str(root), "--step", "2"]) == 1
+    assert "offset" in capsys.readouterr().out
+    step, weights, msgs = _restore(root)
+    assert step == 1 and any("step 2" in s for s in msgs)
+    _assert_weights(weights, saved[1])

@@ -28,6 +28,8 @@ from safepoint.cli.common import (
 )
 from safepoint.errors import CheckpointError, CorruptCheckpointError
 from safepoint.policy.rules import build_retention
+from safepoint.remote.layout import RemoteLayout
+from safepoint.store.layout import Layout
 
 _STATUS_STYLE = {tools.OK: "green", tools.CORRUPT: "bold red", tools.PARTIAL: "yellow", tools.IGNORED: "red"}
 
@@ -40,6 +42,7 @@ def cmd_ls(args: argparse.Namespace, out: Console, err: Console) -> int:
         return EXIT_OK
     if not entries:
         out.print(f"no checkpoints in {escape(str(layout.root))}")
+        _pending_notes(layout, out)  # a hostile .pending matters most when nothing else is there
         return EXIT_OK
     table = Table(title=escape(str(layout.root)), title_justify="left")
     problems = any(e.reason for e in entries)
@@ -50,6 +53,11 @@ def cmd_ls(args: argparse.Namespace, out: Console, err: Console) -> int:
         row = [str(e.step), when(e.time), decimal(e.bytes), status, e.tier, metrics_text(e.metrics)]
         table.add_row(*row, *([escape(e.reason or "")] if problems else []))
     out.print(table)
+    _pending_notes(layout, out)
+    return EXIT_OK
+
+
+def _pending_notes(layout: Layout | RemoteLayout, out: Console) -> None:
     if odd := tools.pending_problem(layout):
         out.print(f"[red]warning[/]: {escape(odd)}")
     pending = tools.pending_saves(layout)
@@ -58,7 +66,6 @@ def cmd_ls(args: argparse.Namespace, out: Console, err: Console) -> int:
             f"[dim]{len(pending)} entr{'y' if len(pending) == 1 else 'ies'} under .pending/ (saves in "
             "progress or abandoned; never listed or loaded)[/]"
         )
-    return EXIT_OK
 
 
 def cmd_verify(args: argparse.Namespace, out: Console, err: Console) -> int:

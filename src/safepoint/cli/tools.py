@@ -246,6 +246,14 @@ def verify_step(
             on_file(name, manifest.files[name].size)
     if METADATA_NAME not in manifest.files:
         problems.append(Problem(step, METADATA_NAME, "not listed in the manifest (not a DCP checkpoint)"))
+    elif not problems:
+        # Checksums are no MAC: a forged .metadata whose storage paths leave the checkpoint, or whose offsets
+        # lie outside its files, verifies byte for byte. Restore refuses it; so must verify (and prune, which
+        # must never count it as the newest intact checkpoint).
+        try:
+            layout.read_metadata(step, manifest)
+        except CorruptCheckpointError as e:
+            problems.append(Problem(step, e.file or METADATA_NAME, e.reason))
     return manifest, problems
 
 

@@ -23,7 +23,7 @@ from safepoint.state import MODEL, SECTIONS
 from safepoint.store.guard import as_corruption
 from safepoint.store.layout import Layout
 from safepoint.store.manifest import Manifest
-from safepoint.store.storage import SafeLoadPlanner
+from safepoint.store.reader import SafeLoadPlanner
 
 Include = Callable[[str], bool]
 

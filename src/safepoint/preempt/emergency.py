@@ -8,7 +8,7 @@ import logging
 import time
 from typing import Any, NoReturn, Protocol
 
-from safepoint.errors import SaveError
+from safepoint.errors import LeaseError, SaveError
 from safepoint.policy.history import RunHistory, outcome_of
 from safepoint.policy.schedule import SaveSchedule
 from safepoint.preempt.preemption import Preemption
@@ -24,7 +24,8 @@ log = logging.getLogger("safepoint")
 
 
 class SyncSave(Protocol):
-    """The manager's synchronous save (``CheckpointManager._save_sync``)."""
+    """The manager's synchronous save (``CheckpointManager._save_sync``); a LeaseError for a root the
+    manager may not write (read-only, lease lost)."""
 
     def __call__(
         self,
@@ -62,7 +63,7 @@ class EmergencySave:
             log.error("safepoint: the save in flight failed (%s); the emergency save replaces it", e)
             self._schedule.at(None)
         saved, plan = (step if step == self._schedule.last_step else None), None
-        cause: SaveError | None = None
+        cause: SaveError | LeaseError | None = None
         if saved is None:
             plan = self.preemption.plan(self._tiers.estimates(), step)
             if plan.saves:
@@ -76,7 +77,7 @@ class EmergencySave:
                     log.warning(
                         "safepoint: emergency save of step %d took %.2fs", step, time.perf_counter() - t0
                     )
-                except SaveError as e:
+                except (SaveError, LeaseError) as e:  # LeaseError: a read-only root, or a lost lease
                     log.error("safepoint: emergency save of step %d failed: %s", step, e)
                     cause = e
         self._tiers.preempted(plan, self.preemption.end_of_grace())

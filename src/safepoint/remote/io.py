@@ -5,8 +5,8 @@ for local roots: every write stream is a ``ChecksummingWriter`` (crc32c as bytes
 upload stream (``ObjectStore.open_writer``; on S3 parts go up while DCP is still writing and S3 checks each
 part's CRC32C). A stream that fails is aborted, so no partial object is left to look complete.
 
-The reader is ``storage.SafeReader`` (metadata unpickled with an allowlist) over the same file system;
-load with ``storage.SafeLoadPlanner`` (non-tensor items with ``weights_only=True``).
+The reader is ``reader.SafeReader`` (metadata unpickled with an allowlist) over the same file system;
+load with ``reader.SafeLoadPlanner`` (non-tensor items with ``weights_only=True``).
 """
 
 from __future__ import annotations
@@ -18,18 +18,26 @@ from collections.abc import Generator
 from contextlib import contextmanager
 from typing import IO, Any, cast
 
+import crc32c
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+)
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from safepoint.remote.s3writer import open_writer
 from safepoint.remote.upload import ObjectStore
-from safepoint.store.checksum import ChecksummingWriter, ChecksumRecorder
+from safepoint.store.checksum import ChecksummingWriter, ChecksumRecorder, ReadCoverage
 from safepoint.store.file_report import Files, split_files, with_files
-from safepoint.store.storage import SafeReader
+from safepoint.store.reader import SafeReader
 
 
 class _StoreFileSystem(FsspecFileSystem):
@@ -107,9 +115,50 @@ class StoreWriter(FileSystemWriter):
 
 
 class SafeStoreReader(SafeReader):
-    """SafeReader (allowlisted metadata unpickling) reading from a store path."""
+    """SafeReader (allowlisted metadata unpickling) reading from a store path.
+
+    Given ``expected`` (the manifest's {file: (size, crc32c)}), every object is checked as it is read, like
+    local files: each item's bytes are read once (a ranged read), loaded through DCP's path, and their
+    crc32c combined with the gaps' into the object's, compared with the manifest at the end. An object
+    replaced after verification raises CorruptCheckpointError (restore then falls back).
+    """
 
     def __init__(self, store: ObjectStore, path: str, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
         self.fs = _StoreFileSystem(store, None)  # type: ignore[assignment]
         self.path = path
+        self._store = store
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._expected is None:
+            return super().read_data(plan, planner)
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, reqs in per_file.items():
+            self._read_object(name, reqs, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_object(self, name: str, reqs: list[ReadItem], planner: LoadPlanner) -> None:
+        assert self._expected is not None
+        size, crc = self._expected[name]
+        with self._store.fs.open(posixpath.join(self.path, name), "rb") as f:
+            if f.size != size:
+                self._changed(name, f"size {f.size} != {size}")
+
+            def read(offset: int, length: int) -> bytes:
+                f.seek(offset)
+                data: bytes = f.read(length) if length else b""
+                return data
+
+            coverage = ReadCoverage(lambda off, n: crc32c.crc32c(read(off, n)), size, name)
+            for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+                md = self.storage_data[req.storage_index]
+                target = planner.resolve_tensor(req).detach() if req.type != LoadItemType.BYTE_IO else None
+                raw = read(md.offset, md.length)
+                item_crc = self._load_item_bytes(req, md, raw, len(raw), planner, target)
+                coverage.add(md.offset, md.length, item_crc)
+            if (actual := coverage.finish()) != crc:
+                self._changed(name, f"crc32c {actual} != {crc}")

@@ -190,7 +190,9 @@ class RemoteLayout:
 
     def make_reader(self, step: int, metadata: Metadata | None, manifest: Manifest) -> SafeStoreReader:
         self.store.fs.invalidate_cache(self.step_key(step))  # s3fs checks cached ETags on open
-        return SafeStoreReader(self.store, self.step_key(step), metadata=metadata)
+        return SafeStoreReader(
+            self.store, self.step_key(step), metadata=metadata, expected=manifest.expected(), step=step
+        )
 
     # ---- saving -----------------------------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ from safepoint.state import (
 from safepoint.store.guard import as_corruption
 from safepoint.store.layout import CheckpointStore
 from safepoint.store.manifest import MANIFEST_NAME, ORIGIN_IMPORT, ORIGIN_KEY, Manifest
-from safepoint.store.storage import SafeLoadPlanner
+from safepoint.store.reader import SafeLoadPlanner
 
 log = logging.getLogger("safepoint")
 _REQUIRED = (MODEL, OPTIMIZER, SCHEDULER, DATALOADER)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
+from collections.abc import Callable
 from typing import IO, Any
 
 import crc32c
@@ -107,8 +108,9 @@ class ReadCoverage:
     between them, read here: what was loaded is checked against the manifest, not what was verified
     earlier (the file could have been replaced in between). ``finish`` returns the file's crc32c hex."""
 
-    def __init__(self, fd: int, size: int, what: str) -> None:
-        self._fd, self._size, self._what = fd, size, what
+    def __init__(self, gap_crc: Callable[[int, int], int], size: int, what: str) -> None:
+        """``gap_crc(offset, length)`` reads that range (of a local file, an object) and returns its crc."""
+        self._gap_crc, self._size, self._what = gap_crc, size, what
         self._crc, self._pos = 0, 0
         self._last: tuple[int, int] | None = None
 
@@ -142,7 +144,7 @@ class ReadCoverage:
 
     def _gap_to(self, offset: int) -> None:
         if offset > self._pos:
-            gap = fd_range_crc32c(self._fd, self._pos, offset - self._pos, self._what)
+            gap = self._gap_crc(self._pos, offset - self._pos)
             self._crc = crc32c_combine(self._crc, gap, offset - self._pos)
             self._pos = offset
 

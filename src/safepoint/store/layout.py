@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import ctypes
-import ctypes.util
 import dataclasses
 import errno
 import logging
@@ -30,6 +28,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from safepoint.errors import CheckpointError, CorruptCheckpointError
 from safepoint.store.checksum import crc32c_combine, crc_hex, crc_ranges, range_crc32c
+from safepoint.store.fsops import rename_exchange as _rename_exchange  # tests/torture patches it here
 from safepoint.store.guard import (
     STEP_PREFIX,
     file_problem,
@@ -42,12 +41,15 @@ from safepoint.store.heartbeat import HeartbeatLease
 from safepoint.store.lease import Lease
 from safepoint.store.manifest import MANIFEST_NAME, Manifest
 from safepoint.store.metadata_check import load_checked_metadata
-from safepoint.store.storage import METADATA_NAME, SafepointWriter, SafeReader
+from safepoint.store.reader import SafeReader
+from safepoint.store.storage import METADATA_NAME, SafepointWriter
 
 log = logging.getLogger("safepoint")
 PENDING_DIR = ".pending"
 _REPLACED_PREFIX = "replaced-"
 _DELETING_PREFIX = "deleting-"
+# A manifest lists each file in ~100 bytes: 64 MiB is far beyond any real one (and bounds what is read).
+MAX_MANIFEST_BYTES = 64 << 20
 # Concurrent readers when verifying: big files are split into ranges so the disk sees several requests
 # at once (cold-cache reads measured ~2x faster than one sequential reader); crc32c releases the GIL.
 _VERIFY_THREADS = 8
@@ -134,7 +136,9 @@ class Layout:
         missing = [p for p in (self.pending_root, self.root, *self.root.parents) if not p.exists()]
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            self.pending_root.mkdir(exist_ok=True)
+            # A .pending that is not a real directory is left alone, reported by clean_pending (saves refuse).
+            if real_dir_problem(self.pending_root) is None:
+                self.pending_root.mkdir(exist_ok=True)
             for created in reversed(missing):
                 fsync_dir(created.parent)
         except OSError as e:
@@ -167,9 +171,8 @@ class Layout:
         return sorted(steps)
 
     def read_manifest(self, step: int) -> Manifest:
-        path = self.step_path(step) / MANIFEST_NAME
         try:
-            data = path.read_bytes()
+            data = self.manifest_bytes(step)
         except OSError as e:
             raise CorruptCheckpointError(
                 step, MANIFEST_NAME, f"cannot read manifest ({e.strerror or e})"
@@ -315,7 +318,13 @@ class Layout:
         remove_tree(pending)
 
     def manifest_bytes(self, step: int) -> bytes:
-        return (self.step_path(step) / MANIFEST_NAME).read_bytes()
+        """The manifest's bytes: a regular file reached without a symlink, at most MAX_MANIFEST_BYTES (one
+        linked to /dev/zero or a FIFO would be read forever, one linked elsewhere read from there)."""
+        with open(open_regular(self.step_path(step) / MANIFEST_NAME), "rb") as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise OSError(errno.EFBIG, f"larger than {MAX_MANIFEST_BYTES >> 20} MiB, not a manifest")
+        return data
 
     def read_metadata(self, step: int, manifest: Manifest) -> Metadata:
         """``.metadata``, its bytes checked against ``manifest`` and its structure checked (guard)."""
@@ -342,8 +351,11 @@ class Layout:
         src = self.step_path(step)
         if problem := real_dir_problem(src):
             raise OSError(f"not deleting {src}: it is {problem}, not a checkpoint directory")
-        doomed = self.pending_root / f"{_DELETING_PREFIX}{src.name}-{uuid.uuid4().hex[:8]}"
         self.fence(f"deleting step {step}")
+        if real_dir_problem(self.pending_root) or not self.pending_root.exists():
+            _remove_manifest_first(src)  # in place: through a symlinked .pending it would go outside ROOT
+            return
+        doomed = self.pending_root / f"{_DELETING_PREFIX}{src.name}-{uuid.uuid4().hex[:8]}"
         os.rename(src, doomed)
         fsync_dir(self.root)
         remove_tree(doomed)
@@ -374,6 +386,21 @@ class Layout:
                     fsync_dir(self.root)
                     done.append(f"recovered {original} from an interrupted replacement")
                     continue
+                if (
+                    real_dir_problem(entry) is None
+                    and (odd := real_dir_problem(target)) is not None
+                    and file_problem(entry / MANIFEST_NAME) is None
+                ):
+                    # The parked copy may be the only good one of that step; whatever stands in its place
+                    # (a symlink, a file) is not ours to follow or replace. Keep both and say so.
+                    msg = (
+                        f"safepoint: {target} is {odd}, not a checkpoint directory; kept the parked copy "
+                        f"{entry} (move it back by hand)"
+                    )
+                    warnings.warn(msg, UserWarning, stacklevel=2)
+                    log.warning(msg)
+                    done.append(msg)
+                    continue
             done.append(remove_tree(entry) or f"removed abandoned {entry.name}")
         return done
 
@@ -390,28 +417,3 @@ def _remove_manifest_first(path: Path) -> None:
     except OSError:
         return
     remove_tree(path)
-
-
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def _rename_exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths with Linux renameat2(RENAME_EXCHANGE); False where unsupported.
-
-    The stdlib has no binding for renameat2, hence ctypes.
-    """
-    libc_name = ctypes.util.find_library("c")
-    if not libc_name:
-        return False
-    libc = ctypes.CDLL(libc_name, use_errno=True)
-    fn = getattr(libc, "renameat2", None)
-    if fn is None:
-        return False
-    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
-    if rc == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), str(b))

@@ -117,6 +117,12 @@ def load_checked_metadata(step: int, data: bytes, files: dict[str, tuple[int, st
         md = safe_load_metadata(io.BytesIO(data))
     except CorruptCheckpointError as e:
         raise type(e)(step, METADATA_FILE, e.reason) from None
-    if problem := metadata_problem(md, {name: s for name, (s, _) in files.items()}):
+    try:
+        problem = metadata_problem(md, {name: s for name, (s, _) in files.items()})
+    except AttributeError as e:
+        # Unpickling restores whatever state the bytes carry: an allowed class can come back without a
+        # field its __init__ would have set.
+        problem = f"an object lacks its field {e.name!r}" if e.name else f"an object lacks a field ({e})"
+    if problem:
         raise CorruptCheckpointError(step, METADATA_FILE, problem)
     return md

@@ -32,7 +32,7 @@ from safepoint.errors import CheckpointError
 from safepoint.options import check_keep_local_last
 from safepoint.policy.emergency_plan import EmergencyPlan
 from safepoint.policy.history import TierEstimate, UploadHistory, save_estimate
-from safepoint.policy.rules import Retention
+from safepoint.policy.rules import Retention, Verdicts
 from safepoint.remote.layout import RemoteLayout
 from safepoint.remote.retry import UploadError, lower_priority
 from safepoint.restore.restorer import Restorer
@@ -52,9 +52,18 @@ class Tiering(SingleTier):
     """Local tier + durable tier, with a background uploader (one per rank, lock-step by collectives)."""
 
     def __init__(
-        self, local: Layout, durable: RemoteLayout, retention: Retention, keep_local_last: int, comm: Comm
+        self,
+        local: Layout,
+        durable: RemoteLayout,
+        retention: Retention,
+        keep_local_last: int,
+        comm: Comm,
+        verdicts: Verdicts | None = None,
     ) -> None:
         super().__init__(local)
+        # What restore verified (shared with the restorer): durable retention keeps the newest intact step
+        # and never counts a corrupt one as the newest, kept or deleted, like local retention (save/saver.py).
+        self.verdicts = verdicts if verdicts is not None else Verdicts()
         check_keep_local_last(keep_local_last)
         self.local, self.durable, self.retention = local, durable, retention
         self.keep_local_last, self.comm = keep_local_last, comm
@@ -291,7 +300,7 @@ class Tiering(SingleTier):
             time.perf_counter() - t0,
         )
         if self.comm.is_coordinator:
-            self._retain_durable()
+            self._retain_durable(step)
             self._prune_local()
 
     def _decide(self, step: int) -> tuple[str, str]:
@@ -310,14 +319,21 @@ class Tiering(SingleTier):
             with contextlib.suppress(CheckpointError):  # an unreadable one is decided on its own turn
                 waiting.append(self.local.info(s, self.local.read_manifest(s)))
         history = [info for _, info in self._durable.values()] + waiting + [self.local.info(step, manifest)]
-        if step in self.retention.to_delete(history):
+        history = [c for c in history if not self.verdicts.corrupt(c.step)]
+        if step in self.retention.to_delete(history, self._protected(history, max(c.step for c in history))):
             self._done.add((step, manifest.save_id))
             return ("skip", "superseded: durable retention would delete it right away")
         return ("upload", self.durable.new_pending(step, manifest.save_id))
 
-    def _retain_durable(self) -> None:
+    def _protected(self, history: list[CheckpointInfo], newest: int) -> set[int]:
+        good = self.verdicts.newest_intact([c.step for c in history])
+        return {newest} | ({good} if good is not None else set())
+
+    def _retain_durable(self, uploaded: int) -> None:
+        """The policies on the durable tier; the step just uploaded and the newest verified one survive."""
         try:
-            for step in self.retention.to_delete([info for _, info in self._durable.values()]):
+            history = [info for _, info in self._durable.values() if not self.verdicts.corrupt(info.step)]
+            for step in self.retention.to_delete(history, self._protected(history, uploaded)):
                 self.durable.remove(step)
                 with self._cv:
                     self._durable.pop(step, None)

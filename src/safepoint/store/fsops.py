@@ -1,0 +1,33 @@
+"""File-system calls the standard library has no binding for."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+from pathlib import Path
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def rename_exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths with Linux renameat2(RENAME_EXCHANGE); False where unsupported.
+
+    The stdlib has no binding for renameat2, hence ctypes.
+    """
+    libc_name = ctypes.util.find_library("c")
+    if not libc_name:
+        return False
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is None:
+        return False
+    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
