@@ -440,7 +440,7 @@ def test_verify_all_reports_an_unreadable_file_as_nobody(tmp_path: Path) -> None
     assert "Permission denied" in proc.stdout and "3 checked: 2 intact, 1 corrupt" in proc.stdout
 
 
-# ---- found by the campaign (tests/test_hostile_campaign.py) ----------------------------------------------
+# ---- found by the campaign (tests/store/test_hostile_campaign.py) ----------------------------------------------
 
 
 @pytest.mark.parametrize("how", ["symlink_outside", "fifo"])
