@@ -63,11 +63,16 @@ def open_store(
             f"root {url!r}: unknown protocol {protocol!r}: no fsspec file system for it ({e})"
         ) from e
     protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    store: ObjectStore
     if protocols & {"s3", "s3a"}:
         from safepoint.remote.s3store import S3Store
 
-        return S3Store(fs, cfg), path.rstrip("/")
-    return ObjectStore(fs, cfg), path.rstrip("/")
+        store = S3Store(fs, cfg)
+    else:
+        store = ObjectStore(fs, cfg)
+    if "://" in url and not store.local and protocol in protocols:
+        store.scheme = protocol  # logs, listings and messages show the root as the user wrote it
+    return store, path.rstrip("/")
 
 
 class RemoteLayout:
