@@ -8,7 +8,10 @@ LINT_PATHS := $(wildcard src tests benchmarks examples)
 # Measured on the 2-core VM in docs/reliability.md ("The default suite").
 TEST_WORKERS ?= 2
 
-.PHONY: test demo lint typecheck bench slow clean
+TOOLS := .tools
+AZURITE_STAMP := $(TOOLS)/.azurite-3.37.0
+
+.PHONY: test demo lint typecheck bench slow clean tools
 
 $(STAMP): pyproject.toml constraints-dev.txt requirements-dev.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,10 +28,17 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-test: lint typecheck
+# Azurite (the Azure Blob emulator) for the az:// tests, from npm; tests skip az:// without it (or node).
+$(AZURITE_STAMP):
+	command -v npm >/dev/null && npm install -s --no-audit --no-fund --prefix $(TOOLS) azurite@3.37.0 \
+		&& touch $(AZURITE_STAMP) || echo "no npm: az:// tests will be skipped"
+
+tools: $(AZURITE_STAMP)
+
+test: lint typecheck tools
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-slow: $(STAMP)
+slow: $(STAMP) tools
 	$(VENV)/bin/pytest -q -m slow
 
 demo: $(STAMP)
@@ -38,4 +48,4 @@ bench: $(STAMP)
 	$(VENV)/bin/safepoint bench
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache demo-out bench-out
+	rm -rf $(VENV) $(TOOLS) .mypy_cache .ruff_cache .pytest_cache demo-out bench-out

@@ -2,7 +2,7 @@
 
     ROOT/step-<N>/           data objects (a plain DCP directory) + safepoint.json, the manifest
     ROOT/.pending/<name>/    a re-save of a step that is already committed, staged (see commit)
-    ROOT/.lease              the owner (S3 only, by conditional writes; see remote_lease.py)
+    ROOT/.lease              the owner (S3, GCS, Azure: conditional writes; see lease.py, conditional.py)
 
 Stores cannot rename a directory atomically, so a step is committed by its manifest alone: data objects go
 in place under ``step-N/``, each is confirmed (size, and crc32c: S3's own CRC32C, or GCS's, or by reading
@@ -63,11 +63,16 @@ def open_store(
             f"root {url!r}: unknown protocol {protocol!r}: no fsspec file system for it ({e})"
         ) from e
     protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    store: ObjectStore
     if protocols & {"s3", "s3a"}:
         from safepoint.remote.s3store import S3Store
 
-        return S3Store(fs, cfg), path.rstrip("/")
-    return ObjectStore(fs, cfg), path.rstrip("/")
+        store = S3Store(fs, cfg)
+    else:
+        store = ObjectStore(fs, cfg)
+    if "://" in url and not store.local and protocol in protocols:
+        store.scheme = protocol  # logs, listings and messages show the root as the user wrote it
+    return store, path.rstrip("/")
 
 
 class RemoteLayout:

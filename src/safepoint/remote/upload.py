@@ -95,8 +95,15 @@ class ObjectStore:
             if self.abandoned.is_set():
                 raise UploadError("the transfer was abandoned at the end of the preemption's grace")
 
+    scheme: str | None = None
+    """The scheme the user wrote (``az://`` rather than adlfs's ``abfs://``), shown in every URL; None:
+    the file system's own. Set by ``layout.open_store``."""
+
     def url(self, path: str) -> str:
-        return str(self.fs.unstrip_protocol(path))
+        url = str(self.fs.unstrip_protocol(path))
+        if self.scheme and "://" in url:
+            return f"{self.scheme}://{url.split('://', 1)[1]}"
+        return url
 
     def check_root(self, path: str) -> None:
         """Fail early and clearly if the root cannot be used (missing bucket, no access)."""
