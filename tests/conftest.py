@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 # S3 on loopback (moto server) and a fault-injecting proxy, for tests/remote/test_object_store.py.
-from tests.s3_fixtures import bucket, moto_endpoint, proxy  # noqa: F401
+from tests.helpers.s3 import bucket, moto_endpoint, proxy  # noqa: F401
 
 # GCS (fake-gcs-server) and Azure (Azurite) on loopback, and ``store``: each of the three in turn.
-from tests.store_fixtures import azurite_endpoint, gcs_endpoint, other_store, store  # noqa: F401
+from tests.helpers.stores import azurite_endpoint, gcs_endpoint, other_store, store  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable

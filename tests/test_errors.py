@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import safepoint
-from tests._train import Setup
+from tests.helpers.train import Setup
 
 
 def test_wrong_model_lists_missing_unexpected_and_shapes(root: Path) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import safepoint
-from tests._train import big_state
+from tests.helpers.train import big_state
 
 
 def _saved(root: Path, step: int, fill: float) -> None:

@@ -18,7 +18,7 @@ from torch import nn
 
 import safepoint
 from tests.conftest import REPO
-from tests.dist.launch import assert_bitwise, events, finish, load, start
+from tests.helpers.launch import assert_bitwise, events, finish, load, start
 
 WORKER = REPO / "tests" / "dist" / "sections_worker.py"
 

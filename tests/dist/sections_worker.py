@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 import safepoint
-from tests.dist.common import Log, run_plan
+from tests.helpers.torchrun import Log, run_plan
 from tests.dist.worker import Position, build, full_state
 
 

@@ -40,7 +40,7 @@ def test_a_manifest_damaged_for_every_rank_is_corrupt_not_a_root_that_is_not_sha
     out.mkdir()
     cmd = [
         PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        str(REPO / "tests" / "procs" / "corrupt_manifest_worker.py"), str(tmp_path / "ckpt"), str(out),
+        str(REPO / "tests" / "helpers" / "procs" / "corrupt_manifest_worker.py"), str(tmp_path / "ckpt"), str(out),
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

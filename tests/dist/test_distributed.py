@@ -36,7 +36,7 @@ from safepoint.data import rng
 from safepoint.store.layout import Layout
 from safepoint.store.reader import SafeLoadPlanner, SafeReader
 from tests.conftest import REPO
-from tests.dist.launch import assert_bitwise, events, finish, load, start
+from tests.helpers.launch import assert_bitwise, events, finish, load, start
 
 WORKER = REPO / "tests" / "dist" / "worker.py"
 STEPS, EVERY = 12, 3

@@ -21,7 +21,7 @@ from tests.preempt.test_preemption import _free_port
 pytestmark = pytest.mark.skipif(
     not _unshare_works(), reason="needs `unshare --uts` (root, Linux) to run each agent as its own host"
 )
-WORKER = REPO / "tests" / "procs" / "elastic_worker.py"
+WORKER = REPO / "tests" / "helpers" / "procs" / "elastic_worker.py"
 
 
 def _agent(host: str, port: int, out: Path, root: Path) -> subprocess.Popen[bytes]:

@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node=N [--max-restarts=R] worker.py PLAN.json
 
-PLAN.json: {"out": DIR, "jobs": [JOB, ...]}, run by tests.dist.common.run_plan: jobs in order; a job that
+PLAN.json: {"out": DIR, "jobs": [JOB, ...]}, run by tests.helpers.torchrun.run_plan: jobs in order; a job that
 finished in an earlier attempt (its ``DIR/<name>.done`` exists) is skipped, so a torchrun restart resumes
 the interrupted job and goes on. Faults are real: SIGKILL of the process, or a rank blocking inside
 ``open()`` of its own checkpoint file (found with a CPython audit hook), only in the attempt named by the
@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 import safepoint
 from safepoint.dist import Agreement, Comm
 from safepoint.store.layout import Layout
-from tests.dist.common import ATTEMPT, Log, run_plan, seed_all
+from tests.helpers.torchrun import ATTEMPT, Log, run_plan, seed_all
 
 _FAULT: dict[str, Any] = {}
 

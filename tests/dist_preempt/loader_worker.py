@@ -4,7 +4,7 @@ loader's workers get it too).
 
     python -m torch.distributed.run --standalone --nproc-per-node=2 loader_worker.py PLAN.json
 
-A JOB (see tests.dist.common.run_plan): ``name``, ``root``, ``steps``, ``loader`` ("torch":
+A JOB (see tests.helpers.torchrun.run_plan): ``name``, ``root``, ``steps``, ``loader`` ("torch":
 ``torch.utils.data.DataLoader`` over a ``ResumableSampler`` reporting consumption with ``advance``;
 "stateful": torchdata's ``StatefulDataLoader`` in the TrainState), ``workers`` (num_workers),
 ``preempt`` (SIGTERM as the notice), ``ready_after`` (write ``<name>.ready.rank<R>`` after this many steps
@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import safepoint
-from tests.dist.common import Log, run_plan, seed_all
+from tests.helpers.torchrun import Log, run_plan, seed_all
 
 BATCH = 4
 

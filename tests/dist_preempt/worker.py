@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node=N [--max-restarts=R] worker.py PLAN.json
 
-PLAN.json: {"out": DIR, "jobs": [JOB, ...]}, run by tests.dist.common.run_plan: jobs in order, one finished
+PLAN.json: {"out": DIR, "jobs": [JOB, ...]}, run by tests.helpers.torchrun.run_plan: jobs in order, one finished
 in an earlier attempt (``DIR/<name>.done``) skipped, so a torchrun restart resumes the interrupted job. A JOB:
 
     name, root, steps        the run: DDP model with dropout, data drawn from every RNG
@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import safepoint
-from tests.dist.common import ATTEMPT, Log, run_plan, seed_all
+from tests.helpers.torchrun import ATTEMPT, Log, run_plan, seed_all
 
 _VANISH: dict[str, str] = {}  # {"root": ...} once armed
 

@@ -19,8 +19,8 @@ import safepoint
 from safepoint.policy.history import ATTEMPTS_NAME, RunHistory, summarize
 from safepoint.policy.rules import AdaptiveInterval, AdaptiveSeconds, daly_interval, learned_mtbf
 from safepoint.store.layout import Layout
-from tests._train import Setup
 from tests.conftest import REPO
+from tests.helpers.train import Setup
 
 MIN = 60.0
 HOUR = 3600.0
@@ -96,7 +96,7 @@ CRASH = """
 import os, signal, sys
 sys.path[:0] = [{src!r}, {repo!r}]
 import safepoint
-from tests._train import Setup
+from tests.helpers.train import Setup
 s = Setup()
 mgr = safepoint.CheckpointManager({root!r}, save_every_steps=1, save_every_seconds="auto")
 s.step()

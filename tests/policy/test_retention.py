@@ -13,7 +13,7 @@ from safepoint.cli.main import main
 from safepoint.policy.rules import Retention, build_retention
 from safepoint.restore.restorer import CheckpointWarning
 from safepoint.store.layout import CheckpointInfo, Layout
-from tests._train import Setup
+from tests.helpers.train import Setup
 
 
 def _hist(steps: list[int], losses: dict[int, float] | None = None) -> list[CheckpointInfo]:

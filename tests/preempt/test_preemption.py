@@ -35,9 +35,9 @@ import yaml  # type: ignore[import-untyped]
 import safepoint
 from safepoint.preempt.preemption import DEFAULT_EXIT_CODE, TierEstimate, plan_emergency_save
 from safepoint.store.layout import Layout
-from tests._train import Setup
 from tests.conftest import REPO
-from tests.dist.launch import assert_bitwise, events, finish, load, ready_pids, start
+from tests.helpers.launch import assert_bitwise, events, finish, load, ready_pids, start
+from tests.helpers.train import Setup
 
 WORKER = REPO / "tests" / "dist_preempt" / "worker.py"
 EXAMPLE = REPO / "examples" / "preemptible_train.py"

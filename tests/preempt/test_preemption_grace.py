@@ -2,7 +2,7 @@
 exit does not need, no false alarms, and no lease given up under a durable commit. Also: tier transfers
 never strand a rank, and a bad argument leaks no process group.
 
-Object-store cases run on moto's server behind the fault proxy (tests/s3_fixtures.py), real s3fs over
+Object-store cases run on moto's server behind the fault proxy (tests/helpers/s3.py), real s3fs over
 HTTP; notices are real SIGTERMs to this process. Multi-rank cases run in child processes (gloo).
 """
 
@@ -29,9 +29,9 @@ from safepoint.dist import Comm
 from safepoint.policy.history import TierEstimate
 from safepoint.preempt.preemption import EmergencyPlan, Preemption
 from safepoint.remote.layout import RemoteLayout
-from tests._train import Setup, train_until_preempted
 from tests.conftest import REPO
-from tests.s3_fixtures import FaultProxy, storage_options
+from tests.helpers.s3 import FaultProxy, storage_options
+from tests.helpers.train import Setup, train_until_preempted
 
 
 @pytest.fixture(autouse=True)

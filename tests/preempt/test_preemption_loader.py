@@ -2,7 +2,7 @@
 Slurm signal every process of the rank), and the emergency save must still happen.
 
 Single process: the test signals the process group of a real training process with two real workers
-(tests/procs/loader_term.py). torchrun: SIGTERM to the agent, which ``killpg``s each rank
+(tests/helpers/procs/loader_term.py). torchrun: SIGTERM to the agent, which ``killpg``s each rank
 (tests/dist_preempt/loader_worker.py); the resumed run equals an uninterrupted one bitwise.
 """
 
@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, SUBPROCESS_ENV
-from tests.dist.launch import assert_bitwise, events, finish, load, ready_pids, start
+from tests.helpers.launch import assert_bitwise, events, finish, load, ready_pids, start
 
-CHILD = REPO / "tests" / "procs" / "loader_term.py"
+CHILD = REPO / "tests" / "helpers" / "procs" / "loader_term.py"
 WORKER = REPO / "tests" / "dist_preempt" / "loader_worker.py"
 
 

@@ -30,10 +30,10 @@ import safepoint
 from safepoint.policy.history import UPLOADS_NAME, UploadHistory
 from safepoint.remote.layout import RemoteLayout
 from safepoint.store.layout import Layout
-from tests._train import Setup, train_until_preempted
 from tests.conftest import REPO
-from tests.dist.launch import assert_bitwise, events, finish, load, ready_pids, start, stop
-from tests.s3_fixtures import FaultProxy, storage_options
+from tests.helpers.launch import assert_bitwise, events, finish, load, ready_pids, start, stop
+from tests.helpers.s3 import FaultProxy, storage_options
+from tests.helpers.train import Setup, train_until_preempted
 
 SLOW_UPLOAD_S = 1.5  # so one upload is expected to take >= 1.25 x 1.5 = 1.9 s
 DIST_WORKER = REPO / "tests" / "dist_preempt" / "worker.py"

@@ -22,9 +22,9 @@ from safepoint.remote.layout import RemoteLayout
 from safepoint.remote.s3store import S3Store
 from safepoint.remote.upload import FileCopy, TransferConfig, UploadError
 from safepoint.store.layout import Layout
-from tests._train import Setup, assert_bitwise_equal, seed_everything
 from tests.conftest import PYTHON, REPO
-from tests.s3_fixtures import FaultProxy, storage_options
+from tests.helpers.s3 import FaultProxy, storage_options
+from tests.helpers.train import Setup, assert_bitwise_equal, seed_everything
 
 MiB = 1024 * 1024
 
@@ -79,7 +79,7 @@ def test_round_trip_direct_to_s3(moto_endpoint: str, bucket: str) -> None:
 _RESTORE_CHILD = textwrap.dedent(
     """
     import json, sys, torch, safepoint
-    from tests._train import Setup
+    from tests.helpers.train import Setup
     url, endpoint = sys.argv[1], sys.argv[2]
     opts = {"client_kwargs": {"endpoint_url": endpoint}}
     s = Setup(seed=11)
@@ -158,7 +158,14 @@ def test_uploader_killed_mid_upload(
     url, local = f"s3://{bucket}/run", tmp_path / "nvme"
     proxy.add("hold", method="PUT", path=r"/run/step-2/__0_0\.distcp")
     child = subprocess.Popen(
-        [PYTHON, str(REPO / "tests" / "procs" / "tiered_child.py"), str(local), url, proxy.endpoint, "2"],
+        [
+            PYTHON,
+            str(REPO / "tests" / "helpers" / "procs" / "tiered_child.py"),
+            str(local),
+            url,
+            proxy.endpoint,
+            "2",
+        ],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -423,7 +430,7 @@ def test_two_ranks_each_upload_their_own_files(
     url, local = f"s3://{bucket}/run", tmp_path / "local"
     cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     worker = [
-        str(REPO / "tests" / "procs" / "tiered_dist_worker.py"),
+        str(REPO / "tests" / "helpers" / "procs" / "tiered_dist_worker.py"),
         str(local),
         url,
         moto_endpoint,

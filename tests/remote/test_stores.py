@@ -20,8 +20,8 @@ import pytest
 import safepoint
 from safepoint.remote.layout import RemoteLayout
 from safepoint.store.layout import Layout
-from tests._train import Setup, assert_bitwise_equal, seed_everything
-from tests.store_fixtures import Store
+from tests.helpers.stores import Store
+from tests.helpers.train import Setup, assert_bitwise_equal, seed_everything
 
 
 def _train(mgr: safepoint.CheckpointManager, s: Setup, steps: range) -> None:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import safepoint
-from tests.dist.launch import assert_bitwise
+from tests.helpers.launch import assert_bitwise
 
 
 def _model(seed: int, head: str = "fc") -> nn.Module:

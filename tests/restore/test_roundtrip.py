@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import safepoint
-from tests._train import Setup, assert_bitwise_equal, seed_everything
+from tests.helpers.train import Setup, assert_bitwise_equal, seed_everything
 
 
 def _uninterrupted(steps: int) -> Setup:

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import safepoint
-from tests._train import Setup, assert_bitwise_equal, big_state
 from tests.conftest import REPO, SUBPROCESS_ENV
+from tests.helpers.train import Setup, assert_bitwise_equal, big_state
 
 
 def test_snapshot_is_consistent_after_return(root: Path) -> None:
@@ -62,7 +62,7 @@ def test_memory_is_bounded_and_flat_over_100_saves(tmp_path: Path, writer: str) 
         out = subprocess.run(
             [
                 sys.executable,
-                str(REPO / "tests" / "procs" / "async_memory.py"),
+                str(REPO / "tests" / "helpers" / "procs" / "async_memory.py"),
                 str(root),
                 "100",
                 "16",

@@ -46,7 +46,7 @@ def _check_restorable(root: Path) -> int:
 def _kill_campaign(root: Path, kills: int, seed: int, mode: str = "") -> list[int]:
     rng = random.Random(seed)
     zygote = subprocess.Popen(
-        [sys.executable, "-m", "tests.procs.zygote"],
+        [sys.executable, "-m", "tests.helpers.procs.zygote"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

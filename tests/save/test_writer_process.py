@@ -25,8 +25,8 @@ import torch
 
 import safepoint
 from safepoint.save import background, ipc, writer_process
-from tests._train import Setup, assert_bitwise_equal, big_state
 from tests.conftest import SUBPROCESS_ENV
+from tests.helpers.train import Setup, assert_bitwise_equal, big_state
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the process writer is Linux-only")
 

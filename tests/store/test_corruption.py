@@ -13,7 +13,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import safepoint
-from tests._train import Setup, assert_bitwise_equal
+from tests.helpers.train import Setup, assert_bitwise_equal
 
 
 def _two_checkpoints(root: Path) -> tuple[Setup, dict[str, torch.Tensor]]:

@@ -23,7 +23,7 @@ import safepoint
 from safepoint.store.layout import Layout
 from safepoint.tiers.base import ReadOnlyRootWarning
 from tests.conftest import PYTHON, SUBPROCESS_ENV
-from tests.s3_fixtures import storage_options
+from tests.helpers.s3 import storage_options
 
 STALE_S = 2.0  # short, so B takes over quickly; A is frozen, so no heartbeat of A's can interfere
 

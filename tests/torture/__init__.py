@@ -9,7 +9,7 @@
 - ``checks``: the invariants, checked in the parent (which never had the patches), and the crash and
   fault campaigns.
 - ``objstore``: the same for object storage: a fault-injecting HTTP proxy in front of moto's S3 server
-  (tests/s3_fixtures.py) crashes or fails every mutation a save, a retention pass or an upload sends.
+  (tests/helpers/s3.py) crashes or fails every mutation a save, a retention pass or an upload sends.
 - ``kills`` / ``dist_train``: random SIGKILL campaigns against real training, single process and 2-rank
   torchrun, with bitwise exactness checks.
 

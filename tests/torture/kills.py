@@ -27,7 +27,7 @@ import torch
 
 import safepoint
 from safepoint.store.layout import Layout
-from tests._train import Setup, assert_bitwise_equal
+from tests.helpers.train import Setup, assert_bitwise_equal
 from tests.torture.harness import ENV, REPO, Zygote
 
 

@@ -1,7 +1,7 @@
 """The object-store campaigns: every mutation a save, a retention pass or an upload sends to S3, crashed at
 or failed, one child per mutation.
 
-The layer is real HTTP: the children talk to moto's server (tests/s3_fixtures.py) through the fault proxy,
+The layer is real HTTP: the children talk to moto's server (tests/helpers/s3.py) through the fault proxy,
 which counts every mutating request (PUT, upload-part, copy, multipart create/complete/abort, DELETE,
 batch delete) in the order the store receives them. A child opens a session with its pid; at the k-th
 mutation the proxy SIGKILLs it (just before the store sees the request, or just after the store applied
@@ -506,7 +506,7 @@ class Result:
 class Campaign:
     zygote: Zygote
     store: Store
-    proxy: Any  # tests.s3_fixtures.FaultProxy
+    proxy: Any  # tests.helpers.s3.FaultProxy
     template: str  # store prefix holding the baseline
     local_template: Path | None  # tiered: the local root of the baseline run
     scratch: Path

@@ -321,7 +321,7 @@ def train(
 ) -> dict[str, Any]:
     """Real training (dropout, every RNG in play, tests/_train.Setup) that saves every step; the parent
     SIGKILLs it at random moments. ``snapshots``: dump model+optimizer after every step trained here."""
-    from tests._train import Setup
+    from tests.helpers.train import Setup
 
     s = Setup(seed=0)
     state = s.state()

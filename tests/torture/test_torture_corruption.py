@@ -29,7 +29,7 @@ import safepoint
 from safepoint.errors import CheckpointError
 from safepoint.store.layout import Layout
 from safepoint.store.manifest import Manifest
-from tests._train import Setup, assert_bitwise_equal
+from tests.helpers.train import Setup, assert_bitwise_equal
 from tests.torture import checks
 
 FILES = ["__0_0.distcp", "__0_1.distcp", ".metadata", "safepoint.json"]

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from tests.s3_fixtures import FaultProxy, new_bucket, running_proxy
+from tests.helpers.s3 import FaultProxy, new_bucket, running_proxy
 from tests.torture import checks, objstore
 from tests.torture.harness import Zygote, shared_zygote
 from tests.torture.objstore import Campaign, Result, Store

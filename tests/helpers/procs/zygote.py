@@ -13,7 +13,7 @@ import sys
 import torch  # noqa: F401 - imported before forking on purpose
 
 import safepoint  # noqa: F401
-from tests.procs import saver_child
+from tests.helpers.procs import saver_child
 
 
 def main() -> None:

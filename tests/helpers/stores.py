@@ -25,9 +25,9 @@ from typing import Any
 
 import pytest
 
-from tests.s3_fixtures import free_port, new_bucket, storage_options
+from tests.helpers.s3 import free_port, new_bucket, storage_options
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 AZURITE = os.environ.get("SAFEPOINT_AZURITE") or str(
     REPO / ".tools" / "node_modules" / ".bin" / "azurite-blob"
 )

@@ -1,6 +1,6 @@
 """What the torchrun plan workers share (tests/dist/worker.py, tests/dist_preempt/worker.py): the plan loop,
-the per-rank JSON-lines log and seeding. Imported as ``tests.dist.common``: the launchers put the
-repository root on PYTHONPATH (tests/dist/launch.py).
+the per-rank JSON-lines log and seeding. Imported as ``tests.helpers.torchrun``: the launchers put the
+repository root on PYTHONPATH (tests/helpers/launch.py).
 
 A plan is ``{"out": DIR, "jobs": [JOB, ...]}``; jobs run in order, and one that finished in an earlier
 torchrun attempt (``DIR/<name>.done``) is skipped, so a restart resumes the interrupted job and goes on.

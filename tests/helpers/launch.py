@@ -64,7 +64,7 @@ def stop(proc: subprocess.Popen[str]) -> None:
 
 
 def events(out: Path, job: str, event: str, rank: int | None = None) -> list[dict[str, Any]]:
-    """The records the ranks logged (tests.dist.common.Log) for ``job`` and ``event``, rank by rank."""
+    """The records the ranks logged (tests.helpers.torchrun.Log) for ``job`` and ``event``, rank by rank."""
     found = []
     for path in sorted(out.glob("log.rank*.jsonl")):
         r = int(path.stem.split("rank")[1])
