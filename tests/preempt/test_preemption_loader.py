@@ -78,8 +78,11 @@ def test_group_sigterm_with_loader_workers_saves_and_exits_143(
 
 
 def test_without_the_shield_the_workers_die_first(tmp_path: Path) -> None:
-    rc, err, _ = _term_group(tmp_path, "fork", "noshield")
-    assert rc != 143 and "is killed by signal: Terminated" in err, err[-3000:]
+    _, err, _ = _term_group(tmp_path, "fork", "noshield")
+    # The loader's error lands wherever the rank is when the workers' deaths are noticed: in the training
+    # step (exit 1) or inside the emergency save (which then fails: exit 143, nothing saved). Either way
+    # the work is lost, which is what the shield prevents.
+    assert "is killed by signal: Terminated" in err, err[-3000:]
     assert not list((tmp_path / "root").glob("step-*"))
 
 
