@@ -212,6 +212,54 @@ def test_writer_process_exits_when_its_rank_is_killed(root: Path) -> None:
         assert mgr.list() == []  # the half-written save never committed
 
 
+def _maps_torch(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return "libtorch" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG")
+def test_a_writer_process_still_starting_dies_with_its_rank(root: Path) -> None:
+    """Frozen while it imports torch (SIGSTOP: as stuck as a thrashing node makes it), the process still
+    dies the moment its rank does: the kernel's death signal, set before the import, needs no poll."""
+    script = (
+        "import os, sys, safepoint\n"
+        f"mgr = safepoint.CheckpointManager({str(root)!r}, async_save=True, "
+        "writer=safepoint.WriterOptions(async_writer='process'))\n"
+        "print(mgr._process.pid, flush=True)\n"
+        "sys.stdin.readline()\n"
+    )
+    rank = subprocess.Popen(
+        [sys.executable, "-c", script],
+        env=SUBPROCESS_ENV,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    writer_pid = 0
+    try:
+        assert rank.stdout is not None
+        writer_pid = int(rank.stdout.readline())
+        deadline = time.monotonic() + 120
+        while not _maps_torch(writer_pid):  # past the launch line: importing torch now
+            assert _alive(writer_pid) and time.monotonic() < deadline, "the writer never began its import"
+            time.sleep(0.02)
+        os.kill(writer_pid, signal.SIGSTOP)
+        rank.kill()
+        rank.wait()
+        deadline = time.monotonic() + 30
+        while _alive(writer_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(writer_pid), "a writer process frozen in its start outlived its rank"
+    finally:
+        rank.kill()
+        rank.wait()
+        if writer_pid and _alive(writer_pid):
+            os.kill(writer_pid, signal.SIGKILL)
+
+
 def test_arguments_are_checked(root: Path) -> None:
     with pytest.raises(ValueError, match="async_writer must be 'auto', 'thread' or 'process'"):
         safepoint.WriterOptions(async_writer="fork")

@@ -58,9 +58,15 @@ PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 # The process ignores SIGINT and SIGTERM before anything else (importing torch takes seconds): a Ctrl-C or a
 # scheduler's SIGTERM to the whole process group is the rank's to act on, and the process ends with its
 # rank (channel closed, or the parent watch in writer_child).
+# Before anything else (importing torch takes seconds, minutes on a thrashing node): ignore the group's
+# SIGINT/SIGTERM, and where the rank's main thread started us, die with the rank (PR_SET_PDEATHSIG), then
+# check the rank did not die before that (argv[2] is its pid). The child's own poll covers the rest.
 _LAUNCH = (
     "import signal as s; s.signal(s.SIGINT, s.SIG_IGN); s.signal(s.SIGTERM, s.SIG_IGN); "
-    "import sys; from {module} import main; sys.exit(main(sys.argv))"
+    "import os, sys; "
+    "os.environ.pop('SAFEPOINT_WRITER_DEATHSIG', '') == '1' and __import__('ctypes').CDLL(None).prctl(1, 9); "
+    "os.getppid() == int(sys.argv[2]) or os._exit(1); "
+    "from {module} import main; sys.exit(main(sys.argv))"
 )
 _POLL_S = 1.0  # how often a wait for the process checks that it is still alive
 _WHILE = {"write": "while writing", "arena": "while mapping the staging memory", "drop": "while unmapping it"}
@@ -141,6 +147,10 @@ class WriterProcess:
         # The process only reads host memory: no CUDA context (memory on every GPU, seconds to create).
         env["CUDA_VISIBLE_DEVICES"] = ""
         env["OMP_NUM_THREADS"] = "1"  # torch.save needs no intra-op threads; training needs the cores
+        # The kernel's death signal fires when the *thread* that started us ends: only the main thread's
+        # lifetime is the rank's (a restart from the writer thread relies on the child's own poll).
+        if sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread():
+            env["SAFEPOINT_WRITER_DEATHSIG"] = "1"
         # Import this very safepoint, however the training script found it.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         args = [str(theirs.fileno()), str(os.getpid()), str(self._nice)]
