@@ -26,6 +26,13 @@ def root(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(autouse=True)
+def _wide_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The CLI renders piped output 200 columns wide unless COLUMNS says otherwise; pytest-xdist's workers
+    # may inherit a COLUMNS, and a path that wraps mid-word then breaks what a test looks for in it.
+    monkeypatch.delenv("COLUMNS", raising=False)
+
+
+@pytest.fixture(autouse=True)
 def _quiet_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     # 2-core CI machines: keep torch from oversubscribing when several processes run.
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))

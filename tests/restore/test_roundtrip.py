@@ -196,7 +196,7 @@ def test_maybe_save_policies(root: Path) -> None:
 
 
 def _spy_in_place(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    from safepoint.store import direct_read, storage
+    from safepoint.store import direct_read, reader
 
     taken: list[bool] = []
     real = direct_read.read_in_place
@@ -206,7 +206,7 @@ def _spy_in_place(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
         taken.append(crc is not None)  # the item's crc32c when it was read in place, None when not
         return crc
 
-    monkeypatch.setattr(storage, "read_in_place", spy)
+    monkeypatch.setattr(reader, "read_in_place", spy)
     return taken
 
 

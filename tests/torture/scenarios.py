@@ -234,7 +234,12 @@ def apply_patches(names: tuple[str, ...] | list[str]) -> None:
     from safepoint.store import checksum, layout, storage
 
     for name in names:
-        if name == "metadata_not_flushed":  # DCP fsyncs .metadata while its bytes sit in Python's buffer
+        if name == "torch_save_items":  # not a mutation: every tensor through torch.save, each write direct
+            from safepoint.store import item_writer
+
+            item_writer._TEMPLATE_MAX = -1  # as a tensor over the template limit is written
+            item_writer._DIRECT_MIN = 1  # as a big piece is: straight through, so a fault lands mid-record
+        elif name == "metadata_not_flushed":  # DCP fsyncs .metadata while its bytes sit in Python's buffer
             checksum.ChecksummingWriter.fileno = lambda self: self._raw.fileno()  # type: ignore[method-assign]
         elif name == "writer_threads_unchecked":  # trust DCP's write_data, whose extra threads swallow errors
             storage.SafepointWriter.write_data = storage.FileSystemWriter.write_data  # type: ignore[method-assign]

@@ -127,6 +127,9 @@ def _mid_tensor(
         # carry the small non-tensor items).
         return [(k, err) for k in data[12:16] for err in (errno.ENOSPC, errno.EIO)]
 
+    # Small tensors are written from templates in batched writes (store/item_writer.py); this case is about
+    # torch.save's own record, which tensors over the template limit still take: make every tensor take it.
+    patches = ["torch_save_items", *patches]
     return _run(zygote, scratch, template, name, pick, plan=SHORT[:1], patches=patches)
 
 
@@ -141,7 +144,9 @@ def test_the_save_error_names_a_full_disk_mid_tensor(zygote: Zygote, scratch: Pa
 
 def test_enospc_and_eio_at_each_operation_async(zygote: Zygote, scratch: Path, template: Path) -> None:
     r = _run(zygote, scratch, template, "async", targets(1), plan=SHORT, async_save=True)
-    assert r.injected >= 20 and r.failed_saves >= 15
+    # Small tensors now go out in batched writes (store/item_writer.py): a data file is one or two writes,
+    # so fewer picked operations sit before the commit point than when torch.save wrote each record.
+    assert r.injected >= 20 and r.failed_saves >= 12
     assert r.violations == []
 
 
