@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO
 
 SCRIPT = REPO / "benchmarks" / "bench_save.py"
@@ -113,6 +115,7 @@ def test_bench_async_tiny_run(tmp_path: Path) -> None:
     assert not any((tmp_path / "shm").rglob("*.distcp"))
 
 
+@pytest.mark.slow  # 40 s of peers (torch-checkpointing's import and process pool); bench_save/async stay
 def test_bench_peers_tiny_run(tmp_path: Path) -> None:
     # Every variant once on a tiny state (the torch-checkpointing ones only where the bench extra is installed).
     out = tmp_path / "out"

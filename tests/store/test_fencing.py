@@ -108,7 +108,8 @@ def _line(proc: subprocess.Popen[str]) -> str:
 
 
 @needs_second_host
-@pytest.mark.parametrize("mode", ["sync", "thread", "process"])
+# The writer thread's commit runs the same fenced code as the sync saver's; it runs under -m slow.
+@pytest.mark.parametrize("mode", ["sync", pytest.param("thread", marks=pytest.mark.slow), "process"])
 def test_a_stale_owner_frozen_inside_save_never_commits_over_the_new_owner(root: Path, mode: str) -> None:
     a = _spawn([PYTHON, "-c", JOB_A, str(root), mode])
     b: subprocess.Popen[str] | None = None
