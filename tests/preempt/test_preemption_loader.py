@@ -77,13 +77,14 @@ def test_group_sigterm_with_loader_workers_saves_and_exits_143(
     assert not [w for w in workers if _alive(w)]  # the workers exited with the process
 
 
+@pytest.mark.slow  # a demonstration of the failure the shield prevents, not a guarantee: see below
 def test_without_the_shield_the_workers_die_first(tmp_path: Path) -> None:
     _, err, _ = _term_group(tmp_path, "fork", "noshield")
-    # The loader's error lands wherever the rank is when the workers' deaths are noticed: in the training
-    # step (exit 1) or inside the emergency save (which then fails: exit 143, nothing saved). Either way
-    # the work is lost, which is what the shield prevents.
+    # The workers die of the group's SIGTERM and the rank finds out whenever it next looks: in the
+    # training step (exit 1, nothing saved), inside the emergency save (it fails: exit 143, nothing
+    # saved), or, in one of three runs under load, only after that save had committed. Which one is a
+    # race, so only the workers' death is asserted; the shield tests above fail without the shield.
     assert "is killed by signal: Terminated" in err, err[-3000:]
-    assert not list((tmp_path / "root").glob("step-*"))
 
 
 # ---- torchrun -------------------------------------------------------------------------------------------
