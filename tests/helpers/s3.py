@@ -31,9 +31,12 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+import safepoint
 
 _SLOWDOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
@@ -423,3 +426,16 @@ def running_proxy(moto_endpoint: str) -> Iterator[FaultProxy]:
 def proxy(moto_endpoint: str) -> Iterator[FaultProxy]:
     with running_proxy(moto_endpoint) as fp:
         yield fp
+
+
+def tiered_manager(tmp_path: Path, proxy: FaultProxy, bucket: str, **kw: Any) -> safepoint.CheckpointManager:
+    """A manager tiering from ``tmp_path/local`` to ``s3://bucket/run`` through ``proxy``: a save every 5
+    steps, 5 kept locally."""
+    return safepoint.CheckpointManager(
+        f"s3://{bucket}/run",
+        local_root=tmp_path / "local",
+        storage_options=storage_options(proxy.endpoint),
+        save_every_steps=5,
+        keep_local_last=5,
+        **kw,
+    )

@@ -24,7 +24,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,14 +40,6 @@ from tests.helpers.train import Setup
 
 WORKER = REPO / "tests" / "dist_preempt" / "worker.py"
 EXAMPLE = REPO / "examples" / "preemptible_train.py"
-
-
-@pytest.fixture(autouse=True)
-def _restore_signal_handlers() -> Iterator[None]:
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
-    yield
-    for s, h in saved.items():
-        signal.signal(s, h)
 
 
 def manifest(root: Path, step: int) -> dict[str, Any]:

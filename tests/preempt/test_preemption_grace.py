@@ -18,7 +18,6 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,27 +29,12 @@ from safepoint.policy.history import TierEstimate
 from safepoint.preempt.preemption import EmergencyPlan, Preemption
 from safepoint.remote.layout import RemoteLayout
 from tests.conftest import REPO
-from tests.helpers.s3 import FaultProxy, storage_options
+from tests.helpers.s3 import FaultProxy, storage_options, tiered_manager
 from tests.helpers.train import Setup, train_until_preempted
 
 
-@pytest.fixture(autouse=True)
-def _restore_signal_handlers() -> Iterator[None]:
-    saved = signal.getsignal(signal.SIGTERM)
-    yield
-    signal.signal(signal.SIGTERM, saved)
-
-
 def _s3_manager(tmp_path: Path, proxy: FaultProxy, bucket: str, **kw: Any) -> safepoint.CheckpointManager:
-    return safepoint.CheckpointManager(
-        f"s3://{bucket}/run",
-        local_root=tmp_path / "local",
-        storage_options=storage_options(proxy.endpoint),
-        save_every_steps=5,
-        keep_local_last=5,
-        preemption_signals=(signal.SIGTERM,),
-        **kw,
-    )
+    return tiered_manager(tmp_path, proxy, bucket, preemption_signals=(signal.SIGTERM,), **kw)
 
 
 def _durable(proxy: FaultProxy, bucket: str) -> list[int]:

@@ -20,7 +20,6 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,29 +31,11 @@ from safepoint.remote.layout import RemoteLayout
 from safepoint.store.layout import Layout
 from tests.conftest import REPO
 from tests.helpers.launch import assert_bitwise, events, finish, load, ready_pids, start, stop
-from tests.helpers.s3 import FaultProxy, storage_options
+from tests.helpers.s3 import FaultProxy, storage_options, tiered_manager
 from tests.helpers.train import Setup, train_until_preempted
 
 SLOW_UPLOAD_S = 1.5  # so one upload is expected to take >= 1.25 x 1.5 = 1.9 s
 DIST_WORKER = REPO / "tests" / "dist_preempt" / "worker.py"
-
-
-@pytest.fixture(autouse=True)
-def _restore_signal_handlers() -> Iterator[None]:
-    saved = signal.getsignal(signal.SIGTERM)
-    yield
-    signal.signal(signal.SIGTERM, saved)
-
-
-def _manager(tmp_path: Path, proxy: FaultProxy, bucket: str, **kw: Any) -> safepoint.CheckpointManager:
-    return safepoint.CheckpointManager(
-        f"s3://{bucket}/run",
-        local_root=tmp_path / "local",
-        storage_options=storage_options(proxy.endpoint),
-        save_every_steps=5,
-        keep_local_last=5,
-        **kw,
-    )
 
 
 def _hold_upload_of(proxy: FaultProxy, step: int) -> None:
@@ -77,7 +58,7 @@ def _preempted_at_7(
 ) -> tuple[safepoint.CheckpointManager, Any]:
     """A save at step 5 with a slow upload, then SIGTERM at step 7: the manager and its Preempted."""
     s = Setup()
-    mgr = _manager(tmp_path, proxy, bucket, preemption_signals=(signal.SIGTERM,), grace_seconds=grace)
+    mgr = tiered_manager(tmp_path, proxy, bucket, preemption_signals=(signal.SIGTERM,), grace_seconds=grace)
     _train_with_a_slow_upload(mgr, s, proxy)
     return mgr, train_until_preempted(mgr, s, range(6, 100), term_at=7)
 
@@ -115,7 +96,7 @@ def test_grace_too_short_for_the_upload_saves_locally_only(
 
     # The next run on this node restores the local-only checkpoint and uploads it.
     again = Setup(seed=3)
-    with _manager(tmp_path, proxy, bucket) as mgr2:
+    with tiered_manager(tmp_path, proxy, bucket) as mgr2:
         assert mgr2.restore(again.state()) == 7
         mgr2.wait()
     assert _durable(proxy, bucket) == [5, 7]
@@ -141,7 +122,7 @@ def test_grace_too_short_for_anything_skips_and_starts_nothing(
     tmp_path: Path, proxy: FaultProxy, bucket: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     s, local = Setup(), tmp_path / "local"
-    mgr = _manager(tmp_path, proxy, bucket, preemption_signals=(signal.SIGTERM,), grace_seconds=0.001)
+    mgr = tiered_manager(tmp_path, proxy, bucket, preemption_signals=(signal.SIGTERM,), grace_seconds=0.001)
     assert train_until_preempted(mgr, s, range(1, 6)) is None
     mgr.wait()
     with caplog.at_level(logging.INFO, logger="safepoint"):
@@ -158,7 +139,7 @@ def test_upload_history_survives_restarts_and_the_backlog_counts_and_waits(
     tmp_path: Path, proxy: FaultProxy, bucket: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     s, local = Setup(), tmp_path / "local"
-    with _manager(tmp_path, proxy, bucket) as mgr:
+    with tiered_manager(tmp_path, proxy, bucket) as mgr:
         _train_with_a_slow_upload(mgr, s, proxy)
     [recorded] = json.loads((local / UPLOADS_NAME).read_text())["uploads"]
     assert recorded["seconds"] >= SLOW_UPLOAD_S
@@ -168,7 +149,7 @@ def test_upload_history_survives_restarts_and_the_backlog_counts_and_waits(
     # emergency upload would queue behind both, so >= 5.6 s: more than the 3 s grace, though one upload
     # alone would fit.
     _hold_upload_of(proxy, 10)
-    mgr = _manager(tmp_path, proxy, bucket, preemption_signals=(signal.SIGTERM,), grace_seconds=3.0)
+    mgr = tiered_manager(tmp_path, proxy, bucket, preemption_signals=(signal.SIGTERM,), grace_seconds=3.0)
     assert mgr.restore(s.state()) == 5
     caplog.set_level(logging.INFO, logger="safepoint")
     assert train_until_preempted(mgr, s, range(6, 16)) is None
@@ -191,7 +172,7 @@ def test_upload_history_survives_restarts_and_the_backlog_counts_and_waits(
     assert _durable(proxy, bucket) == [5, 10]
 
     # The next run uploads both from the local copies.
-    with _manager(tmp_path, proxy, bucket) as mgr3:
+    with tiered_manager(tmp_path, proxy, bucket) as mgr3:
         assert mgr3.restore(Setup(seed=1).state()) == 16
         mgr3.wait()
     assert _durable(proxy, bucket) == [5, 10, 15, 16]
@@ -217,7 +198,7 @@ def test_close_after_a_notice_waits_for_uploads_only_until_the_grace_ends(
 ) -> None:
     caplog.set_level(logging.INFO, logger="safepoint")
     s = Setup()
-    mgr = _manager(tmp_path, proxy, bucket, preemption_signals=(signal.SIGTERM,), grace_seconds=1.0)
+    mgr = tiered_manager(tmp_path, proxy, bucket, preemption_signals=(signal.SIGTERM,), grace_seconds=1.0)
     _hold_upload_of(proxy, 5)
     assert train_until_preempted(mgr, s, range(1, 6)) is None
     assert proxy.held.wait(60)
