@@ -67,9 +67,13 @@ def train_job(job: dict[str, Any], out: Path, log: Log) -> None:
         preemption=preemption,
         cluster=safepoint.ClusterOptions(collective_timeout_s=30),
     ) as mgr:
+        # Batches in a whole epoch, taken before the restore: afterwards len() is the rest of the restored
+        # epoch, and ``step // len(loader)`` would jump to a later epoch once a run is preempted past the
+        # middle of one (a loaded machine gets that far before the notice lands).
+        per_epoch = len(loader)
         step = mgr.restore(state)
         log(name, "restored", step=step)
-        start, per_epoch = step, len(loader)
+        start = step
         while step < job["steps"]:
             sampler.set_epoch(step // per_epoch)  # the same epoch keeps the restored position
             for x, y in loader:

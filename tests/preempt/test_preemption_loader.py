@@ -106,7 +106,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     out = tmp_path_factory.mktemp("loader")
     kinds = ("torch", "stateful")
     procs = {
-        k: start(WORKER, out, k, [_job(k, out / k, 100_000, loader=k, preempt=True, ready_after=3)])
+        k: start(WORKER, out, k, [_job(k, out / k, 100_000, loader=k, preempt=True, ready_after=20)])
         for k in kinds
     }
     for k, proc in procs.items():
