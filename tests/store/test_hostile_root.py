@@ -505,6 +505,28 @@ def test_parked_copy_is_kept_when_its_step_is_a_symlink(root: Path, outside: Pat
     assert sorted(p.name for p in outside.iterdir()) == ["precious.txt", "sub"]
 
 
+@pytest.mark.parametrize("name", ["replaced-..-x", "replaced-.-x", "replaced--x", "replaced-step-1-x"])
+def test_a_planted_parked_name_never_names_root_or_its_parent(tmp_path: Path, name: str) -> None:
+    """Only an exact ``replaced-step-N-<8 hex>`` is a parked replacement. A planted ``replaced-..-x`` once
+    made the next owner delete ROOT's parent (every sibling, ROOT and its checkpoints), ``replaced-.-x``
+    ROOT itself; any other shape is an abandoned entry and is removed, nothing else."""
+    parent = tmp_path / "parent"
+    root = parent / "root"
+    (parent / "sibling").mkdir(parents=True)
+    (parent / "sibling" / "precious.txt").write_text("keep me")
+    saved = _save(root, 1)
+    planted = root / ".pending" / name
+    planted.mkdir()
+    (planted / MANIFEST_NAME).write_text("{}")
+    with safepoint.CheckpointManager(root):
+        pass
+    assert (parent / "sibling" / "precious.txt").read_text() == "keep me"
+    assert not planted.exists()
+    step, weights, msgs = _restore(root)
+    assert (step, msgs) == (1, [])
+    _assert_weights(weights, saved[1])
+
+
 def test_a_pending_that_is_a_file_is_reported_and_restores_still_work(root: Path) -> None:
     """A .pending that is a regular file made opening the root fail with a generic 'File exists': even a
     restore was refused. It is now reported like a symlinked .pending, restores work, saves refuse."""

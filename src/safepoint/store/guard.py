@@ -33,6 +33,17 @@ def parse_step(name: str) -> int | None:
     return int(name[len(STEP_PREFIX) :]) if STEP_RE.match(name) else None
 
 
+# A step parked aside while it is replaced: only this exact shape is ever moved back into ROOT, so a
+# planted ".pending/replaced-..-x" can never name ROOT's parent (or ROOT itself) as the step to replace.
+PARKED_RE = re.compile(rf"^replaced-({STEP_PATTERN})-[0-9a-f]{{8}}$")
+
+
+def parked_step_name(name: str) -> str | None:
+    """The step directory a parked replacement ``replaced-step-N-<8 hex>`` belongs to, or None."""
+    m = PARKED_RE.match(name)
+    return m.group(1) if m else None
+
+
 def bare_name_problem(name: object) -> str | None:
     """Why ``name`` is not a plain file name inside one directory, or None if it is one."""
     if not isinstance(name, str):

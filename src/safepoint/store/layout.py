@@ -33,6 +33,7 @@ from safepoint.store.guard import (
     STEP_PREFIX,
     file_problem,
     open_regular,
+    parked_step_name,
     parse_step,
     real_dir_problem,
     remove_tree,
@@ -372,8 +373,7 @@ class Layout:
         if entries:
             self.fence("cleaning up abandoned saves")
         for entry in entries:
-            if entry.name.startswith(_REPLACED_PREFIX):
-                original = entry.name[len(_REPLACED_PREFIX) :].rsplit("-", 1)[0]
+            if (original := parked_step_name(entry.name)) is not None:  # anything else is abandoned
                 target = self.root / original
                 if (
                     real_dir_problem(entry) is None
