@@ -20,9 +20,11 @@ import sys
 import time
 from pathlib import Path
 
+import fsspec
 import pytest
 
 from tests.conftest import REPO
+from tests.helpers.s3 import new_bucket, storage_options
 
 SCRIPT = REPO / "examples" / "production_template.py"
 # A tiny GPT and data set: 48 sequences over 2 ranks at 4 x 2 per step is 3 steps per epoch, so the runs
@@ -33,13 +35,17 @@ TINY = [
 ]
 
 
-def launch(out: Path, tag: str, *args: str, max_restarts: int = 0) -> subprocess.Popen[str]:
+def launch(
+    out: Path, tag: str, *args: str, max_restarts: int = 0, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
     """torchrun on the template in a session of its own (for cleanup); output to ``out/<tag>.log``."""
     cmd = [
         *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"),
         *(f"--max-restarts={max_restarts}", "--monitor-interval=0.1", str(SCRIPT), *TINY, *args),
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"), CUDA_VISIBLE_DEVICES="")
+    env = dict(
+        os.environ, **(env or {}), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"), CUDA_VISIBLE_DEVICES=""
+    )
     with open(out / f"{tag}.log", "w") as log:
         return subprocess.Popen(
             cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=REPO, start_new_session=True
@@ -77,14 +83,22 @@ def committed(root: Path) -> list[int]:
     return sorted(int(p.name.split("-")[1]) for p in root.glob("step-*"))
 
 
-@pytest.mark.timeout(600)
-def test_template_survives_kill9_and_sigterm_and_resumes_bitwise(tmp_path: Path) -> None:
-    durable, local, hb = tmp_path / "durable", tmp_path / "local", tmp_path / "hb"
-    tiers = ("--root", str(durable), "--local-root", str(local))
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("durable", ["dir", pytest.param("s3", marks=pytest.mark.slow)])
+def test_template_survives_kill9_and_sigterm_and_resumes_bitwise(
+    durable: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """The durable root: a directory (a shared file system), or under -m slow a bucket on moto's S3."""
+    local, hb, env = tmp_path / "local", tmp_path / "hb", {}
+    root = str(tmp_path / "durable")
+    if durable == "s3":
+        endpoint = request.getfixturevalue("moto_endpoint")
+        root, env = f"s3://{new_bucket(endpoint)}/run", {"AWS_ENDPOINT_URL_S3": endpoint}
+    tiers = ("--root", root, "--local-root", str(local))
 
     # 1. A run with no end, restartable once. When a checkpoint is committed and both ranks trained past it,
     #    rank 1 is killed with SIGKILL: torchrun stops rank 0 and starts both again, and they resume.
-    a = launch(tmp_path, "a", *tiers, "--heartbeat", str(hb), "--until", "100000", max_restarts=1)
+    a = launch(tmp_path, "a", *tiers, "--heartbeat", str(hb), "--until", "100000", max_restarts=1, env=env)
     try:
         wait_for(
             "a checkpoint and two steps past it",
@@ -130,7 +144,7 @@ def test_template_survives_kill9_and_sigterm_and_resumes_bitwise(tmp_path: Path)
     # 3. A new launch resumes from the emergency save and trains three more steps; a reference run trains
     #    to the same step without interruption.
     end = stop + 3
-    rc, log_b = finish(tmp_path, "b", launch(tmp_path, "b", *tiers, "--until", str(end)))
+    rc, log_b = finish(tmp_path, "b", launch(tmp_path, "b", *tiers, "--until", str(end), env=env))
     assert rc == 0, log_b[-4000:]
     assert f"resumed at step {stop} with 2 ranks" in log_b
     ref = tmp_path / "ref"
@@ -141,8 +155,12 @@ def test_template_survives_kill9_and_sigterm_and_resumes_bitwise(tmp_path: Path)
     assert tokens[0] in log_b
 
     # 4. The durable copies, compared key by key by the CLI: every tensor and value bitwise equal.
+    durable_copy = tmp_path / "durable"
+    if durable == "s3":  # diff reads local roots: fetch the step from the bucket
+        fs = fsspec.filesystem("s3", **storage_options(env["AWS_ENDPOINT_URL_S3"]))
+        fs.get(f"{root[len('s3://') :]}/step-{end}/", str(durable_copy / f"step-{end}") + "/", recursive=True)
     diff = subprocess.run(
-        [sys.executable, "-m", "safepoint.cli", "diff", str(ref), str(durable), "--step", str(end), "--all"],
+        [sys.executable, "-m", "safepoint.cli", "diff", str(ref), str(durable_copy), "--step", str(end), "--all"],
         capture_output=True,
         text=True,
         env=dict(os.environ, PYTHONPATH=str(REPO / "src"), COLUMNS="200"),
