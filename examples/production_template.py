@@ -21,6 +21,7 @@ import json
 import os
 import random
 import signal
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -136,6 +137,8 @@ def endless(loader: StatefulDataLoader, sampler: safepoint.ResumableSampler) -> 
 
 def main() -> None:
     args = parse()
+    # torchdata 0.11 under torch >= 2.9 warns on every loader it builds; harmless.
+    warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
     cuda = torch.cuda.is_available()
     # Not dist.init_process_group: safepoint's keys the rendezvous by torchrun attempt, so the workers that
     # torchrun --max-restarts starts after a crash do not read the dead attempt's addresses.
@@ -160,7 +163,7 @@ def main() -> None:
     shard(ema, mesh)  # sharded like the model: saved without a gather, resharded at another world size
 
     # Two parameter groups, built after fully_shard (the optimizer must hold the sharded parameters):
-    # weight decay on matrices, none on biases, LayerNorm gains and embeddings' positions alike.
+    # weight decay on matrices (linear and embedding weights), none on biases and LayerNorm gains (1-D).
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
@@ -191,15 +194,16 @@ def main() -> None:
     # The sampler's position is global (all ranks together): a restore at any world size continues with
     # exactly the sequences not yet trained on. drop_last keeps every rank's batch count equal.
     sampler = safepoint.ResumableSampler(len(dataset), shuffle=True, seed=0, drop_last=True)
-    # StatefulDataLoader saves which batches its workers had prefetched, so the restored position is the
-    # one the loop consumed. generator=: without one, each new iterator draws its workers' seed from the
-    # global torch RNG, which a resumed run (one more iterator) would shift.
+    # StatefulDataLoader's state is that of the batches the loop consumed, not of those its workers have
+    # prefetched: a restore neither skips nor repeats a batch. generator=: without one, each new iterator
+    # draws its workers' seed from the global torch RNG, which a resumed run (one more iterator) shifts.
     loader = StatefulDataLoader(
         dataset,
         batch_size=args.micro_batch,
         sampler=sampler,
         num_workers=args.workers,
         generator=torch.Generator(),
+        pin_memory=cuda,  # page-locked batches: the copy to the GPU overlaps compute (non_blocking below)
     )
 
     # Everything the loop depends on, each under a stable name. The EMA is a named section: sharded like the
