@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 import safepoint
 from tests.conftest import REPO

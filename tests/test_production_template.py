@@ -4,8 +4,9 @@ a new launch resumes; its final checkpoint equals an uninterrupted run's bitwise
 (model, EMA, optimizer, scheduler, data position, counters, RNG).
 
 Every kill is sequenced by the files the script writes (its ``--heartbeat`` files and the committed
-``step-N`` directories), never by sleeping. The runs that get interrupted are given no end (``--until`` far
-away), so they cannot finish before the test acts; the resumed and reference runs stop at the same step.
+``step-N`` directories), never by sleeping. The run that gets interrupted has no end in reach (``--steps``
+far away), so it cannot finish before the test acts; the resumed and reference runs stop at the same
+``--until`` step.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import fsspec
@@ -27,10 +29,11 @@ from tests.conftest import REPO
 from tests.helpers.s3 import new_bucket, storage_options
 
 SCRIPT = REPO / "examples" / "production_template.py"
-# A tiny GPT and data set: 48 sequences over 2 ranks at 4 x 2 per step is 3 steps per epoch, so the runs
-# cross epoch boundaries (and save across them) too.
+# A tiny GPT and data set. --steps is the LR schedule's length, far beyond any launch here: the interrupted
+# run never ends by itself, the others stop at --until. 48 sequences over 2 ranks at 4 x 2 per step is 3
+# steps per epoch, so the runs cross epoch boundaries (and save across them) too.
 TINY = [
-    *("--steps", "1000", "--warmup", "3", "--save-every", "2", "--samples", "48", "--seq", "8"),
+    *("--steps", "100000", "--warmup", "3", "--save-every", "2", "--samples", "48", "--seq", "8"),
     *("--dim", "16", "--layers", "1", "--heads", "2", "--micro-batch", "4", "--accum", "2"),
 ]
 
@@ -63,16 +66,16 @@ def finish(out: Path, tag: str, proc: subprocess.Popen[str]) -> tuple[int, str]:
 
 
 def beats(hb: Path) -> dict[int, dict[str, int]]:
-    found = {}
+    found: dict[int, dict[str, int]] = {}
     for r in (0, 1):
         with contextlib.suppress(FileNotFoundError):
             found[r] = json.loads((hb / f"rank{r}.json").read_text())
     return found
 
 
-def wait_for(what: str, proc: subprocess.Popen[str], out: Path, tag: str, ok: object) -> None:
+def wait_for(what: str, proc: subprocess.Popen[str], out: Path, tag: str, ok: Callable[[], object]) -> None:
     deadline = time.monotonic() + 240  # only to fail instead of hanging: nothing here waits on time
-    while not ok():  # type: ignore[operator]
+    while not ok():
         log = (out / f"{tag}.log").read_text()
         assert proc.poll() is None, f"torchrun exited before {what}:\n{log[-4000:]}"
         assert time.monotonic() < deadline, f"never {what}:\n{log[-4000:]}"
@@ -98,7 +101,7 @@ def test_template_survives_kill9_and_sigterm_and_resumes_bitwise(
 
     # 1. A run with no end, restartable once. When a checkpoint is committed and both ranks trained past it,
     #    rank 1 is killed with SIGKILL: torchrun stops rank 0 and starts both again, and they resume.
-    a = launch(tmp_path, "a", *tiers, "--heartbeat", str(hb), "--until", "100000", max_restarts=1, env=env)
+    a = launch(tmp_path, "a", *tiers, "--heartbeat", str(hb), max_restarts=1, env=env)
     try:
         wait_for(
             "a checkpoint and two steps past it",
@@ -160,7 +163,17 @@ def test_template_survives_kill9_and_sigterm_and_resumes_bitwise(
         fs = fsspec.filesystem("s3", **storage_options(env["AWS_ENDPOINT_URL_S3"]))
         fs.get(f"{root[len('s3://') :]}/step-{end}/", str(durable_copy / f"step-{end}") + "/", recursive=True)
     diff = subprocess.run(
-        [sys.executable, "-m", "safepoint.cli", "diff", str(ref), str(durable_copy), "--step", str(end), "--all"],
+        [
+            sys.executable,
+            "-m",
+            "safepoint.cli",
+            "diff",
+            str(ref),
+            str(durable_copy),
+            "--step",
+            str(end),
+            "--all",
+        ],
         capture_output=True,
         text=True,
         env=dict(os.environ, PYTHONPATH=str(REPO / "src"), COLUMNS="200"),
