@@ -87,17 +87,20 @@ def committed(root: Path) -> list[int]:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("durable", ["dir", pytest.param("s3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    ("durable", "precision"), [("dir", "bf16"), pytest.param("s3", "fp16", marks=pytest.mark.slow)]
+)
 def test_template_survives_kill9_and_sigterm_and_resumes_bitwise(
-    durable: str, tmp_path: Path, request: pytest.FixtureRequest
+    durable: str, precision: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    """The durable root: a directory (a shared file system), or under -m slow a bucket on moto's S3."""
+    """The durable root: a directory (a shared file system), or under -m slow a bucket on moto's S3, with
+    fp16 autocast and its GradScaler (whose state must then resume too)."""
     local, hb, env = tmp_path / "local", tmp_path / "hb", {}
     root = str(tmp_path / "durable")
     if durable == "s3":
         endpoint = request.getfixturevalue("moto_endpoint")
         root, env = f"s3://{new_bucket(endpoint)}/run", {"AWS_ENDPOINT_URL_S3": endpoint}
-    tiers = ("--root", root, "--local-root", str(local))
+    tiers = ("--precision", precision, "--root", root, "--local-root", str(local))
 
     # 1. A run with no end, restartable once. When a checkpoint is committed and both ranks trained past it,
     #    rank 1 is killed with SIGKILL: torchrun stops rank 0 and starts both again, and they resume.
@@ -151,7 +154,11 @@ def test_template_survives_kill9_and_sigterm_and_resumes_bitwise(
     assert rc == 0, log_b[-4000:]
     assert f"resumed at step {stop} with 2 ranks" in log_b
     ref = tmp_path / "ref"
-    rc, log_ref = finish(tmp_path, "ref", launch(tmp_path, "ref", "--root", str(ref), "--until", str(end)))
+    rc, log_ref = finish(
+        tmp_path,
+        "ref",
+        launch(tmp_path, "ref", "--precision", precision, "--root", str(ref), "--until", str(end)),
+    )
     assert rc == 0, log_ref[-4000:]
     tokens = re.findall(r"finished at step \d+, tokens_seen=\d+", log_ref)
     assert tokens == [f"finished at step {end}, tokens_seen={end * 2 * 4 * 8}"]
@@ -162,18 +169,9 @@ def test_template_survives_kill9_and_sigterm_and_resumes_bitwise(
     if durable == "s3":  # diff reads local roots: fetch the step from the bucket
         fs = fsspec.filesystem("s3", **storage_options(env["AWS_ENDPOINT_URL_S3"]))
         fs.get(f"{root[len('s3://') :]}/step-{end}/", str(durable_copy / f"step-{end}") + "/", recursive=True)
+    cli = [sys.executable, "-m", "safepoint.cli", "diff", str(ref), str(durable_copy), "--step", str(end)]
     diff = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "safepoint.cli",
-            "diff",
-            str(ref),
-            str(durable_copy),
-            "--step",
-            str(end),
-            "--all",
-        ],
+        [*cli, "--all"],
         capture_output=True,
         text=True,
         env=dict(os.environ, PYTHONPATH=str(REPO / "src"), COLUMNS="200"),
@@ -189,4 +187,5 @@ def test_template_survives_kill9_and_sigterm_and_resumes_bitwise(
         "rng.",
     ):
         assert section in diff.stdout, f"{section} not compared:\n{diff.stdout[-3000:]}"
+    assert ("objects.scaler." in diff.stdout) == (precision == "fp16")
     assert re.search(r"(\d+) keys: \1 identical, 0 differ", diff.stdout), diff.stdout[-2000:]
