@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 import safepoint
-from tests.conftest import REPO
+from tests.conftest import REPO, SUBPROCESS_ENV
 
 
 def snippet(heading: str) -> str:
@@ -98,3 +100,63 @@ def test_a_nested_dict_with_new_keys_is_reported_as_concepts_md_says(tmp_path: P
             safepoint.StateMismatchError, match=r"not in the target: objects\.progress\.by_task\.code"
         ):
             mgr.restore(safepoint.TrainState(objects={"progress": _Counts()}, rng=False))
+
+
+_WRAPPED = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+import safepoint
+
+store, tmp = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+build = lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+compile = lambda m: torch.compile(m, backend="eager")
+def fsdp(m):
+    fully_shard(m, mesh=mesh)
+    return m
+wrappings = {
+    "compile(DDP)": lambda m: compile(DDP(m)),
+    "DDP(compile)": lambda m: DDP(compile(m)),
+    "compile(fully_shard)": lambda m: compile(fsdp(m)),
+    "fully_shard(compile)": lambda m: fsdp(compile(m)),
+}
+for i, (name, wrap) in enumerate(wrappings.items()):
+    torch.manual_seed(i)
+    inner = build()
+    wrapped = wrap(inner)
+    opt = torch.optim.AdamW(wrapped.parameters())
+    wrapped(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    with safepoint.CheckpointManager(f"{tmp}/{i}") as mgr:
+        mgr.save(1, safepoint.TrainState(model=wrapped, optimizer=opt, rng=False))
+    plain = build()
+    with safepoint.CheckpointManager(f"{tmp}/{i}") as mgr:
+        mgr.restore(safepoint.TrainState(model=plain, optimizer=torch.optim.AdamW(plain.parameters()), rng=False))
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t
+    same = all(torch.equal(full(p), q) for p, q in zip(inner.parameters(), plain.parameters(), strict=True))
+    print(name, "bitwise" if same else "differs", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_compile_wrapped_with_ddp_or_fsdp2_either_way_restores_into_a_plain_module(tmp_path: Path) -> None:
+    """concepts.md: the order of torch.compile and DDP/fully_shard does not change the saved keys."""
+    script = tmp_path / "wrapped.py"
+    script.write_text(_WRAPPED)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "store"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=SUBPROCESS_ENV,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:-1] == [
+        "compile(DDP) bitwise",
+        "DDP(compile) bitwise",
+        "compile(fully_shard) bitwise",
+        "fully_shard(compile) bitwise",
+    ], proc.stdout + proc.stderr[-3000:]
