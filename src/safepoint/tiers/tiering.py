@@ -119,7 +119,7 @@ class Tiering(SingleTier):
             self._done.add((step, save_id))
         for step in todo:
             self._enqueue(step)
-        if not todo and self.comm.is_coordinator:
+        if not todo and self._prunes:
             self._prune_local()
 
     @contextlib.contextmanager
@@ -277,14 +277,12 @@ class Tiering(SingleTier):
             return
         if kind != "upload":
             log.info("safepoint: not uploading step %d: %s", step, detail)
-            if self.comm.is_coordinator:
+            if self._prunes:
                 self._prune_local()
             return
         t0 = time.perf_counter()
         # Once close() gave up on this upload no commit starts (its lease may be given up or expire).
-        manifest = upload_checkpoint(
-            self.comm, self.local, self.durable, step, detail, self._grace.committing
-        )
+        manifest = self._move(step, detail)
         info = self.durable.info(step, manifest)
         self._history.record(time.perf_counter() - t0, persist=self.comm.is_coordinator)
         with self._cv:
@@ -301,7 +299,16 @@ class Tiering(SingleTier):
         )
         if self.comm.is_coordinator:
             self._retain_durable(step)
+        if self._prunes:
             self._prune_local()
+
+    def _move(self, step: int, pending: str) -> Manifest:
+        return upload_checkpoint(self.comm, self.local, self.durable, step, pending, self._grace.committing)
+
+    @property
+    def _prunes(self) -> bool:
+        """This rank prunes the local tier it sees (rank 0; with per-node tiers, each node's leader)."""
+        return self.comm.is_coordinator
 
     def _decide(self, step: int) -> tuple[str, str]:
         try:
