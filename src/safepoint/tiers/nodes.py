@@ -60,6 +60,8 @@ def gather_nodes(comm: Comm) -> NodeMap:
 class NodeTiering(Tiering):
     """Tiering whose local tier is each node's own: see the module docstring."""
 
+    per_node = True
+
     def __init__(self, *args: Any, nodes: NodeMap, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.nodes = nodes

@@ -39,7 +39,14 @@ from safepoint.restore.restorer import Restorer
 from safepoint.state import TrainState
 from safepoint.store.layout import CheckpointInfo, Layout
 from safepoint.store.manifest import Manifest
-from safepoint.tiers.base import DurabilityLag, SingleTier, infos, prune_local, read_durable
+from safepoint.tiers.base import (
+    DurabilityLag,
+    SingleTier,
+    drop_node_shares,
+    infos,
+    prune_local,
+    read_durable,
+)
 from safepoint.tiers.grace import UploadGrace
 from safepoint.tiers.transfer import choose_across_tiers, upload_checkpoint
 
@@ -50,6 +57,8 @@ IDLE_JOIN_S = 1.0
 
 class Tiering(SingleTier):
     """Local tier + durable tier, with a background uploader (one per rank, lock-step by collectives)."""
+
+    per_node = False  # True in tiers/nodes.py: each node has its own local tier
 
     def __init__(
         self,
@@ -98,6 +107,8 @@ class Tiering(SingleTier):
             self._lease.acquire()
         done = [f"durable tier: {line}" for line in self.durable.clean_pending()]
         durable = read_durable(self.durable)
+        if not self.per_node:  # one node now: shares saved by several nodes are of no use
+            done.extend(drop_node_shares(self.local, durable))
         todo = []
         for step in self.local.committed_steps():
             try:

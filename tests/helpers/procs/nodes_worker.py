@@ -53,6 +53,7 @@ def main() -> None:
 
     def log(event: str, **fields: object) -> None:
         record = {"event": event, "rank": rank, "world": world, "gen": gen, "host": socket.gethostname()}
+        record["local"] = os.environ["NODE_LOCAL_ROOT"]  # names the node, host name or not
         with open(out / "log.jsonl", "a") as f:
             f.write(json.dumps({**record, **fields}) + "\n")
 
