@@ -36,6 +36,7 @@ from safepoint.remote.layout import RemoteLayout
 from safepoint.remote.retry import UploadError
 from safepoint.restore.restorer import Restorer
 from safepoint.state import TrainState
+from safepoint.store.checksum import file_crc32c
 from safepoint.store.guard import open_regular, remove_tree
 from safepoint.store.layout import Layout
 from safepoint.store.manifest import Manifest
@@ -43,18 +44,15 @@ from safepoint.store.metadata_check import load_checked_metadata
 from safepoint.store.nodes import NodeMap, node_id
 from safepoint.store.reader import SafeReader
 from safepoint.store.storage import METADATA_NAME
+from safepoint.tiers import peers
 from safepoint.tiers.tiering import Tiering
 from safepoint.tiers.transfer import move_and_commit
 
 log = logging.getLogger("safepoint")
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
-LOCAL, DURABLE = "local", "durable"
-"""Where a restored file came from: this node's local tier, or the durable tier."""
-
-
-def gather_nodes(comm: Comm) -> NodeMap:
-    """Collective (one all_gather at the manager's start): every rank's node."""
-    return NodeMap(rank=comm.rank, nodes=tuple(comm.all_gather(node_id())))
+LOCAL, PEER, DURABLE = "local", "peer", "durable"
+"""Where a restored file came from: this node's local tier, another node's replica (tiers/peers.py), or
+the durable tier."""
 
 
 class NodeTiering(Tiering):
@@ -111,6 +109,7 @@ class NodeTiering(Tiering):
     def _move(self, step: int, pending: str) -> Manifest:
         """Collective on the uploader group: one all_gather of what each rank's node holds, then each file
         is put by one holder, and rank 0 commits the durable manifest (see transfer.move_and_commit)."""
+        peers.replicate(self.comm, self.nodes, self.local, step)  # first: a replica is faster to restore
         manifest: Manifest | None = None
         present: list[str] = []
         with contextlib.suppress(CheckpointError):
@@ -170,7 +169,7 @@ class NodeTiering(Tiering):
 
     def restore(self, restorer: Restorer, state: TrainState, step: int | None) -> Manifest | None:
         self.wait()  # the local checkpoints found at the start become durable first: that is the commit
-        view = NodeView(self.local, self.durable, self.comm.rank)
+        view = NodeView(self.local, self.durable, self.nodes)
         own = Restorer(view, restorer.comm, restorer.verdicts)
         own.selection = restorer.selection
         with self._no_prune:
@@ -183,10 +182,11 @@ class NodeTiering(Tiering):
             restorer.last_report = dataclasses.replace(own.last_report, files=files)
         if manifest is not None:
             self.observe(manifest.step)
-            counts = {s: sum(1 for v in view.sources.values() if v == s) for s in (LOCAL, DURABLE)}
+            counts = {s: sum(1 for v in view.sources.values() if v == s) for s in (LOCAL, PEER, DURABLE)}
             log.info(
-                "safepoint: rank %d read step %d: %d file(s) from this node's local tier, %d from the "
-                "durable tier", self.comm.rank, manifest.step, counts[LOCAL], counts[DURABLE],
+                "safepoint: rank %d read step %d: %d file(s) from this node's local tier, %d from a peer "
+                "node's replica, %d from the durable tier",
+                self.comm.rank, manifest.step, counts[LOCAL], counts[PEER], counts[DURABLE],
             )  # fmt: skip
         return manifest
 
@@ -218,9 +218,12 @@ class NodeView(Layout):
     """The local tier as a restore reads it: each file from this node's copy when it verifies against the
     durable manifest, else downloaded from the durable tier into ``.pending`` (see the module docstring)."""
 
-    def __init__(self, local: Layout, durable: RemoteLayout, rank: int) -> None:
+    def __init__(self, local: Layout, durable: RemoteLayout, nodes: NodeMap) -> None:
         super().__init__(local.root)
-        self.local, self.durable, self.rank = local, durable, rank
+        self.local, self.durable, self.nodes, self.rank = local, durable, nodes, nodes.rank
+        self._peer: dict[str, Path] = {}
+        self._replica: dict[str, Path] = {}
+        self._received: Path | None = None
         self.sources: dict[str, str] = {}
         self._manifest: Manifest | None = None
         self._local: Manifest | None = None
@@ -243,7 +246,28 @@ class NodeView(Layout):
             return None
         manifest = Manifest.from_json(found[1], step_hint=found[0])
         self._use(manifest)
+        self._from_peers(comm, manifest)
         return manifest
+
+    def _from_peers(self, comm: Comm, manifest: Manifest) -> None:
+        """Collective: the files of this node's share it cannot take from its own disk, from a peer's
+        replica when one holds them (tiers/peers.py)."""
+        lacking = []
+        for name in peers.share(self.nodes, manifest):
+            mine = self._local.files.get(name) if self._local is not None else None
+            path = self.local.step_path(manifest.step) / name
+            if mine != manifest.files[name] or not path.is_file() or path.stat().st_size != mine.size:
+                lacking.append(name)
+        self._replica = replica = peers.held(self.local, manifest)
+        self._received = self.local.pending_root / f"peer-restore-step-{manifest.step}-{manifest.save_id}"
+        offer: dict[str, Path] = {}
+        if self.nodes.is_leader:  # what this node's disk holds of the save: its own files and its replica
+            if self._local is not None:
+                base = self.local.step_path(manifest.step)
+                own = {n: base / n for n, e in self._local.files.items() if manifest.files.get(n) == e}
+                offer = {n: p for n, p in own.items() if p.is_file()}
+            offer = {**offer, **replica}
+        self._peer = peers.restore_from_peers(comm, self.nodes, manifest, lacking, offer, self._received)
 
     def _newest(self, step: int | None, below: int | None) -> tuple[int, bytes] | str | None:
         steps = [s for s in self.durable.committed_steps() if below is None or s < below]
@@ -276,6 +300,9 @@ class NodeView(Layout):
         """Remove what this rank downloaded (once loaded, or when another candidate is tried)."""
         if self._scratch is not None:
             remove_tree(self._scratch)
+        if self._received is not None and self.nodes.is_leader:
+            remove_tree(self._received)
+        self._peer = {}
 
     def paths(self, names: list[str]) -> dict[str, str]:
         """Where each of ``names`` is read from (resolved once per restore; see the class docstring)."""
@@ -300,6 +327,16 @@ class NodeView(Layout):
                     log.warning(
                         "safepoint: this node's copy is unusable (%s); reading it from the durable tier", e
                     )
+        kept = self._replica.get(name)  # a peer's file this node keeps a replica of
+        if kept is not None:
+            try:
+                if file_crc32c(kept) == (entry.size, entry.crc32c):
+                    return str(kept), PEER
+                log.warning("safepoint: the peer replica of %s does not verify; trying elsewhere", name)
+            except OSError as e:
+                log.warning("safepoint: cannot read the peer replica of %s (%s)", name, e)
+        if name in self._peer:  # sent by a peer: checked when it arrived, and again as it is read
+            return str(self._peer[name]), PEER
         self._scratch.mkdir(parents=True, exist_ok=True)
         target = self._scratch / name
         crc = self.durable.store.download(
@@ -328,10 +365,14 @@ class NodeView(Layout):
 
 
 def build_tiers(comm: Comm, savers: list[Any], *args: Any) -> Tiering:
-    """The manager's tiers with a ``local_root`` (``args``: Tiering's): per-node ones when the ranks span
-    several nodes (one all_gather on ``comm`` at the start to learn that), told to ``savers`` too."""
-    nodes = gather_nodes(comm) if comm.distributed else None
-    if nodes is None or not nodes.multi:
+    """The manager's tiers with a ``local_root`` (``args``: Tiering's, the local layout first): per-node
+    ones when the ranks span several nodes, or when a node holds a peer replica (the job ran on several
+    nodes and now runs on fewer: the replicas are still of use). One all_gather on ``comm`` at the start."""
+    if not comm.distributed:
+        return Tiering(*args)
+    seen = comm.all_gather((node_id(), (args[0].root / peers.PEERS_DIR).is_dir()))
+    nodes = NodeMap(rank=comm.rank, nodes=tuple(n for n, _ in seen))
+    if not nodes.multi and not any(has for _, has in seen):
         return Tiering(*args)
     for saver in savers:
         if saver is not None:

@@ -73,9 +73,11 @@ def main() -> None:
     with safepoint.CheckpointManager(
         cfg["durable"], local_root=local, save_every_steps=cfg.get("save_every", 1000), cluster=cluster
     ) as mgr:
+        t0 = time.perf_counter()
         step = mgr.restore(state)
+        took = time.perf_counter() - t0
         files = dict(mgr.last_restore.files) if mgr.last_restore is not None else {}
-        log("restored", step=step, files=files)
+        log("restored", step=step, files=files, seconds=took)
         if not cfg.get("restore_only"):
             step = train(cfg, out, mgr, model, opt, data, sampler, loader, state, step, log)
         mgr.wait()
