@@ -40,7 +40,7 @@ def test_each_node_commits_and_restores_from_its_own_local_tier(tmp_path: Path) 
     # rank's file comes from the replica its node keeps.
     restored = restore(out, durable, locals_, "local")
     for r in restored:
-        assert r["files"] == {".metadata": "local", own(r): "local", other(r): "peer"}, r
+        sources(r, "local", "local", "peer")
     equal(out / "saved.pt", out / "local.pt")
 
     # A node loses its disk: its rank gets its share from the other node (peer), the rest from the durable
@@ -50,9 +50,9 @@ def test_each_node_commits_and_restores_from_its_own_local_tier(tmp_path: Path) 
     restored = restore(out, durable, locals_, "peer")
     for r in restored:
         if Path(r["local"]) == lost:
-            assert r["files"] == {".metadata": "peer", own(r): "peer", other(r): "durable"}, r
+            sources(r, "peer", "peer", "durable")
         else:
-            assert r["files"] == {".metadata": "local", own(r): "local", other(r): "peer"}, r
+            sources(r, "local", "local", "peer")
     equal(out / "saved.pt", out / "peer.pt")
 
     # And with no replica left either: the durable tier.
@@ -61,9 +61,9 @@ def test_each_node_commits_and_restores_from_its_own_local_tier(tmp_path: Path) 
     restored = restore(out, durable, locals_, "durable")
     for r in restored:
         if Path(r["local"]) == lost:
-            assert r["files"] == {".metadata": "peer", own(r): "durable", other(r): "durable"}, r
+            sources(r, "peer", "durable", "durable")
         else:
-            assert r["files"] == {".metadata": "local", own(r): "local", other(r): "durable"}, r
+            sources(r, "local", "local", "durable")
     equal(out / "saved.pt", out / "durable.pt")
 
 
@@ -76,12 +76,13 @@ def restore(out: Path, durable: Path, locals_: dict[str, Path], tag: str) -> lis
     return restored
 
 
-def own(r: dict[str, Any]) -> str:
-    return f"__{r['rank']}_0.distcp"
-
-
-def other(r: dict[str, Any]) -> str:
-    return f"__{1 - r['rank']}_0.distcp"
+def sources(r: dict[str, Any], metadata: str, own: str, other: str) -> None:
+    """Where the rank of restore record ``r`` read ``.metadata``, its own file and, if it read from it
+    (replicated items: rank 0 does, rank 1 need not), the other rank's file."""
+    files = dict(r["files"])
+    assert files.pop(".metadata") == metadata, r
+    assert files.pop(f"__{r['rank']}_0.distcp") == own, r
+    assert files in ({}, {f"__{1 - r['rank']}_0.distcp": other}), r
 
 
 def _node_of_rank(records: list[dict[str, Any]], locals_: dict[str, Path]) -> dict[int, Path]:

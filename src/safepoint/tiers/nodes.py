@@ -174,7 +174,8 @@ class NodeTiering(Tiering):
         own.selection = restorer.selection
         with self._no_prune:
             try:
-                manifest = own.restore(state, step, lambda below: view.choose(self.comm, step, below))
+                # On the training thread's group, as any restore (the uploader's is for its thread).
+                manifest = own.restore(state, step, lambda below: view.choose(own.comm, step, below))
             finally:
                 view.cleanup()
         if own.last_report is not None:

@@ -3,7 +3,7 @@
     torchrun ... nodes_worker.py CONFIG.json        (local_root from $NODE_LOCAL_ROOT, one per agent)
 
 CONFIG: {"out", "durable", "end", "save_every", and optionally "restore_only", "block_at", "pause_at",
-"tag"}. The job trains a tiny FSDP2 model on 24 samples through ``ResumableSampler`` (2 per rank per step)
+"tag", "width" (of the hidden layer, 16 by default)}. The job trains a tiny FSDP2 model on 24 samples through ``ResumableSampler`` (2 per rank per step)
 until step ``end``, saving every ``save_every`` steps, then waits for its uploads and rank 0 dumps the
 full state to OUT/<tag>.pt. Every restore and every step's samples are JSON lines in OUT/log.jsonl.
 
@@ -58,7 +58,8 @@ def main() -> None:
             f.write(json.dumps({**record, **fields}) + "\n")
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    width = cfg.get("width", 16)  # benchmarks/bench_node_restore.py makes it large
+    model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 4))
     mesh = init_device_mesh("cpu", (world,))
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
