@@ -125,8 +125,11 @@ class SyncSaver:
             # Rank 0 had every rank's files and committed: this rank failed after its part was done.
             log.warning("safepoint: step %d committed, though this rank reported: %s", step, error)
         errors = verdict or ([error] if error and info is None else [])
-        if manifest is not None and not errors and self.nodes is not None and self.nodes.is_leader:
-            self._commit_node(pending, manifest)
+        if multi and self.nodes is not None and self.nodes.is_leader and not self.comm.is_coordinator:
+            if manifest is not None and not errors:
+                self._commit_node(pending, manifest)
+            else:  # not committed: this node's share goes, as rank 0's did
+                self.layout.discard(pending)
         if errors or info is None:
             raise SaveError(
                 f"save of step {step} failed and was not committed ({'; '.join(dict.fromkeys(errors))}). "
@@ -205,8 +208,6 @@ class SyncSaver:
         """A node leader other than rank 0 commits its node's local copy (its own ranks' files, under the
         job's manifest). A failure here is logged: the upload of this step then fails on this node's
         ranks, on every rank alike, and nothing is committed on the durable tier."""
-        if self.comm.is_coordinator:
-            return
         try:
             if not self.layout.written_sizes(pending):
                 existing = self.layout.read_manifest(manifest.step)
