@@ -13,7 +13,8 @@ from safepoint.dist import Comm
 from safepoint.remote.layout import RemoteLayout
 from safepoint.store.layout import Layout
 from safepoint.store.nodes import NodeMap, node_id
-from safepoint.tiers.nodes import NodeView, _assign
+from safepoint.tiers.node_view import NodeView
+from safepoint.tiers.nodes import _assign
 from safepoint.tiers.peers import PEERS_DIR, REPLICA_NAME, share
 from tests.helpers.train import Setup
 
