@@ -1,6 +1,6 @@
 """Restore from a peer node's replica against restore from the durable tier (issue 15, item 3).
 
-    python benchmarks/bench_node_restore.py [--width 1000000] [--rounds 3]
+    python benchmarks/bench_node_restore.py [--width 1000000] [--rounds 3] [--s3]
 
 On the simulated cluster of tests/dist/test_nodes.py (two torchrun agents on 127.0.0.1, each its own node
 with its own local_root; tests/helpers/cluster.py), an FSDP2 model with a hidden layer of ``width`` units
@@ -8,8 +8,9 @@ with its own local_root; tests/helpers/cluster.py), an FSDP2 model with a hidden
 local_root and the job restores, alternating two cases, ``rounds`` times each:
 
 - ``peer``: node A holds B's replica; B's share comes over torch.distributed (gloo, loopback).
-- ``durable``: A's replica is gone too; B's share comes from the durable tier (a local directory here:
-  the fastest durable tier there is, so this understates what a replica saves against object storage).
+- ``durable``: A's replica is gone too; B's share comes from the durable tier: a local directory (the
+  fastest durable tier there is), or with ``--s3`` a bucket on a moto server on loopback (an object store
+  over HTTP, in this process: slow, as a stand-in for a store farther away than the peer).
 
 Reported: the seconds of ``CheckpointManager.restore`` on node B's rank (the slower of the two ranks), and
 where its files came from.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -34,15 +36,26 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--width", type=int, default=1_000_000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--s3", action="store_true", help="the durable tier on a moto server (loopback)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-nodes-"))
     out, durable = tmp / "out", tmp / "durable"
     out.mkdir()
+    where: dict[str, object] = {"durable": str(durable)}
+    if args.s3:
+        from moto.server import ThreadedMotoServer
+        from tests.helpers.s3 import free_port, new_bucket, storage_options
+
+        os.environ.update(AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="x", AWS_DEFAULT_REGION="us-east-1")
+        port = free_port()
+        ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False).start()
+        endpoint = f"http://127.0.0.1:{port}"
+        where = {"durable": f"s3://{new_bucket(endpoint)}/run", "storage_options": storage_options(endpoint)}
     locals_ = {"nodeA": tmp / "localA", "nodeB": tmp / "localB"}
-    saved = run(out, {"durable": str(durable), "end": 1, "save_every": 1, "width": args.width}, locals_)
+    saved = run(out, {**where, "end": 1, "save_every": 1, "width": args.width}, locals_)
     node_b = next(Path(r["local"]) for r in saved if r["event"] == "finished" and r["rank"] == 1)
     node_a = next(p for p in locals_.values() if p != node_b)
-    mb = sum(f.stat().st_size for f in (durable / "step-1").iterdir()) / 1e6
+    mb = sum(f.stat().st_size for f in (node_a / "step-1").iterdir()) / 1e6 * 2  # about: two shares
     keep = tmp / "replica-backup"
     shutil.copytree(node_a / ".peers", keep)
     times: dict[str, list[float]] = {"peer": [], "durable": []}
@@ -52,7 +65,7 @@ def main() -> None:
         shutil.rmtree(node_a / ".peers", ignore_errors=True)
         if case == "peer":
             shutil.copytree(keep, node_a / ".peers")
-        cfg = {"durable": str(durable), "restore_only": True, "width": args.width, "tag": f"r{i}"}
+        cfg = {**where, "restore_only": True, "width": args.width, "tag": f"r{i}"}
         rec = next(
             r for r in run(out, cfg, locals_) if r["event"] == "restored" and Path(r["local"]) == node_b
         )

@@ -3,7 +3,7 @@
     torchrun ... nodes_worker.py CONFIG.json        (local_root from $NODE_LOCAL_ROOT, one per agent)
 
 CONFIG: {"out", "durable", "end", "save_every", and optionally "restore_only", "block_at", "pause_at",
-"tag", "width" (of the hidden layer, 16 by default)}. The job trains a tiny FSDP2 model on 24 samples through ``ResumableSampler`` (2 per rank per step)
+"tag", "width" (of the hidden layer, 16 by default), "storage_options" (for a URL durable tier)}. The job trains a tiny FSDP2 model on 24 samples through ``ResumableSampler`` (2 per rank per step)
 until step ``end``, saving every ``save_every`` steps, then waits for its uploads and rank 0 dumps the
 full state to OUT/<tag>.pt. Every restore and every step's samples are JSON lines in OUT/log.jsonl.
 
@@ -72,7 +72,11 @@ def main() -> None:
     local = os.environ["NODE_LOCAL_ROOT"]
     cluster = safepoint.ClusterOptions(collective_timeout_s=60)
     with safepoint.CheckpointManager(
-        cfg["durable"], local_root=local, save_every_steps=cfg.get("save_every", 1000), cluster=cluster
+        cfg["durable"],
+        local_root=local,
+        save_every_steps=cfg.get("save_every", 1000),
+        cluster=cluster,
+        storage_options=cfg.get("storage_options"),
     ) as mgr:
         t0 = time.perf_counter()
         step = mgr.restore(state)
