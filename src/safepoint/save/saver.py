@@ -183,8 +183,10 @@ class SyncSaver:
             if name not in present:
                 raise SaveError(
                     f"file {name} written by another rank is not visible from rank 0 at {pending}: the "
-                    "checkpoint root (or local_root) looks node-local. Use a shared file system, or a URL "
-                    "root (object storage) that every rank writes to, for a multi-node job."
+                    "checkpoint root looks node-local. Use a shared file system, or a URL root (object "
+                    "storage) that every rank writes to, for a multi-node job. With local_root, the ranks "
+                    "taken for one node (SAFEPOINT_NODE_ID, else host name and torchrun's GROUP_RANK) do "
+                    "not share it: set SAFEPOINT_NODE_ID per disk (docs/elastic.md)."
                 )
             if present[name] != entry.size:
                 raise SaveError(f"file {name} has size {present[name]}, expected {entry.size}")
