@@ -50,7 +50,8 @@ def main() -> None:
         port = free_port()
         ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False).start()
         endpoint = f"http://127.0.0.1:{port}"
-        where = {"durable": f"s3://{new_bucket(endpoint)}/run", "storage_options": storage_options(endpoint)}
+        opts = storage_options(endpoint, key="x", secret="x")  # the workers' environment has no credentials
+        where = {"durable": f"s3://{new_bucket(endpoint)}/run", "storage_options": opts}
     locals_ = {"nodeA": tmp / "localA", "nodeB": tmp / "localB"}
     saved = run(out, {**where, "end": 1, "save_every": 1, "width": args.width}, locals_)
     node_b = next(Path(r["local"]) for r in saved if r["event"] == "finished" and r["rank"] == 1)
