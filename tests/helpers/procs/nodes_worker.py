@@ -8,10 +8,10 @@ until step ``end``, saving every ``save_every`` steps, then waits for its upload
 full state to OUT/<tag>.pt. Every restore and every step's samples are JSON lines in OUT/log.jsonl.
 
 - ``restore_only``: restore, log where each file came from, dump, end.
-- ``block_at`` K (world size 2, until OUT/blocked exists): after step K, wait for the uploads, write
+- ``block_at`` K (world size ``full``, 2 by default, until OUT/blocked exists): after step K, wait for the uploads, write
   OUT/blocked (the workers' pids) and wait in a collective that only a dead peer ends (the test kills a
   node then).
-- ``pause_at`` J (world size 1): after step J (a save step), wait for the uploads, write OUT/paused and
+- ``pause_at`` J (world size ``full // 2``): after step J (a save step), wait for the uploads, write OUT/paused and
   sleep until the agent stops this worker (the test adds a node).
 """
 
@@ -109,16 +109,17 @@ def train(cfg, out, mgr, model, opt, data, sampler, loader, state, step, log):  
             step += 1
             log("step", step=step, epoch=sampler.epoch, samples=batch.tolist())
             mgr.maybe_save(step, state)
-            if world == 2 and step == cfg.get("block_at") and not (out / "blocked").exists():
+            full = cfg.get("full", 2)  # the world size with both nodes
+            if world == full and step == cfg.get("block_at") and not (out / "blocked").exists():
                 mgr.wait()
                 pids = [None] * world
                 dist.all_gather_object(pids, os.getpid())
                 if dist.get_rank() == 0:
                     (out / "blocked").write_text(json.dumps(pids))
                 # Nobody sends: this waits until the test kills the other node, whose sockets then close.
-                dist.recv(torch.zeros(1), src=1 - dist.get_rank())
+                dist.recv(torch.zeros(1), src=(dist.get_rank() + world // 2) % world)  # the other node
                 raise SystemExit("the peer node was expected to die")
-            if world == 1 and step == cfg.get("pause_at"):
+            if world == full // 2 and step == cfg.get("pause_at"):
                 mgr.wait()
                 (out / "paused").write_text(str(os.getpid()))
                 while True:  # the agent stops this worker (SIGTERM) when the node rejoins
