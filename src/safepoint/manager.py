@@ -41,8 +41,8 @@ from safepoint.store.job import job_identity
 from safepoint.store.layout import CheckpointInfo, Layout
 from safepoint.store.manifest import clean_metrics
 from safepoint.tiers.base import DurabilityLag, SingleTier, plan_tiers, take_ownership
+from safepoint.tiers.nodes import build_tiers
 from safepoint.tiers.resume import Resume
-from safepoint.tiers.tiering import Tiering
 
 log = logging.getLogger("safepoint")
 
@@ -212,11 +212,10 @@ class CheckpointManager:
             )
         self._at_exit = self._async or durable is not None
         # The uploader's collectives get their own group too (created here: same order on every rank).
-        self._tiers = (
-            Tiering(self.layout, durable, retention, keep_local_last, self._new_comm(timeout), verdicts)
-            if durable is not None and isinstance(self.layout, Layout)
-            else SingleTier(self.layout)
-        )
+        self._tiers = SingleTier(self.layout)
+        if durable is not None and isinstance(self.layout, Layout):  # per-node ones on several nodes
+            args = (self.layout, durable, retention, keep_local_last, self._new_comm(timeout), verdicts)
+            self._tiers = build_tiers(self.comm, [self._saver, self._bg_saver], *args)
 
     def _take_ownership(self, stale_after_s: float) -> None:
         self._lease, error, self._read_only = take_ownership(

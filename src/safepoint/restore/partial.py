@@ -94,6 +94,9 @@ class RestoreReport:
     """Keys (or whole sections) matching an ``ignore`` pattern: left as they were."""
     remapped: tuple[tuple[str, str], ...] = ()
     """(saved key, state key) pairs that ``remap`` renamed."""
+    files: tuple[tuple[str, str], ...] = ()
+    """With per-node local tiers: (file, where this rank read it from: "local" for its node's own copy,
+    "durable" for the durable tier) for each file this rank read; empty otherwise."""
 
     @property
     def complete(self) -> bool:

@@ -17,6 +17,7 @@ from safepoint.errors import CheckpointError, SaveError, describe_exception
 from safepoint.policy.rules import Retention, Verdicts
 from safepoint.store.layout import CheckpointInfo, CheckpointStore
 from safepoint.store.manifest import FileEntry, Manifest
+from safepoint.store.nodes import NodeMap
 
 log = logging.getLogger("safepoint")
 
@@ -47,6 +48,9 @@ class SyncSaver:
         self._session: str | None = None
         self._saves = 0
         self._index: dict[int, CheckpointInfo] = {}  # retention's view of the root (see _retain)
+        self.nodes: NodeMap | None = None
+        """Set with per-node local tiers (tiers/nodes.py): each node's leader commits its own copy."""
+        self._manifest: Manifest | None = None  # the last manifest rank 0 committed
 
     def _next_save_id(self) -> str:
         """A hex id unique to this save: a session id agreed once (one broadcast, at the first save), then
@@ -67,6 +71,7 @@ class SyncSaver:
     ) -> CheckpointInfo:
         """Write a captured (or staged) state dict and commit it. Collective: every rank calls it."""
         t0 = time.perf_counter()
+        self._manifest = None
         save_id = self._next_save_id()
         pending = self.layout.new_pending(step, save_id)
         writer = self.layout.make_writer(pending, thread_count=self.writer_threads)
@@ -106,9 +111,11 @@ class SyncSaver:
                     errors.append(describe_exception(e))
             if errors:
                 self.layout.discard(pending)
-        # The one collective of our own: rank 0's verdict (committed, or why not) for every rank.
+        # The one collective of our own: rank 0's verdict (committed, or why not) for every rank; with
+        # per-node local tiers it carries the manifest to the other nodes' leaders.
+        multi = self.nodes is not None and self.nodes.multi
         try:
-            info, verdict = self.comm.broadcast((info, errors))
+            info, verdict, manifest = self.comm.broadcast((info, errors, self._manifest if multi else None))
         except PeerTimeoutError as e:
             if error is None:
                 raise
@@ -118,6 +125,11 @@ class SyncSaver:
             # Rank 0 had every rank's files and committed: this rank failed after its part was done.
             log.warning("safepoint: step %d committed, though this rank reported: %s", step, error)
         errors = verdict or ([error] if error and info is None else [])
+        if multi and self.nodes is not None and self.nodes.is_leader and not self.comm.is_coordinator:
+            if manifest is not None and not errors:
+                self._commit_node(pending, manifest)
+            else:  # not committed: this node's share goes, as rank 0's did
+                self.layout.discard(pending)
         if errors or info is None:
             raise SaveError(
                 f"save of step {step} failed and was not committed ({'; '.join(dict.fromkeys(errors))}). "
@@ -155,14 +167,26 @@ class SyncSaver:
                         f"two ranks wrote the same file {name!r} (rank {rank}); refusing to commit"
                     )
                 files[name] = FileEntry(size=size, crc32c=crc)
-        # Every rank's files must be visible here, or the checkpoint could never be loaded as a whole.
+        # Every rank's files must be visible here, or the checkpoint could never be loaded as a whole
+        # (with per-node local tiers: this node's ranks' files; the durable tier's commit checks the rest).
         present = self.layout.written_sizes(pending)
+        nodes = self.nodes if self.nodes is not None and self.nodes.multi else None
+        here = {
+            name
+            for rank, rank_files in enumerate(per_rank)
+            if nodes is None or nodes.same_node(rank, self.comm.rank)
+            for name in rank_files
+        }
         for name, entry in files.items():
+            if name not in here:
+                continue
             if name not in present:
                 raise SaveError(
                     f"file {name} written by another rank is not visible from rank 0 at {pending}: the "
-                    "checkpoint root (or local_root) looks node-local. Use a shared file system, or a URL "
-                    "root (object storage) that every rank writes to, for a multi-node job."
+                    "checkpoint root looks node-local. Use a shared file system, or a URL root (object "
+                    "storage) that every rank writes to, for a multi-node job. With local_root, the ranks "
+                    "taken for one node (SAFEPOINT_NODE_ID, else host name and torchrun's GROUP_RANK) do "
+                    "not share it: set SAFEPOINT_NODE_ID per disk (docs/elastic.md)."
                 )
             if present[name] != entry.size:
                 raise SaveError(f"file {name} has size {present[name]}, expected {entry.size}")
@@ -176,10 +200,24 @@ class SyncSaver:
             extra={**manifest_extra, "timings": {k: round(v, 6) for k, v in timings.items()}},
         )
         self.layout.commit(pending, manifest)
+        self._manifest = manifest
         log.info(
             "safepoint: committed step %d (%d files, %.1f MB)", step, len(files), manifest.total_bytes / 1e6
         )
         return self.layout.info(step, manifest)
+
+    def _commit_node(self, pending: Any, manifest: Manifest) -> None:
+        """A node leader other than rank 0 commits its node's local copy (its own ranks' files, under the
+        job's manifest). A failure here is logged: the upload of this step then fails on this node's
+        ranks, on every rank alike, and nothing is committed on the durable tier."""
+        try:
+            if not self.layout.written_sizes(pending):
+                existing = self.layout.read_manifest(manifest.step)
+                if existing.save_id == manifest.save_id:
+                    return  # a local_root shared with rank 0's node: committed there already
+            self.layout.commit(pending, manifest)
+        except (OSError, CheckpointError) as e:
+            log.error("safepoint: node-local commit of step %d failed: %s", manifest.step, e)
 
     def _retain(self, committed: int, info: CheckpointInfo) -> None:
         """Apply the policies; the step just committed and the newest step verified intact survive.

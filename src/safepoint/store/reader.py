@@ -71,6 +71,9 @@ class SafeReader(FileSystemReader):
         """Run by DCP's planning step on every rank, instead of reading ``.metadata``: what it raises
         reaches every rank through DCP's plan collective (restore/restorer.py verifies this way)."""
         self._deferred: Exception | None = None
+        self.paths: Callable[[list[str]], dict[str, str]] | None = None
+        """Given the files this rank reads, where each one is (per-node local tiers: this node's copy or a
+        download, tiers/nodes.py); None: all under ``path``."""
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -86,16 +89,22 @@ class SafeReader(FileSystemReader):
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         cache: DescriptionCache = {}
+        where = self.paths(sorted(per_file)) if self.paths is not None else {}
         for relative_path, reqs in per_file.items():
-            self._read_file(relative_path, reqs, planner, cache)
+            self._read_file(relative_path, reqs, planner, cache, where.get(relative_path))
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
     def _read_file(
-        self, name: str, reqs: list[ReadItem], planner: LoadPlanner, cache: DescriptionCache
+        self,
+        name: str,
+        reqs: list[ReadItem],
+        planner: LoadPlanner,
+        cache: DescriptionCache,
+        path: str | None = None,
     ) -> None:
-        fd = open_regular(self.fs.concat_path(self.path, name))
+        fd = open_regular(path or self.fs.concat_path(self.path, name))
         try:
             coverage = None
             if self._expected is not None:

@@ -165,6 +165,26 @@ def read_durable(durable: RemoteLayout) -> dict[int, tuple[str, CheckpointInfo]]
     return out
 
 
+def drop_node_shares(local: Layout, durable: dict[int, tuple[str, CheckpointInfo]]) -> list[str]:
+    """Rank 0 of a job on one node: remove local copies that hold one node's share of a durable checkpoint
+    (saved while the job spanned several nodes, tiers/nodes.py). They cannot be loaded from this disk
+    alone, and the durable tier has the whole checkpoint; a partial copy that is not durable is left to
+    restore's verdict (corrupt)."""
+    done = []
+    for step in local.committed_steps():
+        try:
+            manifest = local.read_manifest(step)
+        except CheckpointError:
+            continue
+        base = local.step_path(step)
+        if durable.get(step, ("",))[0] == manifest.save_id and not all(
+            (base / name).is_file() for name in manifest.files
+        ):
+            local.remove(step)
+            done.append(f"removed local step {step}: one node's share of a durable checkpoint")
+    return done
+
+
 def prune_local(
     local: Layout, keep_local_last: int, waiting: Callable[[], set[int | None]], done: set[tuple[int, str]]
 ) -> None:

@@ -39,7 +39,14 @@ from safepoint.restore.restorer import Restorer
 from safepoint.state import TrainState
 from safepoint.store.layout import CheckpointInfo, Layout
 from safepoint.store.manifest import Manifest
-from safepoint.tiers.base import DurabilityLag, SingleTier, infos, prune_local, read_durable
+from safepoint.tiers.base import (
+    DurabilityLag,
+    SingleTier,
+    drop_node_shares,
+    infos,
+    prune_local,
+    read_durable,
+)
 from safepoint.tiers.grace import UploadGrace
 from safepoint.tiers.transfer import choose_across_tiers, upload_checkpoint
 
@@ -50,6 +57,8 @@ IDLE_JOIN_S = 1.0
 
 class Tiering(SingleTier):
     """Local tier + durable tier, with a background uploader (one per rank, lock-step by collectives)."""
+
+    per_node = False  # True in tiers/nodes.py: each node has its own local tier
 
     def __init__(
         self,
@@ -98,6 +107,8 @@ class Tiering(SingleTier):
             self._lease.acquire()
         done = [f"durable tier: {line}" for line in self.durable.clean_pending()]
         durable = read_durable(self.durable)
+        if not self.per_node:  # one node now: shares saved by several nodes are of no use
+            done.extend(drop_node_shares(self.local, durable))
         todo = []
         for step in self.local.committed_steps():
             try:
@@ -119,7 +130,7 @@ class Tiering(SingleTier):
             self._done.add((step, save_id))
         for step in todo:
             self._enqueue(step)
-        if not todo and self.comm.is_coordinator:
+        if not todo and self._prunes:
             self._prune_local()
 
     @contextlib.contextmanager
@@ -277,14 +288,12 @@ class Tiering(SingleTier):
             return
         if kind != "upload":
             log.info("safepoint: not uploading step %d: %s", step, detail)
-            if self.comm.is_coordinator:
+            if self._prunes:
                 self._prune_local()
             return
         t0 = time.perf_counter()
         # Once close() gave up on this upload no commit starts (its lease may be given up or expire).
-        manifest = upload_checkpoint(
-            self.comm, self.local, self.durable, step, detail, self._grace.committing
-        )
+        manifest = self._move(step, detail)
         info = self.durable.info(step, manifest)
         self._history.record(time.perf_counter() - t0, persist=self.comm.is_coordinator)
         with self._cv:
@@ -301,7 +310,16 @@ class Tiering(SingleTier):
         )
         if self.comm.is_coordinator:
             self._retain_durable(step)
+        if self._prunes:
             self._prune_local()
+
+    def _move(self, step: int, pending: str) -> Manifest:
+        return upload_checkpoint(self.comm, self.local, self.durable, step, pending, self._grace.committing)
+
+    @property
+    def _prunes(self) -> bool:
+        """This rank prunes the local tier it sees (rank 0; with per-node tiers, each node's leader)."""
+        return self.comm.is_coordinator
 
     def _decide(self, step: int) -> tuple[str, str]:
         try:

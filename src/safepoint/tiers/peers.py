@@ -1,0 +1,196 @@
+"""Peer replicas (issue 15, item 3): each node's share of a checkpoint also sits on another node's disk.
+
+With per-node local tiers (tiers/nodes.py), after a step is committed locally the uploader thread (in the
+background, on the uploader's gloo group, in lock-step like the uploads) sends each node's files to the
+next node in a ring of node leaders: node ``k`` -> node ``(k + 1) % nodes``, so a replica is always on
+another *node*, for any node count (torch's ``_ReplicationStager`` pairs rank r with r + world/2, which
+needs an even world and can land on the same node). The bytes move with ``torch.distributed``
+(``isend``/``irecv`` of uint8 tensors on the job's group: gloo here, NCCL on GPUs would be the same
+calls). The receiver checks each file's crc32c against the sender's manifest entry and commits the replica
+as ``local_root/.peers/step-N/`` (files + ``replica.json``: step, save id, sizes and crc32c), replacing
+the previous one: one replica per node, of the newest step.
+
+Restore (collective, before DCP loads): each node's leader says which files of its node's share (the
+``.metadata`` and its ranks' ``__<rank>_*.distcp``) it cannot take from its own disk, and which replica
+files it holds; each missing file a peer holds is sent to it the same way, checked against the durable
+manifest's crc32c, and read from there ("peer" in ``RestoreReport.files``). What no peer holds comes from
+the durable tier.
+
+Files travel whole (one tensor each): a node's share must fit in host memory once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import torch
+import torch.distributed as dist
+
+from safepoint.dist import Comm
+from safepoint.errors import CheckpointError
+from safepoint.store.checksum import crc_hex
+from safepoint.store.guard import remove_tree
+from safepoint.store.layout import Layout
+from safepoint.store.manifest import Manifest
+from safepoint.store.nodes import NodeMap
+from safepoint.store.storage import METADATA_NAME
+
+log = logging.getLogger("safepoint")
+PEERS_DIR = ".peers"
+REPLICA_NAME = "replica.json"
+_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+Entry = tuple[str, int, str]  # name, size, crc32c
+
+
+def _leaders(nodes: NodeMap) -> list[int]:
+    return sorted({nodes.leader(r) for r in range(len(nodes.nodes))})
+
+
+def _exchange(comm: Comm, plan: list[tuple[int, int, Entry]], read: dict[str, Path]) -> dict[str, bytes]:
+    """Run ``plan`` ((sender, receiver, file) in the same order on every rank): this rank sends the files
+    it is the sender of (from ``read``) and returns the bytes of those it receives, crc32c checked."""
+    works: list[Any] = []
+    received: list[tuple[str, str, torch.Tensor]] = []
+    for src, dst, (name, size, crc) in plan:
+        if comm.rank == src and size:
+            blob = torch.frombuffer(bytearray(read[name].read_bytes()), dtype=torch.uint8)
+            works.append(dist.isend(blob, dst=comm._global(dst), group=comm.group))
+        elif comm.rank == dst:
+            buf = torch.empty(size, dtype=torch.uint8)
+            if size:
+                works.append(dist.irecv(buf, src=comm._global(src), group=comm.group))
+            received.append((name, crc, buf))
+    for w in works:
+        w.wait()
+    out = {}
+    for name, crc, buf in received:
+        data: bytes = buf.numpy().tobytes()
+        if crc_hex(crc32c.crc32c(data)) == crc:
+            out[name] = data
+        else:
+            log.warning("safepoint: %s from a peer does not match its crc32c; not using it", name)
+    return out
+
+
+def replicate(comm: Comm, nodes: NodeMap, local: Layout, step: int) -> None:
+    """Collective (uploader group): node k's leader sends its node's files of ``step`` to node k+1's."""
+    offer: tuple[str, list[Entry]] | None = None
+    if nodes.is_leader:
+        with contextlib.suppress(CheckpointError, OSError):
+            m = local.read_manifest(step)
+            base = local.step_path(step)
+            offer = (
+                m.save_id,
+                [(n, e.size, e.crc32c) for n, e in sorted(m.files.items()) if (base / n).is_file()],
+            )
+    offers = comm.all_gather(offer)
+    leaders = _leaders(nodes)
+    plan: list[tuple[int, int, Entry]] = []
+    for i, src in enumerate(leaders):
+        dst = leaders[(i + 1) % len(leaders)]
+        got = offers[src]
+        if got is not None and dst != src:
+            plan.extend((src, dst, entry) for entry in got[1])
+    base = local.step_path(step)
+    data = _exchange(comm, plan, {n: base / n for _, _, (n, _, _) in plan})
+    if not nodes.is_leader:
+        return
+    i = leaders.index(comm.rank)
+    src = leaders[(i - 1) % len(leaders)]
+    sent = offers[src]
+    if sent is None or src == comm.rank:
+        return
+    if len(data) != len(sent[1]):
+        log.warning("safepoint: replica of step %d from rank %d incomplete; not keeping it", step, src)
+        return
+    try:
+        _commit_replica(local, step, sent[0], sent[1], data)
+    except OSError as e:
+        log.warning("safepoint: cannot keep the peer replica of step %d: %s", step, e)
+
+
+def _commit_replica(
+    local: Layout, step: int, save_id: str, entries: list[Entry], data: dict[str, bytes]
+) -> None:
+    peers = local.root / PEERS_DIR
+    pending = local.pending_root / f"replica-step-{step}-{save_id}"
+    remove_tree(pending)
+    pending.mkdir(parents=True)
+    for name, blob in data.items():
+        with open(pending / name, "wb") as f:
+            f.write(blob)
+            os.fsync(f.fileno())
+    record = {"step": step, "save_id": save_id, "files": {n: [s, c] for n, s, c in entries}}
+    with open(pending / REPLICA_NAME, "w") as f:
+        json.dump(record, f)
+        os.fsync(f.fileno())
+    peers.mkdir(exist_ok=True)
+    target = peers / f"step-{step}"
+    remove_tree(target)
+    os.rename(pending, target)
+    for old in peers.iterdir():  # one replica per node: the newest step's
+        if old != target:
+            remove_tree(old)
+
+
+def held(local: Layout, manifest: Manifest) -> dict[str, Path]:
+    """The files of this node's replica that belong to ``manifest``'s save (entries equal to its own)."""
+    base = local.root / PEERS_DIR / f"step-{manifest.step}"
+    try:
+        record = json.loads((base / REPLICA_NAME).read_text())
+    except (OSError, ValueError):
+        return {}
+    if record.get("save_id") != manifest.save_id:
+        return {}
+    out = {}
+    for name, entry in record.get("files", {}).items():
+        mine = manifest.files.get(name)
+        if mine is not None and [mine.size, mine.crc32c] == entry and (base / name).is_file():
+            out[name] = base / name
+    return out
+
+
+def share(nodes: NodeMap, manifest: Manifest) -> list[str]:
+    """This node's share of ``manifest``: ``.metadata`` and the files its ranks wrote (by rank number)."""
+    mine = {r for r in range(len(nodes.nodes)) if nodes.same_node(r, nodes.rank)}
+    out = []
+    for name in sorted(manifest.files):
+        m = _RANK_FILE.match(name)
+        if name == METADATA_NAME or (m and int(m.group(1)) in mine):
+            out.append(name)
+    return out
+
+
+def restore_from_peers(
+    comm: Comm, nodes: NodeMap, manifest: Manifest, lacking: list[str], replica: dict[str, Path], into: Path
+) -> dict[str, Path]:
+    """Collective (before the load): every leader names the files of its share it ``lacking`` and those
+    its ``replica`` holds; each lacking file some other node holds is sent to the leader, checked and
+    written under ``into`` (this node's disk, read by every rank of the node after the final barrier).
+    Returns name -> path of the files received by this node (on every rank of it)."""
+    mine = (lacking, sorted(replica)) if nodes.is_leader else ([], [])
+    wants = comm.all_gather(mine)
+    plan: list[tuple[int, int, Entry]] = []
+    for dst, (lack, _) in enumerate(wants):
+        for name in lack:
+            src = next((r for r, (_, have) in enumerate(wants) if r != dst and name in have), None)
+            if src is not None:
+                e = manifest.files[name]
+                plan.append((src, dst, (name, e.size, e.crc32c)))
+    data = _exchange(comm, plan, replica)
+    if data:
+        into.mkdir(parents=True, exist_ok=True)
+        for name, blob in data.items():
+            with open(into / f"{name}.part", "wb") as f:
+                f.write(blob)
+            os.replace(into / f"{name}.part", into / name)
+    comm.barrier("peer restore")  # the leader's files are written before any rank of its node reads them
+    leader = nodes.leader()
+    return {name: into / name for _, d, (name, _, _) in plan if d == leader and (into / name).is_file()}

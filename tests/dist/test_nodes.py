@@ -1,0 +1,92 @@
+"""Per-node local tiers (issue 15, item 2) on a simulated cluster (tests/helpers/cluster.py): two torchrun
+agents, each its own node with its own ``local_root``; the durable tier is a local directory. The worker
+(FSDP2) puts each rank's shards in its own file."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from tests.helpers.cluster import UNSHARE, equal, run
+
+
+def test_each_node_commits_and_restores_from_its_own_local_tier(tmp_path: Path) -> None:
+    out, durable = tmp_path / "out", tmp_path / "durable"
+    out.mkdir()
+    locals_ = {"nodeA": tmp_path / "localA", "nodeB": tmp_path / "localB"}
+    saved = run(out, {"durable": str(durable), "end": 4, "save_every": 2, "tag": "saved"}, locals_)
+    hosts = {r["rank"]: r["host"] for r in saved if r["event"] == "finished"}
+    assert len(set(hosts.values())) == 2 or not UNSHARE
+    # The global commit is the durable manifest; each node's local step holds its own rank's file.
+    manifest = json.loads((durable / "step-4" / "safepoint.json").read_text())
+    assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    node_of = _node_of_rank(saved, locals_)
+    for rank in (0, 1):
+        local = node_of[rank] / "step-4"
+        assert (local / f"__{rank}_0.distcp").is_file()
+        assert not (local / f"__{1 - rank}_0.distcp").exists()  # never on another node's disk
+        assert (local / ".metadata").is_file()  # rank 0 wrote it; the other node keeps a verified copy
+        assert json.loads((local / "safepoint.json").read_text())["save_id"] == manifest["save_id"]
+
+    # Each node also keeps a replica of the other node's files (peer replicas, item 3).
+    for rank in (0, 1):
+        replica = node_of[1 - rank] / ".peers" / "step-4"
+        assert (replica / f"__{rank}_0.distcp").read_bytes() == (node_of[rank] / "step-4" / f"__{rank}_0.distcp").read_bytes()
+
+    # Restore: each rank's own shards and .metadata from its node's local copy. DCP also spreads
+    # replicated items (AdamW's step counters) over both ranks' files: what a rank reads of the other
+    # rank's file comes from the replica its node keeps.
+    restored = restore(out, durable, locals_, "local")
+    for r in restored:
+        sources(r, "local", "local", "peer")
+    equal(out / "saved.pt", out / "local.pt")
+
+    # A node loses its disk: its rank gets its share from the other node (peer), the rest from the durable
+    # tier; the other rank still reads its own disk.
+    lost = node_of[1]
+    shutil.rmtree(lost)
+    restored = restore(out, durable, locals_, "peer")
+    for r in restored:
+        if Path(r["local"]) == lost:
+            sources(r, "peer", "peer", "durable")
+        else:
+            sources(r, "local", "local", "peer")
+    equal(out / "saved.pt", out / "peer.pt")
+
+    # And with no replica left either: the durable tier.
+    shutil.rmtree(lost)
+    shutil.rmtree(node_of[0] / ".peers")
+    restored = restore(out, durable, locals_, "durable")
+    for r in restored:
+        if Path(r["local"]) == lost:
+            sources(r, "peer", "durable", "durable")
+        else:
+            sources(r, "local", "local", "durable")
+    equal(out / "saved.pt", out / "durable.pt")
+
+
+def restore(out: Path, durable: Path, locals_: dict[str, Path], tag: str) -> list[dict[str, Any]]:
+    """A launch that only restores (rank 0 dumps the state to OUT/<tag>.pt): each rank's restore record."""
+    cfg = {"durable": str(durable), "restore_only": True, "tag": tag}
+    restored = [r for r in run(out, cfg, locals_) if r["event"] == "restored"]
+    assert sorted(r["step"] for r in restored) == [4, 4]
+    (out / f"restore-{tag}.json").write_text(json.dumps(restored))  # the timings, for docs/benchmarks.md
+    return restored
+
+
+def sources(r: dict[str, Any], metadata: str, own: str, other: str) -> None:
+    """Where the rank of restore record ``r`` read ``.metadata``, its own file and, if it read from it
+    (replicated items: rank 0 does, rank 1 need not), the other rank's file."""
+    files = dict(r["files"])
+    assert files.pop(".metadata") == metadata, r
+    assert files.pop(f"__{r['rank']}_0.distcp") == own, r
+    assert files in ({}, {f"__{1 - r['rank']}_0.distcp": other}), r
+
+
+def _node_of_rank(records: list[dict[str, Any]], locals_: dict[str, Path]) -> dict[int, Path]:
+    """rank -> the local_root of the node it ran on."""
+    return {r["rank"]: Path(r["local"]) for r in records if r["event"] == "finished"}
+
+
