@@ -68,6 +68,10 @@ def open_store(
         from safepoint.remote.s3store import S3Store
 
         store = S3Store(fs, cfg)
+    elif protocols & {"abfs", "az", "abfss"}:
+        from safepoint.remote.azstore import AzureStore
+
+        store = AzureStore(fs, cfg)
     else:
         store = ObjectStore(fs, cfg)
     if "://" in url and not store.local and protocol in protocols:
@@ -159,11 +163,13 @@ class RemoteLayout:
             world_size=manifest.world_size,
         )
 
-    def verify(self, step: int, files: list[str] | None = None) -> Manifest:
+    def verify(self, step: int, files: list[str] | None = None, *, loading: bool = False) -> Manifest:
         """Parse the manifest and check every listed object (or ``files``): size, then crc32c.
 
-        The crc32c is the store's own where it keeps one (S3 CRC32C, GCS crc32c), else the bytes are read.
-        Raises CorruptCheckpointError naming the first bad file (in name order, as Layout does).
+        The crc32c is the store's own where it keeps one (S3 CRC32C, GCS crc32c), else the bytes are read;
+        ``loading``: the checkpoint is about to be loaded, and the reader checks every byte it reads against
+        the manifest (SafeStoreReader), so no object is read here (reading it here too would download the
+        checkpoint twice). Raises CorruptCheckpointError naming the first bad file (in name order).
         """
         manifest = self.read_manifest(step)
         names = sorted(manifest.files) if files is None else files
@@ -172,7 +178,11 @@ class RemoteLayout:
         def check(name: str) -> str | None:
             entry = manifest.files[name]
             return self.store.check(
-                posixpath.join(base, name), entry.size, entry.crc32c, deep=self.deep_verify
+                posixpath.join(base, name),
+                entry.size,
+                entry.crc32c,
+                read=not loading,
+                deep=self.deep_verify and not loading,
             )
 
         try:
