@@ -418,7 +418,7 @@ def expect_from(events: list[dict[str, Any]], root_key: str, baseline: list[Save
         elif kind == "late":
             late += 1
             apply(ev)
-        elif kind == "done" and int(ev["status"]) < 300:
+        elif kind == "done" and int(ev["status"]) < 300 and ev["i"] in ops:  # (a late one: applied above)
             apply(ops[ev["i"]])
     for step, v in staged.items():  # the next owner finishes a replacement whose old manifest is gone
         listed.setdefault(step, v)

@@ -230,9 +230,11 @@ class RemoteLayout:
         """Upload local files (path, name, size, crc32c) into ``pending``, each verified by the store."""
         self.store.put_files([FileCopy(lp, posixpath.join(pending, n), s, c) for lp, n, s, c in files])
 
-    def commit(self, pending: str, manifest: Manifest) -> str:
-        """Confirm every object against ``manifest``, then write the manifest (then promote if staged)."""
-        self._confirm(pending, manifest)
+    def commit(self, pending: str, manifest: Manifest, *, confirmed: bool = False) -> str:
+        """Confirm every object against ``manifest``, then write the manifest (then promote if staged).
+        ``confirmed``: every object was confirmed as it was uploaded (``put_files``): not checked again."""
+        if not confirmed:
+            self._confirm(pending, manifest)
         final = self.step_key(manifest.step)
         self.fence(f"committing step {manifest.step}")  # the manifest write is the commit
         if pending == final:

@@ -161,7 +161,7 @@ class S3Store(S3Reader):
                 await self._gate()
                 data, crc = await self._in_pool(read_range, item.local, 0, item.size)
                 check_local(item, crc_hex(crc))
-                await self.aretry(what, lambda: self._put(bucket, key, data, item.crc32c, {}))
+                answer = await self.aretry(what, lambda: self._put(bucket, key, data, item.crc32c, {}))
         else:
             upload_id = await self.create_mpu(bucket, key, what)
             try:
@@ -178,10 +178,14 @@ class S3Store(S3Reader):
                 )
                 part_crcs = [crc for _, crc, _ in done]
                 check_local(item, combine([(crc, n) for _, crc, n in done]))
-                await self.complete_mpu(bucket, key, upload_id, [p for p, _, _ in done], item.crc32c, what)
+                answer = await self.complete_mpu(
+                    bucket, key, upload_id, [p for p, _, _ in done], item.crc32c, what
+                )
             except BaseException:
                 await self.abort_mpu(bucket, key, upload_id)
                 raise
+        if _answer_confirms(answer, item.crc32c, self.cfg.full_object_checksum or not part_crcs):
+            return  # the store's own full-object CRC32C of what it stored, in its answer: no HEAD needed
         await self.aconfirm(item.remote, item.size, item.crc32c, what, part_crcs)
 
     async def create_mpu(self, bucket: str, key: str, what: str) -> str:
@@ -219,7 +223,8 @@ class S3Store(S3Reader):
 
     async def complete_mpu(
         self, bucket: str, key: str, upload_id: str, parts: list[dict[str, Any]], crc: str, what: str
-    ) -> None:
+    ) -> Any:
+        """Complete the upload; the store's answer (None if a retry found it already completed)."""
         attempts = 0
         full = (
             {"ChecksumCRC32C": b64_crc(crc), "ChecksumType": "FULL_OBJECT"}
@@ -246,7 +251,7 @@ class S3Store(S3Reader):
                     return None
                 raise
 
-        await self.aretry(f"{what} (complete)", complete)
+        return await self.aretry(f"{what} (complete)", complete)
 
     async def abort_mpu(self, bucket: str, key: str, upload_id: str) -> None:
         try:
@@ -299,3 +304,20 @@ class KeyDeleteError(Exception):
         message = f"{first.get('Key')}: {first.get('Message', '')} ({len(errors)} key(s) not deleted)"
         self.response = {"Error": {"Code": first.get("Code", ""), "Message": message}}
         super().__init__(f"{first.get('Code')}: {message}")
+
+
+def _answer_confirms(answer: Any, crc: str, full_object: bool) -> bool:
+    """Whether a PUT's or a multipart completion's answer already confirms the object: it carries the
+    full-object CRC32C the store holds for it, equal to ours. S3 computes that value from the bytes it
+    received (and refuses a request whose checksum differs), so the HEAD that would report the same value
+    is one round trip per object saved. Anything else (no checksum in the answer, a composite one, a
+    retried completion whose answer was lost) is confirmed by a HEAD. A different value raises."""
+    if not full_object or not isinstance(answer, dict):
+        return False
+    stored = answer.get("ChecksumCRC32C")
+    if not isinstance(stored, str) or answer.get("ChecksumType", "FULL_OBJECT") != "FULL_OBJECT":
+        return False
+    value = hex_crc(stored)
+    if value is not None and value != crc:
+        raise DamagedInTransit(f"the store reports crc32c {value}, expected {crc}")
+    return value is not None
