@@ -24,8 +24,16 @@ from typing import Any, TypeVar
 
 from fsspec.asyn import sync
 
-from safepoint.remote.retry import UploadError, lower_priority, next_delay, retry
-from safepoint.remote.upload import FileCopy, ObjectStore, RawWriter, check_local, combine, read_range
+from safepoint.remote.retry import lower_priority, next_delay, retry
+from safepoint.remote.upload import (
+    FileCopy,
+    ObjectStore,
+    RawWriter,
+    StreamWriteError,
+    check_local,
+    combine,
+    read_range,
+)
 from safepoint.store.checksum import crc_hex
 
 T = TypeVar("T")
@@ -107,6 +115,7 @@ class AzureStore(ObjectStore):
 
     def put_file(self, item: FileCopy) -> None:
         what = f"upload of {item.local} to {self.url(item.remote)}"
+
         # The whole file again if the blob turns out other than sent (DamagedInTransit from confirm).
         def once() -> None:
             self.run(self._put_file, item, what)
@@ -179,8 +188,8 @@ class AzureWriter(RawWriter):
             concurrent.futures.wait(in_flight, return_when=concurrent.futures.FIRST_COMPLETED)
             in_flight = [f for f in self._blocks if not f.done()]
         for f in self._blocks:
-            if f.done() and f.exception() is not None:
-                raise UploadError(f"{self._what}: {f.exception()}") from f.exception()
+            if f.done() and f.exception() is not None:  # an OSError too: see StreamWriteError
+                raise StreamWriteError(f"{self._what}: {f.exception()}") from f.exception()
         block_id = _block_id(len(self._ids), self._upload)
         self._ids.append(block_id)
         what = f"{self._what} (block {len(self._ids)})"

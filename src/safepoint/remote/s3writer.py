@@ -15,14 +15,8 @@ import crc32c
 
 from safepoint.remote.retry import DamagedInTransit, UploadError
 from safepoint.remote.s3store import S3Store
-from safepoint.remote.upload import ObjectStore, RawWriter, combine
+from safepoint.remote.upload import ObjectStore, RawWriter, StreamWriteError, combine
 from safepoint.store.checksum import crc_hex
-
-
-class StreamWriteError(UploadError, OSError):
-    """An upload that failed inside ``write()``: an OSError too, as a failed file write is. torch's zip writer
-    turns an exception from the stream's write into "unexpected pos" RuntimeError and keeps the original
-    only as its context, where safepoint (saver.describe_exception) looks for an OSError to name the cause."""
 
 
 class S3Writer(RawWriter):

@@ -177,6 +177,7 @@ class ObjectStore:
 
     def put_file(self, item: FileCopy) -> None:
         what = f"upload of {item.local} to {self.url(item.remote)}"
+
         # The whole file again if the stored object is not what was sent (DamagedInTransit from confirm).
         def once() -> None:
             self._stream_up(item)
@@ -310,6 +311,12 @@ class ObjectStore:
                     f.cancel()  # start nothing more; the with-block waits for those running
                 raise failed[0]  # type: ignore[misc]
             return [f.result() for f in futures]
+
+
+class StreamWriteError(UploadError, OSError):
+    """An upload that failed inside ``write()``: an OSError too, as a failed file write is. torch's zip writer
+    turns an exception from the stream's write into "unexpected pos" RuntimeError and keeps the original
+    only as its context, where safepoint (saver.describe_exception) looks for an OSError to name the cause."""
 
 
 class RawWriter:
