@@ -139,3 +139,9 @@ def proxied(store: Store, proxy: TcpProxy) -> Store:
     if store.scheme == "gs":
         return gcs_store(via)
     return azure_store(via)
+
+
+def proxied_options(store: Store, proxy_endpoint: str) -> dict[str, object]:
+    """``store``'s storage options with its endpoint replaced by a proxy's (any proxy at that URL)."""
+    p = TcpProxy("", 0, listen_port=int(proxy_endpoint.rsplit(":", 1)[1]))
+    return proxied(store, p).options

@@ -299,15 +299,16 @@ class RemoteLayout:
             except (CheckpointError, OSError) as e:
                 log.warning("safepoint: still cannot finish replacing step %d: %s", manifest.step, e)
 
-    def discard(self, pending: str) -> None:
-        """Delete an uncommitted save's objects: its manifest first, if one got written, and the rest only
-        once that is gone (a manifest must never outlive the data it lists). Never a staged copy that an
-        unfinished replacement needs."""
+    def discard(self, pending: str, *, manifest_deleted: bool = False) -> None:
+        """Delete an uncommitted save's objects: its manifest first, if one got written (``manifest_deleted``:
+        the caller just did), and the rest only once that is gone (a manifest must never outlive the data it
+        lists). Never a staged copy that an unfinished replacement needs."""
         if pending in self._unfinished:
             log.warning("safepoint: keeping %s to finish a replacement with it", self.store.url(pending))
             return
         try:
-            self.store.delete([posixpath.join(pending, MANIFEST_NAME)])
+            if not manifest_deleted:
+                self.store.delete([posixpath.join(pending, MANIFEST_NAME)])
             rest = [posixpath.join(pending, k) for k in self.store.sizes(pending) if k != MANIFEST_NAME]
             self.store.delete(rest)
         except (UploadError, FileNotFoundError) as e:
@@ -325,7 +326,7 @@ class RemoteLayout:
             self.store.delete([self._p(step_name(step), MANIFEST_NAME)])
         except UploadError as e:
             raise OSError(f"cannot delete step {step} from {self.root}: {e}") from e
-        self.discard(self.step_key(step))
+        self.discard(self.step_key(step), manifest_deleted=True)
 
     def clean_pending(self) -> list[str]:
         """Run by the owner: finish interrupted replacements, delete uncommitted data. Returns what it did."""
