@@ -40,7 +40,9 @@ def _marked_file(path: Path, size: int) -> tuple[str, int, str]:
     return str(path), size, crc_hex(crc32c.crc32c(data))
 
 
-@pytest.mark.parametrize("size", [1 * MiB, 6 * MiB], ids=["one-request", "parts"])
+@pytest.mark.parametrize(
+    "size", [pytest.param(1 * MiB, marks=pytest.mark.slow), 6 * MiB], ids=["one-request", "parts"]
+)
 def test_bytes_damaged_on_the_way_up_are_never_stored(
     tmp_path: Path, store: Store, size: int, request: pytest.FixtureRequest
 ) -> None:

@@ -189,14 +189,15 @@ def test_a_stale_owner_is_fenced(other_store: Store) -> None:
     assert json.loads(fs.cat_file(f"{base}/.lease"))["token"] == "new-owner", "the new owner's lease stays"
 
 
-def test_retention_deletes_a_manifest_once(other_store: Store) -> None:
+def test_retention_deletes_a_manifest_once(gcs_endpoint: str) -> None:
     """Deleting a step sends its manifest's DELETE once (it used to go three times on GCS: deleted, then
     deleted again by the cleanup of the step's data, which gcsfs answers "not found", then key by key)."""
     from urllib.parse import unquote
 
     from tests.helpers.s3 import running_proxy
+    from tests.helpers.stores import gcs_store
 
-    store = other_store
+    store = gcs_store(gcs_endpoint)
     url = store.root()
     with running_proxy(store.endpoint) as proxy:
         via = Store(store.scheme, {}, {}, store.make_bucket, store.endpoint)
