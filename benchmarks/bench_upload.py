@@ -239,7 +239,7 @@ def main() -> None:
     p.add_argument("--out", default="bench-out")
     p.add_argument("--moto-nice", type=int, default=10, help="nice value of the moto server (0: none)")
     p.add_argument("--skip", choices=["throughput", "blocking"], action="append", default=[])
-    p.add_argument("--part-mib", type=int, action="append", default=[], help="also safepoint with these parts")
+    p.add_argument("--part-mib", type=int, action="append", default=[], help="also safepoint, these parts")
     p.add_argument("--no-composite", action="store_true", help="leave out safepoint-composite")
     args = p.parse_args()
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
