@@ -102,7 +102,7 @@ def upload_safepoint(layout: Layout, remote: RemoteLayout) -> None:
     pending = remote.new_pending(1, manifest.save_id)
     files = [(str(base / n), n, e.size, e.crc32c) for n, e in sorted(manifest.files.items())]
     remote.put_files(pending, files)
-    remote.commit(pending, manifest)
+    remote.commit(pending, manifest, confirmed=True)  # as the uploader does (tiers/transfer.py)
 
 
 def upload_boto3(layout: Layout, client: Any, bucket: str, prefix: str) -> None:
@@ -145,6 +145,12 @@ def bench_throughput(
             f"s3://{bucket}/run", opts, transfer=TransferConfig(full_object_checksum=False)
         ),
     }
+    for mib in args.part_mib:  # the same default upload with bigger parts: fewer requests per byte
+        remotes[f"safepoint-{mib}MiB-parts"] = RemoteLayout(
+            f"s3://{bucket}/run", opts, transfer=TransferConfig(part_size=mib * MiB)
+        )
+    if args.no_composite:
+        remotes.pop("safepoint-composite")
     variants = [*remotes, "boto3"]
     rows: dict[str, list[float]] = {v: [] for v in variants}
     cpu: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
@@ -233,6 +239,8 @@ def main() -> None:
     p.add_argument("--out", default="bench-out")
     p.add_argument("--moto-nice", type=int, default=10, help="nice value of the moto server (0: none)")
     p.add_argument("--skip", choices=["throughput", "blocking"], action="append", default=[])
+    p.add_argument("--part-mib", type=int, action="append", default=[], help="also safepoint, these parts")
+    p.add_argument("--no-composite", action="store_true", help="leave out safepoint-composite")
     args = p.parse_args()
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")

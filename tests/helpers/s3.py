@@ -28,6 +28,7 @@ import socket
 import struct
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from typing import Any
 import pytest
 
 import safepoint
+from tests.helpers import mutations
 
 _SLOWDOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
@@ -58,27 +60,6 @@ def _key_errors(body: bytes) -> bytes:
         for k in re.findall(rb"<Key>(.*?)</Key>", body)
     )
     return b'<?xml version="1.0" encoding="UTF-8"?><DeleteResult>' + errors + b"</DeleteResult>"
-
-
-def mutation_kind(method: str, path: str, headers: Any) -> str | None:
-    """What an S3 request changes in the store (None: it only reads)."""
-    query = path.partition("?")[2]
-    params = {p.split("=", 1)[0] for p in query.split("&") if p}
-    if method == "PUT":
-        if headers.get("x-amz-copy-source"):
-            return "copy"
-        return "part" if "partNumber" in params else "put"
-    if method == "POST":
-        if "uploads" in params:
-            return "mpu-create"
-        if "uploadId" in params:
-            return "mpu-complete"
-        if "delete" in params:
-            return "delete-batch"
-        return "post"
-    if method == "DELETE":
-        return "mpu-abort" if "uploadId" in params else "delete"
-    return None
 
 
 @dataclass
@@ -227,18 +208,15 @@ class FaultProxy:
                 self.session.armed = False
                 self.session.events.append({"ev": "disarm"})
 
-    def mutation(self, kind: str, path: str, body: bytes) -> tuple[Session | None, int, str]:
+    def mutation(self, m: mutations.Mutation) -> tuple[Session | None, int, str]:
         """Count a mutation in the open session: (session, its number, what to do with it)."""
         with self.lock:
             s = self.session
             if s is None:
                 return None, 0, "forward"
-            key = path.split("?")[0]
-            ev: dict[str, Any] = {"ev": "op", "op": kind, "key": key}
-            if kind == "delete-batch":
-                ev["keys"] = [
-                    f"/{key.strip('/')}/{k.decode()}" for k in re.findall(rb"<Key>(.*?)</Key>", body)
-                ]
+            ev: dict[str, Any] = {"ev": "op", "op": m.kind, "key": m.key}
+            if m.keys:
+                ev["keys"] = m.keys
             if s.dead:  # sent before the client died, arriving after: the store still gets it
                 s.events.append({**ev, "ev": "late"})
                 return s, 0, "forward"
@@ -286,9 +264,9 @@ def _handler(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:
                 proxy.control(self.path, body)
                 self._reply(200, b"{}")
                 return
-            kind = mutation_kind(self.command, self.path, self.headers)
-            if kind is not None and proxy.session is not None:
-                self._session(kind, body)
+            mutation = mutations.parse(self.command, self.path, self.headers, body)
+            if mutation is not None and proxy.session is not None:
+                self._session(mutation, body)
                 return
             what = proxy.decide(self.command, self.path)
             proxy.seen.append((self.command, self.path, what))
@@ -304,8 +282,8 @@ def _handler(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:
                 return
             self._forward(body)
 
-        def _session(self, kind: str, body: bytes) -> None:
-            session, n, what = proxy.mutation(kind, self.path, body)
+        def _session(self, mutation: mutations.Mutation, body: bytes) -> None:
+            session, n, what = proxy.mutation(mutation)
             assert session is not None
             if what in _ERRORS:
                 session.events.append({"ev": "fail", "i": n, "error": what})
@@ -407,7 +385,7 @@ def new_bucket(endpoint: str) -> str:
 @contextlib.contextmanager
 def running_proxy(moto_endpoint: str) -> Iterator[FaultProxy]:
     """A FaultProxy in front of ``moto_endpoint``, served on its own threads until the block ends."""
-    upstream = int(moto_endpoint.rsplit(":", 1)[1])
+    upstream = int(urllib.parse.urlsplit(moto_endpoint).port or 80)  # any store's endpoint, in fact
     fp = FaultProxy(upstream=upstream)
     server = _QuietServer(("127.0.0.1", 0), _handler(fp))
     server.daemon_threads = True

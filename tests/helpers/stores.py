@@ -51,6 +51,7 @@ class Store:
     options: dict[str, Any]
     env: dict[str, str]  # what a CLI run or a child process needs to reach the endpoint
     make_bucket: Callable[[], str]
+    endpoint: str = ""  # the server's URL (for a proxy in front of it: tests/helpers/tcpproxy.py)
 
     def root(self, name: str = "run") -> str:
         """A root URL in a fresh bucket (container)."""
@@ -156,6 +157,7 @@ def s3_store(endpoint: str) -> Store:
         storage_options(endpoint),
         {"AWS_ENDPOINT_URL_S3": endpoint},
         lambda: new_bucket(endpoint),
+        endpoint,
     )
 
 
@@ -169,7 +171,7 @@ def gcs_store(endpoint: str) -> Store:
         gcsfs.GCSFileSystem(skip_instance_cache=True, **opts).mkdir(name)
         return name
 
-    return Store("gs", opts, {**GCS_ENV, "STORAGE_EMULATOR_HOST": endpoint}, make)
+    return Store("gs", opts, {**GCS_ENV, "STORAGE_EMULATOR_HOST": endpoint}, make, endpoint)
 
 
 def azure_store(endpoint: str) -> Store:
@@ -183,7 +185,7 @@ def azure_store(endpoint: str) -> Store:
         adlfs.AzureBlobFileSystem(skip_instance_cache=True, **opts).mkdir(name)
         return name
 
-    return Store("az", opts, {"AZURE_STORAGE_CONNECTION_STRING": conn}, make)
+    return Store("az", opts, {"AZURE_STORAGE_CONNECTION_STRING": conn}, make, endpoint)
 
 
 @pytest.fixture(params=["s3", "gs", "az"])

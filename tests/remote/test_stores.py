@@ -21,6 +21,7 @@ import safepoint
 from safepoint.remote.layout import RemoteLayout
 from safepoint.store.layout import Layout
 from tests.helpers.stores import Store
+from tests.helpers.tcpproxy import proxied_options
 from tests.helpers.train import Setup, assert_bitwise_equal, seed_everything
 
 
@@ -186,3 +187,22 @@ def test_a_stale_owner_is_fenced(other_store: Store) -> None:
             mgr.close()
     assert RemoteLayout(url, store.options).committed_steps() == [1], "step 1 kept, step 2 never committed"
     assert json.loads(fs.cat_file(f"{base}/.lease"))["token"] == "new-owner", "the new owner's lease stays"
+
+
+def test_retention_deletes_a_manifest_once(gcs_endpoint: str) -> None:
+    """Deleting a step sends its manifest's DELETE once (it used to go three times on GCS: deleted, then
+    deleted again by the cleanup of the step's data, which gcsfs answers "not found", then key by key)."""
+    from urllib.parse import unquote
+
+    from tests.helpers.s3 import running_proxy
+    from tests.helpers.stores import gcs_store
+
+    store = gcs_store(gcs_endpoint)
+    url = store.root()
+    with running_proxy(store.endpoint) as proxy:
+        via = Store(store.scheme, {}, {}, store.make_bucket, store.endpoint)
+        opts = proxied_options(via, proxy.endpoint)
+        with safepoint.CheckpointManager(url, storage_options=opts, save_every_steps=1, keep_last=1) as mgr:
+            _train(mgr, Setup(), range(1, 4))
+    deletes = [unquote(p) for m, p, _ in proxy.seen if m == "DELETE" and "safepoint.json" in unquote(p)]
+    assert len(deletes) == 2, deletes  # steps 1 and 2

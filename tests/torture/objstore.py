@@ -63,8 +63,14 @@ TIERED_PLAN: list[Save] = [(3, 30), (4, 40)]
 KEEP_LAST = 2
 
 
-def storage_options(endpoint: str) -> dict[str, Any]:
-    """The test credentials travel with the options: the zygote's environment predates moto's fixture."""
+def storage_options(endpoint: str, scheme: str = "s3") -> dict[str, Any]:
+    """The test credentials travel with the options: the zygote's environment predates the fixtures."""
+    if scheme == "gs":
+        return {"endpoint_url": endpoint, "token": "anon", "project": "safepoint-test"}
+    if scheme == "az":
+        from tests.helpers.stores import azure_connection_string
+
+        return {"connection_string": azure_connection_string(endpoint)}
     return {
         "key": "testing",
         "secret": "testing",
@@ -131,6 +137,7 @@ def workload(
     keep_last: int = KEEP_LAST,
     patches: list[str] = (),  # type: ignore[assignment]
     shape: tuple[int, int] = SHAPE,
+    scheme: str = "s3",
 ) -> dict[str, Any]:
     """Save each (step, version) of ``plan`` to ``url`` (through the proxy); tiered with ``local_root``
     (each save is waited for: its upload is part of it). A failed save is reported, the fault disarmed
@@ -139,7 +146,7 @@ def workload(
     ctl = Control(proxy)
     ctl.post("hello", case=case, pid=os.getpid(), **session)
     m = scenarios.Model(tuple(shape))  # type: ignore[arg-type]
-    opts = storage_options(proxy)
+    opts = storage_options(proxy, scheme)
     durable = RemoteLayout(url, opts)
     failing = session.get("mode") in ("fail", "lost")
     outcomes: list[dict[str, Any]] = []
@@ -261,14 +268,24 @@ def apply_mutations(names: list[str]) -> None:
 class Store:
     """The parent's direct line to moto (never through the proxy)."""
 
+    scheme = "s3"
+
     def __init__(self, endpoint: str, bucket: str) -> None:
         import boto3
 
         self.endpoint, self.bucket = endpoint, bucket
         self.s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
 
+    @property
+    def options(self) -> dict[str, Any]:
+        return storage_options(self.endpoint, self.scheme)
+
+    def via(self, proxy: str) -> str:
+        """The endpoint a child uses: the proxy's (Azurite's path names the account: kept)."""
+        return proxy + urllib.parse.urlsplit(self.endpoint).path
+
     def url(self, prefix: str) -> str:
-        return f"s3://{self.bucket}/{prefix}"
+        return f"{self.scheme}://{self.bucket}/{prefix}"
 
     def keys(self, prefix: str) -> list[str]:
         out = []
@@ -299,10 +316,39 @@ class Store:
         return len(self.s3.list_multipart_uploads(Bucket=self.bucket, Prefix=prefix + "/").get("Uploads", []))
 
 
+class FsStore(Store):
+    """The parent's direct line to fake-gcs-server or Azurite, through the store's own fsspec file system."""
+
+    def __init__(self, scheme: str, endpoint: str, bucket: str) -> None:
+        from fsspec.core import url_to_fs
+
+        self.scheme, self.endpoint, self.bucket = scheme, endpoint, bucket
+        self.fs, _ = url_to_fs(f"{scheme}://{bucket}", skip_instance_cache=True, **self.options)
+
+    def keys(self, prefix: str) -> list[str]:
+        base = f"{self.bucket}/{prefix}"
+        self.fs.invalidate_cache()
+        try:
+            return sorted(p[len(base) + 1 :] for p in self.fs.find(base))
+        except FileNotFoundError:
+            return []
+
+    def copy(self, src: str, dst: str) -> None:
+        for k in self.keys(src):
+            self.fs.copy(f"{self.bucket}/{src}/{k}", f"{self.bucket}/{dst}/{k}")
+
+    def delete(self, prefix: str) -> None:
+        if keys := self.keys(prefix):
+            self.fs.rm([f"{self.bucket}/{prefix}/{k}" for k in keys])
+
+    def open_uploads(self, prefix: str) -> int:
+        return 0  # uncommitted blocks and resumable sessions are invisible and expire by themselves
+
+
 def make_baseline(store: Store, prefix: str, local: Path | None, shape: tuple[int, int] = SHAPE) -> None:
     """Commit BASELINE (a clean run, direct to moto): on the store, and with ``local`` tiered."""
     m = scenarios.Model(shape)
-    opts = storage_options(store.endpoint)
+    opts = store.options
     with safepoint.CheckpointManager(
         store.url(prefix), local_root=local, storage_options=opts, transfer=transfer(), keep_last=KEEP_LAST
     ) as mgr:
@@ -372,7 +418,7 @@ def expect_from(events: list[dict[str, Any]], root_key: str, baseline: list[Save
         elif kind == "late":
             late += 1
             apply(ev)
-        elif kind == "done" and int(ev["status"]) < 300:
+        elif kind == "done" and int(ev["status"]) < 300 and ev["i"] in ops:  # (a late one: applied above)
             apply(ops[ev["i"]])
     for step, v in staged.items():  # the next owner finishes a replacement whose old manifest is gone
         listed.setdefault(step, v)
@@ -387,7 +433,7 @@ def check_store(
 ) -> list[str]:
     """Every invariant on a direct root; ``want_listed``: the exact listing (None: only what holds always)."""
     problems: list[str] = []
-    url, opts = store.url(prefix), storage_options(store.endpoint)
+    url, opts = store.url(prefix), store.options
     layout = RemoteLayout(url, opts)
     for s in layout.committed_steps():  # before anyone recovers anything
         try:
@@ -443,7 +489,7 @@ def check_tiered(
     """The durable tier as left (exactly the journal's listing, every step verifies), then a fresh tiered
     manager: restores the newest local save exactly, finishes the uploads, cleans the durable tier."""
     problems: list[str] = []
-    url, opts = store.url(prefix), storage_options(store.endpoint)
+    url, opts = store.url(prefix), store.options
     durable = RemoteLayout(url, opts)
     for s in durable.committed_steps():
         try:
@@ -530,7 +576,7 @@ class Campaign:
     def cmd(self, prefix: str, local: Path | None, session: dict[str, Any], out: Path) -> dict[str, Any]:
         args: dict[str, Any] = {
             "url": self.store.url(prefix),
-            "proxy": self.proxy.endpoint,
+            "proxy": self.store.via(self.proxy.endpoint),
             "case": prefix,
             "session": session,
             "plan": [list(s) for s in self.plan],
@@ -538,6 +584,7 @@ class Campaign:
         }
         args["patches"] = list(self.patches)
         args["shape"] = list(self.shape)
+        args["scheme"] = self.store.scheme
         return {"scenario": "objstore", "args": args, "out": str(out)}
 
     def count(self) -> list[dict[str, Any]]:

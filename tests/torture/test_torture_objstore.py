@@ -31,9 +31,10 @@ from typing import Any
 import pytest
 
 from tests.helpers.s3 import FaultProxy, new_bucket, running_proxy
+from tests.helpers.stores import azure_store, gcs_store
 from tests.torture import checks, objstore
 from tests.torture.harness import Zygote, shared_zygote
-from tests.torture.objstore import Campaign, Result, Store
+from tests.torture.objstore import Campaign, FsStore, Result, Store
 
 KINDS = {"put", "part", "copy", "mpu-create", "mpu-complete", "delete-batch"}
 
@@ -47,6 +48,20 @@ def zygote(tmp_path_factory: pytest.TempPathFactory) -> Zygote:
 def env(moto_endpoint: str) -> Iterator[tuple[Store, FaultProxy, Path]]:
     with running_proxy(moto_endpoint) as proxy, checks.fast_dir("objstore") as scratch:
         yield Store(moto_endpoint, new_bucket(moto_endpoint)), proxy, scratch
+
+
+@pytest.fixture(scope="module", params=["gs", "az"])
+def other_env(request: pytest.FixtureRequest) -> Iterator[tuple[Store, FaultProxy, Path]]:
+    """GCS (fake-gcs-server) or Azure (Azurite) behind the same proxy: it counts their mutations too."""
+    scheme = request.param
+    if scheme == "gs":
+        endpoint = request.getfixturevalue("gcs_endpoint")
+        bucket = gcs_store(endpoint).make_bucket()
+    else:
+        endpoint = request.getfixturevalue("azurite_endpoint")
+        bucket = azure_store(endpoint).make_bucket()
+    with running_proxy(endpoint) as proxy, checks.fast_dir(f"objstore-{scheme}") as scratch:
+        yield FsStore(scheme, endpoint, bucket), proxy, scratch
 
 
 def _campaign(
@@ -92,13 +107,15 @@ def tiered_small(zygote: Zygote, env: tuple[Store, FaultProxy, Path]) -> tuple[C
     return c, c.count()
 
 
-def _find(ops: Ops, kind: str, key: str, nth: int = 0) -> int:
+def _find(ops: Ops, kind: str | tuple[str, ...], key: str, nth: int = 0) -> int:
     """The number of the ``nth`` mutation of ``kind`` whose key (or one of whose keys) ends with ``key``."""
+    kinds = (kind,) if isinstance(kind, str) else kind
     found = [
         op["i"]
         for op in ops
-        if op["op"] == kind and any(k.endswith(key) for k in op.get("keys") or [op["key"]])
+        if op["op"] in kinds and any(k.endswith(key) for k in op.get("keys") or [op["key"]])
     ]
+    assert len(found) > nth, f"no {kind} of {key} among {[(o['op'], o['key']) for o in ops]}"
     return found[nth]
 
 
@@ -188,6 +205,90 @@ def test_direct_faults_short(direct_small: tuple[Campaign, Ops]) -> None:
     r = c.fail(targets, ops)
     _record("objstore-direct-faults-short", r)
     assert r.points == len(targets)
+    assert not r.violations, "\n".join(r.violations)
+
+
+# ---- GCS and Azure: the short crash campaigns, and answers lost ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def other_direct(zygote: Zygote, other_env: tuple[Store, FaultProxy, Path]) -> tuple[Campaign, Ops]:
+    c = _campaign(zygote, other_env, tiered=False, shape=objstore.SMALL)
+    return c, c.count()
+
+
+_DELETES = ("delete", "delete-batch")
+
+
+def test_other_stores_direct_crash_short(other_direct: tuple[Campaign, Ops]) -> None:
+    """On gs:// and az://: SIGKILL just before the commit point (the manifest's write), and just after the
+    store applied retention's manifest delete (the step is unlisted, its data not deleted yet)."""
+    c, ops = other_direct
+    r = c.crash([_find(ops, "put", "/step-3/safepoint.json")], "before", ops)
+    r2 = c.crash([_find(ops, _DELETES, "/step-1/safepoint.json")], "after", ops)
+    _record(f"objstore-{c.store.scheme}-direct-crash-short", r)
+    _record(f"objstore-{c.store.scheme}-direct-crash-after-short", r2)
+    assert (r.points, r2.points) == (1, 1)
+    assert not r.violations + r2.violations, "\n".join(r.violations + r2.violations)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_other_stores_resave_window(other_direct: tuple[Campaign, Ops]) -> None:
+    """The re-save's window on gs:// and az://: SIGKILL just before a copy over the unlisted step, and just
+    after the store applied the delete of the old copy's manifest."""
+    c, ops = other_direct
+    r = c.crash([_find(ops, "copy", "/step-3/__0_0.distcp")], "before", ops)
+    r2 = c.crash([_find(ops, _DELETES, "/step-3/safepoint.json")], "after", ops)
+    _record(f"objstore-{c.store.scheme}-resave-window", r)
+    assert (r.points, r2.points) == (1, 1)
+    assert not r.violations + r2.violations, "\n".join(r.violations + r2.violations)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_other_stores_lost_answers_short(other_direct: tuple[Campaign, Ops]) -> None:
+    """On gs:// and az://, the store applies a request and the answer never arrives (the proxy resets the
+    connection), so the client library retries it: at the commit point, inside the re-save's window, and
+    at retention's manifest delete. No save may fail for it, and the store must end as a clean run does."""
+    c, ops = other_direct
+    lost = {"mode": "lost"}
+    targets = [
+        (_find(ops, "put", "/step-3/safepoint.json"), lost),
+        (_find(ops, "copy", "/step-3/__0_0.distcp"), lost),
+        (_find(ops, _DELETES, "/step-1/safepoint.json"), lost),
+    ]
+    r = c.fail(targets, ops)
+    _record(f"objstore-{c.store.scheme}-direct-lost-short", r)
+    assert r.points == len(targets)
+    assert not r.violations, "\n".join(r.violations)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_other_stores_direct_crash_every_k(other_direct: tuple[Campaign, Ops]) -> None:
+    """Every mutation of the direct workload on gs:// and az://, SIGKILLed just before the store sees it."""
+    c, ops = other_direct
+    r = c.crash(None, "before", ops)
+    _record(f"objstore-{c.store.scheme}-direct-crash-before", r)
+    assert r.points == len(ops)
+    assert not r.violations, "\n".join(r.violations)
+
+
+@pytest.fixture(scope="module")
+def other_tiered(zygote: Zygote, other_env: tuple[Store, FaultProxy, Path]) -> tuple[Campaign, Ops]:
+    c = _campaign(zygote, other_env, tiered=True, shape=objstore.SMALL)
+    return c, c.count()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_other_stores_tiered_crash_every_k(other_tiered: tuple[Campaign, Ops]) -> None:
+    """Every mutation of the tiered workload (uploads, durable retention) on gs:// and az://."""
+    c, ops = other_tiered
+    r = c.crash(None, "before", ops)
+    _record(f"objstore-{c.store.scheme}-tiered-crash-before", r)
+    assert r.points == len(ops)
     assert not r.violations, "\n".join(r.violations)
 
 

@@ -68,6 +68,10 @@ def open_store(
         from safepoint.remote.s3store import S3Store
 
         store = S3Store(fs, cfg)
+    elif protocols & {"abfs", "az", "abfss"}:
+        from safepoint.remote.azstore import AzureStore
+
+        store = AzureStore(fs, cfg)
     else:
         store = ObjectStore(fs, cfg)
     if "://" in url and not store.local and protocol in protocols:
@@ -159,11 +163,13 @@ class RemoteLayout:
             world_size=manifest.world_size,
         )
 
-    def verify(self, step: int, files: list[str] | None = None) -> Manifest:
+    def verify(self, step: int, files: list[str] | None = None, *, loading: bool = False) -> Manifest:
         """Parse the manifest and check every listed object (or ``files``): size, then crc32c.
 
-        The crc32c is the store's own where it keeps one (S3 CRC32C, GCS crc32c), else the bytes are read.
-        Raises CorruptCheckpointError naming the first bad file (in name order, as Layout does).
+        The crc32c is the store's own where it keeps one (S3 CRC32C, GCS crc32c), else the bytes are read;
+        ``loading``: the checkpoint is about to be loaded, and the reader checks every byte it reads against
+        the manifest (SafeStoreReader), so no object is read here (reading it here too would download the
+        checkpoint twice). Raises CorruptCheckpointError naming the first bad file (in name order).
         """
         manifest = self.read_manifest(step)
         names = sorted(manifest.files) if files is None else files
@@ -172,7 +178,11 @@ class RemoteLayout:
         def check(name: str) -> str | None:
             entry = manifest.files[name]
             return self.store.check(
-                posixpath.join(base, name), entry.size, entry.crc32c, deep=self.deep_verify
+                posixpath.join(base, name),
+                entry.size,
+                entry.crc32c,
+                read=not loading,
+                deep=self.deep_verify and not loading,
             )
 
         try:
@@ -220,9 +230,11 @@ class RemoteLayout:
         """Upload local files (path, name, size, crc32c) into ``pending``, each verified by the store."""
         self.store.put_files([FileCopy(lp, posixpath.join(pending, n), s, c) for lp, n, s, c in files])
 
-    def commit(self, pending: str, manifest: Manifest) -> str:
-        """Confirm every object against ``manifest``, then write the manifest (then promote if staged)."""
-        self._confirm(pending, manifest)
+    def commit(self, pending: str, manifest: Manifest, *, confirmed: bool = False) -> str:
+        """Confirm every object against ``manifest``, then write the manifest (then promote if staged).
+        ``confirmed``: every object was confirmed as it was uploaded (``put_files``): not checked again."""
+        if not confirmed:
+            self._confirm(pending, manifest)
         final = self.step_key(manifest.step)
         self.fence(f"committing step {manifest.step}")  # the manifest write is the commit
         if pending == final:
@@ -287,15 +299,16 @@ class RemoteLayout:
             except (CheckpointError, OSError) as e:
                 log.warning("safepoint: still cannot finish replacing step %d: %s", manifest.step, e)
 
-    def discard(self, pending: str) -> None:
-        """Delete an uncommitted save's objects: its manifest first, if one got written, and the rest only
-        once that is gone (a manifest must never outlive the data it lists). Never a staged copy that an
-        unfinished replacement needs."""
+    def discard(self, pending: str, *, manifest_deleted: bool = False) -> None:
+        """Delete an uncommitted save's objects: its manifest first, if one got written (``manifest_deleted``:
+        the caller just did), and the rest only once that is gone (a manifest must never outlive the data it
+        lists). Never a staged copy that an unfinished replacement needs."""
         if pending in self._unfinished:
             log.warning("safepoint: keeping %s to finish a replacement with it", self.store.url(pending))
             return
         try:
-            self.store.delete([posixpath.join(pending, MANIFEST_NAME)])
+            if not manifest_deleted:
+                self.store.delete([posixpath.join(pending, MANIFEST_NAME)])
             rest = [posixpath.join(pending, k) for k in self.store.sizes(pending) if k != MANIFEST_NAME]
             self.store.delete(rest)
         except (UploadError, FileNotFoundError) as e:
@@ -313,7 +326,7 @@ class RemoteLayout:
             self.store.delete([self._p(step_name(step), MANIFEST_NAME)])
         except UploadError as e:
             raise OSError(f"cannot delete step {step} from {self.root}: {e}") from e
-        self.discard(self.step_key(step))
+        self.discard(self.step_key(step), manifest_deleted=True)
 
     def clean_pending(self) -> list[str]:
         """Run by the owner: finish interrupted replacements, delete uncommitted data. Returns what it did."""

@@ -43,6 +43,10 @@ _RETRY_CODES = frozenset(
         "OperationAborted",
     }
 )
+# Azure's: the same, and a block whose Content-MD5 (or CRC64) did not match the bytes that arrived.
+_AZURE_RETRY_CODES = frozenset(
+    {"ServerBusy", "OperationTimedOut", "InternalError", "Md5Mismatch", "Crc64Mismatch", "InvalidMd5"}
+)
 # Exception classes (by name, so no client library is imported here) that mean the connection failed.
 _TRANSIENT_CLASSES = frozenset(
     {
@@ -53,6 +57,8 @@ _TRANSIENT_CLASSES = frozenset(
         "IncompleteRead",
         "ResponseStreamingError",
         "FSTimeoutError",
+        "ServiceRequestError",  # azure.core: the request never reached the service, or its answer was lost
+        "ServiceResponseError",
     }
 )
 _TRANSIENT_ERRNOS = frozenset(
@@ -63,6 +69,12 @@ _TRANSIENT_ERRNOS = frozenset(
 
 class UploadError(SaveError):
     """Copying a checkpoint to (or from) the durable tier failed; nothing was committed there."""
+
+
+class DamagedInTransit(Exception):
+    """The store's checksum of what it received differs from ours of what was sent: the body was damaged on
+    the way (a bad link, a faulty proxy). Transient: the whole file is sent again, and after the last
+    attempt the upload fails (as an UploadError), so a damaged object is never taken as uploaded."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -129,6 +141,13 @@ def is_transient(e: BaseException) -> bool:
 def _transient_one(e: BaseException) -> bool:
     if isinstance(e, UploadError):
         return False
+    if isinstance(e, DamagedInTransit):
+        return True
+    status = getattr(e, "status_code", None)  # azure.core's HttpResponseError
+    if isinstance(status, int) and type(e).__module__.startswith("azure."):
+        code = getattr(e, "error_code", None)
+        code = str(getattr(code, "value", code))  # a StorageErrorCode enum, or a plain string
+        return code in _AZURE_RETRY_CODES or status in (408, 429) or status >= 500
     resp = getattr(e, "response", None)
     if isinstance(resp, dict) and isinstance(resp.get("Error"), dict):  # botocore ClientError
         code = str(resp["Error"].get("Code", ""))

@@ -22,9 +22,9 @@ from typing import Any, TypeVar
 
 import crc32c
 
-from safepoint.remote.retry import UploadError, cause_code
+from safepoint.remote.retry import DamagedInTransit, UploadError, cause_code
 from safepoint.remote.s3read import S3Reader, composite
-from safepoint.remote.upload import FileCopy, b64_crc, combine, hex_crc, read_range
+from safepoint.remote.upload import FileCopy, b64_crc, check_local, combine, hex_crc, read_range
 from safepoint.store.checksum import crc_hex
 
 log = logging.getLogger("safepoint")
@@ -148,7 +148,11 @@ class S3Store(S3Reader):
         self.put_files([item])
 
     async def _put_file(self, item: FileCopy) -> None:
+        # The whole file again if the store holds other bytes than were sent (DamagedInTransit).
         what = f"upload of {item.local} to {self.url(item.remote)}"
+        await self.aretry(what, lambda: self._put_file_once(item, what))
+
+    async def _put_file_once(self, item: FileCopy, what: str) -> None:
         bucket, key = self._split(item.remote)
         psize = max(self.cfg.part_size, -(-item.size // _MAX_PARTS))
         part_crcs: list[int] = []
@@ -156,8 +160,8 @@ class S3Store(S3Reader):
             async with self.sem:
                 await self._gate()
                 data, crc = await self._in_pool(read_range, item.local, 0, item.size)
-                _check_local(item, crc_hex(crc))
-                await self.aretry(what, lambda: self._put(bucket, key, data, item.crc32c, {}))
+                check_local(item, crc_hex(crc))
+                answer = await self.aretry(what, lambda: self._put(bucket, key, data, item.crc32c, {}))
         else:
             upload_id = await self.create_mpu(bucket, key, what)
             try:
@@ -173,11 +177,15 @@ class S3Store(S3Reader):
                     [part(i + 1, off) for i, off in enumerate(range(0, item.size, psize))]
                 )
                 part_crcs = [crc for _, crc, _ in done]
-                _check_local(item, combine([(crc, n) for _, crc, n in done]))
-                await self.complete_mpu(bucket, key, upload_id, [p for p, _, _ in done], item.crc32c, what)
+                check_local(item, combine([(crc, n) for _, crc, n in done]))
+                answer = await self.complete_mpu(
+                    bucket, key, upload_id, [p for p, _, _ in done], item.crc32c, what
+                )
             except BaseException:
                 await self.abort_mpu(bucket, key, upload_id)
                 raise
+        if _answer_confirms(answer, item.crc32c, self.cfg.full_object_checksum or not part_crcs):
+            return  # the store's own full-object CRC32C of what it stored, in its answer: no HEAD needed
         await self.aconfirm(item.remote, item.size, item.crc32c, what, part_crcs)
 
     async def create_mpu(self, bucket: str, key: str, what: str) -> str:
@@ -215,7 +223,8 @@ class S3Store(S3Reader):
 
     async def complete_mpu(
         self, bucket: str, key: str, upload_id: str, parts: list[dict[str, Any]], crc: str, what: str
-    ) -> None:
+    ) -> Any:
+        """Complete the upload; the store's answer (None if a retry found it already completed)."""
         attempts = 0
         full = (
             {"ChecksumCRC32C": b64_crc(crc), "ChecksumType": "FULL_OBJECT"}
@@ -242,7 +251,7 @@ class S3Store(S3Reader):
                     return None
                 raise
 
-        await self.aretry(f"{what} (complete)", complete)
+        return await self.aretry(f"{what} (complete)", complete)
 
     async def abort_mpu(self, bucket: str, key: str, upload_id: str) -> None:
         try:
@@ -276,11 +285,11 @@ class S3Store(S3Reader):
             joined = b"".join(c.to_bytes(4, "big") for c in parts)
             expected = b64_crc(crc_hex(crc32c.crc32c(joined)))
             if parts and str(stored).split("-")[0] != expected:
-                raise UploadError(f"{what}: the store reports composite crc32c {stored}, expected {expected}")
+                raise DamagedInTransit(f"the store reports composite crc32c {stored}, expected {expected}")
             return
         value = hex_crc(stored) if isinstance(stored, str) else None
         if value is not None and value != crc:
-            raise UploadError(f"{what}: the store reports crc32c {value}, expected {crc}")
+            raise DamagedInTransit(f"the store reports crc32c {value}, expected {crc}")
         if value is None:
             log.debug("safepoint: %s: the store reports no full-object CRC32C; confirmed by size", what)
 
@@ -297,9 +306,18 @@ class KeyDeleteError(Exception):
         super().__init__(f"{first.get('Code')}: {message}")
 
 
-def _check_local(item: FileCopy, crc: str) -> None:
-    if crc != item.crc32c:
-        raise UploadError(
-            f"upload of {item.local}: the local file no longer matches its manifest (crc32c {crc} != "
-            f"{item.crc32c}); not uploading a damaged copy"
-        )
+def _answer_confirms(answer: Any, crc: str, full_object: bool) -> bool:
+    """Whether a PUT's or a multipart completion's answer already confirms the object: it carries the
+    full-object CRC32C the store holds for it, equal to ours. S3 computes that value from the bytes it
+    received (and refuses a request whose checksum differs), so the HEAD that would report the same value
+    is one round trip per object saved. Anything else (no checksum in the answer, a composite one, a
+    retried completion whose answer was lost) is confirmed by a HEAD. A different value raises."""
+    if not full_object or not isinstance(answer, dict):
+        return False
+    stored = answer.get("ChecksumCRC32C")
+    if not isinstance(stored, str) or answer.get("ChecksumType", "FULL_OBJECT") != "FULL_OBJECT":
+        return False
+    value = hex_crc(stored)
+    if value is not None and value != crc:
+        raise DamagedInTransit(f"the store reports crc32c {value}, expected {crc}")
+    return value is not None

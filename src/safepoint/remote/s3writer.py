@@ -13,16 +13,10 @@ from typing import Any
 
 import crc32c
 
-from safepoint.remote.retry import UploadError
+from safepoint.remote.retry import DamagedInTransit, UploadError
 from safepoint.remote.s3store import S3Store
-from safepoint.remote.upload import ObjectStore, RawWriter, combine
+from safepoint.remote.upload import ObjectStore, RawWriter, StreamWriteError, combine
 from safepoint.store.checksum import crc_hex
-
-
-class StreamWriteError(UploadError, OSError):
-    """An upload that failed inside ``write()``: an OSError too, as a failed file write is. torch's zip writer
-    turns an exception from the stream's write into "unexpected pos" RuntimeError and keeps the original
-    only as its context, where safepoint (saver.describe_exception) looks for an OSError to name the cause."""
 
 
 class S3Writer(RawWriter):
@@ -90,6 +84,9 @@ class S3Writer(RawWriter):
             size = sum(n for _, n in self._crcs) if self._upload_id else len(self._buf)
             s.run(s.aconfirm, self._path, size, crc, self._what, [c for c, _ in self._crcs])
             self._done = True
+        except DamagedInTransit as e:  # streamed: nothing to resend from; the save fails, uncommitted
+            self.abort()
+            raise StreamWriteError(f"{self._what}: {e}") from e
         except BaseException:
             self.abort()
             raise

@@ -3,7 +3,8 @@
 ``ObjectStore`` works for any fsspec file system (gs://, az://, file://, memory://, ...): files are streamed
 through ``fs.open`` with crc32c computed on the bytes actually sent, and confirmed afterwards by size and,
 where the store reports one (GCS's ``crc32c``) or reading back is cheap (local files), by checksum.
-``safepoint.remote.s3store.S3Store`` specialises it for S3, where the store itself checks CRC32C.
+A body damaged on the way is sent again (``DamagedInTransit``). ``remote.s3store.S3Store`` specialises it
+for S3, where the store itself checks CRC32C, and ``remote.azstore.AzureStore`` for Azure (Content-MD5).
 Every request is retried on transient errors (see retry.py).
 """
 
@@ -21,7 +22,14 @@ from typing import IO, Any, TypeVar
 
 import crc32c
 
-from safepoint.remote.retry import MiB, TransferConfig, UploadError, lower_priority, retry
+from safepoint.remote.retry import (
+    DamagedInTransit,
+    MiB,
+    TransferConfig,
+    UploadError,
+    lower_priority,
+    retry,
+)
 from safepoint.store.checksum import crc32c_combine, crc_hex
 
 __all__ = ["FileCopy", "MiB", "ObjectStore", "RawWriter", "TransferConfig", "UploadError"]
@@ -60,6 +68,15 @@ def combine(parts: Sequence[tuple[int, int]]) -> str:
     for i, (crc, length) in enumerate(parts):
         value = crc if i == 0 else crc32c_combine(value, crc, length)
     return crc_hex(value)
+
+
+def check_local(item: FileCopy, crc: str) -> None:
+    """Refuse to upload a local file whose bytes (as read for the upload) no longer match its manifest."""
+    if crc != item.crc32c:
+        raise UploadError(
+            f"upload of {item.local}: the local file no longer matches its manifest (crc32c {crc} != "
+            f"{item.crc32c}); not uploading a damaged copy"
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -160,8 +177,13 @@ class ObjectStore:
 
     def put_file(self, item: FileCopy) -> None:
         what = f"upload of {item.local} to {self.url(item.remote)}"
-        retry(what, lambda: self._stream_up(item), self.cfg)
-        self.confirm(item)
+
+        # The whole file again if the stored object is not what was sent (DamagedInTransit from confirm).
+        def once() -> None:
+            self._stream_up(item)
+            self.confirm(item)
+
+        retry(what, once, self.cfg)
 
     def _stream_up(self, item: FileCopy) -> None:
         value, sent = 0, 0
@@ -181,11 +203,19 @@ class ObjectStore:
                 )
 
     def confirm(self, item: FileCopy) -> None:
-        """Check the stored object against the manifest entry (size; crc32c where cheaply known)."""
-        # Just streamed with its crc32c checked on the way out: read back only where that is cheap.
-        problem = self.check(item.remote, item.size, item.crc32c, read=False)
-        if problem:
-            raise UploadError(f"upload of {item.local} to {self.url(item.remote)}: {problem}")
+        """Check the stored object against the manifest entry: size, and the crc32c the store computed of
+        what it received (GCS), or of the bytes read back where that is cheap (a local disk). Raises
+        DamagedInTransit if the object is not what was sent (retried by sending the file again)."""
+        try:
+            size, crc = self.stored_checksum(item.remote)
+        except FileNotFoundError:
+            raise DamagedInTransit("the object is missing right after its upload") from None
+        if size != item.size:
+            raise DamagedInTransit(f"the store holds {size} bytes, {item.size} were sent")
+        if crc is None and self.local:
+            crc = self.read_crc(item.remote, size)
+        if crc is not None and crc != item.crc32c:
+            raise DamagedInTransit(f"the store computed crc32c {crc} of what arrived; sent: {item.crc32c}")
 
     def check(self, path: str, size: int, crc: str, *, read: bool = True, deep: bool = False) -> str | None:
         """Why the object does not match (size, crc32c), or None.
@@ -281,6 +311,12 @@ class ObjectStore:
                     f.cancel()  # start nothing more; the with-block waits for those running
                 raise failed[0]  # type: ignore[misc]
             return [f.result() for f in futures]
+
+
+class StreamWriteError(UploadError, OSError):
+    """An upload that failed inside ``write()``: an OSError too, as a failed file write is. torch's zip writer
+    turns an exception from the stream's write into "unexpected pos" RuntimeError and keeps the original
+    only as its context, where safepoint (saver.describe_exception) looks for an OSError to name the cause."""
 
 
 class RawWriter:

@@ -163,7 +163,7 @@ class Restorer:
         try:
             manifest = Manifest.from_json(raw, step_hint=candidate)
             self.layout.verify(
-                candidate, files=sorted(manifest.files)[self.comm.rank :: self.comm.world_size]
+                candidate, files=sorted(manifest.files)[self.comm.rank :: self.comm.world_size], loading=True
             )
         except CorruptCheckpointError as e:
             return candidate, None, (e.file, e.reason)
@@ -224,7 +224,7 @@ class Restorer:
         mine = names[self.comm.rank :: self.comm.world_size]
         problem: tuple[str | None, str] | None = None
         try:
-            self.layout.verify(step, files=mine)
+            self.layout.verify(step, files=mine, loading=True)
         except CorruptCheckpointError as e:
             problem = (e.file, e.reason)
         problems = [(r, p) for r, p in enumerate(self.comm.all_gather(problem)) if p is not None]
@@ -268,7 +268,7 @@ class Restorer:
                 continue  # bad here too (every rank reads the manifest itself now): corrupt, not hidden
             if file != MANIFEST_NAME:  # the manifest was read here already
                 try:
-                    self.layout.verify(step, files=[file])
+                    self.layout.verify(step, files=[file], loading=True)
                 except CorruptCheckpointError:
                     continue
             return rank, file, reason

@@ -109,7 +109,7 @@ def upload_checkpoint(
             if not allowed:
                 raise CheckpointError("abandoned at the preemption's grace deadline")
             assert manifest is not None
-            durable.commit(pending, manifest)
+            durable.commit(pending, manifest, confirmed=True)  # each rank confirmed its own objects
 
     moved = move_and_commit(comm, move, commit, lambda: durable.discard(pending))
     if moved.problems or manifest is None:
