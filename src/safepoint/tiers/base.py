@@ -25,6 +25,7 @@ from safepoint.remote.layout import RemoteLayout, is_url
 from safepoint.remote.retry import TransferConfig
 from safepoint.restore.restorer import Restorer
 from safepoint.state import TrainState
+from safepoint.store.heartbeat import HeldByThisJob
 from safepoint.store.layout import CheckpointInfo, CheckpointStore, Layout
 from safepoint.store.manifest import Manifest
 
@@ -210,8 +211,8 @@ def take_ownership(
     """Collective, at the manager's start: rank 0 takes the root for ``job`` (store/job.py: lease, cleanup
     of unfinished saves, the tiers' own step); returns (rank 0's lease or None, the error every rank then
     raises, or None; why the root can only be read, or None). An existing local root that cannot be
-    written (read-only, full, no permission) is read without the lease, with a warning: restoring changes
-    nothing, and saves refuse."""
+    written (read-only, full, no permission), or held by a live process of this same job on this host, is
+    read without the lease, with a warning: restoring changes nothing, and saves refuse."""
     lease: Any = None
     error: CheckpointError | None = None
     read_only: str | None = None
@@ -223,6 +224,17 @@ def take_ownership(
                 lease.acquire()
             for line in [*layout.clean_pending(), *tiers.take_ownership(stale_after_s, job)]:
                 log.info("safepoint: %s", line)
+        except HeldByThisJob as e:
+            # Another live process of this job holds the root (an evaluation beside the trainer): never
+            # taken over, and nothing of it cleaned (its .pending may be a save in flight). Restore needs
+            # no lease; saves refuse.
+            if lease is not None:
+                lease.release()
+            lease, layout.owner = None, None
+            read_only = str(e)
+            msg = f"safepoint: {read_only}; restoring without the lease, and saves will fail"
+            warnings.warn(msg, ReadOnlyRootWarning, stacklevel=4)
+            log.warning(msg)
         except (CheckpointError, OSError) as e:
             cause = _cannot_write(e)
             if cause is not None and isinstance(layout, Layout) and layout.root.is_dir():
