@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from safepoint.dist import Comm
-from safepoint.errors import CheckpointError
+from safepoint.errors import CheckpointError, LeaseError
 from safepoint.policy.emergency_plan import EmergencyPlan
 from safepoint.policy.history import TierEstimate, save_estimate
 from safepoint.remote.layout import RemoteLayout, is_url
@@ -251,6 +251,19 @@ def take_ownership(
                 error = CheckpointError(f"cannot use checkpoint root {root}: {e}")
     error, read_only = comm.broadcast((error, read_only))
     return lease, error, read_only
+
+
+def check_owner(comm: Comm, lease: Any, read_only: str | None, step: int) -> None:
+    """Collective, before a save's first collective: LeaseError on every rank alike unless this manager
+    may write the root. ``read_only`` is the same on every rank (take_ownership broadcast it); the lease
+    lives on rank 0 only, so its verdict is broadcast: raised on rank 0 alone, the other ranks would wait
+    in the save's collectives for a peer that never comes, and fail with a PeerTimeoutError instead. The
+    commit fence (HeartbeatLease.fence) still guards the commit itself."""
+    if read_only is not None:
+        raise LeaseError(f"not saving step {step}: {read_only} when this manager started")
+    lost = comm.broadcast(lease.lost if lease is not None else None)
+    if lost:
+        raise LeaseError(lost)
 
 
 class ReadOnlyRootWarning(UserWarning):
