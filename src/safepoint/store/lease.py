@@ -165,14 +165,41 @@ class Lease(HeartbeatLease):
             os.rename(self.path, aside)
         except FileNotFoundError:
             return
-        moved = os.lstat(aside)
-        if (moved.st_dev, moved.st_ino) == (judged.st_dev, judged.st_ino):
+        if self._is_file(aside, judged, holder.get("token")):
             os.unlink(aside)
             self._took_over(holder)
             return
         with contextlib.suppress(OSError):  # someone else's lease: back in place, over nothing
             os.link(aside, self.path)
         os.unlink(aside)
+
+    @staticmethod
+    def _is_file(aside: Path, seen: os.stat_result, token: object) -> bool:
+        """Whether the file moved to ``aside`` is the one ``seen`` (carrying ``token``, if not None).
+
+        The inode alone is not enough: the file judged stale is unlinked by whoever moved it first, and
+        its inode number is then free for that contender's fresh lease (it was, in the test). So the
+        modification time and size must match too, and the record's token."""
+        try:
+            fd = open_regular(aside)
+        except OSError:
+            return False
+        try:
+            st = os.fstat(fd)
+            same = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size) == (
+                seen.st_dev,
+                seen.st_ino,
+                seen.st_mtime_ns,
+                seen.st_size,
+            )
+            if same and token is not None:
+                try:
+                    same = Lease._parse(aside, fd).get("token") == token
+                except Unreadable:
+                    same = False
+            return same
+        finally:
+            os.close(fd)
 
     def _lstat(self) -> os.stat_result | None:
         """The lease file's own status (lstat: a symlink's target is never looked at); None if gone."""
@@ -268,8 +295,7 @@ class Lease(HeartbeatLease):
             os.rename(self.path, aside)
         except FileNotFoundError:
             return
-        moved = os.lstat(aside)
-        if (moved.st_dev, moved.st_ino) == (ident.st_dev, ident.st_ino):
+        if self._is_file(aside, ident, self.token):
             os.unlink(aside)
             return
         with contextlib.suppress(OSError):  # a taker's lease: back in place, over nothing
