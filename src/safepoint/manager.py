@@ -11,7 +11,7 @@ from types import TracebackType
 from typing import Any
 
 from safepoint.dist import Comm
-from safepoint.errors import CheckpointError, LeaseError, Preempted
+from safepoint.errors import CheckpointError, Preempted
 from safepoint.options import (
     ClusterOptions,
     PreemptionOptions,
@@ -40,7 +40,7 @@ from safepoint.state import TrainState
 from safepoint.store.job import job_identity
 from safepoint.store.layout import CheckpointInfo, Layout
 from safepoint.store.manifest import clean_metrics
-from safepoint.tiers.base import DurabilityLag, SingleTier, plan_tiers, take_ownership
+from safepoint.tiers.base import DurabilityLag, SingleTier, check_owner, plan_tiers, take_ownership
 from safepoint.tiers.nodes import build_tiers
 from safepoint.tiers.resume import Resume
 
@@ -261,7 +261,6 @@ class CheckpointManager:
         check_step(step)
         if not isinstance(state, TrainState):
             raise ValueError(f"state must be a safepoint.TrainState, got {type(state).__name__}")
-        self._check_owner(step)
         self._writer.raise_failure()
         self._tiers.raise_failure()
         clean = clean_metrics(metrics)
@@ -270,11 +269,8 @@ class CheckpointManager:
         return True, self._save_sync(step, state, clean)
 
     def _check_owner(self, step: int) -> None:
-        """A LeaseError for a root this manager may not write (read-only, or the lease was lost)."""
-        if self._read_only is not None:
-            raise LeaseError(f"not saving step {step}: {self._read_only} when this manager started")
-        if self._lease is not None:
-            self._lease.check()
+        """Collective: the same LeaseError on every rank for a root this manager may not write."""
+        check_owner(self.comm, self._lease, self._read_only, step)
 
     def _save_sync(
         self,
@@ -285,7 +281,7 @@ class CheckpointManager:
         *,
         upload: bool = True,
     ) -> CheckpointInfo:
-        self._check_owner(step)  # again: the emergency save (preempt/) calls this directly
+        self._check_owner(step)  # here: the emergency save (preempt/) calls this directly
         with self._tiers.paused():  # uploads hold off while training waits for this save
             t0 = time.perf_counter()
             sd = state.capture(self.comm.rank)
@@ -297,6 +293,7 @@ class CheckpointManager:
         return info
 
     def _save_async(self, step: int, state: TrainState, metrics: dict[str, float]) -> bool:
+        self._check_owner(step)
         if not self._writer.make_room(step, self._if_busy, self.comm):
             return False
         assert self._bg_saver is not None

@@ -646,3 +646,22 @@ def test_bench_rejects_unknown_suite(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit) as e:
         bench.main(["nosuch"])
     assert e.value.code == 2 and "unknown suite 'nosuch'" in capsys.readouterr().err
+
+
+def test_step_numbers_take_ascii_digits_only(
+    trained: Any, root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """int() and str.isdigit() read other scripts' digits: Arabic-Indic "10" as `diff ROOT A B`, in a
+    `step-N` path or as `--step N` was step 10. Steps are ASCII (store/guard.py, the one step pattern)."""
+    ten = "\u0661\u0660"  # Arabic-Indic digits one, zero
+    rc, _, err = cli(capsys, "diff", root, ten, 30)
+    assert rc == 2 and "A and B are step numbers" in err, err
+    (root.parent / "other").mkdir()
+    os.symlink(root / "step-10", root.parent / "other" / f"step-{ten}")
+    rc, _, err = cli(capsys, "diff", root.parent / "other" / f"step-{ten}", root / "step-30")
+    assert rc != 0 and "Traceback" not in err
+    for command in ("inspect", "verify"):
+        rc, _, err = cli(capsys, command, root, "--step", ten)
+        assert rc == 2 and f"invalid int value: {ten!r}" in err, err
+    rc, _, _ = cli(capsys, "inspect", root, "--step", "10")
+    assert rc == 0

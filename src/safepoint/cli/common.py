@@ -114,6 +114,9 @@ def at_least(low: int) -> Callable[[str], int]:
     """An argparse ``type``: an integer >= ``low``."""
 
     def parse(s: str) -> int:
+        # ASCII digits only: int() also reads "٢", " 2 " and "2_0", which name no step or count.
+        if not (s.isascii() and s.lstrip("-").isdigit()):
+            raise ValueError(s)
         v = int(s)
         if v < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {v}")

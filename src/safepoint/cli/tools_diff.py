@@ -15,9 +15,12 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from safepoint.cli import tools
 from safepoint.cli.tools_read import dtype_name
 from safepoint.errors import CheckpointError
+from safepoint.store.guard import parse_step
 from safepoint.store.layout import Layout
 
-_STEP_DIR = re.compile(r"step-(0|[1-9]\d*)")
+# ASCII digits only: str.isdigit() and \d also accept other scripts' digits (Arabic-Indic...),
+# and int() reads them.
+_NUMBER = re.compile(r"[0-9]+")
 USAGE = "diff ROOT A B, diff ROOT_A ROOT_B [--step N] or diff PATH_A/step-N PATH_B/step-M"
 
 
@@ -33,11 +36,11 @@ class Side:
 def shape_error(paths: list[str]) -> str | None:
     """Why ``paths`` (the command's positional arguments) fit none of the forms, or None."""
     if len(paths) == 3:
-        if not all(p.isdigit() for p in paths[1:]):
+        if not all(_NUMBER.fullmatch(p) for p in paths[1:]):
             return f"with three arguments, A and B are step numbers ({USAGE})"
         return None
     if len(paths) == 2:
-        if paths[1].isdigit():
+        if _NUMBER.fullmatch(paths[1]):
             return f"two steps to compare, or two roots ({USAGE}); a root named {paths[1]}: ./{paths[1]}"
         return None
     return f"takes two or three arguments ({USAGE})"
@@ -68,9 +71,9 @@ def resolve_sides(paths: list[str], step: int | None) -> tuple[Side, Side]:
 def _open(path: str) -> tuple[Layout, int | None]:
     """(root, step) for a step path, (root, None) for a root."""
     norm = os.path.normpath(path)
-    m = _STEP_DIR.fullmatch(os.path.basename(norm))
-    if m is not None:
-        return tools.open_root(os.path.dirname(norm) or "."), int(m.group(1))
+    step = parse_step(os.path.basename(norm))  # the one step-name pattern (store/guard.py)
+    if step is not None:
+        return tools.open_root(os.path.dirname(norm) or "."), step
     return tools.open_root(path), None
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from safepoint.dist import Comm
 from safepoint.errors import CheckpointError, Preempted
 from safepoint.policy.rules import AdaptiveInterval, AdaptiveSeconds, learned_mtbf
+from safepoint.store.guard import read_regular
 from safepoint.store.layout import CheckpointStore, Layout, fsync_dir, write_file_durably
 from safepoint.store.manifest import Manifest
 
@@ -28,6 +29,9 @@ SAFETY_FACTOR = 1.25
 """An emergency save is expected to take this times the slowest of the recent saves."""
 RECENT_SAVES = 3
 _KEEP_UPLOADS = 10
+# Both history files are read as regular files only (never through a symlink, never a FIFO that would
+# hang the manager's start) and at most this big: a planted /dev/zero-sized file is not read.
+_MAX_HISTORY_BYTES = 4 << 20
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -122,7 +126,7 @@ class UploadHistory:
         self.path = local_root / UPLOADS_NAME
         self.seconds: list[float] = []
         try:
-            raw = json.loads(self.path.read_text())["uploads"]
+            raw = json.loads(read_regular(self.path, _MAX_HISTORY_BYTES))["uploads"]
             self.seconds = [float(u["seconds"]) for u in raw if math.isfinite(float(u["seconds"]))]
         except FileNotFoundError:
             pass
@@ -211,7 +215,7 @@ class RunHistory:
 
     def _load(self) -> list[dict[str, Any]]:
         try:
-            data = json.loads(self.path.read_text())
+            data = json.loads(read_regular(self.path, _MAX_HISTORY_BYTES))
             attempts = data["attempts"]
             if not isinstance(attempts, list) or not all(
                 isinstance(a, dict) and isinstance(a.get("start"), (int, float)) for a in attempts

@@ -31,6 +31,7 @@ from safepoint.remote.retry import (
     retry,
 )
 from safepoint.store.checksum import crc32c_combine, crc_hex
+from safepoint.store.guard import open_regular
 
 __all__ = ["FileCopy", "MiB", "ObjectStore", "RawWriter", "TransferConfig", "UploadError"]
 log = logging.getLogger("safepoint")
@@ -55,7 +56,7 @@ def hex_crc(b64: str) -> str | None:
 
 def read_range(path: str | os.PathLike[str], offset: int, length: int) -> tuple[bytes, int]:
     """``length`` bytes of a local file at ``offset`` and their crc32c. Raises EOFError if it ends early."""
-    with open(path, "rb", buffering=0) as f:
+    with os.fdopen(open_regular(path), "rb", buffering=0) as f:  # no symlink, FIFO or device
         data = os.pread(f.fileno(), length, offset)
     if len(data) != length:
         raise EOFError(f"{os.fspath(path)} ends before byte {offset + length} (changed while uploading?)")
@@ -189,7 +190,7 @@ class ObjectStore:
         value, sent = 0, 0
         if self.local:
             self.fs.makedirs(self.fs._parent(item.remote), exist_ok=True)
-        with open(item.local, "rb") as src, self.fs.open(item.remote, "wb") as dst:
+        with os.fdopen(open_regular(item.local), "rb") as src, self.fs.open(item.remote, "wb") as dst:
             while chunk := src.read(self.cfg.part_size):
                 self.pass_gate()
                 value = crc32c.crc32c(chunk, value)

@@ -71,6 +71,23 @@ def open_regular(path: str | os.PathLike[str]) -> int:
     return fd
 
 
+def read_regular(path: str | os.PathLike[str], limit: int) -> bytes:
+    """The whole of the regular file ``path`` (:func:`open_regular`: no symlink, FIFO or device), at most
+    ``limit`` bytes: a larger one raises OSError rather than being read without bound."""
+    fd = open_regular(path)
+    try:
+        chunks: list[bytes] = []
+        size = 0
+        while size <= limit and (chunk := os.read(fd, limit + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise OSError(f"{os.fspath(path)} is larger than {limit} bytes")
+    return b"".join(chunks)
+
+
 class NotRegularFileError(OSError):
     """A checkpoint file that is a FIFO, directory, device or socket."""
 

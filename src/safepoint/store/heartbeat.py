@@ -32,6 +32,11 @@ its O_EXCL create and its write) before deciding by the file's age."""
 log = logging.getLogger("safepoint")
 
 
+class HeldByThisJob(LeaseError):
+    """The root is held by a live process of this same job on this host (an evaluation in the same
+    allocation, say): never taken over; the manager restores without the lease and refuses saves."""
+
+
 class Unreadable(Exception):
     """The lease record could not be read or parsed: a transient condition, never proof of a new owner."""
 
@@ -128,20 +133,22 @@ class HeartbeatLease(abc.ABC):
         return holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid()
 
     def _same_job(self, holder: dict[str, Any]) -> bool:
-        """A previous attempt of this very job (a restart, on any host): taken over at once. Never another
-        manager in this process, which is alive by definition."""
+        """A holder of this very job, other than this process (which is alive by definition)."""
         return self.job is not None and holder.get("job") == self.job and not self._same_process(holder)
 
     def _is_stale(self, holder: dict[str, Any], age: float) -> bool:
-        """Whether ``holder`` may be taken over: a previous attempt of this job always; a holder on this
-        host when its process is gone; elsewhere when ``age``, the time since its last heartbeat, exceeds
-        ``stale_after_s``."""
-        if self._same_job(holder):
-            return True
+        """Whether ``holder`` may be taken over: on this host exactly when its process is gone, same job or
+        not (a live process with the same job id is another part of this job: an evaluation in the same
+        allocation must not take the trainer's root); on another host, a previous attempt of this job at
+        once (a restart: that host cannot be asked whether its process lives, and a job id names one run
+        of one job, see store/job.py), any other holder when ``age``, the time since its last heartbeat,
+        exceeds ``stale_after_s``."""
         if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
             if holder["pid"] == os.getpid() and holder.get("token") != self.token:
                 return False  # another manager in this very process: alive by definition
             return not _pid_alive(holder["pid"], holder.get("start_ticks"))
+        if self._same_job(holder):
+            return True
         return age > self.stale_after_s
 
     def _took_over(self, holder: dict[str, Any] | None) -> None:
@@ -158,6 +165,11 @@ class HeartbeatLease(abc.ABC):
         theirs = holder.get("job")
         jobs = f"job {theirs!r}" if isinstance(theirs, str) else "no job id"
         ours = f"this job is {self.job!r}" if self.job else "this job has no job id"
+        if self._same_job(holder):
+            return HeldByThisJob(
+                f"checkpoint root {root} is held by {describe_holder(holder)}, a live process of this same "
+                f"job ({self.job!r})"
+            )
         return LeaseError(
             f"checkpoint root {root} is in use by {describe_holder(holder)} "
             f"({jobs}; {beat}). Two writers would corrupt each other's checkpoints: stop the "

@@ -13,6 +13,7 @@ while another job took the root over can never commit or delete afterwards: its 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import math
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from safepoint.errors import LeaseError
+from safepoint.store.guard import NotRegularFileError, open_regular
 from safepoint.store.heartbeat import (
     DEFAULT_STALE_AFTER_S,
     UNREADABLE_WAIT_S,
@@ -33,6 +35,13 @@ from safepoint.store.heartbeat import (
 
 log = logging.getLogger("safepoint")
 LEASE_NAME = ".lease"
+MAX_LEASE_BYTES = 64 << 10
+"""A lease record is a few hundred bytes; a larger ``.lease`` is not read past this (unparsable)."""
+
+
+class NotALeaseFile(Unreadable):
+    """``.lease`` is a symlink, FIFO, directory or device: never written by safepoint, so never judged
+    stale or taken over (that would follow it, or delete what it is); refused with a clear error."""
 
 
 class Lease(HeartbeatLease):
@@ -82,12 +91,18 @@ class Lease(HeartbeatLease):
             except FileExistsError:
                 try:
                     found = self._read()
+                except NotALeaseFile as e:
+                    raise LeaseError(
+                        f"{e}: not a lease safepoint wrote, so it is neither read nor taken over; if no job "
+                        f"uses {self.path.parent}, remove it by hand"
+                    ) from None
                 except Unreadable as e:
                     # Transient (EIO/ESTALE) or a creator between its create and its write: read again for
                     # a while; a file that stays unreadable is judged by its age.
                     unreadable_since = unreadable_since or time.monotonic()
-                    age = self._file_age()
-                    if age is None or age <= self.stale_after_s:
+                    st = self._lstat()
+                    age = None if st is None else time.time() - st.st_mtime
+                    if st is None or age is None or age <= self.stale_after_s:
                         if time.monotonic() - unreadable_since < UNREADABLE_WAIT_S:
                             time.sleep(0.05)
                             continue
@@ -96,21 +111,17 @@ class Lease(HeartbeatLease):
                             f"uses {self.path.parent}, delete it by hand; an unreadable lease is taken over "
                             f"once unchanged for lease_stale_after_s={self.stale_after_s:g}s."
                         ) from e
-                    found = ({}, 0.0)
+                    found = ({}, st)
                 if found is None:
                     tries += 1
                     continue  # removed between the create and the read: try to create it again
-                holder, mtime = found
-                age = self._age(holder, mtime) if holder else math.inf
+                holder, judged = found
+                age = self._age(holder, judged.st_mtime) if holder else math.inf
                 if holder and not self._is_stale(holder, age):
                     raise self._in_use(str(self.path.parent), str(self.path), holder, age) from None
                 # Stale (or unreadable for longer than stale_after_s): move it aside; only one contender's
                 # rename can succeed.
-                aside = self.path.with_name(f"{LEASE_NAME}.stale-{self.token}")
-                with contextlib.suppress(FileNotFoundError):
-                    os.rename(self.path, aside)
-                    os.unlink(aside)
-                    self._took_over(holder)
+                self._take_aside(holder, judged)
                 tries += 1
                 continue
             self._start_heartbeat()
@@ -144,9 +155,56 @@ class Lease(HeartbeatLease):
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
 
-    def _file_age(self) -> float | None:
+    def _take_aside(self, holder: dict[str, Any], judged: os.stat_result) -> None:
+        """Move the lease judged stale out of the way, and only that one. Rename moves whatever is at
+        ``.lease`` now: another contender may have taken the same stale lease over since this one read it
+        and linked its fresh lease in. So the moved file must be the very inode judged stale; any other
+        is put back (link: over nothing) and this contender loses at its next look."""
+        aside = self.path.with_name(f"{LEASE_NAME}.stale-{self.token}")
         try:
-            return time.time() - os.stat(self.path).st_mtime
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return
+        if self._is_file(aside, judged, holder.get("token")):
+            os.unlink(aside)
+            self._took_over(holder)
+            return
+        with contextlib.suppress(OSError):  # someone else's lease: back in place, over nothing
+            os.link(aside, self.path)
+        os.unlink(aside)
+
+    @staticmethod
+    def _is_file(aside: Path, seen: os.stat_result, token: object) -> bool:
+        """Whether the file moved to ``aside`` is the one ``seen`` (carrying ``token``, if not None).
+
+        The inode alone is not enough: the file judged stale is unlinked by whoever moved it first, and
+        its inode number is then free for that contender's fresh lease (it was, in the test). So the
+        modification time and size must match too, and the record's token."""
+        try:
+            fd = open_regular(aside)
+        except OSError:
+            return False
+        try:
+            st = os.fstat(fd)
+            same = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size) == (
+                seen.st_dev,
+                seen.st_ino,
+                seen.st_mtime_ns,
+                seen.st_size,
+            )
+            if same and token is not None:
+                try:
+                    same = Lease._parse(aside, fd).get("token") == token
+                except Unreadable:
+                    same = False
+            return same
+        finally:
+            os.close(fd)
+
+    def _lstat(self) -> os.stat_result | None:
+        """The lease file's own status (lstat: a symlink's target is never looked at); None if gone."""
+        try:
+            return os.lstat(self.path)
         except OSError:
             return None
 
@@ -154,10 +212,10 @@ class Lease(HeartbeatLease):
     def _parse(path: Path, fd: int) -> dict[str, Any]:
         """The record in the open file ``fd``; :class:`Unreadable` if it cannot be read or parsed."""
         try:
-            chunks = []
-            while chunk := os.read(fd, 65536):
-                chunks.append(chunk)
-            data = json.loads(b"".join(chunks))
+            raw = os.read(fd, MAX_LEASE_BYTES + 1)  # a regular file (open_regular): reads it whole
+            if len(raw) > MAX_LEASE_BYTES:
+                raise ValueError(f"larger than {MAX_LEASE_BYTES} bytes")
+            data = json.loads(raw)
         except (OSError, ValueError) as e:
             raise Unreadable(f"{path}: {e}") from e
         if not isinstance(data, dict):
@@ -167,20 +225,24 @@ class Lease(HeartbeatLease):
     def _open(self) -> int | None:
         """A descriptor on the current lease file; None if there is none. Unreadable on other errors."""
         try:
-            return os.open(self.path, os.O_RDONLY)
+            return open_regular(self.path)  # never a symlink, FIFO, directory or device
         except FileNotFoundError:
             return None
+        except NotRegularFileError as e:
+            raise NotALeaseFile(str(e)) from e
         except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise NotALeaseFile(f"{self.path} is a symlink, not a regular file") from e
             raise Unreadable(f"{self.path}: {e}") from e
 
-    def _read(self) -> tuple[dict[str, Any], float] | None:
-        """(the lease record, the file's mtime); None if there is no lease file. Raises
+    def _read(self) -> tuple[dict[str, Any], os.stat_result] | None:
+        """(the lease record, the file's status: mtime and inode); None if there is no lease file. Raises
         :class:`Unreadable` if it cannot be read or parsed (transient on NFS; a creator mid-write)."""
         fd = self._open()
         if fd is None:
             return None
         try:
-            return self._parse(self.path, fd), os.fstat(fd).st_mtime
+            return self._parse(self.path, fd), os.fstat(fd)
         except OSError as e:
             raise Unreadable(f"{self.path}: {e}") from e
         finally:
@@ -233,8 +295,7 @@ class Lease(HeartbeatLease):
             os.rename(self.path, aside)
         except FileNotFoundError:
             return
-        moved = os.stat(aside)
-        if (moved.st_dev, moved.st_ino) == (ident.st_dev, ident.st_ino):
+        if self._is_file(aside, ident, self.token):
             os.unlink(aside)
             return
         with contextlib.suppress(OSError):  # a taker's lease: back in place, over nothing

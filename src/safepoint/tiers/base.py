@@ -18,13 +18,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from safepoint.dist import Comm
-from safepoint.errors import CheckpointError
+from safepoint.errors import CheckpointError, LeaseError
 from safepoint.policy.emergency_plan import EmergencyPlan
 from safepoint.policy.history import TierEstimate, save_estimate
 from safepoint.remote.layout import RemoteLayout, is_url
 from safepoint.remote.retry import TransferConfig
 from safepoint.restore.restorer import Restorer
 from safepoint.state import TrainState
+from safepoint.store.heartbeat import HeldByThisJob
 from safepoint.store.layout import CheckpointInfo, CheckpointStore, Layout
 from safepoint.store.manifest import Manifest
 
@@ -230,8 +231,8 @@ def take_ownership(
     """Collective, at the manager's start: rank 0 takes the root for ``job`` (store/job.py: lease, cleanup
     of unfinished saves, the tiers' own step); returns (rank 0's lease or None, the error every rank then
     raises, or None; why the root can only be read, or None). An existing local root that cannot be
-    written (read-only, full, no permission) is read without the lease, with a warning: restoring changes
-    nothing, and saves refuse."""
+    written (read-only, full, no permission), or held by a live process of this same job on this host, is
+    read without the lease, with a warning: restoring changes nothing, and saves refuse."""
     lease: Any = None
     error: CheckpointError | None = None
     read_only: str | None = None
@@ -243,6 +244,17 @@ def take_ownership(
                 lease.acquire()
             for line in [*layout.clean_pending(), *tiers.take_ownership(stale_after_s, job)]:
                 log.info("safepoint: %s", line)
+        except HeldByThisJob as e:
+            # Another live process of this job holds the root (an evaluation beside the trainer): never
+            # taken over, and nothing of it cleaned (its .pending may be a save in flight). Restore needs
+            # no lease; saves refuse.
+            if lease is not None:
+                lease.release()
+            lease, layout.owner = None, None
+            read_only = str(e)
+            msg = f"safepoint: {read_only}; restoring without the lease, and saves will fail"
+            warnings.warn(msg, ReadOnlyRootWarning, stacklevel=4)
+            log.warning(msg)
         except (CheckpointError, OSError) as e:
             cause = _cannot_write(e)
             if cause is not None and isinstance(layout, Layout) and layout.root.is_dir():
@@ -259,6 +271,19 @@ def take_ownership(
                 error = CheckpointError(f"cannot use checkpoint root {root}: {e}")
     error, read_only = comm.broadcast((error, read_only))
     return lease, error, read_only
+
+
+def check_owner(comm: Comm, lease: Any, read_only: str | None, step: int) -> None:
+    """Collective, before a save's first collective: LeaseError on every rank alike unless this manager
+    may write the root. ``read_only`` is the same on every rank (take_ownership broadcast it); the lease
+    lives on rank 0 only, so its verdict is broadcast: raised on rank 0 alone, the other ranks would wait
+    in the save's collectives for a peer that never comes, and fail with a PeerTimeoutError instead. The
+    commit fence (HeartbeatLease.fence) still guards the commit itself."""
+    if read_only is not None:
+        raise LeaseError(f"not saving step {step}: {read_only} when this manager started")
+    lost = comm.broadcast(lease.lost if lease is not None else None)
+    if lost:
+        raise LeaseError(lost)
 
 
 class ReadOnlyRootWarning(UserWarning):
