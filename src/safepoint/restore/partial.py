@@ -27,6 +27,11 @@ _SHOW = 8
 STRICT_HINT = ". restore(strict=False) loads what matches; ignore=[...] skips keys; remap= renames them"
 
 
+def plain_key(key: str) -> str:
+    """``key`` without its rank segment (``extra.rank_1.n`` is ``extra.n``)."""
+    return _RANK_SEGMENT.sub(r"\1.", key)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Selection:
     """What ``restore`` was asked to load (its keyword arguments, checked)."""
@@ -62,7 +67,7 @@ class Selection:
 
     def ignores(self, key: str) -> bool:
         """``key`` matches a pattern as it is or without its rank (``extra.rank_1.n`` is ``extra.n``)."""
-        plain = _RANK_SEGMENT.sub(r"\1.", key)
+        plain = plain_key(key)
         return any(fnmatch.fnmatchcase(key, p) or fnmatch.fnmatchcase(plain, p) for p in self.ignore)
 
     def ignores_section(self, section: str) -> bool:
