@@ -148,3 +148,33 @@ def test_warm_start_from_nowhere_fails_clearly(tmp_path: Path) -> None:
             mgr.restore(safepoint.TrainState(model=_model(0)))
     with pytest.raises(ValueError, match="WarmStart.step"):
         safepoint.WarmStart(path="x", step=-1)
+
+
+def test_remap_of_two_saved_keys_onto_one_is_an_error_naming_both(root: Path) -> None:
+    """Fine-tuning from the EMA: ``modules.ema.*`` -> ``model.*`` while ``model.*`` still maps to itself
+    would load whichever comes first in the metadata; it is refused, strict or not, naming both keys."""
+    model, ema = _model(0), _model(1)
+    _save(root, 1, safepoint.TrainState(model=model, modules={"ema": ema}, rng=False))
+    fresh = _model(2)
+    before = fresh.state_dict()
+
+    def both(k: str) -> str:
+        return "model." + k.removeprefix("modules.ema.") if k.startswith("modules.ema.") else k
+
+    def ema_only(k: str) -> str | None:
+        return "model." + k.removeprefix("modules.ema.") if k.startswith("modules.ema.") else None
+
+    with safepoint.CheckpointManager(root) as mgr:
+        for strict in (True, False):
+            with pytest.raises(
+                safepoint.StateMismatchError,
+                match=r"'model\.body\.bias' and 'modules\.ema\.body\.bias' onto 'model\.body\.bias'",
+            ) as e:
+                mgr.restore(safepoint.TrainState(model=fresh, rng=False), strict=strict, remap=both)
+            assert "\n" not in str(e.value)
+            assert_bitwise(fresh.state_dict(), before)  # nothing loaded
+        assert mgr.restore(safepoint.TrainState(model=fresh, rng=False), remap=ema_only) == 1
+        report = mgr.last_restore
+    assert_bitwise(fresh.state_dict(), ema.state_dict())
+    assert report is not None and report.complete
+    assert ("modules.ema.fc.weight", "model.fc.weight") in report.remapped and len(report.remapped) == 4
