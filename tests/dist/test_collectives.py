@@ -35,14 +35,23 @@ def test_save_and_restore_run_at_most_one_collective_more_than_plain_dcp(tmp_pat
     assert counts["safepoint_save"].get("all_gather_object", 0) == 0, counts
 
 
-def test_a_manifest_damaged_for_every_rank_is_corrupt_not_a_root_that_is_not_shared(tmp_path: Path) -> None:
+@pytest.mark.parametrize("what", ["manifest", "data"])
+def test_a_checkpoint_damaged_for_every_rank_is_corrupt_not_a_root_that_is_not_shared(
+    tmp_path: Path, what: str
+) -> None:
+    """The manifest damaged for every rank, or a data file only rank 1 verifies: corruption (fall back),
+    never "the root is not shared" nor "ranks see different checkpoints"."""
     out = tmp_path / "out"
     out.mkdir()
     cmd = [
         PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
         str(REPO / "tests" / "helpers" / "procs" / "corrupt_manifest_worker.py"), str(tmp_path / "ckpt"), str(out),
+        what,
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [(out / f"rank{r}").read_text() for r in (0, 1)] == ["1", "1"]  # fell back together
     assert "skipping corrupt checkpoint: step 2" in proc.stderr
+    assert "different checkpoints" not in proc.stderr and "not shared" not in proc.stderr
+    if what == "data":
+        assert "(found by rank 1)" in proc.stderr

@@ -103,6 +103,8 @@ class Restorer:
         while True:
             candidate, manifest, problem = self._look(step, below)
             seen = self.comm.all_gather((candidate, manifest.save_id if manifest else None, problem))
+            # What the ranks read (a data file one rank found damaged is corruption, decided below; a
+            # manifest one rank could not read is a view that differs: rank 0 chooses).
             if len({(c, sid) for c, sid, _ in seen}) > 1:
                 if self.comm.is_coordinator:
                     log.warning(
@@ -169,11 +171,14 @@ class Restorer:
             return candidate, None, (MANIFEST_NAME, f"cannot read manifest ({e.strerror or e})")
         try:
             manifest = Manifest.from_json(raw, step_hint=candidate)
+        except CorruptCheckpointError as e:
+            return candidate, None, (e.file, e.reason)
+        try:
             self.layout.verify(
                 candidate, files=sorted(manifest.files)[self.comm.rank :: self.comm.world_size]
             )
         except CorruptCheckpointError as e:
-            return candidate, None, (e.file, e.reason)
+            return candidate, manifest, (e.file, e.reason)  # what this rank read agrees: the files do not
         return candidate, manifest, None
 
     def skipping(self, e: CorruptCheckpointError) -> None:
