@@ -55,3 +55,19 @@ def test_a_checkpoint_damaged_for_every_rank_is_corrupt_not_a_root_that_is_not_s
     assert "different checkpoints" not in proc.stderr and "not shared" not in proc.stderr
     if what == "data":
         assert "(found by rank 1)" in proc.stderr
+
+
+def test_a_partial_restore_decides_alike_on_every_rank_when_one_cannot_read_the_metadata(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [
+        PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        str(REPO / "tests" / "helpers" / "procs" / "partial_metadata_worker.py"), str(tmp_path), str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outcomes = [(out / f"rank{r}").read_text().splitlines() for r in (0, 1)]
+    assert outcomes[0] == outcomes[1], outcomes
+    strict, partial = outcomes[0]
+    assert partial == strict, outcomes  # strict=False decides as the default path does
+    assert partial.startswith("CheckpointError: checkpoint step 1: file '.metadata' is intact as seen from rank 0")

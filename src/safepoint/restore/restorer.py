@@ -343,16 +343,18 @@ class Restorer:
             reader = self.layout.make_reader(step, None, manifest)
             reader.prepare = prepare
         else:
-            metadata = self.layout.read_metadata(step, manifest)
-            mismatch: str | None = None
+            metadata: Metadata | None = None
+            error: CheckpointError | None = None
             try:
+                metadata = self.layout.read_metadata(step, manifest)
                 matched = plan(step, template, metadata, tuple(section_prefixes(template)), sel)
-            except StateMismatchError as e:
-                mismatch = str(e)
-            # Shards differ per rank: if any rank cannot load, none may enter DCP's collective load.
-            mismatches = [m for m in self.comm.all_gather(mismatch) if m is not None]
-            if mismatches:
-                raise StateMismatchError(mismatches[0])
+            except (CorruptCheckpointError, StateMismatchError) as e:
+                error = e
+            # Shards differ per rank: if any rank cannot load (or read .metadata), none may enter DCP's
+            # collective load, and every rank decides alike from what all found, as on the default path.
+            found = [(r, e) for r, e in enumerate(self.comm.all_gather(error)) if e is not None]
+            if found:
+                self._not_loadable(step, found)
             reader = self.layout.make_reader(step, metadata, manifest)
         self.writing = written_keys(template, matched)
         try:
