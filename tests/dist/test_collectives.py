@@ -71,3 +71,18 @@ def test_a_partial_restore_decides_alike_on_every_rank_when_one_cannot_read_the_
     strict, partial = outcomes[0]
     assert partial == strict, outcomes  # strict=False decides as the default path does
     assert partial.startswith("CheckpointError: checkpoint step 1: file '.metadata' is intact as seen from rank 0")
+
+
+def test_init_from_a_path_missing_on_some_ranks_fails_alike_on_every_rank(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [
+        PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        str(REPO / "tests" / "helpers" / "procs" / "warm_start_worker.py"), str(tmp_path), str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outcomes = [(out / f"rank{r}").read_text() for r in (0, 1)]
+    assert outcomes[0] == outcomes[1], outcomes
+    assert outcomes[0].startswith("CheckpointError: rank 1: init_from='SOURCE' does not exist"), outcomes
+    assert "but the other ranks can read it" in outcomes[0]
