@@ -199,9 +199,12 @@ class TrainState:
         """
         sd: dict[str, Any] = {}
         wanted = set(sections)
-        if MODEL in wanted and self.model is not None:
+        # The optimizer loads without the weights too (``ignore=["model"]``): its state is keyed by the
+        # parameters' names, which the model gives whether its weights load or not.
+        if (MODEL in wanted or OPTIMIZER in wanted) and self.model is not None:
             model_sd, optim_sd = get_state_dict(self.model, self._optimizers())
-            sd[MODEL] = model_sd
+            if MODEL in wanted:
+                sd[MODEL] = model_sd
             if OPTIMIZER in wanted and self.optimizer is not None:
                 sd[OPTIMIZER] = optim_sd
         if SCHEDULER in wanted:
@@ -221,11 +224,13 @@ class TrainState:
         wanted = set(wanted)
         out: dict[str, dict[str, Any]] = {}
         for name, module in (self.modules or {}).items():
-            if f"{MODULES}.{name}" not in wanted:
+            with_optim = f"{OPTIMIZERS}.{name}" in wanted and name in (self.optimizers or {})
+            if f"{MODULES}.{name}" not in wanted and not with_optim:
                 continue
             model_sd, optim_sd = get_state_dict(module, self._named_optimizers(name))
-            out.setdefault(MODULES, {})[name] = model_sd
-            if f"{OPTIMIZERS}.{name}" in wanted and name in (self.optimizers or {}):
+            if f"{MODULES}.{name}" in wanted:
+                out.setdefault(MODULES, {})[name] = model_sd
+            if with_optim:
                 out.setdefault(OPTIMIZERS, {})[name] = optim_sd
         for name, obj in (self.objects or {}).items():
             if f"{OBJECTS}.{name}" in wanted:
@@ -234,20 +239,21 @@ class TrainState:
 
     def apply(self, sd: dict[str, Any], sources: dict[str, int], derived_rng_seed: int | None) -> None:
         """Push loaded values back into the live objects."""
-        if MODEL in sd and self.model is not None:
-            # Optimizers only when their state was loaded (an imported checkpoint holds weights only).
+        # Optimizers only when their state was loaded (an imported checkpoint holds weights only); weights
+        # only when they were (an empty model state dict makes set_state_dict load the optimizer alone).
+        if (MODEL in sd or OPTIMIZER in sd) and self.model is not None:
             set_state_dict(
                 self.model,
                 self._optimizers() if OPTIMIZER in sd else [],
-                model_state_dict=sd[MODEL],
+                model_state_dict=sd.get(MODEL, {}),
                 optim_state_dict=sd.get(OPTIMIZER, {}),
             )
-        loaded_optims = sd.get(OPTIMIZERS, {})
-        for name, model_sd in sd.get(MODULES, {}).items():
+        loaded_optims, loaded_modules = sd.get(OPTIMIZERS, {}), sd.get(MODULES, {})
+        for name in loaded_modules.keys() | loaded_optims.keys():
             set_state_dict(
                 (self.modules or {})[name],
                 self._named_optimizers(name) if name in loaded_optims else [],
-                model_state_dict=model_sd,
+                model_state_dict=loaded_modules.get(name, {}),
                 optim_state_dict=loaded_optims.get(name, {}),
             )
         for name, obj_sd in sd.get(OBJECTS, {}).items():

@@ -148,3 +148,55 @@ def test_warm_start_from_nowhere_fails_clearly(tmp_path: Path) -> None:
             mgr.restore(safepoint.TrainState(model=_model(0)))
     with pytest.raises(ValueError, match="WarmStart.step"):
         safepoint.WarmStart(path="x", step=-1)
+
+
+def test_remap_of_two_saved_keys_onto_one_is_an_error_naming_both(root: Path) -> None:
+    """Fine-tuning from the EMA: ``modules.ema.*`` -> ``model.*`` while ``model.*`` still maps to itself
+    would load whichever comes first in the metadata; it is refused, strict or not, naming both keys."""
+    model, ema = _model(0), _model(1)
+    _save(root, 1, safepoint.TrainState(model=model, modules={"ema": ema}, rng=False))
+    fresh = _model(2)
+    before = fresh.state_dict()
+
+    def both(k: str) -> str:
+        return "model." + k.removeprefix("modules.ema.") if k.startswith("modules.ema.") else k
+
+    def ema_only(k: str) -> str | None:
+        return "model." + k.removeprefix("modules.ema.") if k.startswith("modules.ema.") else None
+
+    with safepoint.CheckpointManager(root) as mgr:
+        for strict in (True, False):
+            with pytest.raises(
+                safepoint.StateMismatchError,
+                match=r"'model\.body\.bias' and 'modules\.ema\.body\.bias' onto 'model\.body\.bias'",
+            ) as e:
+                mgr.restore(safepoint.TrainState(model=fresh, rng=False), strict=strict, remap=both)
+            assert "\n" not in str(e.value)
+            assert_bitwise(fresh.state_dict(), before)  # nothing loaded
+        assert mgr.restore(safepoint.TrainState(model=fresh, rng=False), remap=ema_only) == 1
+        report = mgr.last_restore
+    assert_bitwise(fresh.state_dict(), ema.state_dict())
+    assert report is not None and report.complete
+    assert ("modules.ema.fc.weight", "model.fc.weight") in report.remapped and len(report.remapped) == 4
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_ignoring_the_model_still_loads_its_optimizer(root: Path, named: bool) -> None:
+    """``ignore=["model"]`` skips the weights only: the optimizer state (keyed by parameter name) loads."""
+    model, opt = _trained(0)
+    if named:
+        _save(root, 1, safepoint.TrainState(modules={"ema": model}, optimizers={"ema": opt}, rng=False))
+    else:
+        _save(root, 1, safepoint.TrainState(model=model, optimizer=opt, rng=False))
+    model2, opt2 = _trained(1)
+    weights = {k: v.clone() for k, v in model2.state_dict().items()}
+    if named:
+        state = safepoint.TrainState(modules={"ema": model2}, optimizers={"ema": opt2}, rng=False)
+    else:
+        state = safepoint.TrainState(model=model2, optimizer=opt2, rng=False)
+    with safepoint.CheckpointManager(root) as mgr:
+        assert mgr.restore(state, ignore=["modules.ema" if named else "model"]) == 1
+        report = mgr.last_restore
+    assert_bitwise(opt2.state_dict()["state"], opt.state_dict()["state"])
+    assert_bitwise(model2.state_dict(), weights)  # the weights left as they were
+    assert report is not None and report.ignored == ("modules.ema" if named else "model",)

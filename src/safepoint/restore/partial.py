@@ -27,6 +27,11 @@ _SHOW = 8
 STRICT_HINT = ". restore(strict=False) loads what matches; ignore=[...] skips keys; remap= renames them"
 
 
+def plain_key(key: str) -> str:
+    """``key`` without its rank segment (``extra.rank_1.n`` is ``extra.n``)."""
+    return _RANK_SEGMENT.sub(r"\1.", key)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Selection:
     """What ``restore`` was asked to load (its keyword arguments, checked)."""
@@ -62,7 +67,7 @@ class Selection:
 
     def ignores(self, key: str) -> bool:
         """``key`` matches a pattern as it is or without its rank (``extra.rank_1.n`` is ``extra.n``)."""
-        plain = _RANK_SEGMENT.sub(r"\1.", key)
+        plain = plain_key(key)
         return any(fnmatch.fnmatchcase(key, p) or fnmatch.fnmatchcase(plain, p) for p in self.ignore)
 
     def ignores_section(self, section: str) -> bool:
@@ -141,16 +146,21 @@ def plan(
     saved = metadata.state_dict_metadata
     sources: dict[str, str] = {}
     renamed: list[tuple[str, str]] = []
+    collided: dict[str, list[str]] = {}
     for key in saved:
         target = sel.remap(key) if sel.remap is not None else key
         if target is None:
             continue
         if not isinstance(target, str):
             raise ValueError(f"restore(remap=...) returned {target!r} for {key!r}; expected a key or None")
-        if target in flat and target not in sources:
+        if target in flat and target in sources and not sel.ignores(target):
+            collided.setdefault(target, [sources[target]]).append(key)
+        elif target in flat and target not in sources:
             sources[target] = key
             if target != key:
                 renamed.append((key, target))
+    if collided:  # whichever came first in .metadata would load, silently: never guess
+        raise StateMismatchError(_collisions(step, collided))
     report: dict[str, list[Any]] = {f: [] for f in _FIELDS}
     report["remapped"] = renamed
     to_load: dict[str, Any] = {}
@@ -193,6 +203,16 @@ _WHAT = {
     "unexpected": "in the checkpoint but not in the target",
     "mismatched": "mismatched",
 }
+
+
+def _collisions(step: int, collided: dict[str, list[str]]) -> str:
+    target = min(collided)
+    keys = " and ".join(repr(k) for k in sorted(collided[target]))
+    more = f" (and {len(collided) - 1} more keys of the state)" if len(collided) > 1 else ""
+    return (
+        f"checkpoint step {step}: restore(remap=...) maps {keys} onto {target!r}{more}; only one saved "
+        "key can load into a key of the state: return None for the others"
+    )
 
 
 def _mismatch(value: Any, md: Any) -> str | None:

@@ -22,6 +22,7 @@ from safepoint.errors import (
 )
 from safepoint.policy.rules import Verdicts
 from safepoint.restore.compat import NotLoadable, check_compat, report, section_prefixes
+from safepoint.restore.leftover import Leftover, written_keys
 from safepoint.restore.partial import Plan, RestoreReport, Selection, plan
 from safepoint.state import (
     DATALOADER,
@@ -57,6 +58,7 @@ class Restorer:
         self.verdicts = verdicts if verdicts is not None else Verdicts()  # read by retention
         self.selection = Selection()  # what the current restore() loads (its strict/ignore/remap)
         self.last_report: RestoreReport | None = None
+        self.writing: frozenset[str] = frozenset()  # the keys the last load() wrote (or began to) in place
 
     # ---- discover + verify ---------------------------------------------------------------------------
 
@@ -97,9 +99,12 @@ class Restorer:
         chooses; a candidate that fails is skipped like there (the next one costs another exchange)."""
         below: int | None = None
         damaged: CorruptCheckpointError | None = None
+        leftover = Leftover()
         while True:
             candidate, manifest, problem = self._look(step, below)
             seen = self.comm.all_gather((candidate, manifest.save_id if manifest else None, problem))
+            # What the ranks read (a data file one rank found damaged is corruption, decided below; a
+            # manifest one rank could not read is a view that differs: rank 0 chooses).
             if len({(c, sid) for c, sid, _ in seen}) > 1:
                 if self.comm.is_coordinator:
                     log.warning(
@@ -107,7 +112,8 @@ class Restorer:
                         self.layout.root,
                         sorted({(c, sid) for c, sid, _ in seen}, key=str)[:4],
                     )
-                return self.restore(state, step, functools.partial(self._choose_below, step, below))
+                choose = functools.partial(self._choose_below, step, below)
+                return self.restore(state, step, choose, leftover)
             if candidate is None:
                 break
             if isinstance(problem, str):
@@ -125,8 +131,11 @@ class Restorer:
                     raise
                 self.skipping(e)
                 below, damaged = candidate, e
+                if isinstance(e, _DamagedWhileLoading):
+                    leftover.failed(candidate, self.writing)
                 continue
             self.verdicts.record(candidate, True)
+            leftover.check(candidate, self.writing)
             return manifest
         if isinstance(damaged, _DamagedWhileLoading):
             raise CheckpointError(
@@ -162,11 +171,14 @@ class Restorer:
             return candidate, None, (MANIFEST_NAME, f"cannot read manifest ({e.strerror or e})")
         try:
             manifest = Manifest.from_json(raw, step_hint=candidate)
+        except CorruptCheckpointError as e:
+            return candidate, None, (e.file, e.reason)
+        try:
             self.layout.verify(
                 candidate, files=sorted(manifest.files)[self.comm.rank :: self.comm.world_size], loading=True
             )
         except CorruptCheckpointError as e:
-            return candidate, None, (e.file, e.reason)
+            return candidate, manifest, (e.file, e.reason)  # what this rank read agrees: the files do not
         return candidate, manifest, None
 
     def skipping(self, e: CorruptCheckpointError) -> None:
@@ -176,20 +188,26 @@ class Restorer:
             log.warning(msg)
 
     def restore(
-        self, state: TrainState, step: int | None, choose: Callable[[int | None], Manifest | None]
+        self,
+        state: TrainState,
+        step: int | None,
+        choose: Callable[[int | None], Manifest | None],
+        leftover: Leftover | None = None,
     ) -> Manifest | None:
         """``choose(below)`` a checkpoint and load it; a checkpoint that verified but turns out damaged while
         it is read (a file replaced since, a structural fault) is skipped like one that failed to verify.
 
-        A failed read may have written into ``state``'s tensors already (they are loaded in place): an
-        older checkpoint then overwrites every one of them, and if none loads, restore raises rather than
-        return 0 with half-written state.
+        A failed read may have written into ``state``'s tensors already (they are loaded in place): the
+        older checkpoint loaded then must overwrite every one of them, else restore raises naming those left
+        (restore/leftover.py); if none loads, restore raises rather than return 0 with half-written state.
         """
         below: int | None = None
         damaged: CorruptCheckpointError | None = None
+        leftover = leftover if leftover is not None else Leftover()
         while (manifest := choose(below)) is not None:
             try:
                 self.load(manifest, state)
+                leftover.check(manifest.step, self.writing)
                 return manifest
             except UnsafeCheckpointError:
                 raise  # a crafted checkpoint that tried to run code: stop and say so, never skip quietly
@@ -199,6 +217,8 @@ class Restorer:
                     raise
                 self.skipping(e)
                 below, damaged = manifest.step, e
+                if isinstance(e, _DamagedWhileLoading):
+                    leftover.failed(manifest.step, self.writing)
         if isinstance(damaged, _DamagedWhileLoading):
             raise CheckpointError(
                 f"{damaged}; no older checkpoint could be loaded, and the objects being restored into were "
@@ -323,17 +343,20 @@ class Restorer:
             reader = self.layout.make_reader(step, None, manifest)
             reader.prepare = prepare
         else:
-            metadata = self.layout.read_metadata(step, manifest)
-            mismatch: str | None = None
+            metadata: Metadata | None = None
+            error: CheckpointError | None = None
             try:
+                metadata = self.layout.read_metadata(step, manifest)
                 matched = plan(step, template, metadata, tuple(section_prefixes(template)), sel)
-            except StateMismatchError as e:
-                mismatch = str(e)
-            # Shards differ per rank: if any rank cannot load, none may enter DCP's collective load.
-            mismatches = [m for m in self.comm.all_gather(mismatch) if m is not None]
-            if mismatches:
-                raise StateMismatchError(mismatches[0])
+            except (CorruptCheckpointError, StateMismatchError) as e:
+                error = e
+            # Shards differ per rank: if any rank cannot load (or read .metadata), none may enter DCP's
+            # collective load, and every rank decides alike from what all found, as on the default path.
+            found = [(r, e) for r, e in enumerate(self.comm.all_gather(error)) if e is not None]
+            if found:
+                self._not_loadable(step, found)
             reader = self.layout.make_reader(step, metadata, manifest)
+        self.writing = written_keys(template, matched)
         try:
             dcp_load(
                 template if matched is None else matched.to_load,

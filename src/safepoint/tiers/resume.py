@@ -135,7 +135,7 @@ class Resume:
 
     def warm_start(self, comm: Comm, state: TrainState, spec: WarmStart) -> None:
         """Load ``spec``'s checkpoint into ``state`` (collective); the run still starts at step 0."""
-        layout, step, where = _open_source(spec, self.storage_options)
+        layout, step, where = _open_source_everywhere(comm, spec, self.storage_options)
         restorer = Restorer(layout, comm)  # its own verdicts: retention of this root never sees them
         restorer.selection = Selection(strict=spec.strict, ignore=spec.ignore, remap=spec.remap)
         manifest = restorer.restore(state, step, lambda below: restorer.choose(step, below))
@@ -167,6 +167,28 @@ class Resume:
         if steps:  # committed but none restorable: each was reported above (corrupt, unreadable)
             return f"no intact checkpoint among steps {steps}; it holds: {shown}"
         return f"no checkpoint (a step-N directory with a manifest); it holds: {shown}"
+
+
+def _open_source_everywhere(
+    comm: Comm, spec: WarmStart, storage_options: dict[str, Any] | None
+) -> tuple[Any, int | None, str]:
+    """:func:`_open_source` on every rank, which all fail alike if any cannot (collective): a node-local
+    path that exists on some nodes only must not leave the others waiting in ``choose``'s broadcast."""
+    try:
+        opened, why = _open_source(spec, storage_options), None
+    except CheckpointError as e:
+        opened, why = None, str(e)
+    failed = [(r, w) for r, w in enumerate(comm.all_gather(why)) if w is not None]
+    if len(failed) == comm.world_size:
+        raise CheckpointError(failed[0][1])
+    if failed:
+        ranks = ", ".join(str(r) for r, _ in failed)
+        raise CheckpointError(
+            f"rank {ranks}: {failed[0][1]}, but the other ranks can read it (a path local to some nodes?): "
+            "every rank reads the warm start; use a path every node can read, or copy it to each node"
+        )
+    assert opened is not None
+    return opened
 
 
 def _open_source(spec: WarmStart, storage_options: dict[str, Any] | None) -> tuple[Any, int | None, str]:
