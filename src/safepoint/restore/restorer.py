@@ -23,6 +23,7 @@ from safepoint.errors import (
 from safepoint.policy.rules import Verdicts
 from safepoint.restore.compat import NotLoadable, check_compat, report, section_prefixes
 from safepoint.restore.partial import Plan, RestoreReport, Selection, plan
+from safepoint.restore.rank_sections import RankSections
 from safepoint.state import (
     DATALOADER,
     MODEL,
@@ -307,6 +308,10 @@ class Restorer:
         rank = self.comm.rank
         sources = {s: (rank if rank < manifest.world_size else 0) for s in PER_RANK_SECTIONS}
         template = state.load_template(sections, sources, rank)
+        # Per-rank sections kept in rank files (store/rank_state.py): this rank reads the one file of the
+        # saved rank it takes over, never the other ranks' state; DCP loads the rest.
+        ranks = RankSections(self.layout, manifest, sections, sources[RNG])
+        to_dcp = ranks.dcp_part(template)
         matched: Plan | None = None
         if sel.default:
 
@@ -315,7 +320,7 @@ class Restorer:
                 # DCP's plan collective before anything is loaded (no collective of our own).
                 try:
                     metadata = self.layout.read_metadata(step, manifest)
-                    check_compat(step, template, metadata)
+                    check_compat(step, template, ranks.read(metadata))
                 except (CorruptCheckpointError, StateMismatchError) as e:
                     raise NotLoadable(e) from None
                 return metadata
@@ -325,18 +330,26 @@ class Restorer:
         else:
             metadata = self.layout.read_metadata(step, manifest)
             mismatch: str | None = None
+            broken: tuple[str | None, str] | None = None
             try:
-                matched = plan(step, template, metadata, tuple(section_prefixes(template)), sel)
+                checked = ranks.read(metadata)
+                matched = plan(step, template, checked, tuple(section_prefixes(template)), sel)
+                to_dcp = ranks.split(matched.to_load)
             except StateMismatchError as e:
                 mismatch = str(e)
+            except CorruptCheckpointError as e:
+                broken = (e.file, e.reason)
             # Shards differ per rank: if any rank cannot load, none may enter DCP's collective load.
-            mismatches = [m for m in self.comm.all_gather(mismatch) if m is not None]
+            agreed = self.comm.all_gather((mismatch, broken))
+            if problems := [(r, b) for r, (_, b) in enumerate(agreed) if b is not None]:
+                self._raise_problems(step, problems)
+            mismatches = [m for m, _ in agreed if m is not None]
             if mismatches:
                 raise StateMismatchError(mismatches[0])
             reader = self.layout.make_reader(step, metadata, manifest)
         try:
             dcp_load(
-                template if matched is None else matched.to_load,
+                to_dcp,
                 storage_reader=reader,
                 planner=SafeLoadPlanner(),
                 process_group=self.comm.group,
@@ -360,7 +373,10 @@ class Restorer:
                 error = _DamagedWhileLoading(error.step, error.file, error.reason)
             raise error from None
         if matched is not None:
+            matched.to_load.update(to_dcp)  # what DCP replaced (non-tensor values) in its own dict
             template = matched.put_back()
+        else:
+            template = ranks.filled(to_dcp)
         self.last_report = report(step, str(self.layout.root), matched, absent, ignored)
         derived = None
         if RNG in template and rank >= manifest.world_size:

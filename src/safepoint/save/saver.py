@@ -17,6 +17,8 @@ from safepoint.dist import Comm, PeerTimeoutError
 from safepoint.errors import CheckpointError, SaveError, describe_exception
 from safepoint.policy.retainer import Retainer
 from safepoint.policy.rules import Retention, Verdicts
+from safepoint.store import rank_state
+from safepoint.store.file_report import with_files
 from safepoint.store.layout import CheckpointInfo, CheckpointStore
 from safepoint.store.manifest import FileEntry, Manifest
 
@@ -75,7 +77,13 @@ class SyncSaver:
         if self.wrap_writer is not None:
             writer = self.wrap_writer(writer)
         error: str | None = None
+        own: dict[str, tuple[int, str]] = {}
         try:
+            # Per-rank sections go to this rank's own file, not into the global .metadata (rank_state.py);
+            # the file's entry rides to rank 0 with DCP's file list.
+            state_dict, sections_of_rank = rank_state.split_sections(state_dict)
+            if sections_of_rank:
+                own = _write_rank_file_too(writer, self.layout, pending, self.comm.rank, sections_of_rank)
             # DCP's write collective also carries each rank's file list to rank 0 (store/file_report.py),
             # and raises the same error on every rank when any rank failed.
             dcp_save(
@@ -94,7 +102,8 @@ class SyncSaver:
                 self.retainer.claim(step)  # no retention pass deletes this step number from now on
                 try:
                     per_rank = list(writer.rank_files or [{}])
-                    per_rank[self.comm.rank] = writer.written_files()  # with the .metadata finish wrote
+                    # With the .metadata finish wrote, and this rank's own file.
+                    per_rank[self.comm.rank] = {**writer.written_files(), **own}
                     info = self._commit(
                         step,
                         pending,
@@ -184,3 +193,22 @@ class SyncSaver:
             "safepoint: committed step %d (%d files, %.1f MB)", step, len(files), manifest.total_bytes / 1e6
         )
         return self.layout.info(step, manifest)
+
+
+def _write_rank_file_too(
+    writer: Any, layout: CheckpointStore, pending: Any, rank: int, sections: dict[str, Any]
+) -> dict[str, tuple[int, str]]:
+    """Make ``writer``'s write step also write this rank's rank file (once DCP made the directory, and
+    inside DCP's collective, so a failure reaches every rank like any write error) and report it to rank
+    0 with the other files (split_files merges every file report of a rank). Wraps the instance's
+    write_data, whatever the writer's class (local, object store, the writer process's proxy). Returns
+    the dict the file's entry lands in."""
+    own: dict[str, tuple[int, str]] = {}
+    inner = writer.write_data
+
+    def write_data(plan: Any, planner: Any) -> Any:
+        own.update(rank_state.write(layout, pending, rank, sections))
+        return with_files(inner(plan, planner), own)
+
+    writer.write_data = write_data
+    return own
