@@ -1,6 +1,6 @@
 """A synthetic N-rank model of rank 0's commit and retention (issue 15, item 4), in one process.
 
-    python benchmarks/rank0_scale.py OUT.json [--ranks 1000 10000] [--kept 50] [--dir /dev/shm]
+    python benchmarks/rank0_scale.py OUT.json [--ranks 1000 10000] [--kept 50] [--dir D] [--no-rank-files]
 
 For each N: a pending directory holding what N ranks write (one tiny ``__<r>_0.distcp`` and one
 ``rank-<r>.state`` per rank, and ``.metadata``), and the file lists rank 0 receives on DCP's write
@@ -41,13 +41,17 @@ from safepoint.store.manifest import MANIFEST_NAME, Manifest
 SECTIONS = ["model", "optimizer", "rng", "extra"]
 
 
+RANK_FILES = True  # --no-rank-files: one file per rank, as before per-rank sections had their own files
+
+
 def _pending(layout: Layout, step: int, ranks: int) -> tuple[Path, list[dict[str, tuple[int, str]]]]:
     pending = layout.new_pending(step, f"bench{step:08x}")
     pending.mkdir(parents=True)
     per_rank: list[dict[str, tuple[int, str]]] = []
     for r in range(ranks):
         files = {}
-        for name, data in ((f"__{r}_0.distcp", b"x" * 16), (f"rank-{r}.state", b"y" * 24)):
+        written = [(f"__{r}_0.distcp", b"x" * 16), (f"rank-{r}.state", b"y" * 24)]
+        for name, data in written if RANK_FILES else written[:1]:
             (pending / name).write_bytes(data)
             files[name] = (len(data), "00000000")
         per_rank.append(files)
@@ -129,7 +133,10 @@ def main() -> None:
     ap.add_argument("--kept", type=int, default=50)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", type=Path, default=Path("/dev/shm"))
+    ap.add_argument("--no-rank-files", action="store_true")
     args = ap.parse_args()
+    global RANK_FILES
+    RANK_FILES = not args.no_rank_files
     base = Path(tempfile.mkdtemp(prefix="rank0-scale-", dir=args.dir))
     try:
         results = [measure(base, n, args.kept, args.repeat) for n in args.ranks]
