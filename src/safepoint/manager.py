@@ -25,6 +25,7 @@ from safepoint.options import (
     writer_process_mode,
 )
 from safepoint.policy.history import RunHistory, outcome_of
+from safepoint.policy.retainer import Retainer
 from safepoint.policy.rules import AdaptiveInterval, Retention, Verdicts, build_retention
 from safepoint.policy.schedule import SaveSchedule
 from safepoint.preempt.emergency import EmergencySave
@@ -179,9 +180,9 @@ class CheckpointManager:
         # With tiering, local copies are pruned by the uploader (keep_local_last); `retention` is durable's.
         saver_retention = Retention() if durable is not None else retention
         verdicts = Verdicts()  # what restore verified, for retention (the newest intact step survives)
-        self._saver = SyncSaver(
-            self.layout, self.comm, saver_retention, writer_threads=writer_threads, verdicts=verdicts
-        )
+        # Rank 0's deleter thread: retention runs there, off the save's critical path (policy/retainer.py).
+        self._retainer = Retainer(self.layout, saver_retention, verdicts)
+        self._saver = SyncSaver(self.layout, self.comm, self._retainer, writer_threads=writer_threads)
         self._restorer = Restorer(self.layout, self.comm, verdicts)
         self._async = bool(async_save)
         self._if_busy = writer.if_busy
@@ -203,12 +204,7 @@ class CheckpointManager:
             if self._process is not None:
                 wrap = process_writer_factory(self._process, lambda: self._stager.arena)
             self._bg_saver = SyncSaver(
-                self.layout,
-                self._bg_comm,
-                saver_retention,
-                writer_threads=writer_threads,
-                wrap_writer=wrap,
-                verdicts=verdicts,
+                self.layout, self._bg_comm, self._retainer, writer_threads=writer_threads, wrap_writer=wrap
             )
         self._at_exit = self._async or durable is not None
         # The uploader's collectives get their own group too (created here: same order on every rank).
@@ -329,6 +325,7 @@ class CheckpointManager:
         check_step(step, optional=True)
         self._writer.wait()
         self._writer.raise_failure()
+        self._retainer.drain()  # no delete races the choice of what to load
         manifest, self.last_restore = self._resume.restore(
             self.comm, step, state, self._tiers, self._restorer, Selection.of(strict, ignore, remap)
         )
@@ -355,10 +352,11 @@ class CheckpointManager:
     # ---- lifecycle -----------------------------------------------------------------------------------
 
     def wait(self) -> None:
-        """Block until no save or upload is in flight; raise the failure of a background one, if any."""
+        """Block until no save, delete or upload is in flight; raise a background save's failure, if any."""
         self._check_open()
         self._writer.wait()
         self._writer.raise_failure()
+        self._retainer.drain()
         self._tiers.wait()
         self._tiers.raise_failure()
 
@@ -366,6 +364,7 @@ class CheckpointManager:
         if self._writer.busy:
             log.info("safepoint: interpreter exiting; waiting for the save in flight")
         self._writer.wait()
+        self._retainer.drain()  # deletes queued by the last saves, under the lease this process holds
         self._tiers.wait()  # and for uploads: the last checkpoint is the one a restart needs
 
     def close(self) -> None:
@@ -379,6 +378,7 @@ class CheckpointManager:
             self._writer.wait()
             self._writer.raise_failure()
         finally:
+            self._retainer.close()  # queued deletes finish while this process still holds the lease
             self._tiers.close(raise_failure=False)  # uploads in flight or queued finish first
             if self._preemption is not None:
                 self._preemption.stop()  # previous signal handlers back, poller stopped

@@ -283,11 +283,11 @@ def test_rng_of_surviving_and_new_ranks_after_reshard(resharded: Path) -> None:
 
 def _derived_draw(path: Path, rank: int) -> list[float]:
     """What the documented rule gives a rank that did not exist at save time: seed_all(derived_seed)."""
-    saved = {"rng": {"rank_0": rng.capture_rng()}}
-    dcp_load(saved, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), no_dist=True)
+    # Saved rank 0's RNG, from its rank file (store/rank_state.py: per-rank sections are not in .metadata).
+    saved = torch.load(path / "rank-0.state", weights_only=True)
     state = (random.getstate(), np.random.get_state(), torch.get_rng_state())
     try:
-        rng.seed_all(rng.derived_seed(saved["rng"]["rank_0"], rank))
+        rng.seed_all(rng.derived_seed(saved["rng"], rank))
         draw: list[float] = torch.rand(3).tolist()
     finally:
         random.setstate(state[0])

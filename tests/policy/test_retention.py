@@ -89,6 +89,7 @@ def test_manager_applies_retention_after_commit(root: Path) -> None:
         losses = {1: 0.5, 2: 0.1, 3: 0.7, 4: 0.6, 5: 0.9, 6: 0.8, 7: 0.95}
         for step, loss in losses.items():
             mgr.save(step, s.state(), metrics={"loss": loss})
+        mgr.wait()  # retention runs on the deleter thread; wait() drains it
         assert [c.step for c in mgr.list()] == [2, 4, 6, 7]
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
         "step-2",

@@ -53,6 +53,7 @@ def test_round_trip_direct_to_s3(moto_endpoint: str, bucket: str) -> None:
     with safepoint.CheckpointManager(url, storage_options=opts, save_every_steps=2, keep_last=2) as mgr:
         assert mgr.restore(s.state()) == 0
         _train(mgr, s, range(1, 7))
+        mgr.wait()  # retention's deletes run on the deleter thread
         assert [i.step for i in mgr.list()] == [4, 6]
         assert mgr.list()[-1].path == f"{url}/step-6"
     snap = s.snapshot()
@@ -383,12 +384,13 @@ def test_resaving_a_committed_step_and_interrupted_replacement(moto_endpoint: st
     assert _keys(moto_endpoint, f"{bucket}/run") == [
         "step-3/.metadata",
         "step-3/__0_0.distcp",
+        "step-3/rank-0.state",
         "step-3/safepoint.json",
     ]
     # A process that died mid-promotion leaves the staged copy (with its manifest) and no final manifest:
     # the next owner finishes the job.
     fs = _fs(moto_endpoint)
-    for name in (".metadata", "__0_0.distcp", "safepoint.json"):
+    for name in (".metadata", "__0_0.distcp", "rank-0.state", "safepoint.json"):
         fs.copy(f"{bucket}/run/step-3/{name}", f"{bucket}/run/.pending/step-3-abc123/{name}")
     fs.rm(f"{bucket}/run/step-3/safepoint.json")
     with safepoint.CheckpointManager(url, storage_options=opts) as mgr:

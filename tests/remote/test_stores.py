@@ -39,6 +39,7 @@ def test_round_trip_retention_and_release_leave_nothing_behind(store: Store) -> 
     ) as mgr:
         assert mgr.restore(s.state()) == 0
         _train(mgr, s, range(1, 6))
+        mgr.wait()  # retention's deletes run on the deleter thread
         assert [i.step for i in mgr.list()] == [4, 5]
         assert mgr.list()[-1].path == f"{url}/step-5", "the root as the user wrote it"
         assert ".lease" in store.keys(url), "the root is leased while the manager is open"

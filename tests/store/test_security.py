@@ -69,12 +69,42 @@ def _point_item_at_evil(step_dir: Path, fqn: str, marker: Path) -> None:
     _reforge_manifest(step_dir)
 
 
+class _Noted:
+    """A replicated Stateful whose state is one non-tensor item (kept in .metadata's items)."""
+
+    def __init__(self, note: str) -> None:
+        self.note = note
+
+    def state_dict(self) -> dict[str, object]:
+        return {"note": self.note}
+
+    def load_state_dict(self, sd: dict[str, object]) -> None:
+        self.note = str(sd["note"])
+
+
 def test_malicious_non_tensor_item_runs_no_code(root: Path, tmp_path: Path) -> None:
-    step_dir = _save(root, extra={"note": "hello-hello-hello"})
-    marker = tmp_path / "marker"
-    _point_item_at_evil(step_dir, "extra.rank_0.note", marker)
     with safepoint.CheckpointManager(root) as mgr:
-        with pytest.raises(safepoint.UnsafeCheckpointError, match="extra.rank_0.note.*not plain data"):
+        state = safepoint.TrainState(model=torch.nn.Linear(3, 3), scheduler=_Noted("hello-hello-hello"))
+        step_dir = Path(mgr.save(1, state).path)
+    marker = tmp_path / "marker"
+    _point_item_at_evil(step_dir, "scheduler.note", marker)
+    with safepoint.CheckpointManager(root) as mgr:
+        with pytest.raises(safepoint.UnsafeCheckpointError, match="scheduler.note.*not plain data"):
+            mgr.restore(safepoint.TrainState(model=torch.nn.Linear(3, 3), scheduler=_Noted("")))
+    assert not marker.exists()
+
+
+def test_malicious_rank_file_runs_no_code(root: Path, tmp_path: Path) -> None:
+    """Per-rank sections (RNG, data position, extra) live in rank-<r>.state (store/rank_state.py): a
+    crafted pickle there, checksums re-forged, is refused by the weights-only rules and runs nothing."""
+    step_dir = _save(root, extra={"note": "hello"})
+    marker = tmp_path / "marker"
+    buf = io.BytesIO()
+    torch.save({"extra": {"note": _Evil(marker)}}, buf)
+    (step_dir / "rank-0.state").write_bytes(buf.getvalue())
+    _reforge_manifest(step_dir)
+    with safepoint.CheckpointManager(root) as mgr:
+        with pytest.raises(safepoint.UnsafeCheckpointError, match="rank-0.state.*weights-only"):
             mgr.restore(safepoint.TrainState(model=torch.nn.Linear(3, 3), extra={"note": ""}))
     assert not marker.exists()
 

@@ -24,6 +24,7 @@ from safepoint.policy.rules import Verdicts
 from safepoint.restore.compat import NotLoadable, check_compat, report, section_prefixes
 from safepoint.restore.leftover import Leftover, written_keys
 from safepoint.restore.partial import Plan, RestoreReport, Selection, plan
+from safepoint.restore.rank_sections import RankSections
 from safepoint.state import (
     DATALOADER,
     MODEL,
@@ -327,6 +328,10 @@ class Restorer:
         rank = self.comm.rank
         sources = {s: (rank if rank < manifest.world_size else 0) for s in PER_RANK_SECTIONS}
         template = state.load_template(sections, sources, rank)
+        # Per-rank sections kept in rank files (store/rank_state.py): this rank reads the one file of the
+        # saved rank it takes over, never the other ranks' state; DCP loads the rest.
+        ranks = RankSections(self.layout, manifest, sections, sources[RNG])
+        to_dcp = ranks.dcp_part(template)
         matched: Plan | None = None
         if sel.default:
 
@@ -335,7 +340,7 @@ class Restorer:
                 # DCP's plan collective before anything is loaded (no collective of our own).
                 try:
                     metadata = self.layout.read_metadata(step, manifest)
-                    check_compat(step, template, metadata)
+                    check_compat(step, template, ranks.read(metadata))
                 except (CorruptCheckpointError, StateMismatchError) as e:
                     raise NotLoadable(e) from None
                 return metadata
@@ -347,7 +352,9 @@ class Restorer:
             error: CheckpointError | None = None
             try:
                 metadata = self.layout.read_metadata(step, manifest)
-                matched = plan(step, template, metadata, tuple(section_prefixes(template)), sel)
+                checked = ranks.read(metadata)
+                matched = plan(step, template, checked, tuple(section_prefixes(template)), sel)
+                to_dcp = ranks.split(matched.to_load)
             except (CorruptCheckpointError, StateMismatchError) as e:
                 error = e
             # Shards differ per rank: if any rank cannot load (or read .metadata), none may enter DCP's
@@ -359,7 +366,7 @@ class Restorer:
         self.writing = written_keys(template, matched)
         try:
             dcp_load(
-                template if matched is None else matched.to_load,
+                to_dcp,
                 storage_reader=reader,
                 planner=SafeLoadPlanner(),
                 process_group=self.comm.group,
@@ -383,7 +390,10 @@ class Restorer:
                 error = _DamagedWhileLoading(error.step, error.file, error.reason)
             raise error from None
         if matched is not None:
+            matched.to_load.update(to_dcp)  # what DCP replaced (non-tensor values) in its own dict
             template = matched.put_back()
+        else:
+            template = ranks.filled(to_dcp)
         self.last_report = report(step, str(self.layout.root), matched, absent, ignored)
         derived = None
         if RNG in template and rank >= manifest.world_size:

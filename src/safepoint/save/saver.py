@@ -1,4 +1,5 @@
-"""The synchronous save pipeline: capture -> write (+crc32c) -> commit -> retain."""
+"""The synchronous save pipeline: capture -> write (+crc32c) -> commit; retention is queued for rank 0's
+deleter thread (policy/retainer.py), so a save never waits on deletes."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from safepoint.dist import Comm, PeerTimeoutError
 from safepoint.errors import CheckpointError, SaveError, describe_exception
+from safepoint.policy.retainer import Retainer
 from safepoint.policy.rules import Retention, Verdicts
+from safepoint.store import rank_state
+from safepoint.store.file_report import with_files
 from safepoint.store.layout import CheckpointInfo, CheckpointStore
 from safepoint.store.manifest import FileEntry, Manifest
 from safepoint.store.nodes import NodeMap
@@ -27,17 +31,18 @@ class SyncSaver:
         self,
         layout: CheckpointStore,
         comm: Comm,
-        retention: Retention,
+        retention: Retention | Retainer,
         *,
         writer_threads: int = 1,
         wrap_writer: Callable[[Any], Any] | None = None,
-        verdicts: Verdicts | None = None,
     ) -> None:
         self.layout = layout
-        # What restore verified (shared with the Restorer): retention keeps the newest intact step.
-        self.verdicts = verdicts if verdicts is not None else Verdicts()
+        # The manager shares one Retainer (one deleter thread, and what restore verified: retention keeps
+        # the newest intact step) between its savers, and drains it on close(); a bare Retention gets one.
+        if not isinstance(retention, Retainer):
+            retention = Retainer(layout, retention, Verdicts())
+        self.retainer, self.verdicts = retention, retention.verdicts
         self.comm = comm
-        self.retention = retention
         self.writer_threads = writer_threads
         # async_writer="process": the storage writer of each save, handed to the writer process.
         self.wrap_writer = wrap_writer
@@ -47,7 +52,6 @@ class SyncSaver:
         self._plan_key = f"safepoint-{uuid.uuid4().hex}"
         self._session: str | None = None
         self._saves = 0
-        self._index: dict[int, CheckpointInfo] = {}  # retention's view of the root (see _retain)
         self.nodes: NodeMap | None = None
         """Set with per-node local tiers (tiers/nodes.py): each node's leader commits its own copy."""
         self._manifest: Manifest | None = None  # the last manifest rank 0 committed
@@ -78,7 +82,13 @@ class SyncSaver:
         if self.wrap_writer is not None:
             writer = self.wrap_writer(writer)
         error: str | None = None
+        own: dict[str, tuple[int, str]] = {}
         try:
+            # Per-rank sections go to this rank's own file, not into the global .metadata (rank_state.py);
+            # the file's entry rides to rank 0 with DCP's file list.
+            state_dict, sections_of_rank = rank_state.split_sections(state_dict)
+            if sections_of_rank:
+                own = _write_rank_file_too(writer, self.layout, pending, self.comm.rank, sections_of_rank)
             # DCP's write collective also carries each rank's file list to rank 0 (store/file_report.py),
             # and raises the same error on every rank when any rank failed.
             dcp_save(
@@ -94,9 +104,11 @@ class SyncSaver:
         info: CheckpointInfo | None = None
         if self.comm.is_coordinator:
             if not errors:
+                self.retainer.claim(step)  # no retention pass deletes this step number from now on
                 try:
                     per_rank = list(writer.rank_files or [{}])
-                    per_rank[self.comm.rank] = writer.written_files()  # with the .metadata finish wrote
+                    # With the .metadata finish wrote, and this rank's own file.
+                    per_rank[self.comm.rank] = {**writer.written_files(), **own}
                     info = self._commit(
                         step,
                         pending,
@@ -111,6 +123,10 @@ class SyncSaver:
                     errors.append(describe_exception(e))
             if errors:
                 self.layout.discard(pending)
+            else:
+                self.verdicts.forget(step)  # its bytes are new: what was found about the old ones is moot
+            # Retention runs on the deleter thread, not here (None: nothing committed, the claim ends).
+            self.retainer.committed(step, info)
         # The one collective of our own: rank 0's verdict (committed, or why not) for every rank; with
         # per-node local tiers it carries the manifest to the other nodes' leaders.
         multi = self.nodes is not None and self.nodes.multi
@@ -135,9 +151,6 @@ class SyncSaver:
                 f"save of step {step} failed and was not committed ({'; '.join(dict.fromkeys(errors))}). "
                 "Older checkpoints are intact."
             )
-        if self.comm.is_coordinator:
-            self.verdicts.forget(step)  # its bytes are new: whatever was found about the old ones is moot
-            self._retain(step, info)
         return info
 
     def _planner(self) -> DefaultSavePlanner:
@@ -219,36 +232,21 @@ class SyncSaver:
         except (OSError, CheckpointError) as e:
             log.error("safepoint: node-local commit of step %d failed: %s", manifest.step, e)
 
-    def _retain(self, committed: int, info: CheckpointInfo) -> None:
-        """Apply the policies; the step just committed and the newest step verified intact survive.
 
-        From an index (``_index``: step -> (its manifest's save id, info)) kept across saves, so a save
-        lists the root once and reads only manifests it has not seen (at most the new one's, which it
-        wrote), instead of every manifest on every save. No policy: nothing to do, nothing read."""
-        if not self.retention.policies:
-            return
-        try:
-            self._index[committed] = info
-            steps = self.layout.committed_steps()
-            for s in list(self._index):
-                if s not in steps:
-                    del self._index[s]  # removed (by us, by prune, by hand)
-            history = []
-            for s in steps:
-                if self.verdicts.corrupt(s):
-                    continue  # never counted as the newest, as kept or as deleted
-                if s not in self._index:
-                    try:
-                        self._index[s] = self.layout.info(s, self.layout.read_manifest(s))
-                    except CheckpointError:
-                        continue  # unreadable manifests are never counted as kept or deleted
-                history.append(self._index[s])
-            good = self.verdicts.newest_intact([c.step for c in history])
-            protect = {committed} | ({good} if good is not None else set())
-            for step in self.retention.to_delete(history, protect):
-                self.layout.remove(step)
-                self._index.pop(step, None)
-                log.info("safepoint: retention removed step %d", step)
-        except (OSError, CheckpointError) as e:  # CheckpointError: LeaseError from the fence
-            # The new checkpoint is committed; a failed cleanup costs space, not correctness.
-            log.warning("safepoint: retention pass failed (%s); will retry after the next save", e)
+def _write_rank_file_too(
+    writer: Any, layout: CheckpointStore, pending: Any, rank: int, sections: dict[str, Any]
+) -> dict[str, tuple[int, str]]:
+    """Make ``writer``'s write step also write this rank's rank file (once DCP made the directory, and
+    inside DCP's collective, so a failure reaches every rank like any write error) and report it to rank
+    0 with the other files (split_files merges every file report of a rank). Wraps the instance's
+    write_data, whatever the writer's class (local, object store, the writer process's proxy). Returns
+    the dict the file's entry lands in."""
+    own: dict[str, tuple[int, str]] = {}
+    inner = writer.write_data
+
+    def write_data(plan: Any, planner: Any) -> Any:
+        own.update(rank_state.write(layout, pending, rank, sections))
+        return with_files(inner(plan, planner), own)
+
+    writer.write_data = write_data
+    return own

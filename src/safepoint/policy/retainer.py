@@ -1,0 +1,140 @@
+"""Retention off the save's critical path: rank 0's deleter thread applies the policies after each commit.
+
+A save hands the step it committed to ``Retainer.committed`` and returns; a thread owned by the manager
+lists the root, decides from an index (step -> the info of its manifest, kept across saves, so each pass
+reads only manifests it has not seen) and deletes. Every delete is fenced by the lease token inside
+``remove`` (a manager that lost the root deletes nothing), and each is crash-safe there: a local step is
+renamed into ``.pending`` (one atomic rename: listed intact, or not at all) before its files go, an object
+store step loses its manifest first; what a kill -9 leaves is an unlisted ``.pending`` entry or unlisted
+objects, removed by the next owner's ``clean_pending``.
+
+Never deleted: the step committed last, the newest step restore verified intact, and a step a save is
+about to commit (``claim``): a step saved again under the same number must not be removed by a pass that
+decided on its old copy. ``drain`` (from ``wait``/``restore``/``close``) waits until every queued pass is
+done.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from safepoint.errors import CheckpointError
+from safepoint.policy.rules import Retention, Verdicts
+from safepoint.store.layout import CheckpointInfo, CheckpointStore
+
+log = logging.getLogger("safepoint")
+
+
+class Retainer:
+    def __init__(self, layout: CheckpointStore, retention: Retention, verdicts: Verdicts) -> None:
+        self.layout, self.retention, self.verdicts = layout, retention, verdicts
+        self._index: dict[int, CheckpointInfo] = {}  # retention's view of the root, kept across passes
+        self._cond = threading.Condition()
+        self._queue: list[tuple[int, CheckpointInfo | None]] = []  # commits not yet seen by a pass
+        self._claimed: set[int] = set()  # steps a save is committing right now
+        self._deleting: int | None = None
+        self._busy = False  # a pass is running
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def claim(self, step: int) -> None:
+        """Called before committing ``step``: no pass deletes it from now on (waits only if that very
+        step number is being deleted this moment, so the new copy never lands under a delete)."""
+        if not self.retention.policies:
+            return
+        with self._cond:
+            self._claimed.add(step)
+            while self._deleting == step:
+                self._cond.wait()
+
+    def committed(self, step: int, info: CheckpointInfo | None) -> None:
+        """After the commit of ``step`` (``info``), or its failure (None): queue a retention pass."""
+        if not self.retention.policies:
+            return
+        with self._cond:
+            if self._closed:
+                self._claimed.discard(step)
+                return
+            self._queue.append((step, info))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="safepoint-retention", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def drain(self) -> None:
+        """Wait until every queued pass has run (its deletes done or failed and logged)."""
+        with self._cond:
+            while self._queue or self._busy:
+                self._cond.wait()
+
+    def close(self) -> None:
+        """Drain, then stop the thread. Later commits are not retained (the manager is closing)."""
+        with self._cond:
+            while self._queue or self._busy:
+                self._cond.wait()
+            self._closed = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                batch, self._queue = self._queue, []
+                self._busy = True
+                for step, _ in batch:
+                    self._claimed.discard(step)
+            try:
+                newest = [(s, i) for s, i in batch if i is not None]
+                for s, i in newest:
+                    self._index[s] = i
+                if newest:  # a failed save changes nothing on disk worth a pass
+                    self._pass(newest[-1][0])
+            except Exception as e:  # a bug here must not kill the thread and hang drain()
+                log.warning("safepoint: retention pass failed (%s); will retry after the next save", e)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _pass(self, committed: int) -> None:
+        """Apply the policies; ``committed`` (the last commit) and the newest verified step survive."""
+        try:
+            steps = self.layout.committed_steps()
+            for s in list(self._index):
+                if s not in steps:
+                    del self._index[s]  # removed (by us, by prune, by hand)
+            history = []
+            for s in steps:
+                if self.verdicts.corrupt(s):
+                    continue  # never counted as the newest, as kept or as deleted
+                if s not in self._index:
+                    try:
+                        self._index[s] = self.layout.info(s, self.layout.read_manifest(s))
+                    except CheckpointError:
+                        continue  # unreadable manifests are never counted as kept or deleted
+                history.append(self._index[s])
+            good = self.verdicts.newest_intact([c.step for c in history])
+            protect = {committed} | ({good} if good is not None else set())
+            for step in self.retention.to_delete(history, protect):
+                with self._cond:
+                    if step in self._claimed:
+                        continue  # being saved again: its new copy is not what this pass judged
+                    self._deleting = step
+                try:
+                    self.layout.remove(step)  # fenced by the lease token, crash-safe (module docstring)
+                finally:
+                    with self._cond:
+                        self._deleting = None
+                        self._cond.notify_all()
+                self._index.pop(step, None)
+                log.info("safepoint: retention removed step %d", step)
+        except (OSError, CheckpointError) as e:  # CheckpointError: LeaseError from the fence
+            # The new checkpoint is committed; a failed cleanup costs space, not correctness.
+            log.warning("safepoint: retention pass failed (%s); will retry after the next save", e)

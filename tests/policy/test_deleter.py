@@ -1,0 +1,207 @@
+"""Retention's deletes run on rank 0's deleter thread (policy/retainer.py), off the save's critical path.
+
+Deletes are held with real blocking (an Event, a pipe) at the seam where they happen, never with sleeps:
+a save returns and the next one commits while a delete is stuck, close() drains, a kill -9 mid-delete
+leaves a root the next manager cleans and restores from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import safepoint
+import safepoint.store.layout as layout_module
+from safepoint.store.layout import Layout
+from tests.conftest import SUBPROCESS_ENV
+
+
+def _state(n: int) -> safepoint.TrainState:
+    return safepoint.TrainState(rng=False, extra={"t": torch.full((64,), float(n))})
+
+
+def _restored(root: Path, step: int | None = None) -> tuple[int, float]:
+    state = _state(-1)
+    with safepoint.CheckpointManager(root) as mgr:
+        got = mgr.restore(state, step=step)
+    return got, float(state.extra["t"][0])  # type: ignore[index]
+
+
+class _HeldDelete:
+    """Layout's remove_tree (the delete after the step left the listing), held until ``release``."""
+
+    def __init__(self, real: Callable[[Any], Any], events: list[str]) -> None:
+        self.real, self.events = real, events
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, path: Any) -> Any:
+        self.started.set()
+        assert self.release.wait(120), "the test never released the delete"
+        result = self.real(path)
+        self.events.append(f"deleted {Path(path).name.split('-')[1]}-{Path(path).name.split('-')[2]}")
+        return result
+
+
+def test_save_returns_and_the_next_commits_while_a_delete_is_stuck_and_close_drains(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events: list[str] = []
+    held = _HeldDelete(layout_module.remove_tree, events)
+    monkeypatch.setattr(layout_module, "remove_tree", held)
+    mgr = safepoint.CheckpointManager(root, keep_last=1)
+    mgr.save(1, _state(1))
+    mgr.save(2, _state(2))  # queues the deletion of step 1, which gets stuck
+    assert held.started.wait(120)
+    # Step 1 left the listing in one rename (so it never looks committed half-deleted); its files wait.
+    assert Layout(root).committed_steps() == [2]
+    assert [p.name.split("-")[:3] for p in (root / ".pending").iterdir()] == [["deleting", "step", "1"]]
+    info = mgr.save(3, _state(3))  # returns, committed, with the delete of step 1 still stuck
+    assert info is not None and info.step == 3
+    assert Layout(root).committed_steps() == [2, 3]
+
+    def close() -> None:
+        mgr.close()
+        events.append("closed")
+
+    closer = threading.Thread(target=close)
+    closer.start()
+    held.release.set()
+    closer.join()
+    # close() waited for the stuck delete and for the pass queued behind it (step 2's).
+    assert events == ["deleted step-1", "deleted step-2", "closed"]
+    assert Layout(root).committed_steps() == [3]
+    assert not list((root / ".pending").iterdir())
+    assert _restored(root) == (3, 3.0)
+
+
+def test_a_step_saved_again_while_a_pass_is_deleting_is_not_deleted(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass decided to delete steps 1 and 2; while it is stuck on step 1, step 2 is saved again. The new
+    step 2 is not what the pass judged: it survives, with its new contents."""
+    with safepoint.CheckpointManager(root) as mgr:  # no policy: both kept
+        mgr.save(1, _state(1))
+        mgr.save(2, _state(2))
+    mgr = safepoint.CheckpointManager(root, keep_last=1)
+    assert isinstance(mgr.layout, Layout)
+    real_fence, go, stuck = mgr.layout.fence, threading.Event(), threading.Event()
+
+    def fence(action: str) -> None:
+        if action == "deleting step 1":
+            stuck.set()
+            assert go.wait(120)
+        real_fence(action)
+
+    monkeypatch.setattr(mgr.layout, "fence", fence)
+    try:
+        mgr.save(3, _state(3))  # the pass: delete 1 and 2 (keep_last=1), stuck before step 1's rename
+        assert stuck.wait(120)
+        mgr.save(2, _state(20))  # step 2 again, new bytes
+        go.set()
+        mgr.wait()
+        assert Layout(root).committed_steps() == [2, 3]
+    finally:
+        go.set()
+        mgr.close()
+    assert _restored(root, step=2) == (2, 20.0)
+
+
+def _take_over(lease_path: Path) -> None:
+    """What another job's takeover does: the old file renamed aside, a new record linked in its place."""
+    os.rename(lease_path, lease_path.with_name(".lease.stale-x"))
+    tmp = lease_path.with_name(".lease.x.tmp")
+    tmp.write_text(json.dumps({"host": "nodeB", "pid": 7, "heartbeat": 0.0, "token": "theirs"}))
+    os.link(tmp, lease_path)
+
+
+def test_the_deleter_thread_deletes_nothing_after_the_lease_is_lost(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mgr = safepoint.CheckpointManager(root, keep_last=1)
+    assert isinstance(mgr.layout, Layout)
+    real_fence, go, stuck = mgr.layout.fence, threading.Event(), threading.Event()
+
+    def fence(action: str) -> None:
+        if action.startswith("deleting"):
+            stuck.set()
+            assert go.wait(120)
+        real_fence(action)
+
+    monkeypatch.setattr(mgr.layout, "fence", fence)
+    try:
+        mgr.save(1, _state(1))
+        mgr.save(2, _state(2))  # queues the deletion of step 1, held before the fence
+        assert stuck.wait(120)
+        _take_over(root / ".lease")  # another job owns ROOT now
+        go.set()
+        mgr.wait()  # the pass ran: its delete was refused (logged), nothing raised into training
+        assert (root / "step-1" / "safepoint.json").exists()
+    finally:
+        go.set()
+        with contextlib.suppress(safepoint.CheckpointError):
+            mgr.close()
+
+
+_CHILD = """
+import sys, safepoint, torch, safepoint.store.layout as L
+real = L.remove_tree
+def stuck(path):
+    files = sorted(p for p in path.iterdir() if p.is_file())
+    files[0].unlink()  # half deleted
+    print("deleting", path.name, flush=True)
+    sys.stdin.read()  # held until the parent kills this process
+    return real(path)
+L.remove_tree = stuck
+def state(n):
+    return safepoint.TrainState(rng=False, extra={"t": torch.full((64,), float(n))})
+mgr = safepoint.CheckpointManager(sys.argv[1], keep_last=1)
+mgr.save(1, state(1))
+mgr.save(2, state(2))
+mgr.save(3, state(3))
+print("saved 3", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_kill_9_mid_background_delete_leaves_a_root_the_next_manager_cleans_and_restores(
+    root: Path,
+) -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(root)],
+        env=SUBPROCESS_ENV,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        lines = {child.stdout.readline().strip() for _ in range(2)}
+        assert "saved 3" in lines and any(line.startswith("deleting deleting-step-1-") for line in lines)
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(60) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    # Half of step 1 is left, out of the listing; nothing half-deleted looks committed.
+    assert Layout(root).committed_steps() == [2, 3]
+    (leftover,) = (root / ".pending").iterdir()
+    assert leftover.name.startswith("deleting-step-1-")
+    with safepoint.CheckpointManager(root, keep_last=1) as mgr:
+        assert not list((root / ".pending").iterdir())  # the new owner cleaned it up
+        state = _state(-1)
+        assert mgr.restore(state) == 3
+        assert float(state.extra["t"][0]) == 3.0  # type: ignore[index]
+        mgr.save(4, _state(4))
+    assert Layout(root).committed_steps() == [3, 4]  # 2 deleted; 3 is the newest this manager verified
