@@ -19,7 +19,8 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from safepoint.errors import CheckpointError
-from safepoint.state import MODEL, SECTIONS
+from safepoint.state import MODEL, PER_RANK_SECTIONS, SECTIONS, rank_key
+from safepoint.store import rank_state
 from safepoint.store.guard import as_corruption
 from safepoint.store.layout import Layout
 from safepoint.store.manifest import Manifest
@@ -49,11 +50,12 @@ class KeyInfo:
     key: str
     section: str
     kind: str
-    """'tensor' or 'object' (a non-tensor value, stored pickled and read with weights_only=True)."""
+    """'tensor' or 'object' (a non-tensor value, stored pickled and read with weights_only=True), or
+    'rank file' (a per-rank section kept in ``rank-<r>.state``: store/rank_state.py)."""
     shape: tuple[int, ...] | None
     dtype: str | None
     bytes: int
-    """In-memory size for tensors; serialized size on disk for objects."""
+    """In-memory size for tensors; serialized size on disk for objects and for a whole rank file."""
 
 
 def describe_keys(metadata: Metadata) -> list[KeyInfo]:
@@ -71,6 +73,36 @@ def describe_keys(metadata: Metadata) -> list[KeyInfo]:
             )
         else:
             out.append(KeyInfo(key, section, "object", None, None, stored.get(key, 0)))
+    return out
+
+
+def describe_rank_files(manifest: Manifest) -> list[KeyInfo]:
+    """The per-rank sections a checkpoint keeps in rank files, one row per section and rank (none for a
+    checkpoint that keeps them in ``.metadata``, where :func:`describe_keys` finds them)."""
+    if not rank_state.saved_separately(manifest):
+        return []
+    out = []
+    for r in range(manifest.world_size):
+        entry = manifest.files.get(rank_state.file_name(r))
+        for s in _rank_sections(manifest):
+            out.append(KeyInfo(f"{s}.{rank_key(r)}", s, "rank file", None, None, entry.size if entry else 0))
+    return out
+
+
+def _rank_sections(manifest: Manifest) -> list[str]:
+    return sorted(s for s in manifest.keys if s in PER_RANK_SECTIONS)
+
+
+def load_rank_files(layout: Layout, manifest: Manifest, include: Include) -> dict[str, dict[str, Any]]:
+    """``{section: {rank_<r>: value}}`` from every rank's file (each checked against the manifest as it is
+    read, loaded weights-only), nested as the sections are when ``.metadata`` holds them."""
+    out: dict[str, dict[str, Any]] = {}
+    if not rank_state.saved_separately(manifest):
+        return out
+    for r in range(manifest.world_size):
+        wanted = [s for s in _rank_sections(manifest) if include(f"{s}.{rank_key(r)}")]
+        for s, v in (rank_state.read(layout, manifest, r, wanted) if wanted else {}).items():
+            out.setdefault(s, {}).update(v)
     return out
 
 
@@ -151,4 +183,6 @@ def load_state(
     except (CheckpointException, OSError, RuntimeError, ValueError, EOFError) as e:
         # Every failure reading a verified checkpoint's bytes is damage (exit 1), not a usage error.
         raise as_corruption(step, e) from None
+    for section, ranks in load_rank_files(layout, manifest, include).items():
+        planner.loaded.setdefault(section, {}).update(ranks)
     return planner.loaded
