@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -47,6 +49,9 @@ class SyncSaver:
         self._session: str | None = None
         self._saves = 0
         self._index: dict[int, CheckpointInfo] = {}  # retention's view of the root (see _retain)
+        # Failed saves' directories that could not be deleted then (out of descriptors: deleting a tree
+        # needs them too): the next save deletes them, rather than the next owner's start.
+        self._leftovers: list[Path] = []
 
     def _next_save_id(self) -> str:
         """A hex id unique to this save: a session id agreed once (one broadcast, at the first save), then
@@ -67,6 +72,8 @@ class SyncSaver:
     ) -> CheckpointInfo:
         """Write a captured (or staged) state dict and commit it. Collective: every rank calls it."""
         t0 = time.perf_counter()
+        if self._leftovers:
+            self._discard(*self._leftovers)
         save_id = self._next_save_id()
         pending = self.layout.new_pending(step, save_id)
         writer = self.layout.make_writer(pending, thread_count=self.writer_threads)
@@ -105,7 +112,7 @@ class SyncSaver:
                 except (OSError, CheckpointError) as e:
                     errors.append(describe_exception(e))
             if errors:
-                self.layout.discard(pending)
+                self._discard(pending)
         # The one collective of our own: rank 0's verdict (committed, or why not) for every rank.
         try:
             info, verdict = self.comm.broadcast((info, errors))
@@ -127,6 +134,18 @@ class SyncSaver:
             self.verdicts.forget(step)  # its bytes are new: whatever was found about the old ones is moot
             self._retain(step, info)
         return info
+
+    def _discard(self, *pendings: Any) -> None:
+        """Delete failed saves' directories; a local one still there afterwards is retried next save.
+        Only this saver's own failed saves: one save at a time per saver, none of them is in flight."""
+        self._leftovers = []
+        for pending in pendings:
+            self.layout.discard(pending)
+            if isinstance(pending, Path) and os.path.lexists(pending):
+                log.warning(
+                    "safepoint: could not delete %s (a failed save's files); the next save retries", pending
+                )
+                self._leftovers.append(pending)
 
     def _planner(self) -> DefaultSavePlanner:
         # With the same state (every save of a training run) DCP reuses the global plan and metadata of
