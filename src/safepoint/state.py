@@ -237,24 +237,32 @@ class TrainState:
                 out.setdefault(OBJECTS, {})[name] = obj.state_dict()
         return out
 
-    def apply(self, sd: dict[str, Any], sources: dict[str, int], derived_rng_seed: int | None) -> None:
-        """Push loaded values back into the live objects."""
+    def apply(
+        self,
+        sd: dict[str, Any],
+        sources: dict[str, int],
+        derived_rng_seed: int | None,
+        in_place: frozenset[str] = frozenset(),
+    ) -> None:
+        """Push loaded values back into the live objects. ``in_place``: the module sections (``model``,
+        ``modules.<name>``) whose live tensors already hold what was loaded (restore/in_place.py): their
+        ``load_state_dict`` is skipped, their optimizers are still loaded."""
         # Optimizers only when their state was loaded (an imported checkpoint holds weights only); weights
         # only when they were (an empty model state dict makes set_state_dict load the optimizer alone).
         if (MODEL in sd or OPTIMIZER in sd) and self.model is not None:
-            set_state_dict(
+            _set_state(
                 self.model,
                 self._optimizers() if OPTIMIZER in sd else [],
-                model_state_dict=sd.get(MODEL, {}),
-                optim_state_dict=sd.get(OPTIMIZER, {}),
+                {} if MODEL in in_place else sd.get(MODEL, {}),
+                sd.get(OPTIMIZER, {}),
             )
         loaded_optims, loaded_modules = sd.get(OPTIMIZERS, {}), sd.get(MODULES, {})
         for name in loaded_modules.keys() | loaded_optims.keys():
-            set_state_dict(
+            _set_state(
                 (self.modules or {})[name],
                 self._named_optimizers(name) if name in loaded_optims else [],
-                model_state_dict=loaded_modules.get(name, {}),
-                optim_state_dict=loaded_optims.get(name, {}),
+                {} if f"{MODULES}.{name}" in in_place else loaded_modules.get(name, {}),
+                loaded_optims.get(name, {}),
             )
         for name, obj_sd in sd.get(OBJECTS, {}).items():
             (self.objects or {})[name].load_state_dict(obj_sd)
@@ -274,6 +282,14 @@ class TrainState:
             rng.restore_rng(sd[RNG][rank_key(sources[RNG])])
             if derived_rng_seed is not None:
                 rng.seed_all(derived_rng_seed)
+
+
+def _set_state(
+    module: nn.Module, optims: list[torch.optim.Optimizer], model_sd: dict[str, Any], optim_sd: Any
+) -> None:
+    """``set_state_dict``; an empty ``model_sd`` (already in place) loads the optimizers alone, or nothing."""
+    if model_sd or optims:
+        set_state_dict(module, optims, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
 
 def _check_extra_value(key: str, value: Any) -> None:

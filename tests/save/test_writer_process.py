@@ -490,3 +490,30 @@ def test_saves_never_wait_for_the_writer_process_to_start(
         with safepoint.CheckpointManager(root) as again:
             assert again.restore(fst, step=step) == step
         assert torch.all(fresh.w == float(step))
+
+
+def test_async_saves_work_with_descriptors_numbered_above_1024(root: Path) -> None:
+    """select() refuses descriptors >= 1024 (FD_SETSIZE): with many files already open when the manager
+    starts, its channel to the writer process gets such a number, and every async save used to fail."""
+    script = (
+        "import os, resource, sys, torch, safepoint\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))\n"
+        "held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]\n"
+        "m = torch.nn.Linear(4, 4)\n"
+        f"mgr = safepoint.CheckpointManager({str(root)!r}, async_save=True, "
+        "writer=safepoint.WriterOptions(async_writer='process'))\n"
+        "mgr._process.wait_ready()\n"
+        "for step in (1, 2):\n"
+        "    mgr.save(step, safepoint.TrainState(model=m, rng=False))\n"
+        "    mgr.wait()\n"
+        "print(mgr._process.writes, [c.step for c in mgr.list()], flush=True)\n"
+        "mgr.close()\n"
+    )
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 2048:
+        pytest.skip("the hard descriptor limit is below 2048 here")
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[0] == "2 [1, 2]"

@@ -22,6 +22,7 @@ from safepoint.errors import (
 )
 from safepoint.policy.rules import Verdicts
 from safepoint.restore.compat import NotLoadable, check_compat, report, section_prefixes
+from safepoint.restore.in_place import loaded_in_place
 from safepoint.restore.leftover import Leftover, written_keys
 from safepoint.restore.partial import Plan, RestoreReport, Selection, plan
 from safepoint.restore.rank_sections import RankSections
@@ -405,4 +406,4 @@ class Restorer:
                 manifest.world_size,
                 derived,
             )
-        state.apply(template, sources, derived)
+        state.apply(template, sources, derived, loaded_in_place(state, template))

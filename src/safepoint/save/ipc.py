@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import select
 import socket
 import struct
 from typing import Any
@@ -83,3 +84,12 @@ def _close(fds: list[int]) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)
+
+
+def readable(sock: socket.socket, timeout_s: float) -> bool:
+    """Whether ``sock`` has data (or EOF) within ``timeout_s``. poll, not select: select refuses descriptors
+    numbered 1024 or more, and in a process with many files open (data loaders, a library's leaked
+    descriptors) a writer process started later gets such a channel: every async save then failed."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(timeout_s * 1000))

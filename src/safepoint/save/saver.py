@@ -4,9 +4,11 @@ deleter thread (policy/retainer.py), so a save never waits on deletes."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -55,6 +57,9 @@ class SyncSaver:
         self.nodes: NodeMap | None = None
         """Set with per-node local tiers (tiers/nodes.py): each node's leader commits its own copy."""
         self._manifest: Manifest | None = None  # the last manifest rank 0 committed
+        # Failed saves' directories that could not be deleted then (out of descriptors: deleting a tree
+        # needs them too): the next save deletes them, rather than the next owner's start.
+        self._leftovers: list[Path] = []
 
     def _next_save_id(self) -> str:
         """A hex id unique to this save: a session id agreed once (one broadcast, at the first save), then
@@ -76,6 +81,8 @@ class SyncSaver:
         """Write a captured (or staged) state dict and commit it. Collective: every rank calls it."""
         t0 = time.perf_counter()
         self._manifest = None
+        if self._leftovers:
+            self._discard(*self._leftovers)
         save_id = self._next_save_id()
         pending = self.layout.new_pending(step, save_id)
         writer = self.layout.make_writer(pending, thread_count=self.writer_threads)
@@ -122,7 +129,7 @@ class SyncSaver:
                 except (OSError, CheckpointError) as e:
                     errors.append(describe_exception(e))
             if errors:
-                self.layout.discard(pending)
+                self._discard(pending)
             else:
                 self.verdicts.forget(step)  # its bytes are new: what was found about the old ones is moot
             # Retention runs on the deleter thread, not here (None: nothing committed, the claim ends).
@@ -152,6 +159,18 @@ class SyncSaver:
                 "Older checkpoints are intact."
             )
         return info
+
+    def _discard(self, *pendings: Any) -> None:
+        """Delete failed saves' directories; a local one still there afterwards is retried next save.
+        Only this saver's own failed saves: one save at a time per saver, none of them is in flight."""
+        self._leftovers = []
+        for pending in pendings:
+            self.layout.discard(pending)
+            if isinstance(pending, Path) and os.path.lexists(pending):
+                log.warning(
+                    "safepoint: could not delete %s (a failed save's files); the next save retries", pending
+                )
+                self._leftovers.append(pending)
 
     def _planner(self) -> DefaultSavePlanner:
         # With the same state (every save of a training run) DCP reuses the global plan and metadata of

@@ -29,7 +29,6 @@ import contextlib
 import io
 import logging
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -220,7 +219,7 @@ class WriterProcess:
         assert self._sock is not None and self._proc is not None
         try:
             ipc.send(self._sock, msg, fds)
-            while not select.select([self._sock], [], [], _POLL_S)[0]:
+            while not ipc.readable(self._sock, _POLL_S):
                 # A copy of the channel inherited by a forked process (a DataLoader worker) would hide
                 # the EOF of a dead writer: watch the process itself too.
                 if self._proc.poll() is not None:
@@ -261,7 +260,7 @@ class WriterProcess:
             return True
         assert self._sock is not None and self._proc is not None
         deadline = self._started_at + START_TIMEOUT_S
-        while not select.select([self._sock], [], [], _POLL_S if wait else 0)[0]:
+        while not ipc.readable(self._sock, _POLL_S if wait else 0):
             # Died before it was ready (a broken environment, a failing import): not restarted per save.
             if self._proc.poll() is not None:
                 raise self._died("while starting", "Its output, if any, is above.")

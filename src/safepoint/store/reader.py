@@ -36,6 +36,7 @@ from safepoint.store.checksum import ReadCoverage, fd_range_crc32c
 from safepoint.store.direct_read import DescriptionCache, read_in_place
 from safepoint.store.guard import open_regular
 from safepoint.store.storage import safe_load_metadata
+from safepoint.store.whole_plan import whole_item_plan
 
 
 class SafeReader(FileSystemReader):
@@ -231,7 +232,20 @@ def weights_only_load(stream: IO[bytes], fqn: str) -> Any:
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """Loads non-tensor items with ``torch.load(weights_only=True)`` instead of arbitrary unpickling."""
+    """Loads non-tensor items with ``torch.load(weights_only=True)`` instead of arbitrary unpickling, and
+    plans a state whose tensors are all stored whole without DCP's resharding pass (``whole_plan``)."""
+
+    whole_items = False
+    """Whether the last local plan was written directly (``whole_item_plan``) rather than by DCP."""
+
+    def create_local_plan(self) -> LoadPlan:
+        if self.metadata is not None and self.flatten_state_dict:
+            plan = whole_item_plan(self.state_dict, self.metadata)
+            if plan is not None:
+                self.whole_items = True
+                return plan
+        self.whole_items = False
+        return super().create_local_plan()
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
