@@ -193,6 +193,16 @@ class RemoteLayout:
             raise CorruptCheckpointError(step, METADATA_NAME, f"cannot read ({e})") from None
         return load_checked_metadata(step, data, manifest.expected())
 
+    def read_range(self, step: int, name: str, offset: int, size: int) -> bytes:
+        """``size`` bytes of step's object ``name`` from ``offset`` (one ranged read; verify's item check)."""
+        path = self._p(step_name(step), name)
+        data = self.store.fs.cat_file(path, start=offset, end=offset + size) if size else b""
+        if len(data) != size:
+            raise OSError(
+                f"{self.store.url(path)} ended at byte {offset + len(data)} (changed while verified?)"
+            )
+        return bytes(data)
+
     def make_reader(self, step: int, metadata: Metadata | None, manifest: Manifest) -> SafeStoreReader:
         self.store.fs.invalidate_cache(self.step_key(step))  # s3fs checks cached ETags on open
         return SafeStoreReader(

@@ -124,7 +124,9 @@ class Restorer:
                 if step is not None:
                     raise
                 self.skipping(e)
-                below, damaged = candidate, e
+                # The first step that failed midway load stays the verdict: later candidates that fail
+                # only verification load nothing and do not undo what it overwrote.
+                below, damaged = candidate, damaged if isinstance(damaged, _DamagedWhileLoading) else e
                 continue
             self.verdicts.record(candidate, True)
             return manifest
@@ -198,7 +200,7 @@ class Restorer:
                 if step is not None:
                     raise
                 self.skipping(e)
-                below, damaged = manifest.step, e
+                below, damaged = manifest.step, damaged if isinstance(damaged, _DamagedWhileLoading) else e
         if isinstance(damaged, _DamagedWhileLoading):
             raise CheckpointError(
                 f"{damaged}; no older checkpoint could be loaded, and the objects being restored into were "
