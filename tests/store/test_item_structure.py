@@ -156,3 +156,28 @@ def test_a_partly_loaded_step_then_a_corrupt_one_raises_instead_of_starting_from
         with safepoint.CheckpointManager(root) as mgr:
             with pytest.raises(safepoint.CheckpointError, match="partly overwritten"):
                 mgr.restore(safepoint.TrainState(model=_model(999)))
+
+
+def test_verify_and_prune_on_s3_reach_restores_verdict(
+    moto_endpoint: str, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same attack on an object store: items are checked with ranged reads of the data object."""
+    import s3fs
+
+    from tests.helpers.s3 import storage_options
+
+    url, opts = f"s3://{bucket}/run", storage_options(moto_endpoint)
+    with safepoint.CheckpointManager(url, storage_options=opts) as mgr:
+        for step in (1, 2):
+            mgr.save(step, safepoint.TrainState(model=_model(step)))
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
+    local = tmp_path / "step-2"
+    local.mkdir()
+    for name in (METADATA_NAME, MANIFEST_NAME, DATA_FILE):
+        (local / name).write_bytes(fs.cat_file(f"{bucket}/run/step-2/{name}"))
+    _repoint(local, _shifted)
+    for name in (METADATA_NAME, MANIFEST_NAME):
+        fs.pipe_file(f"{bucket}/run/step-2/{name}", (local / name).read_bytes())
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_endpoint)  # the CLI takes endpoints from the environment
+    assert main(["verify", url, "--step", "2"]) == 1
+    assert main(["verify", url, "--step", "1"]) == 0
