@@ -138,6 +138,14 @@ def test_untouched_checkpoints_still_verify(tmp_path: Path) -> None:
     assert main(["ls", str(root), "--verify"]) == 0
 
 
+def test_an_object_whose_pickle_is_over_a_mebibyte_verifies(tmp_path: Path) -> None:
+    """Non-tensor state pickles to any size; only a tensor's data.pkl is read (and bounded)."""
+    root = tmp_path / "ckpt"
+    with safepoint.CheckpointManager(root) as mgr:
+        mgr.save(1, safepoint.TrainState(model=_model(1), extra={"big": list(range(400_000))}))
+    assert main(["verify", str(root), "--step", "1"]) == 0
+
+
 def test_a_partly_loaded_step_then_a_corrupt_one_raises_instead_of_starting_from_scratch(
     tmp_path: Path,
 ) -> None:

@@ -131,13 +131,16 @@ def _record_problem(
     if min((header for header, _ in records.values()), default=-1) != 0:
         return "the zip directory does not start at the item"
     by_leaf = {name.partition("/")[2]: entry for name, entry in records.items()}
-    pickled = _record(read, item.length, by_leaf.get("data.pkl"))
-    if pickled is None:
+    pkl = by_leaf.get("data.pkl")
+    if pkl is None or _data_offset(read, item.length, pkl) is None:
         return "the record has no readable data.pkl"
-    if isinstance(entry, BytesStorageMetadata):
-        return None  # an object: restore unpickles it (weights-only) and decides; structure is enough here
     if not isinstance(entry, TensorStorageMetadata):
-        return None  # a storage_data entry no state_dict entry refers to: never read
+        # An object (restore unpickles it weights-only and decides; its pickle may be any size), or a
+        # storage_data entry no state_dict entry refers to (never read): the structure is enough here.
+        return None
+    pickled = _record(read, item.length, pkl)
+    if pickled is None:
+        return "its data.pkl is not a tensor's (over 1 MiB)"
     chunk = next((c for c in entry.chunks if c.offsets == index.offset), None)
     if chunk is None:
         return "no chunk of the tensor starts at this item's offset"
