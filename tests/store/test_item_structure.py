@@ -189,3 +189,21 @@ def test_verify_and_prune_on_s3_reach_restores_verdict(
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_endpoint)  # the CLI takes endpoints from the environment
     assert main(["verify", url, "--step", "2"]) == 1
     assert main(["verify", url, "--step", "1"]) == 0
+
+
+class _ManyTensors:
+    """State DCP stores as one object item (a tuple is not flattened) holding many tensors: its zip
+    directory is longer than the 4 KiB at the end of the item where a tensor's is found."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"t": tuple(torch.full((2,), float(i)) for i in range(150))}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.loaded = sd
+
+
+def test_an_object_holding_many_tensors_verifies(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    with safepoint.CheckpointManager(root) as mgr:
+        mgr.save(1, safepoint.TrainState(extra={"many": _ManyTensors()}))
+    assert main(["verify", str(root), "--step", "1"]) == 0

@@ -37,14 +37,14 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from safepoint.store.direct_read import Read, _data_offset, _directory, _record
+from safepoint.store.direct_read import _CDIR, _EOCD, Read, _data_offset, _record
 from safepoint.store.guard import open_regular
 
 FileRange = Callable[[str, int, int], bytes]
 """(data file name, offset, size) -> those bytes of the checkpoint's file."""
 # Items up to this size are read whole with one call (on an object store, one request per item).
 _WHOLE = 1024 * 1024
-_TAIL = 4096  # what direct_read._directory reads: the zip directory of one torch.save
+_TAIL = 4096  # the end of an item, where its zip's end record is
 _LOCAL_SIG = b"PK\x03\x04"
 _ZIP64_SIG = b"PK\x06\x06"
 _NO32 = 0xFFFFFFFF  # an item longer than this may be a ZIP64 zip (a record of 4 GiB or more)
@@ -124,10 +124,9 @@ def _record_problem(
         tail_at = item.length - _TAIL
         if _ZIP64_SIG in read(tail_at, _TAIL):
             return None  # a record of 4 GiB or more: its directory is not where _directory looks
-    found = _directory(read, item.length)
-    if found is None:
+    records = _zip_directory(read, item.length)
+    if records is None:
         return "no torch.save record ends there (its zip directory is missing or malformed)"
-    records, _ = found
     if min((header for header, _ in records.values()), default=-1) != 0:
         return "the zip directory does not start at the item"
     by_leaf = {name.partition("/")[2]: entry for name, entry in records.items()}
@@ -158,6 +157,39 @@ def _record_problem(
         if data is None or data[1] < nbytes or _data_offset(read, item.length, data) is None:
             return f"the tensor's storage record data/{key} is missing or short"
     return None
+
+
+def _zip_directory(read: Read, length: int) -> dict[str, tuple[int, int]] | None:
+    """{record name: (local header offset, size)} of the item's zip, stored (uncompressed) records only.
+
+    direct_read's parser looks for the directory in the item's last 4 KiB, which holds a tensor's; an
+    object with many tensors inside has a longer one, so it is read where the end record says it is."""
+    tail_len = min(length, _TAIL)
+    tail = read(length - tail_len, tail_len)
+    end = tail.rfind(b"PK\x05\x06")
+    if end < 0 or end + _EOCD.size > len(tail):
+        return None
+    _sig, _disk, _cd_disk, _here, count, cd_size, cd_offset, _comment = _EOCD.unpack_from(tail, end)
+    if cd_offset == _NO32 or cd_offset + cd_size > length - tail_len + end:
+        return None
+    directory = read(cd_offset, cd_size)
+    records: dict[str, tuple[int, int]] = {}
+    pos = 0
+    for _ in range(count):
+        if pos + _CDIR.size > len(directory):
+            return None
+        fields = _CDIR.unpack_from(directory, pos)
+        sig, method, csize, usize, nlen, elen, clen, header = (
+            fields[i] for i in (0, 4, 8, 9, 10, 11, 12, 16)
+        )
+        if sig != b"PK\x01\x02" or method != 0 or csize != usize or _NO32 in (usize, header):
+            return None
+        name = directory[pos + _CDIR.size : pos + _CDIR.size + nlen].decode("utf-8", "replace")
+        if name in records:
+            return None
+        records[name] = (header, usize)
+        pos += _CDIR.size + nlen + elen + clen
+    return records
 
 
 def _describe(pickled: bytes) -> Description:
