@@ -18,11 +18,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.checkpoint.metadata import Metadata
+
 from safepoint.errors import CheckpointError, CorruptCheckpointError
 from safepoint.policy.rules import Retention
 from safepoint.remote.layout import RemoteLayout, is_url
+from safepoint.remote.upload import UploadError
 from safepoint.store.guard import parse_step, real_dir_problem
 from safepoint.store.heartbeat import DEFAULT_STALE_AFTER_S
+from safepoint.store.item_check import items_problem, local_ranges
 from safepoint.store.layout import CheckpointInfo, Layout
 from safepoint.store.manifest import MANIFEST_NAME, Manifest
 from safepoint.store.storage import METADATA_NAME
@@ -251,10 +255,28 @@ def verify_step(
         # lie outside its files, verifies byte for byte. Restore refuses it; so must verify (and prune, which
         # must never count it as the newest intact checkpoint).
         try:
-            layout.read_metadata(step, manifest)
+            metadata = layout.read_metadata(step, manifest)
         except CorruptCheckpointError as e:
             problems.append(Problem(step, e.file or METADATA_NAME, e.reason))
+        else:
+            # Offsets re-pointed inside a verified data file pass both checks above; restore finds no record
+            # of what .metadata promises there and falls back, so verification must say so too.
+            if found := _structure_problem(layout, step, metadata):
+                problems.append(Problem(step, *found))
     return manifest, problems
+
+
+def _structure_problem(
+    layout: Layout | RemoteLayout, step: int, metadata: Metadata
+) -> tuple[str, str] | None:
+    """(file, reason) if an item's bytes are not what ``.metadata`` says (item_check), else None."""
+    try:
+        if isinstance(layout, RemoteLayout):
+            return items_problem(metadata, lambda name, off, n: layout.read_range(step, name, off, n))
+        with local_ranges(layout.step_path(step)) as read:
+            return items_problem(metadata, read)
+    except (OSError, UploadError) as e:
+        return METADATA_NAME, f"cannot read the items it describes ({e})"
 
 
 def require_intact(layout: Layout, step: int, on_file: Callable[[str, int], None] | None = None) -> Manifest:

@@ -18,8 +18,9 @@ from typing import Any
 from safepoint.dist import Comm
 from safepoint.errors import CheckpointError, Preempted
 from safepoint.policy.rules import AdaptiveInterval, AdaptiveSeconds, learned_mtbf
+from safepoint.store.fsops import fsync_dir, write_file_durably
 from safepoint.store.guard import read_regular
-from safepoint.store.layout import CheckpointStore, Layout, fsync_dir, write_file_durably
+from safepoint.store.layout import CheckpointStore, Layout
 from safepoint.store.manifest import Manifest
 
 log = logging.getLogger("safepoint")

@@ -291,3 +291,27 @@ def conditional_object(store: ObjectStore, path: str) -> CondObject | None:
     if store.protocol in ("abfs", "az", "abfss"):
         return AzureObject(store, path)
     return None
+
+
+def create_if_absent(store: ObjectStore, path: str, data: bytes) -> bool:
+    """Write ``path`` only if no object is there: False if one with other contents is (another writer's).
+
+    S3 through the store's own write (If-None-Match: *, with its CRC32C), GCS and Azure through their
+    conditional objects; a store with no conditional create is written unconditionally. A create whose
+    answer was lost is retried and refused: finding our own bytes there, it succeeded."""
+    try:
+        try:
+            store.put_bytes(path, data, if_absent=True)
+            return True
+        except NotImplementedError:
+            cond = conditional_object(store, path)
+            if cond is None:
+                store.put_bytes(path, data)
+                return True
+            cond.create(data)
+            return True
+    except (FileExistsError, Conflict):
+        try:
+            return store.get_bytes(path) == data
+        except (UploadError, OSError):
+            return False

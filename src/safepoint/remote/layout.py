@@ -28,7 +28,8 @@ from typing import Any
 from fsspec.core import url_to_fs
 from torch.distributed.checkpoint.metadata import Metadata
 
-from safepoint.errors import CheckpointError, CorruptCheckpointError
+from safepoint.errors import CheckpointError, CorruptCheckpointError, LeaseError
+from safepoint.remote.conditional import create_if_absent
 from safepoint.remote.io import SafeStoreReader, StoreWriter
 from safepoint.remote.upload import FileCopy, ObjectStore, TransferConfig, UploadError
 from safepoint.store.guard import STEP_PATTERN, STEP_PREFIX
@@ -100,6 +101,8 @@ class RemoteLayout:
         # the new copy's manifest. Only rolling forward can bring the step back (its old data is being
         # overwritten), so the staged copy is kept, and the next save (or listing, or owner) finishes it.
         self._unfinished: dict[str, Manifest] = {}
+        # In-place save prefixes whose step another writer committed meanwhile (commit found its manifest).
+        self._not_ours: set[str] = set()
 
     def _p(self, *parts: str) -> str:
         return posixpath.join(self.base, *parts)
@@ -203,6 +206,16 @@ class RemoteLayout:
             raise CorruptCheckpointError(step, METADATA_NAME, f"cannot read ({e})") from None
         return load_checked_metadata(step, data, manifest.expected())
 
+    def read_range(self, step: int, name: str, offset: int, size: int) -> bytes:
+        """``size`` bytes of step's object ``name`` from ``offset`` (one ranged read; verify's item check)."""
+        path = self._p(step_name(step), name)
+        data = self.store.fs.cat_file(path, start=offset, end=offset + size) if size else b""
+        if len(data) != size:
+            raise OSError(
+                f"{self.store.url(path)} ended at byte {offset + len(data)} (changed while verified?)"
+            )
+        return bytes(data)
+
     def make_reader(self, step: int, metadata: Metadata | None, manifest: Manifest) -> SafeStoreReader:
         self.store.fs.invalidate_cache(self.step_key(step))  # s3fs checks cached ETags on open
         return SafeStoreReader(
@@ -238,11 +251,23 @@ class RemoteLayout:
         final = self.step_key(manifest.step)
         self.fence(f"committing step {manifest.step}")  # the manifest write is the commit
         if pending == final:
-            self.store.put_bytes(posixpath.join(final, MANIFEST_NAME), manifest.to_json())
+            self._create_manifest(final, manifest)
         else:
             self.store.put_bytes(posixpath.join(pending, MANIFEST_NAME), manifest.to_json())
             self._replace(pending, manifest)
         return self.store.url(final)
+
+    def _create_manifest(self, prefix: str, manifest: Manifest) -> None:
+        """Write ``prefix``'s manifest only if none is there (conditional.create_if_absent): an owner frozen
+        after its fence, whose root was taken over, never replaces a manifest the new owner wrote."""
+        path = posixpath.join(prefix, MANIFEST_NAME)
+        if not create_if_absent(self.store, path, manifest.to_json()):
+            self._not_ours.add(prefix)  # discard() must leave the other writer's step alone
+            self.fence(f"committing step {manifest.step}")  # a takeover is the usual cause: say so
+            raise UploadError(
+                f"not committing step {manifest.step}: {self.store.url(path)} was written by another writer "
+                "meanwhile; left as it is"
+            )
 
     def _confirm(self, prefix: str, manifest: Manifest) -> None:
         names = sorted(manifest.files)
@@ -274,8 +299,11 @@ class RemoteLayout:
             names,
         )
         self._confirm(final, manifest)
-        self.store.put_bytes(posixpath.join(final, MANIFEST_NAME), manifest.to_json())  # ... to here
-        self._unfinished.pop(staged, None)
+        if not create_if_absent(self.store, posixpath.join(final, MANIFEST_NAME), manifest.to_json()):
+            self._unfinished.pop(staged, None)  # another writer committed step N meanwhile: theirs stays
+            self.fence(f"committing step {manifest.step}")
+            raise UploadError(f"not replacing step {manifest.step}: another writer committed it meanwhile")
+        self._unfinished.pop(staged, None)  # ... to here
         self.discard(staged)
 
     def _replace(self, staged: str, manifest: Manifest) -> None:
@@ -306,6 +334,12 @@ class RemoteLayout:
         if pending in self._unfinished:
             log.warning("safepoint: keeping %s to finish a replacement with it", self.store.url(pending))
             return
+        if pending in self._not_ours or not self._still_owner(pending):
+            # Saved in place (step-N/): once another writer committed there, or took the root over, the
+            # objects under it may be theirs. The owner's clean_pending removes what is left of ours.
+            self._not_ours.discard(pending)
+            log.warning("safepoint: not cleaning up %s: another writer may own it", self.store.url(pending))
+            return
         try:
             if not manifest_deleted:
                 self.store.delete([posixpath.join(pending, MANIFEST_NAME)])
@@ -313,6 +347,17 @@ class RemoteLayout:
             self.store.delete(rest)
         except (UploadError, FileNotFoundError) as e:
             log.warning("safepoint: could not clean up %s: %s", self.store.url(pending), e)
+
+    def _still_owner(self, prefix: str) -> bool:
+        """Whether this process may delete under an in-place save ``prefix``: it holds the root's lease
+        (or none is used). Staged copies under .pending/ are unique to one save and always ours."""
+        if prefix.startswith(self.pending_key + "/"):
+            return True
+        try:
+            self.fence(f"cleaning up {self.store.url(prefix)}")
+        except LeaseError:
+            return False
+        return True
 
     # ---- removal and cleanup ----------------------------------------------------------------------------
 

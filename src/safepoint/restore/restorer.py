@@ -132,7 +132,9 @@ class Restorer:
                 if step is not None:
                     raise
                 self.skipping(e)
-                below, damaged = candidate, e
+                # The first step that failed midway load stays the verdict: later candidates that fail
+                # only verification load nothing and do not undo what it overwrote.
+                below, damaged = candidate, damaged if isinstance(damaged, _DamagedWhileLoading) else e
                 if isinstance(e, _DamagedWhileLoading):
                     leftover.failed(candidate, self.writing)
                 continue
@@ -218,7 +220,7 @@ class Restorer:
                 if step is not None:
                     raise
                 self.skipping(e)
-                below, damaged = manifest.step, e
+                below, damaged = manifest.step, damaged if isinstance(damaged, _DamagedWhileLoading) else e
                 if isinstance(e, _DamagedWhileLoading):
                     leftover.failed(manifest.step, self.writing)
         if isinstance(damaged, _DamagedWhileLoading):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import errno
 import logging
 import os
@@ -22,13 +21,14 @@ import uuid
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import NoReturn
 
 from torch.distributed.checkpoint.metadata import Metadata
 
 from safepoint.errors import CheckpointError, CorruptCheckpointError
 from safepoint.store.checksum import crc32c_combine, crc_hex, crc_ranges, range_crc32c
-from safepoint.store.fsops import rename_exchange as _rename_exchange  # tests/torture patches it here
+from safepoint.store.fsops import fsync_dir, write_file_durably  # tests/torture patches them here
+from safepoint.store.fsops import rename_exchange as _rename_exchange
 from safepoint.store.guard import (
     STEP_PREFIX,
     file_problem,
@@ -42,6 +42,8 @@ from safepoint.store.heartbeat import HeartbeatLease
 from safepoint.store.lease import Lease
 from safepoint.store.manifest import MANIFEST_NAME, Manifest
 from safepoint.store.metadata_check import load_checked_metadata
+from safepoint.store.protocol import CheckpointInfo as CheckpointInfo  # re-exported: its old home
+from safepoint.store.protocol import CheckpointStore as CheckpointStore
 from safepoint.store.reader import SafeReader
 from safepoint.store.storage import METADATA_NAME, SafepointWriter
 
@@ -56,58 +58,8 @@ MAX_MANIFEST_BYTES = 64 << 20
 _VERIFY_THREADS = 8
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class CheckpointInfo:
-    """A committed checkpoint as listed (the manifest parsed; file checksums not yet verified)."""
-
-    step: int
-    path: str
-    time: float
-    bytes: int
-    metrics: dict[str, float]
-    world_size: int = 1
-
-
-class CheckpointStore(Protocol):
-    """What SyncSaver and Restorer need from a checkpoint root: ``Layout`` (local and network file
-    systems) and ``remote.RemoteLayout`` (object stores) both provide it. ``pending`` is whatever
-    ``new_pending`` returned (a Path here, a store path there)."""
-
-    @property
-    def root(self) -> Any: ...
-    def step_path(self, step: int) -> Any: ...
-    def committed_steps(self) -> list[int]: ...
-    def read_manifest(self, step: int) -> Manifest: ...
-    def manifest_bytes(self, step: int) -> bytes: ...
-    def info(self, step: int, manifest: Manifest) -> CheckpointInfo: ...
-    def verify(self, step: int, files: list[str] | None = None, *, loading: bool = False) -> Manifest: ...
-    def read_metadata(self, step: int, manifest: Manifest) -> Metadata: ...
-    def make_reader(self, step: int, metadata: Metadata | None, manifest: Manifest) -> SafeReader: ...
-    def new_pending(self, step: int, save_id: str) -> Any: ...
-    def make_writer(self, pending: Any, *, thread_count: int = 1) -> Any: ...
-    def written_sizes(self, pending: Any) -> dict[str, int]: ...
-    def commit(self, pending: Any, manifest: Manifest) -> Any: ...
-    def discard(self, pending: Any) -> None: ...
-    def remove(self, step: int) -> None: ...
-
-
 def step_name(step: int) -> str:
     return f"{STEP_PREFIX}{step}"
-
-
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_file_durably(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 class Layout:
@@ -253,11 +205,24 @@ class Layout:
         write_file_durably(pending / MANIFEST_NAME, manifest.to_json())
         fsync_dir(pending)
         final = self.step_path(manifest.step)
+        # Whether (and which) step-N to replace is decided before the fence: an owner frozen after the fence
+        # whose root was taken over must find a step-N committed meanwhile in its way, never replace it.
+        replacing = _identity(final)
         self.fence(f"committing step {manifest.step}")  # the last moment before it becomes visible
-        if final.exists():
-            self._replace(pending, final)
+        if replacing is not None:
+            self._replace(pending, final, replacing)
         else:
-            os.rename(pending, final)
+            try:
+                os.rename(pending, final)  # refuses a non-empty step-N (ENOTEMPTY/EEXIST): never replaces one
+            except OSError as e:
+                # ENOENT: a new owner's clean_pending removed this save as abandoned.
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.ENOENT):
+                    raise
+                changed = f"{final} or {pending} changed meanwhile ({e.strerror})"
+            else:
+                changed = ""
+            if changed:  # outside the except: the LeaseError is the cause reported, not the OSError
+                self._lost(f"committing step {manifest.step}", changed)
             try:
                 fsync_dir(self.root)
             except OSError:
@@ -269,8 +234,19 @@ class Layout:
             fsync_dir(self.pending_root)
         return final
 
-    def _replace(self, pending: Path, final: Path) -> None:
+    def _lost(self, action: str, what: str) -> NoReturn:
+        """A step-N changed between this owner's decision and its rename: LeaseError if the root was taken
+        over meanwhile (the usual cause), else CheckpointError. Nothing of the other writer's is touched."""
+        self.fence(action)
+        raise CheckpointError(f"not {action}: {what} (another writer?); left as it is")
+
+    def _replace(self, pending: Path, final: Path, expected: tuple[int, int]) -> None:
+        """Swap ``pending`` in for the committed ``final`` that was ``expected`` (its identity) when the
+        commit was fenced; a different step-N found there (a new owner's) is put back, untouched."""
         if _rename_exchange(pending, final):
+            if _identity(pending) != expected:
+                _rename_exchange(pending, final)
+                self._lost(f"replacing {final.name}", f"{final} was replaced meanwhile")
             # pending now holds the old copy; it is unlisted, so removing it is safe at any moment.
             try:
                 fsync_dir(self.root)
@@ -283,6 +259,9 @@ class Layout:
         # the new one lands.
         parked = self.pending_root / f"{_REPLACED_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
         os.rename(final, parked)
+        if _identity(parked) != expected:
+            os.rename(parked, final)
+            self._lost(f"replacing {final.name}", f"{final} was replaced meanwhile")
         try:
             os.rename(pending, final)
         except OSError:
@@ -352,12 +331,16 @@ class Layout:
         src = self.step_path(step)
         if problem := real_dir_problem(src):
             raise OSError(f"not deleting {src}: it is {problem}, not a checkpoint directory")
+        expected = _identity(src)  # before the fence: what this owner decided to delete
         self.fence(f"deleting step {step}")
         if real_dir_problem(self.pending_root) or not self.pending_root.exists():
             _remove_manifest_first(src)  # in place: through a symlinked .pending it would go outside ROOT
             return
         doomed = self.pending_root / f"{_DELETING_PREFIX}{src.name}-{uuid.uuid4().hex[:8]}"
         os.rename(src, doomed)
+        if _identity(doomed) != expected:  # a step-N committed since the fence (a new owner's): put back
+            os.rename(doomed, src)
+            self._lost(f"deleting step {step}", f"{src} was replaced meanwhile")
         fsync_dir(self.root)
         remove_tree(doomed)
 
@@ -407,6 +390,15 @@ class Layout:
     def _pending_entries(self) -> Iterator[Path]:
         with contextlib.suppress(FileNotFoundError):
             yield from sorted(self.pending_root.iterdir())
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of ``path`` itself (a symlink is not followed), or None if nothing is there."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _remove_manifest_first(path: Path) -> None:
