@@ -109,8 +109,10 @@ def _saved(root: Path, steps: list[int]) -> None:
 
 
 def _rot(root: Path, step: int) -> None:
-    """Flip one byte of a data file, as a failing disk would (size unchanged)."""
-    data = next(p for p in (root / f"step-{step}").iterdir() if p.suffix == ".distcp")
+    """Flip one byte of the largest data file, as a failing disk would (size unchanged). (Here that is the
+    rank's own file, which holds ``extra``; the DCP file holds nothing.)"""
+    files = [p for p in (root / f"step-{step}").iterdir() if p.name not in ("safepoint.json", ".metadata")]
+    data = max(files, key=lambda p: p.stat().st_size)
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))

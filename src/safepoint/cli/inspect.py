@@ -32,7 +32,7 @@ def cmd_inspect(args: argparse.Namespace, out: Console, err: Console) -> int:
     step = tools.resolve_step(layout, args.step)
     manifest = verified(layout, step, err) if args.verify else layout.read_manifest(step)
     metadata = tools_read.read_verified_metadata(layout, step, manifest)
-    keys = tools_read.describe_keys(metadata) + tools_read.describe_rank_files(manifest)
+    keys = tools_read.describe_keys(metadata) + tools_read.describe_rank_files(layout, manifest)
     if args.json:
         doc = {
             "step": manifest.step,

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -50,12 +51,12 @@ class KeyInfo:
     key: str
     section: str
     kind: str
-    """'tensor' or 'object' (a non-tensor value, stored pickled and read with weights_only=True), or
-    'rank file' (a per-rank section kept in ``rank-<r>.state``: store/rank_state.py)."""
+    """'tensor' or 'object' (a non-tensor value, stored pickled and read with weights_only=True)."""
     shape: tuple[int, ...] | None
     dtype: str | None
     bytes: int
-    """In-memory size for tensors; serialized size on disk for objects and for a whole rank file."""
+    """In-memory size for tensors; serialized size on disk for objects (the size of its ``repr`` for an
+    object kept in a rank file, which stores no per-value size)."""
 
 
 def describe_keys(metadata: Metadata) -> list[KeyInfo]:
@@ -76,16 +77,18 @@ def describe_keys(metadata: Metadata) -> list[KeyInfo]:
     return out
 
 
-def describe_rank_files(manifest: Manifest) -> list[KeyInfo]:
-    """The per-rank sections a checkpoint keeps in rank files, one row per section and rank (none for a
-    checkpoint that keeps them in ``.metadata``, where :func:`describe_keys` finds them)."""
-    if not rank_state.saved_separately(manifest):
-        return []
+def describe_rank_files(layout: Layout, manifest: Manifest) -> list[KeyInfo]:
+    """The per-rank sections a checkpoint keeps in rank files (none for a checkpoint that keeps them in
+    ``.metadata``, where :func:`describe_keys` finds them), described like ``.metadata``'s keys. Reads
+    every rank's file (each checked against the manifest, loaded weights-only): ~20 kB per rank."""
+    flat, _ = flatten_state_dict(load_rank_files(layout, manifest, everything))
     out = []
-    for r in range(manifest.world_size):
-        entry = manifest.files.get(rank_state.file_name(r))
-        for s in _rank_sections(manifest):
-            out.append(KeyInfo(f"{s}.{rank_key(r)}", s, "rank file", None, None, entry.size if entry else 0))
+    for key, v in flat.items():
+        section = key.split(".", 1)[0]
+        if isinstance(v, torch.Tensor):
+            out.append(KeyInfo(key, section, "tensor", tuple(v.shape), dtype_name(v.dtype), v.nbytes))
+        else:
+            out.append(KeyInfo(key, section, "object", None, None, len(repr(v).encode())))
     return out
 
 
