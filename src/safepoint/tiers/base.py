@@ -274,16 +274,17 @@ def take_ownership(
 
 
 def check_owner(comm: Comm, lease: Any, read_only: str | None, step: int) -> None:
-    """Collective, before a save's first collective: LeaseError on every rank alike unless this manager
-    may write the root. ``read_only`` is the same on every rank (take_ownership broadcast it); the lease
-    lives on rank 0 only, so its verdict is broadcast: raised on rank 0 alone, the other ranks would wait
-    in the save's collectives for a peer that never comes, and fail with a PeerTimeoutError instead. The
-    commit fence (HeartbeatLease.fence) still guards the commit itself."""
+    """Before a save: LeaseError unless this manager may write the root. ``read_only`` is the same on every
+    rank (take_ownership broadcast it). The lease lives on rank 0 only, so with peers it is not checked
+    here: raised on rank 0 alone, the other ranks would wait in the save's collectives for a peer that never
+    comes (a PeerTimeoutError), and a broadcast of its own would cost every save a collective. The commit
+    fence (HeartbeatLease.fence) judges it instead, and the save's one broadcast (SyncSaver.write) carries
+    its verdict to every rank: the same SaveError naming the lease everywhere. A single process checks at
+    once and writes nothing."""
     if read_only is not None:
         raise LeaseError(f"not saving step {step}: {read_only} when this manager started")
-    lost = comm.broadcast(lease.lost if lease is not None else None)
-    if lost:
-        raise LeaseError(lost)
+    if not comm.distributed and lease is not None and lease.lost:
+        raise LeaseError(f"not saving step {step}: {lease.lost}")
 
 
 class ReadOnlyRootWarning(UserWarning):
