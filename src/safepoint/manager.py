@@ -180,8 +180,9 @@ class CheckpointManager:
         # With tiering, local copies are pruned by the uploader (keep_local_last); `retention` is durable's.
         saver_retention = Retention() if durable is not None else retention
         verdicts = Verdicts()  # what restore verified, for retention (the newest intact step survives)
-        # Rank 0's deleter thread: retention runs there, off the save's critical path (policy/retainer.py).
-        self._retainer = Retainer(self.layout, saver_retention, verdicts)
+        # Retention on rank 0, after each save's verdict, or on its deleter thread (policy/retainer.py).
+        background = cluster.background_deletes
+        self._retainer = Retainer(self.layout, saver_retention, verdicts, background=background)
         self._saver = SyncSaver(self.layout, self.comm, self._retainer, writer_threads=writer_threads)
         self._restorer = Restorer(self.layout, self.comm, verdicts)
         self._async = bool(async_save)

@@ -143,12 +143,20 @@ class ClusterOptions:
     host, instead of waiting ``lease_stale_after_s`` for the dead holder's heartbeat to age (the old holder
     is fenced out). None: ``SAFEPOINT_JOB_ID``, else Slurm's job id, else torchrun's ``--rdzv-id`` (see
     docs/elastic.md). It must name one job only: ids many jobs share ("none", "default") are refused."""
+    background_deletes: bool = False
+    """Run retention's deletes on rank 0's deleter thread, off the save's path (the next save never
+    waits on them; ``wait``/``restore``/``close`` drain them). False: rank 0 deletes right after each
+    save's verdict, as the other ranks go on (rank 0 is late for the next collective by that long); this
+    is the mode the crash and fault campaigns cover operation by operation."""
 
     def __post_init__(self) -> None:
         _positive_number("ClusterOptions.collective_timeout_s", self.collective_timeout_s)
         check_lease_stale_after(self.lease_stale_after_s)
         if self.job_id is not None:
             check_job_id(self.job_id)
+        if not isinstance(self.background_deletes, bool):
+            got = self.background_deletes
+            raise ValueError(f"ClusterOptions.background_deletes must be a bool, got {got!r}")
 
 
 MOVED_KEYWORDS: Mapping[str, str] = {

@@ -26,6 +26,8 @@ import safepoint.store.layout as layout_module
 from safepoint.store.layout import Layout
 from tests.conftest import SUBPROCESS_ENV
 
+BACKGROUND = safepoint.ClusterOptions(background_deletes=True)
+
 
 def _state(n: int) -> safepoint.TrainState:
     return safepoint.TrainState(rng=False, extra={"t": torch.full((64,), float(n))})
@@ -33,7 +35,7 @@ def _state(n: int) -> safepoint.TrainState:
 
 def _restored(root: Path, step: int | None = None) -> tuple[int, float]:
     state = _state(-1)
-    with safepoint.CheckpointManager(root) as mgr:
+    with safepoint.CheckpointManager(root, cluster=BACKGROUND) as mgr:
         got = mgr.restore(state, step=step)
     return got, float(state.extra["t"][0])  # type: ignore[index]
 
@@ -59,7 +61,7 @@ def test_save_returns_and_the_next_commits_while_a_delete_is_stuck_and_close_dra
     events: list[str] = []
     held = _HeldDelete(layout_module.remove_tree, events)
     monkeypatch.setattr(layout_module, "remove_tree", held)
-    mgr = safepoint.CheckpointManager(root, keep_last=1)
+    mgr = safepoint.CheckpointManager(root, keep_last=1, cluster=BACKGROUND)
     mgr.save(1, _state(1))
     mgr.save(2, _state(2))  # queues the deletion of step 1, which gets stuck
     assert held.started.wait(120)
@@ -90,10 +92,10 @@ def test_a_step_saved_again_while_a_pass_is_deleting_is_not_deleted(
 ) -> None:
     """A pass decided to delete steps 1 and 2; while it is stuck on step 1, step 2 is saved again. The new
     step 2 is not what the pass judged: it survives, with its new contents."""
-    with safepoint.CheckpointManager(root) as mgr:  # no policy: both kept
+    with safepoint.CheckpointManager(root, cluster=BACKGROUND) as mgr:  # no policy: both kept
         mgr.save(1, _state(1))
         mgr.save(2, _state(2))
-    mgr = safepoint.CheckpointManager(root, keep_last=1)
+    mgr = safepoint.CheckpointManager(root, keep_last=1, cluster=BACKGROUND)
     assert isinstance(mgr.layout, Layout)
     real_fence, go, stuck = mgr.layout.fence, threading.Event(), threading.Event()
 
@@ -128,7 +130,7 @@ def _take_over(lease_path: Path) -> None:
 def test_the_deleter_thread_deletes_nothing_after_the_lease_is_lost(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    mgr = safepoint.CheckpointManager(root, keep_last=1)
+    mgr = safepoint.CheckpointManager(root, keep_last=1, cluster=BACKGROUND)
     assert isinstance(mgr.layout, Layout)
     real_fence, go, stuck = mgr.layout.fence, threading.Event(), threading.Event()
 
@@ -165,7 +167,7 @@ def stuck(path):
 L.remove_tree = stuck
 def state(n):
     return safepoint.TrainState(rng=False, extra={"t": torch.full((64,), float(n))})
-mgr = safepoint.CheckpointManager(sys.argv[1], keep_last=1)
+mgr = safepoint.CheckpointManager(sys.argv[1], keep_last=1, cluster=safepoint.ClusterOptions(background_deletes=True))
 mgr.save(1, state(1))
 mgr.save(2, state(2))
 mgr.save(3, state(3))
@@ -198,7 +200,7 @@ def test_kill_9_mid_background_delete_leaves_a_root_the_next_manager_cleans_and_
     assert Layout(root).committed_steps() == [2, 3]
     (leftover,) = (root / ".pending").iterdir()
     assert leftover.name.startswith("deleting-step-1-")
-    with safepoint.CheckpointManager(root, keep_last=1) as mgr:
+    with safepoint.CheckpointManager(root, keep_last=1, cluster=BACKGROUND) as mgr:
         assert not list((root / ".pending").iterdir())  # the new owner cleaned it up
         state = _state(-1)
         assert mgr.restore(state) == 3

@@ -27,8 +27,14 @@ log = logging.getLogger("safepoint")
 
 
 class Retainer:
-    def __init__(self, layout: CheckpointStore, retention: Retention, verdicts: Verdicts) -> None:
+    def __init__(
+        self, layout: CheckpointStore, retention: Retention, verdicts: Verdicts, *, background: bool = False
+    ) -> None:
         self.layout, self.retention, self.verdicts = layout, retention, verdicts
+        # False: each pass runs in the saving thread once the save's verdict is out (``settle``), so rank 0
+        # alone is late for the next collective by the deletes; True: on the deleter thread
+        # (ClusterOptions.background_deletes).
+        self.background = background
         self._index: dict[int, CheckpointInfo] = {}  # retention's view of the root, kept across passes
         self._cond = threading.Condition()
         self._queue: list[tuple[int, CheckpointInfo | None]] = []  # commits not yet seen by a pass
@@ -57,19 +63,36 @@ class Retainer:
                 self._claimed.discard(step)
                 return
             self._queue.append((step, info))
+            if not self.background:
+                return  # settle() runs it
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="safepoint-retention", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
 
+    def settle(self) -> None:
+        """Inline mode: run the queued pass now, in the calling (saving) thread. Background: nothing."""
+        if self.background:
+            return
+        with self._cond:
+            while self._busy:
+                self._cond.wait()
+            if not self._queue:
+                return
+            batch, self._queue = self._queue, []
+            self._busy = True
+        self._process(batch)
+
     def drain(self) -> None:
         """Wait until every queued pass has run (its deletes done or failed and logged)."""
+        self.settle()
         with self._cond:
             while self._queue or self._busy:
                 self._cond.wait()
 
     def close(self) -> None:
         """Drain, then stop the thread. Later commits are not retained (the manager is closing)."""
+        self.settle()
         with self._cond:
             while self._queue or self._busy:
                 self._cond.wait()
@@ -88,20 +111,25 @@ class Retainer:
                     return
                 batch, self._queue = self._queue, []
                 self._busy = True
-                for step, _ in batch:
-                    self._claimed.discard(step)
-            try:
-                newest = [(s, i) for s, i in batch if i is not None]
-                for s, i in newest:
-                    self._index[s] = i
-                if newest:  # a failed save changes nothing on disk worth a pass
-                    self._pass(newest[-1][0])
-            except Exception as e:  # a bug here must not kill the thread and hang drain()
-                log.warning("safepoint: retention pass failed (%s); will retry after the next save", e)
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
+            self._process(batch)
+
+    def _process(self, batch: list[tuple[int, CheckpointInfo | None]]) -> None:
+        """One pass over what ``batch`` committed; ``_busy`` was set by the caller, cleared here."""
+        with self._cond:
+            for step, _ in batch:
+                self._claimed.discard(step)
+        try:
+            newest = [(s, i) for s, i in batch if i is not None]
+            for s, i in newest:
+                self._index[s] = i
+            if newest:  # a failed save changes nothing on disk worth a pass
+                self._pass(newest[-1][0])
+        except Exception as e:  # a bug here must not kill the thread and hang drain()
+            log.warning("safepoint: retention pass failed (%s); will retry after the next save", e)
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
 
     def _pass(self, committed: int) -> None:
         """Apply the policies; ``committed`` (the last commit) and the newest verified step survive."""

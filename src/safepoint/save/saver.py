@@ -158,6 +158,8 @@ class SyncSaver:
                 f"save of step {step} failed and was not committed ({'; '.join(dict.fromkeys(errors))}). "
                 "Older checkpoints are intact."
             )
+        if self.comm.is_coordinator:
+            self.retainer.settle()  # inline mode: the pass runs now, after every rank has its verdict
         return info
 
     def _discard(self, *pendings: Any) -> None:
