@@ -32,7 +32,7 @@ from safepoint.store.manifest import Manifest
 from tests.helpers.train import Setup, assert_bitwise_equal
 from tests.torture import checks
 
-FILES = ["__0_0.distcp", "__0_1.distcp", ".metadata", "safepoint.json"]
+FILES = ["__0_0.distcp", "__0_1.distcp", ".metadata", "rank-0.state", "safepoint.json"]
 
 
 class Matrix:
@@ -150,7 +150,7 @@ def _cases(
 @pytest.fixture
 def matrix(tmp_path: Path) -> Matrix:
     m = Matrix(tmp_path / "ckpt")
-    assert sorted(p.name for p in m.step2.iterdir()) == sorted(FILES), "expected two data files per rank"
+    assert sorted(p.name for p in m.step2.iterdir()) == sorted(FILES), "expected two data files and a rank file"
     return m
 
 

@@ -25,13 +25,13 @@ import re
 from pathlib import Path
 from typing import Any
 
-from fsspec.core import url_to_fs
 from torch.distributed.checkpoint.metadata import Metadata
 
 from safepoint.errors import CheckpointError, CorruptCheckpointError, LeaseError
 from safepoint.remote.conditional import create_if_absent
 from safepoint.remote.io import SafeStoreReader, StoreWriter
-from safepoint.remote.upload import FileCopy, ObjectStore, TransferConfig, UploadError
+from safepoint.remote.open import open_store
+from safepoint.remote.upload import FileCopy, TransferConfig, UploadError
 from safepoint.store.guard import STEP_PATTERN, STEP_PREFIX
 from safepoint.store.layout import PENDING_DIR, CheckpointInfo, step_name
 from safepoint.store.lease import Lease
@@ -47,37 +47,6 @@ _PENDING_STEP = re.compile(rf"^({STEP_PATTERN})-[0-9a-f]+$")
 
 def is_url(root: object) -> bool:
     return isinstance(root, str) and "://" in root
-
-
-def open_store(
-    url: str, storage_options: dict[str, Any] | None, cfg: TransferConfig | None
-) -> tuple[ObjectStore, str]:
-    """The store for ``url`` and the root's path inside it (no protocol)."""
-    protocol = url.split("://", 1)[0]
-    try:
-        fs, path = url_to_fs(url, **(storage_options or {}))
-    except ImportError as e:
-        extra = " (pip install 'safepoint[s3]')" if protocol in ("s3", "s3a") else ""
-        raise ValueError(f"root {url!r} needs the {protocol}:// file system's package{extra}: {e}") from e
-    except ValueError as e:
-        raise ValueError(
-            f"root {url!r}: unknown protocol {protocol!r}: no fsspec file system for it ({e})"
-        ) from e
-    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
-    store: ObjectStore
-    if protocols & {"s3", "s3a"}:
-        from safepoint.remote.s3store import S3Store
-
-        store = S3Store(fs, cfg)
-    elif protocols & {"abfs", "az", "abfss"}:
-        from safepoint.remote.azstore import AzureStore
-
-        store = AzureStore(fs, cfg)
-    else:
-        store = ObjectStore(fs, cfg)
-    if "://" in url and not store.local and protocol in protocols:
-        store.scheme = protocol  # logs, listings and messages show the root as the user wrote it
-    return store, path.rstrip("/")
 
 
 class RemoteLayout:

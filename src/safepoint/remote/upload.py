@@ -115,7 +115,7 @@ class ObjectStore:
 
     scheme: str | None = None
     """The scheme the user wrote (``az://`` rather than adlfs's ``abfs://``), shown in every URL; None:
-    the file system's own. Set by ``layout.open_store``."""
+    the file system's own. Set by ``open.open_store``."""
 
     def url(self, path: str) -> str:
         url = str(self.fs.unstrip_protocol(path))
