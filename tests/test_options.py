@@ -69,6 +69,7 @@ def test_option_objects_are_frozen_and_documented(cls: type) -> None:
         lambda: safepoint.ClusterOptions(collective_timeout_s=math.inf),
         lambda: safepoint.ClusterOptions(lease_stale_after_s=-1),
         lambda: safepoint.ClusterOptions(lease_stale_after_s=math.nan),
+        lambda: safepoint.ClusterOptions(background_deletes="yes"),  # type: ignore[arg-type]
         lambda: safepoint.AdaptiveInterval(mtbf_s=0),
     ],
 )
