@@ -19,8 +19,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 import safepoint
-from tests.helpers.torchrun import Log, run_plan
 from tests.dist.worker import Position, build, full_state
+from tests.helpers.torchrun import Log, run_plan
 
 
 def _no_audit(event: str, args: tuple[Any, ...]) -> None:
@@ -55,7 +55,9 @@ def sections_job(job: dict[str, Any], out: Path, log: Log) -> None:
         optimizers={"disc": disc_opt},
         objects={"meta": meta},
     )
-    with safepoint.CheckpointManager(job["root"], cluster=safepoint.ClusterOptions(collective_timeout_s=60)) as mgr:
+    with safepoint.CheckpointManager(
+        job["root"], cluster=safepoint.ClusterOptions(collective_timeout_s=60)
+    ) as mgr:
         if saving:
             torch.manual_seed(100 + rank)
             for step in range(1, 4):

@@ -57,7 +57,9 @@ def test_a_checkpoint_damaged_for_every_rank_is_corrupt_not_a_root_that_is_not_s
         assert "(found by rank 1)" in proc.stderr
 
 
-def test_a_partial_restore_decides_alike_on_every_rank_when_one_cannot_read_the_metadata(tmp_path: Path) -> None:
+def test_a_partial_restore_decides_alike_on_every_rank_when_one_cannot_read_the_metadata(
+    tmp_path: Path,
+) -> None:
     out = tmp_path / "out"
     out.mkdir()
     cmd = [
@@ -70,7 +72,9 @@ def test_a_partial_restore_decides_alike_on_every_rank_when_one_cannot_read_the_
     assert outcomes[0] == outcomes[1], outcomes
     strict, partial = outcomes[0]
     assert partial == strict, outcomes  # strict=False decides as the default path does
-    assert partial.startswith("CheckpointError: checkpoint step 1: file '.metadata' is intact as seen from rank 0")
+    assert partial.startswith(
+        "CheckpointError: checkpoint step 1: file '.metadata' is intact as seen from rank 0"
+    )
 
 
 def test_init_from_a_path_missing_on_some_ranks_fails_alike_on_every_rank(tmp_path: Path) -> None:

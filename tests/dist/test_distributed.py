@@ -29,12 +29,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 import safepoint
 from safepoint.data import rng
 from safepoint.store.layout import Layout
-from safepoint.store.reader import SafeLoadPlanner, SafeReader
 from tests.conftest import REPO
 from tests.helpers.launch import assert_bitwise, events, finish, load, start
 

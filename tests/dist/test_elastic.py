@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import PYTHON, REPO, SUBPROCESS_ENV
-from tests.store.test_fencing import _unshare_works
 from tests.preempt.test_preemption import _free_port
+from tests.store.test_fencing import _unshare_works
 
 pytestmark = pytest.mark.skipif(
     not _unshare_works(), reason="needs `unshare --uts` (root, Linux) to run each agent as its own host"

@@ -78,5 +78,3 @@ def test_a_node_dies_with_its_disk_and_rejoins(tmp_path: Path, nproc: int) -> No
         finally:
             run.kill()
     equal(ref / "final.pt", out / "final.pt")
-
-

@@ -21,19 +21,24 @@ def test_each_node_commits_and_restores_from_its_own_local_tier(tmp_path: Path) 
     assert len(set(hosts.values())) == 2 or not UNSHARE
     # The global commit is the durable manifest; each node's local step holds its own rank's file.
     manifest = json.loads((durable / "step-4" / "safepoint.json").read_text())
-    assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    files = [".metadata", "__0_0.distcp", "__1_0.distcp", "rank-0.state", "rank-1.state"]
+    assert sorted(manifest["files"]) == files
     node_of = _node_of_rank(saved, locals_)
     for rank in (0, 1):
         local = node_of[rank] / "step-4"
         assert (local / f"__{rank}_0.distcp").is_file()
+        assert (local / f"rank-{rank}.state").is_file()  # its RNG, data position, extra
         assert not (local / f"__{1 - rank}_0.distcp").exists()  # never on another node's disk
+        assert not (local / f"rank-{1 - rank}.state").exists()
         assert (local / ".metadata").is_file()  # rank 0 wrote it; the other node keeps a verified copy
         assert json.loads((local / "safepoint.json").read_text())["save_id"] == manifest["save_id"]
 
     # Each node also keeps a replica of the other node's files (peer replicas, item 3).
     for rank in (0, 1):
         replica = node_of[1 - rank] / ".peers" / "step-4"
-        assert (replica / f"__{rank}_0.distcp").read_bytes() == (node_of[rank] / "step-4" / f"__{rank}_0.distcp").read_bytes()
+        assert (replica / f"__{rank}_0.distcp").read_bytes() == (
+            node_of[rank] / "step-4" / f"__{rank}_0.distcp"
+        ).read_bytes()
 
     # Restore: each rank's own shards and .metadata from its node's local copy. DCP also spreads
     # replicated items (AdamW's step counters) over both ranks' files: what a rank reads of the other
@@ -82,11 +87,10 @@ def sources(r: dict[str, Any], metadata: str, own: str, other: str) -> None:
     files = dict(r["files"])
     assert files.pop(".metadata") == metadata, r
     assert files.pop(f"__{r['rank']}_0.distcp") == own, r
+    assert files.pop(f"rank-{r['rank']}.state") == own, r  # its RNG and data position: like its shards
     assert files in ({}, {f"__{1 - r['rank']}_0.distcp": other}), r
 
 
 def _node_of_rank(records: list[dict[str, Any]], locals_: dict[str, Path]) -> dict[int, Path]:
     """rank -> the local_root of the node it ran on."""
     return {r["rank"]: Path(r["local"]) for r in records if r["event"] == "finished"}
-
-

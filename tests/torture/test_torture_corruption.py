@@ -150,7 +150,9 @@ def _cases(
 @pytest.fixture
 def matrix(tmp_path: Path) -> Matrix:
     m = Matrix(tmp_path / "ckpt")
-    assert sorted(p.name for p in m.step2.iterdir()) == sorted(FILES), "expected two data files and a rank file"
+    assert sorted(p.name for p in m.step2.iterdir()) == sorted(FILES), (
+        "expected two data files and a rank file"
+    )
     return m
 
 

@@ -72,8 +72,12 @@ def read(layout: Any, manifest: Manifest, source: int, sections: list[str]) -> d
         raise CorruptCheckpointError(step, name, "missing from the manifest (the rank's RNG, data position)")
     try:
         base = layout.step_path(step)
-        if isinstance(base, Path):
-            with open(open_regular(base / name), "rb") as f:
+        # Per-node tiers (tiers/node_view.py) say where each file is read from: this node's disk, a peer's
+        # replica or the durable tier; another rank's file is not on this node's disk.
+        resolve = getattr(layout, "paths", None)
+        if resolve is not None or isinstance(base, Path):
+            path = Path(resolve([name])[name]) if resolve is not None else base / name
+            with open(open_regular(path), "rb") as f:
                 data = f.read(entry.size + 1)
         else:
             data = layout.store.get_bytes(posixpath.join(layout.step_key(step), name))

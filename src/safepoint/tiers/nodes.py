@@ -44,7 +44,8 @@ from safepoint.tiers.tiering import Tiering
 from safepoint.tiers.transfer import move_and_commit
 
 log = logging.getLogger("safepoint")
-_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+# A file one rank wrote: its DCP shards, and its own per-rank sections (store/rank_state.py).
+_RANK_FILE = re.compile(r"^(?:__|rank-)(\d+)(?:_\d+\.distcp|\.state)$")
 
 
 class NodeTiering(Tiering):

@@ -45,7 +45,8 @@ from safepoint.store.storage import METADATA_NAME
 log = logging.getLogger("safepoint")
 PEERS_DIR = ".peers"
 REPLICA_NAME = "replica.json"
-_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+# A file one rank wrote: its DCP shards, and its own per-rank sections (store/rank_state.py).
+_RANK_FILE = re.compile(r"^(?:__|rank-)(\d+)(?:_\d+\.distcp|\.state)$")
 Entry = tuple[str, int, str]  # name, size, crc32c
 
 
