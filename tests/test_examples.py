@@ -67,7 +67,9 @@ def torchrun(example: str, nproc: int, root: Path, steps: int, device: str, lagg
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU_ONLY)])
-@pytest.mark.parametrize(("example", "resume_nproc"), [("ddp.py", 1), ("fsdp2.py", 3)])
+@pytest.mark.parametrize(
+    ("example", "resume_nproc"), [pytest.param("ddp.py", 1, marks=pytest.mark.slow), ("fsdp2.py", 3)]
+)
 def test_distributed_example_resumes_at_another_world_size(
     example: str, resume_nproc: int, device: str, tmp_path: Path
 ) -> None:

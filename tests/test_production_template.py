@@ -88,7 +88,8 @@ def committed(root: Path) -> list[int]:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
-    ("durable", "precision"), [("dir", "bf16"), pytest.param("s3", "fp16", marks=pytest.mark.slow)]
+    ("durable", "precision"),
+    [pytest.param("dir", "bf16", marks=pytest.mark.slow), pytest.param("s3", "fp16", marks=pytest.mark.slow)],
 )
 def test_template_survives_kill9_and_sigterm_and_resumes_bitwise(
     durable: str, precision: str, tmp_path: Path, request: pytest.FixtureRequest

@@ -58,6 +58,7 @@ def test_bench_save_tiny_run(tmp_path: Path) -> None:
 ASYNC_SCRIPT = REPO / "benchmarks" / "bench_async.py"
 
 
+@pytest.mark.slow
 def test_bench_async_tiny_run(tmp_path: Path) -> None:
     out = tmp_path / "out"
     cmd = [

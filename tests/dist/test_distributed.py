@@ -244,6 +244,7 @@ def test_time_based_saves_happen_on_every_rank_or_none(two_ranks: Path) -> None:
 # ---- resharding ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # resharding also runs by default in test_examples (2 -> 3) and test_sections (2 -> 1)
 def test_reshard_2_3_1_2_exact_state_and_every_sample_once(resharded: Path) -> None:
     out = resharded
     for (phase, ws, _), (_, _, prev_steps) in zip(RESHARD[1:], RESHARD[:-1], strict=True):

@@ -49,6 +49,7 @@ def _wait_for(path: Path, procs: list[subprocess.Popen[bytes]], timeout: float =
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_a_node_joining_costs_no_steps_with_preemption_on(tmp_path: Path) -> None:
     out, root = tmp_path / "out", tmp_path / "ckpt"
     out.mkdir()

@@ -15,7 +15,9 @@ import pytest
 from tests.helpers.cluster import Cluster, equal, exactly_once, records, wait_for
 
 
-@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "nproc", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)]
+)
 def test_a_node_dies_with_its_disk_and_rejoins(tmp_path: Path, nproc: int) -> None:
     """Issue 15, item 6: a two-node elastic job (``--nnodes=1:2``) loses a whole node (agent and worker
     SIGKILLed) and its local_root; the survivor re-rendezvous alone and resumes from the last durable

@@ -230,6 +230,7 @@ ranks take to act on the notice (~0.25 s, 0.4 s seen on a loaded 2-core machine)
 fastest-tier, with ~2 s to spare for a slow machine."""
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_torchrun_sigterm_to_one_rank_with_grace_too_short_for_the_upload(
     tmp_path: Path, proxy: FaultProxy, bucket: str

@@ -54,7 +54,7 @@ def test_async_resume_is_bitwise_identical(root: Path) -> None:
     assert_bitwise_equal(ref.snapshot(), s2.snapshot())
 
 
-@pytest.mark.parametrize("writer", ["thread", "process"])
+@pytest.mark.parametrize("writer", [pytest.param("thread", marks=pytest.mark.slow), "process"])
 def test_memory_is_bounded_and_flat_over_100_saves(tmp_path: Path, writer: str) -> None:
     shm = Path("/dev/shm")
     root = (shm if shm.is_dir() else tmp_path) / f"safepoint-mem-{os.getpid()}"

@@ -271,6 +271,7 @@ def test_arguments_are_checked(root: Path) -> None:
         )
 
 
+@pytest.mark.slow
 def test_managers_leave_no_process_or_descriptor_behind(root: Path) -> None:
     _, st = big_state(1)
     me = psutil.Process()
@@ -291,6 +292,7 @@ def test_managers_leave_no_process_or_descriptor_behind(root: Path) -> None:
     assert after[0] <= before[0] and after[1] <= before[1], (before, after)
 
 
+@pytest.mark.slow
 def test_auto_falls_back_to_the_thread_when_no_process_can_start(
     root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

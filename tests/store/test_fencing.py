@@ -109,7 +109,10 @@ def _line(proc: subprocess.Popen[str]) -> str:
 
 @needs_second_host
 # The writer thread's commit runs the same fenced code as the sync saver's; it runs under -m slow.
-@pytest.mark.parametrize("mode", ["sync", pytest.param("thread", marks=pytest.mark.slow), "process"])
+@pytest.mark.parametrize(
+    "mode",
+    ["sync", pytest.param("thread", marks=pytest.mark.slow), pytest.param("process", marks=pytest.mark.slow)],
+)
 def test_a_stale_owner_frozen_inside_save_never_commits_over_the_new_owner(root: Path, mode: str) -> None:
     a = _spawn([PYTHON, "-c", JOB_A, str(root), mode])
     b: subprocess.Popen[str] | None = None

@@ -149,6 +149,7 @@ def test_a_stale_owner_frozen_after_its_fence_cannot_replace_the_new_owners_step
 
 
 @needs_second_host
+@pytest.mark.slow  # the local variant runs by default
 def test_a_stale_owner_frozen_after_its_fence_cannot_replace_the_new_owners_step_on_s3(
     moto_endpoint: str, bucket: str, tmp_path: Path
 ) -> None:
