@@ -92,6 +92,7 @@ def quick_demo(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
     return DemoRun(out, proc.returncode, output, summary)
 
 
+@pytest.mark.slow  # make test budget: `make demo` runs this job; the kill-mid-run demo tests stay in the default run
 @pytest.mark.timeout(600)
 def test_demo_survives_every_fault_bitwise(quick_demo: DemoRun) -> None:
     d, s = quick_demo, quick_demo.summary
@@ -130,6 +131,7 @@ def test_demo_survives_every_fault_bitwise(quick_demo: DemoRun) -> None:
     assert (d.out / MARKER).is_file() and not (d.out / "logs" / "stale.jsonl").exists()
 
 
+@pytest.mark.slow  # make test budget: `make demo` runs this job; the kill-mid-run demo tests stay in the default run
 @pytest.mark.timeout(600)
 def test_demo_verdict_is_computed_from_the_weights(quick_demo: DemoRun) -> None:
     import torch

@@ -443,6 +443,7 @@ def _final(out: Path, name: str) -> dict[str, Any]:
     return load(out / f"{name}.final.pt")
 
 
+@pytest.mark.slow  # make test budget: torchrun kills and SIGTERMs also run by default in tests/dist and test_preemption_loader
 @pytest.mark.timeout(600)
 def test_torchrun_sigterm_to_both_ranks_saves_current_step_and_resumes_exactly(dist_runs: DistRuns) -> None:
     r, step = dist_runs, dist_runs.term_step
@@ -462,6 +463,7 @@ def test_torchrun_sigterm_to_both_ranks_saves_current_step_and_resumes_exactly(d
     assert_bitwise(_final(r.out, "term-resume"), _final(r.out, "term-ref"), "term-resume")
 
 
+@pytest.mark.slow  # make test budget: torchrun kills and SIGTERMs also run by default in tests/dist and test_preemption_loader
 @pytest.mark.timeout(600)
 def test_torchrun_signal_to_one_rank_saves_the_same_step_on_all(dist_runs: DistRuns) -> None:
     r = dist_runs
@@ -473,6 +475,7 @@ def test_torchrun_signal_to_one_rank_saves_the_same_step_on_all(dist_runs: DistR
     assert committed(r.out / "one") == [step]
 
 
+@pytest.mark.slow  # make test budget: torchrun kills and SIGTERMs also run by default in tests/dist and test_preemption_loader
 @pytest.mark.timeout(600)
 def test_torchrun_three_sigkills_with_max_restarts_match_an_uninterrupted_run(dist_runs: DistRuns) -> None:
     r = dist_runs
@@ -487,6 +490,7 @@ def test_torchrun_three_sigkills_with_max_restarts_match_an_uninterrupted_run(di
     assert_bitwise(_final(r.out, "kills"), _final(r.out, "ref"), "kills")
 
 
+@pytest.mark.slow  # make test budget: torchrun kills and SIGTERMs also run by default in tests/dist and test_preemption_loader
 @pytest.mark.timeout(600)
 def test_torchrun_peer_vanishing_in_the_emergency_collectives_fails_fast(dist_runs: DistRuns) -> None:
     r = dist_runs

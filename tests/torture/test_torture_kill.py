@@ -78,6 +78,7 @@ def _two_ranks(tmp_path: Path, n: int, seed: int, timeout: float) -> kills.DistR
     return r
 
 
+@pytest.mark.slow  # make test budget: torchrun kills and SIGTERMs also run by default in tests/dist and test_preemption_loader
 @pytest.mark.timeout(300)
 def test_two_rank_sigkill_and_torchrun_restart_are_exact(tmp_path: Path) -> None:
     _two_ranks(tmp_path, 2, seed=5, timeout=280)
