@@ -187,23 +187,30 @@ def _directory(read: Read, length: int) -> tuple[dict[str, tuple[int, int]], int
     start = cd_offset - tail_at
     if cd_offset == _NO32 or start < 0 or start + cd_size > end:
         return None
+    records = central_directory(tail, start, end, count)
+    return None if records is None else (records, cd_offset)
+
+
+def central_directory(buf: bytes, pos: int, end: int, count: int) -> dict[str, tuple[int, int]] | None:
+    """{record name: (local header offset, size)} from the ``count`` entries of a zip's central directory
+    in ``buf[pos:end]``; None unless every entry is a stored (uncompressed), non-ZIP64, uniquely named
+    record."""
     records: dict[str, tuple[int, int]] = {}
-    pos = start
     for _ in range(count):
         if pos + _CDIR.size > end:
             return None
-        fields = _CDIR.unpack_from(tail, pos)
+        fields = _CDIR.unpack_from(buf, pos)
         sig, method, csize, usize, nlen, elen, clen, header = (
             fields[i] for i in (0, 4, 8, 9, 10, 11, 12, 16)
         )
         if sig != b"PK\x01\x02" or method != 0 or csize != usize or _NO32 in (usize, header):
             return None
-        name = tail[pos + _CDIR.size : pos + _CDIR.size + nlen].decode("utf-8", "replace")
+        name = buf[pos + _CDIR.size : pos + _CDIR.size + nlen].decode("utf-8", "replace")
         if name in records:
             return None
         records[name] = (header, usize)
         pos += _CDIR.size + nlen + elen + clen
-    return records, cd_offset
+    return records
 
 
 def _data_offset(read: Read, length: int, entry: tuple[int, int]) -> int | None:

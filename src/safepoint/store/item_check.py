@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from safepoint.store.direct_read import _CDIR, _EOCD, Read, _data_offset, _record
+from safepoint.store.direct_read import _EOCD, Read, _data_offset, _record, central_directory
 from safepoint.store.guard import open_regular
 
 FileRange = Callable[[str, int, int], bytes]
@@ -173,23 +173,7 @@ def _zip_directory(read: Read, length: int) -> dict[str, tuple[int, int]] | None
     if cd_offset == _NO32 or cd_offset + cd_size > length - tail_len + end:
         return None
     directory = read(cd_offset, cd_size)
-    records: dict[str, tuple[int, int]] = {}
-    pos = 0
-    for _ in range(count):
-        if pos + _CDIR.size > len(directory):
-            return None
-        fields = _CDIR.unpack_from(directory, pos)
-        sig, method, csize, usize, nlen, elen, clen, header = (
-            fields[i] for i in (0, 4, 8, 9, 10, 11, 12, 16)
-        )
-        if sig != b"PK\x01\x02" or method != 0 or csize != usize or _NO32 in (usize, header):
-            return None
-        name = directory[pos + _CDIR.size : pos + _CDIR.size + nlen].decode("utf-8", "replace")
-        if name in records:
-            return None
-        records[name] = (header, usize)
-        pos += _CDIR.size + nlen + elen + clen
-    return records
+    return central_directory(directory, 0, len(directory), count)
 
 
 def _describe(pickled: bytes) -> Description:
