@@ -9,10 +9,15 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from safepoint.cli.main import main
 from tests.helpers.cluster import UNSHARE, equal, run
 
 
-def test_each_node_commits_and_restores_from_its_own_local_tier(tmp_path: Path) -> None:
+def test_each_node_commits_and_restores_from_its_own_local_tier(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out, durable = tmp_path / "out", tmp_path / "durable"
     out.mkdir()
     locals_ = {"nodeA": tmp_path / "localA", "nodeB": tmp_path / "localB"}
@@ -32,6 +37,19 @@ def test_each_node_commits_and_restores_from_its_own_local_tier(tmp_path: Path) 
         assert not (local / f"rank-{1 - rank}.state").exists()
         assert (local / ".metadata").is_file()  # rank 0 wrote it; the other node keeps a verified copy
         assert json.loads((local / "safepoint.json").read_text())["save_id"] == manifest["save_id"]
+
+    # `safepoint verify` on a node's local_root: its own share is checked and the rest is known to be the
+    # other node's (the manifest records each node's ranks), not reported as missing.
+    for rank in (0, 1):
+        capsys.readouterr()
+        assert main(["verify", str(node_of[rank])]) == 0, capsys.readouterr().out
+        said = " ".join(capsys.readouterr().out.split())
+        assert "node-local copy of" in said and "3 of 5 files here, intact" in said, said
+        assert main(["ls", str(node_of[rank]), "--verify", "--json"]) == 0
+        listed = json.loads(capsys.readouterr().out)
+        assert {(e["step"], e["status"], e["tier"]) for e in listed} >= {(4, "ok", "node")}, listed
+    assert main(["verify", str(durable)]) == 0  # the durable root: every file
+    assert "5 files" in capsys.readouterr().out
 
     # Each node also keeps a replica of the other node's files (peer replicas, item 3).
     for rank in (0, 1):

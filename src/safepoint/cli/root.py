@@ -84,7 +84,15 @@ def cmd_verify(args: argparse.Namespace, out: Console, err: Console) -> int:
         # One bar per checkpoint, closed before its verdict prints, so bar and lines never interleave.
         with progress(err, f"verifying step {s}", total) as advance:
             manifest, problems = tools.verify_step(layout, s, lambda _name, size: advance(size))
-        if problems or manifest is None:
+        held = None if manifest is None else tools.node_copy_of(layout, manifest, problems)
+        if held is not None and manifest is not None:
+            here = len(manifest.files) - len(problems)
+            out.print(
+                f"[green]ok[/]      step {s}: node-local copy of {escape(', '.join(held))}: {here} of "
+                f"{len(manifest.files)} files here, intact; the other {len(problems)} are other nodes' "
+                "share (verify the durable root for the whole checkpoint)"
+            )
+        elif problems or manifest is None:
             bad += 1
             for p in problems:
                 out.print(f"[bold red]CORRUPT[/] {escape(str(p))}")

@@ -24,11 +24,12 @@ from safepoint.errors import CheckpointError, CorruptCheckpointError
 from safepoint.policy.rules import Retention
 from safepoint.remote.layout import RemoteLayout, is_url
 from safepoint.remote.upload import UploadError
-from safepoint.store.guard import parse_step, real_dir_problem
+from safepoint.store.guard import MISSING, parse_step, real_dir_problem
 from safepoint.store.heartbeat import DEFAULT_STALE_AFTER_S
 from safepoint.store.item_check import items_problem, local_ranges
 from safepoint.store.layout import CheckpointInfo, Layout
 from safepoint.store.manifest import MANIFEST_NAME, Manifest
+from safepoint.store.nodes import node_copy
 from safepoint.store.storage import METADATA_NAME
 
 OK = "ok"
@@ -36,6 +37,7 @@ CORRUPT = "corrupt"
 PARTIAL = "partial"
 IGNORED = "ignored"  # a step-N entry that is not a real directory (a symlink, a file): never followed
 TIER_LOCAL = "local"
+TIER_NODE = "node"  # one node's share of a checkpoint, in that node's local_root (per-node local tiers)
 TIER_DURABLE = "durable"  # a URL root (object store): ls and verify read it through RemoteLayout
 
 
@@ -161,15 +163,31 @@ def scan(layout: Layout | RemoteLayout, *, verify: bool = False) -> list[Entry]:
             continue
         info = layout.info(step, manifest)
         status, reason = OK, None
+        where = tier
         if verify:
             try:
                 layout.verify(step)
             except CorruptCheckpointError as e:
                 status, reason = CORRUPT, _where(e)
+                if e.reason == MISSING and isinstance(layout, Layout) and _intact_node_copy(layout, manifest):
+                    status, reason, where = OK, None, TIER_NODE
         entries.append(
-            Entry(step, path, status, info.bytes, info.time, info.metrics, info.world_size, reason, tier)
+            Entry(step, path, status, info.bytes, info.time, info.metrics, info.world_size, reason, where)
         )
     return sorted(entries, key=lambda e: e.step)
+
+
+def _intact_node_copy(layout: Layout, manifest: Manifest) -> bool:
+    """A node's copy (node_copy_of) whose files here all verify."""
+    base = layout.step_path(manifest.step)
+    absent = {n for n in manifest.files if not os.path.lexists(base / n)}
+    if node_copy(manifest.extra, manifest.world_size, manifest.files, absent) is None:
+        return False
+    try:
+        layout.verify(manifest.step, files=sorted(set(manifest.files) - absent))
+    except CorruptCheckpointError:
+        return False
+    return True
 
 
 def pending_problem(layout: Layout | RemoteLayout) -> str | None:
@@ -248,9 +266,13 @@ def verify_step(
             problems.append(Problem(step, name, "the manifest changed during verification; run verify again"))
         if on_file is not None:
             on_file(name, manifest.files[name].size)
+    # A node-local tier's copy holds its node's ranks' files only: those must be intact, item by item.
+    absent = {p.file for p in problems if p.reason == MISSING and p.file}
+    held = node_copy_of(layout, manifest, problems)
+    only = None if held is None else [n for n in manifest.files if n not in absent]
     if METADATA_NAME not in manifest.files:
         problems.append(Problem(step, METADATA_NAME, "not listed in the manifest (not a DCP checkpoint)"))
-    elif not problems:
+    elif not problems or held is not None:
         # Checksums are no MAC: a forged .metadata whose storage paths leave the checkpoint, or whose offsets
         # lie outside its files, verifies byte for byte. Restore refuses it; so must verify (and prune, which
         # must never count it as the newest intact checkpoint).
@@ -261,22 +283,34 @@ def verify_step(
         else:
             # Offsets re-pointed inside a verified data file pass both checks above; restore finds no record
             # of what .metadata promises there and falls back, so verification must say so too.
-            if found := _structure_problem(layout, step, metadata):
+            if found := _structure_problem(layout, step, metadata, only):
                 problems.append(Problem(step, *found))
     return manifest, problems
 
 
 def _structure_problem(
-    layout: Layout | RemoteLayout, step: int, metadata: Metadata
+    layout: Layout | RemoteLayout, step: int, metadata: Metadata, only: list[str] | None = None
 ) -> tuple[str, str] | None:
     """(file, reason) if an item's bytes are not what ``.metadata`` says (item_check), else None."""
     try:
         if isinstance(layout, RemoteLayout):
-            return items_problem(metadata, lambda name, off, n: layout.read_range(step, name, off, n))
+            return items_problem(metadata, lambda name, off, n: layout.read_range(step, name, off, n), only)
         with local_ranges(layout.step_path(step)) as read:
-            return items_problem(metadata, read)
+            return items_problem(metadata, read, only)
     except (OSError, UploadError) as e:
         return METADATA_NAME, f"cannot read the items it describes ({e})"
+
+
+def node_copy_of(
+    layout: Layout | RemoteLayout, manifest: Manifest, problems: list[Problem]
+) -> list[str] | None:
+    """The nodes whose share a local root holds, when ``problems`` are exactly the other nodes' files
+    missing (a per-node local tier, store/nodes.py ``node_copy``); None otherwise. Never for a URL root:
+    the durable tier holds every file."""
+    if isinstance(layout, RemoteLayout) or not problems or any(p.reason != MISSING for p in problems):
+        return None
+    absent = {p.file for p in problems if p.file}
+    return node_copy(manifest.extra, manifest.world_size, manifest.files, absent)
 
 
 def require_intact(layout: Layout, step: int, on_file: Callable[[str, int], None] | None = None) -> Manifest:

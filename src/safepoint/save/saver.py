@@ -23,7 +23,7 @@ from safepoint.store import rank_state
 from safepoint.store.file_report import with_files
 from safepoint.store.layout import CheckpointInfo, CheckpointStore
 from safepoint.store.manifest import FileEntry, Manifest
-from safepoint.store.nodes import NodeMap
+from safepoint.store.nodes import NODES_KEY, NodeMap
 
 log = logging.getLogger("safepoint")
 
@@ -231,7 +231,13 @@ class SyncSaver:
             metrics=metrics,
             keys=sections,
             save_id=save_id,
-            extra={**manifest_extra, "timings": {k: round(v, 6) for k, v in timings.items()}},
+            extra={
+                **manifest_extra,
+                "timings": {k: round(v, 6) for k, v in timings.items()},
+                # Which ranks each node held: `safepoint verify` then tells a node's local copy (its own
+                # ranks' files only) from a damaged checkpoint.
+                **({NODES_KEY: nodes.ranges()} if nodes is not None else {}),
+            },
         )
         self.layout.commit(pending, manifest)
         self._manifest = manifest

@@ -107,12 +107,16 @@ def describe_mode(mode: int) -> str:
     return "of an unknown file type"
 
 
+MISSING = "file is missing"
+"""file_problem's reason for a file that is not there (`safepoint verify` tells a node's copy by it)."""
+
+
 def file_problem(path: Path) -> str | None:
     """Why a checkpoint file cannot be read as one (lstat: a symlink is refused, never followed)."""
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
-        return "file is missing"
+        return MISSING
     except OSError as e:
         return f"cannot stat ({e.strerror or e})"
     if not stat.S_ISREG(mode):

@@ -24,7 +24,7 @@ import contextlib
 import io
 import itertools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +52,14 @@ _NO32 = 0xFFFFFFFF  # an item longer than this may be a ZIP64 zip (a record of 4
 Description = tuple[torch.dtype, tuple[int, ...], dict[str, int]] | str
 
 
-def items_problem(md: Metadata, read: FileRange) -> tuple[str, str] | None:
+def items_problem(
+    md: Metadata, read: FileRange, only: Collection[str] | None = None
+) -> tuple[str, str] | None:
     """(data file, reason) for the first item whose bytes are not what ``md`` says they are, or None.
 
     ``md`` has passed metadata_check (bare names, in range, DCP's types), so ranges are trusted to lie
-    inside their files; ``read`` raises OSError if a file cannot be read."""
+    inside their files; ``read`` raises OSError if a file cannot be read. ``only``: check the items of
+    these files only (a node's local copy holds its own ranks' files)."""
     entries = md.state_dict_metadata
     per_file: dict[str, list[tuple[MetadataIndex, Any]]] = {}
     for index, info in md.storage_data.items():
@@ -74,6 +77,8 @@ def items_problem(md: Metadata, read: FileRange) -> tuple[str, str] | None:
         return missing
     descriptions: dict[bytes, Description] = {}
     for name, items in sorted(per_file.items()):
+        if only is not None and name not in only:
+            continue
         for index, info in items:
             if info.transform_descriptors:
                 continue

@@ -30,6 +30,7 @@ from safepoint.store.checksum import crc32c_combine, crc_hex, crc_ranges, range_
 from safepoint.store.fsops import fsync_dir, write_file_durably  # tests/torture patches them here
 from safepoint.store.fsops import rename_exchange as _rename_exchange
 from safepoint.store.guard import (
+    MISSING,
     STEP_PREFIX,
     file_problem,
     open_regular,
@@ -177,7 +178,7 @@ class Layout:
                 try:
                     part = fut.result()
                 except FileNotFoundError:
-                    problems[name] = "file is missing"
+                    problems[name] = MISSING
                     break
                 except OSError as e:  # unreadable, or replaced by a FIFO/symlink since the lstat above
                     problems[name] = f"cannot read ({e.strerror or e})"

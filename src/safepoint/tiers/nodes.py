@@ -26,7 +26,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ from safepoint.remote.retry import UploadError
 from safepoint.restore.restorer import Restorer
 from safepoint.state import TrainState
 from safepoint.store.manifest import Manifest
-from safepoint.store.nodes import NodeMap, node_id
+from safepoint.store.nodes import NodeMap, file_rank, node_id
 from safepoint.store.storage import METADATA_NAME
 from safepoint.tiers import peers
 from safepoint.tiers.node_view import DURABLE, LOCAL, PEER, NodeView
@@ -44,8 +43,6 @@ from safepoint.tiers.tiering import Tiering
 from safepoint.tiers.transfer import move_and_commit
 
 log = logging.getLogger("safepoint")
-# A file one rank wrote: its DCP shards, and its own per-rank sections (store/rank_state.py).
-_RANK_FILE = re.compile(r"^(?:__|rank-)(\d+)(?:_\d+\.distcp|\.state)$")
 
 
 class NodeTiering(Tiering):
@@ -221,8 +218,7 @@ def _assign(held: list[tuple[str | None, list[str], list[str]]], rank: int) -> t
         if not ranks:
             missing.append(name)
             continue
-        m = _RANK_FILE.match(name)
-        writer = int(m.group(1)) if m else 0
+        writer = file_rank(name) or 0
         if (writer if writer in ranks else ranks[0]) == rank:
             mine.append(name)
     return mine, missing

@@ -25,7 +25,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +38,12 @@ from safepoint.store.checksum import crc_hex
 from safepoint.store.guard import remove_tree
 from safepoint.store.layout import Layout
 from safepoint.store.manifest import Manifest
-from safepoint.store.nodes import NodeMap
+from safepoint.store.nodes import NodeMap, file_rank
 from safepoint.store.storage import METADATA_NAME
 
 log = logging.getLogger("safepoint")
 PEERS_DIR = ".peers"
 REPLICA_NAME = "replica.json"
-# A file one rank wrote: its DCP shards, and its own per-rank sections (store/rank_state.py).
-_RANK_FILE = re.compile(r"^(?:__|rank-)(\d+)(?:_\d+\.distcp|\.state)$")
 Entry = tuple[str, int, str]  # name, size, crc32c
 
 
@@ -163,8 +160,7 @@ def share(nodes: NodeMap, manifest: Manifest) -> list[str]:
     mine = {r for r in range(len(nodes.nodes)) if nodes.same_node(r, nodes.rank)}
     out = []
     for name in sorted(manifest.files):
-        m = _RANK_FILE.match(name)
-        if name == METADATA_NAME or (m and int(m.group(1)) in mine):
+        if name == METADATA_NAME or file_rank(name) in mine:
             out.append(name)
     return out
 
