@@ -183,6 +183,21 @@ def test_manifest_names_must_be_bare(root: Path, outside: Path, name: str) -> No
     assert step == 1 and any("step 2" in s for s in msgs)
 
 
+@pytest.mark.parametrize("save_id", ["../../outside", "a/b", "..", "x" * 65, "\u0661"])
+def test_a_save_id_that_is_not_a_plain_id_is_corruption(root: Path, save_id: str) -> None:
+    # The save id names directories under .pending (a node's received replica, a restore's downloads):
+    # a path in it from a hostile manifest must never become one.
+    _save(root, 1, 2)
+    step_dir = root / "step-2"
+    m = Manifest.from_json((step_dir / MANIFEST_NAME).read_bytes())
+    m.save_id = save_id
+    (step_dir / MANIFEST_NAME).write_bytes(m.to_json())
+    with pytest.raises(safepoint.CorruptCheckpointError, match="not a plain id"):
+        Layout(root).read_manifest(2)
+    step, _, msgs = _restore(root)
+    assert step == 1 and any("step 2" in s for s in msgs)
+
+
 @pytest.mark.parametrize("drop", [(METADATA_NAME,), (DATA_FILE,)])
 def test_manifest_must_list_metadata_and_a_data_file(root: Path, drop: tuple[str, ...]) -> None:
     saved = _save(root, 1, 2)

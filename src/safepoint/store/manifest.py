@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import platform
+import re
 import socket
 import time
 from typing import Any
@@ -30,6 +31,7 @@ _SELF_CRC_KEY = "manifest_crc32c"
 # manifest.extra[ORIGIN_KEY]: how a checkpoint came to be ("import" = made by `safepoint import`).
 ORIGIN_KEY = "origin"
 ORIGIN_IMPORT = "import"
+_SAVE_ID = re.compile(r"[0-9A-Za-z_-]{0,64}")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -131,6 +133,10 @@ class Manifest:
             raise bad(f"manifest is missing or has a malformed field ({e!r})") from None
         if problem := _listing_problem(files):
             raise bad(problem)
+        if not _SAVE_ID.fullmatch(manifest.save_id):
+            # It names directories under .pending (a node's received files, a restore's downloads): a
+            # "../x" from a hostile manifest must never become a path.
+            raise bad(f"manifest save_id {manifest.save_id[:80]!r} is not a plain id")
         if step_hint is not None and manifest.step != step_hint:
             raise bad(f"manifest says step {manifest.step} but the directory is for step {step_hint}")
         return manifest

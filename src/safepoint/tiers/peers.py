@@ -16,7 +16,8 @@ files it holds; each missing file a peer holds is sent to it the same way, check
 manifest's crc32c, and read from there ("peer" in ``RestoreReport.files``). What no peer holds comes from
 the durable tier.
 
-Files travel whole (one tensor each): a node's share must fit in host memory once.
+Files move in chunks, all pairs at once, one chunk per pair in memory, written to disk as they arrive
+(tiers/peer_stream.py).
 """
 
 from __future__ import annotations
@@ -26,55 +27,23 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
-
-import crc32c
-import torch
-import torch.distributed as dist
 
 from safepoint.dist import Comm
 from safepoint.errors import CheckpointError
-from safepoint.store.checksum import crc_hex
 from safepoint.store.guard import remove_tree
 from safepoint.store.layout import Layout
 from safepoint.store.manifest import Manifest
 from safepoint.store.nodes import NodeMap, file_rank
 from safepoint.store.storage import METADATA_NAME
+from safepoint.tiers.peer_stream import Entry, exchange
 
 log = logging.getLogger("safepoint")
 PEERS_DIR = ".peers"
 REPLICA_NAME = "replica.json"
-Entry = tuple[str, int, str]  # name, size, crc32c
 
 
 def _leaders(nodes: NodeMap) -> list[int]:
     return sorted({nodes.leader(r) for r in range(len(nodes.nodes))})
-
-
-def _exchange(comm: Comm, plan: list[tuple[int, int, Entry]], read: dict[str, Path]) -> dict[str, bytes]:
-    """Run ``plan`` ((sender, receiver, file) in the same order on every rank): this rank sends the files
-    it is the sender of (from ``read``) and returns the bytes of those it receives, crc32c checked."""
-    works: list[Any] = []
-    received: list[tuple[str, str, torch.Tensor]] = []
-    for src, dst, (name, size, crc) in plan:
-        if comm.rank == src and size:
-            blob = torch.frombuffer(bytearray(read[name].read_bytes()), dtype=torch.uint8)
-            works.append(dist.isend(blob, dst=comm._global(dst), group=comm.group))
-        elif comm.rank == dst:
-            buf = torch.empty(size, dtype=torch.uint8)
-            if size:
-                works.append(dist.irecv(buf, src=comm._global(src), group=comm.group))
-            received.append((name, crc, buf))
-    for w in works:
-        w.wait()
-    out = {}
-    for name, crc, buf in received:
-        data: bytes = buf.numpy().tobytes()
-        if crc_hex(crc32c.crc32c(data)) == crc:
-            out[name] = data
-        else:
-            log.warning("safepoint: %s from a peer does not match its crc32c; not using it", name)
-    return out
 
 
 def replicate(comm: Comm, nodes: NodeMap, local: Layout, step: int) -> None:
@@ -97,34 +66,31 @@ def replicate(comm: Comm, nodes: NodeMap, local: Layout, step: int) -> None:
         if got is not None and dst != src:
             plan.extend((src, dst, entry) for entry in got[1])
     base = local.step_path(step)
-    data = _exchange(comm, plan, {n: base / n for _, _, (n, _, _) in plan})
-    if not nodes.is_leader:
-        return
-    i = leaders.index(comm.rank)
+    # This leader's replica arrives straight into .pending (chunk by chunk: see peer_stream) and is
+    # renamed into .peers once every file checked.
+    i = leaders.index(nodes.leader())
     src = leaders[(i - 1) % len(leaders)]
-    sent = offers[src]
-    if sent is None or src == comm.rank:
+    sent = offers[src] if nodes.is_leader and src != comm.rank else None
+    pending = local.pending_root / f"replica-step-{step}-{sent[0] if sent else ''}"
+    if sent is not None:
+        remove_tree(pending)
+    data = exchange(comm, plan, {n: base / n for _, _, (n, _, _) in plan}, pending)
+    if sent is None:
         return
     if len(data) != len(sent[1]):
         log.warning("safepoint: replica of step %d from rank %d incomplete; not keeping it", step, src)
+        remove_tree(pending)
         return
     try:
-        _commit_replica(local, step, sent[0], sent[1], data)
+        _commit_replica(local, step, sent[0], sent[1], pending)
     except OSError as e:
         log.warning("safepoint: cannot keep the peer replica of step %d: %s", step, e)
+        remove_tree(pending)
 
 
-def _commit_replica(
-    local: Layout, step: int, save_id: str, entries: list[Entry], data: dict[str, bytes]
-) -> None:
+def _commit_replica(local: Layout, step: int, save_id: str, entries: list[Entry], pending: Path) -> None:
+    """``pending`` holds every file of the replica (checked): add its record and make it the replica."""
     peers = local.root / PEERS_DIR
-    pending = local.pending_root / f"replica-step-{step}-{save_id}"
-    remove_tree(pending)
-    pending.mkdir(parents=True)
-    for name, blob in data.items():
-        with open(pending / name, "wb") as f:
-            f.write(blob)
-            os.fsync(f.fileno())
     record = {"step": step, "save_id": save_id, "files": {n: [s, c] for n, s, c in entries}}
     with open(pending / REPLICA_NAME, "w") as f:
         json.dump(record, f)
@@ -181,13 +147,7 @@ def restore_from_peers(
             if src is not None:
                 e = manifest.files[name]
                 plan.append((src, dst, (name, e.size, e.crc32c)))
-    data = _exchange(comm, plan, replica)
-    if data:
-        into.mkdir(parents=True, exist_ok=True)
-        for name, blob in data.items():
-            with open(into / f"{name}.part", "wb") as f:
-                f.write(blob)
-            os.replace(into / f"{name}.part", into / name)
+    exchange(comm, plan, replica, into)  # each file checked, written as <name>.part, then renamed
     comm.barrier("peer restore")  # the leader's files are written before any rank of its node reads them
     leader = nodes.leader()
     return {name: into / name for _, d, (name, _, _) in plan if d == leader and (into / name).is_file()}

@@ -1,0 +1,33 @@
+"""Peer replicas move files in chunks (tiers/peer_stream.py): three real ranks on gloo, every pattern the
+replicas use (a ring, one rank sending to two, two sending to one), sizes around the chunk size, and files
+a receiver must refuse (wrong crc32c, short or absent on the sender). Memory stays one chunk per pair: a
+48 MiB file crosses with 1 MiB chunks while neither end's peak memory grows by as much as half of it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import SUBPROCESS_ENV
+
+WORKER = Path(__file__).parents[1] / "helpers" / "procs" / "peer_stream_worker.py"
+
+
+def test_files_cross_in_chunks_checked_and_in_bounded_memory(tmp_path: Path) -> None:
+    procs = [
+        subprocess.Popen([sys.executable, str(WORKER), str(rank), str(tmp_path)], env=SUBPROCESS_ENV)
+        for rank in range(3)
+    ]
+    for p in procs:
+        assert p.wait(timeout=300) == 0
+    results = [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in range(3)]
+    assert results[0]["received"] == ["big"]  # "wrong", "short" and "absent" are refused
+    assert results[0]["files"] == ["big"]  # ... and leave no .part behind
+    assert results[1]["received"] == ["above", "below", "empty", "exact", "one", "second-partner", "several"]
+    assert results[2]["received"] == ["also", "ring"]
+    for r in results:
+        assert all(r["same"].values()), r
+    for rank in (0, 1):  # the big file's receiver and sender
+        assert results[rank]["peak_growth_kib"] < 24 * 1024, results[rank]
