@@ -153,7 +153,7 @@ class CheckpointManager:
         return self._comms[-1]
 
     def _destroy_parts(self) -> None:
-        """Give back whatever a failed start built, in close()'s order; nothing waited for or raised."""
+        """Give back whatever a failed start built: what close() gives back, in its order."""
         atexit.unregister(self._finish_at_exit)  # a no-op if it was not registered
         if (tiers := getattr(self, "_tiers", None)) is not None:
             tiers.close(raise_failure=False)
