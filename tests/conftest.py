@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,3 +38,17 @@ def _wide_output(monkeypatch: pytest.MonkeyPatch) -> None:
 def _quiet_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     # 2-core CI machines: keep torch from oversubscribing when several processes run.
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+
+
+_HEARTBEATS = ("safepoint-lease", "safepoint-remote-lease")
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_heartbeat() -> Iterator[None]:
+    # A manager left open keeps its lease's heartbeat running until the interpreter exits: at the end of
+    # the run it then logs failed writes to a store the suite has already stopped. Close every manager.
+    before = set(threading.enumerate())
+    yield
+    leaked = [t.name for t in threading.enumerate() if t.name in _HEARTBEATS and t not in before]
+    if leaked:
+        pytest.fail(f"lease heartbeat thread(s) still running after the test: {leaked} (close the manager)")

@@ -123,41 +123,50 @@ class CheckpointManager:
         self._schedule = SaveSchedule(save_every_steps, save_every_seconds, local=local)
         self.saves = self._schedule.saves  # the same list: what the training loop's saves cost
         self._comms: list[Comm] = []  # every group this manager created, destroyed if __init__ fails
-        try:
+        self._lease: Any = None
+        self._closed = False
+        self._runs: RunHistory | None = None
+        self._emergency: EmergencySave | None = None
+        try:  # whatever fails (KeyboardInterrupt included), nothing started here outlives the constructor
             self._build(durable, retention, cluster, writer, async_save, process_fallback, keep_local_last)
             self._preemption = Preemption.build(
                 self.comm, signals=preemption_signals, options=notices, grace_seconds=grace_seconds
             )
+            self._resume.before_create(self.comm)
+            self._take_ownership(cluster.lease_stale_after_s)
+            if isinstance(self.layout, Layout):  # "auto" was refused above for a URL root alone
+                self._runs = self._schedule.add_adaptive(self.layout, self.comm)
+            if self._at_exit:
+                # A script that ends without close() must not kill the writer mid-file at interpreter
+                # shutdown (torch's C++ writer aborts the process then): let the save in flight finish.
+                atexit.register(self._finish_at_exit)
+            if self._preemption is not None:
+                parts = (self._schedule, self._tiers, self.layout, self._writer, self._runs, self._save_sync)
+                self._emergency = EmergencySave(self._preemption, *parts)
+                self._preemption.start()
         except BaseException:
             self._destroy_parts()
             raise
-        self._lease: Any = None
-        self._closed = False
-        self._resume.before_create(self.comm)
-        self._take_ownership(cluster.lease_stale_after_s)
-        self._runs: RunHistory | None = None
-        if isinstance(self.layout, Layout):  # "auto" was refused above for a URL root alone
-            self._runs = self._schedule.add_adaptive(self.layout, self.comm)
-        if self._at_exit:
-            # A script that ends without close() must not kill the writer mid-file at interpreter
-            # shutdown (torch's C++ writer aborts the process then): let the save in flight finish.
-            atexit.register(self._finish_at_exit)
-        self._emergency: EmergencySave | None = None
-        if self._preemption is not None:
-            parts = (self._schedule, self._tiers, self.layout, self._writer, self._runs, self._save_sync)
-            self._emergency = EmergencySave(self._preemption, *parts)
-            self._preemption.start()
 
     def _new_comm(self, timeout_s: float) -> Comm:
-        comm = Comm(timeout_s)
-        self._comms.append(comm)
-        return comm
+        self._comms.append(Comm(timeout_s))
+        return self._comms[-1]
 
     def _destroy_parts(self) -> None:
-        """Give back what a failed start built: the writer process and every group."""
-        process: WriterProcess | None = getattr(self, "_process", None)
-        if process is not None:
+        """Give back whatever a failed start built: what close() gives back, in its order."""
+        atexit.unregister(self._finish_at_exit)  # a no-op if it was not registered
+        if (tiers := getattr(self, "_tiers", None)) is not None:
+            tiers.close(raise_failure=False)
+        if (preemption := getattr(self, "_preemption", None)) is not None:
+            preemption.stop()
+        if (process := getattr(self, "_process", None)) is not None:
             process.close()
+        if (stager := getattr(self, "_stager", None)) is not None:
+            stager.release()
+        # The layout holds the lease from the moment it exists: take_ownership may not have returned it.
+        lease, self._lease = self._lease or self.layout.owner, None
+        if lease is not None:
+            lease.release()
         for comm in self._comms:
             comm.destroy()
 
@@ -219,12 +228,7 @@ class CheckpointManager:
             self.comm, self.layout, self._tiers, self.root, stale_after_s, self._job
         )
         if error is not None:
-            if self._lease is not None:
-                self._lease.release()
-            self._tiers.close(raise_failure=False)
-            self._destroy_parts()
-            self._closed = True
-            raise error
+            raise error  # __init__ gives back what was started
         self._tiers.start()
 
     # ---- saving --------------------------------------------------------------------------------------

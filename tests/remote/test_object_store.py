@@ -274,7 +274,8 @@ def test_durable_retention_and_keep_local_last(tmp_path: Path, moto_endpoint: st
             mgr.wait()
     assert RemoteLayout(url, opts).committed_steps() == [10, 12, 13], "keep_last=2 + milestone every 10"
     assert Layout(local).committed_steps() == [12, 13]
-    assert [i.step for i in safepoint.CheckpointManager(url, **kw).list()] == [10, 12, 13]
+    with safepoint.CheckpointManager(url, **kw) as mgr:
+        assert [i.step for i in mgr.list()] == [10, 12, 13]
 
 
 def test_keep_local_last_never_deletes_before_the_upload_commits(

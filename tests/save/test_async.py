@@ -170,7 +170,8 @@ def test_background_failure_surfaces_from_each_call(root: Path, call: str) -> No
             mgr.maybe_save(2, s.state())
     (root / ".pending").unlink()
     mgr.close()
-    assert safepoint.CheckpointManager(root).list() == []
+    with safepoint.CheckpointManager(root) as mgr:
+        assert mgr.list() == []
 
 
 def test_close_waits_for_the_save_in_flight(root: Path) -> None:

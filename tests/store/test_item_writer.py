@@ -116,12 +116,12 @@ def test_checkpoint_of_a_real_model_is_verified_and_restored(tmp_path: Path) -> 
     opt = torch.optim.Adam(model.parameters())
     model(torch.randn(2, 13)).sum().backward()
     opt.step()
-    mgr = safepoint.CheckpointManager(tmp_path / "root")
-    mgr.save(1, safepoint.TrainState(model=model, optimizer=opt))
-    mgr.layout.verify(1)  # size and crc32c of every file, as written
     fresh = nn.Sequential(*[nn.Linear(13, 13) for _ in range(20)])
     fresh_opt = torch.optim.Adam(fresh.parameters())
-    mgr.restore(safepoint.TrainState(model=fresh, optimizer=fresh_opt))
+    with safepoint.CheckpointManager(tmp_path / "root") as mgr:
+        mgr.save(1, safepoint.TrainState(model=model, optimizer=opt))
+        mgr.layout.verify(1)  # size and crc32c of every file, as written
+        mgr.restore(safepoint.TrainState(model=fresh, optimizer=fresh_opt))
     for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         assert _same_bits(a.detach(), b.detach())
     for sa, sb in zip(opt.state.values(), fresh_opt.state.values(), strict=True):
@@ -147,14 +147,12 @@ def test_big_tensors_are_written_by_torch_save_itself() -> None:
 
 def test_a_changed_state_is_planned_afresh(tmp_path: Path) -> None:
     # Saves reuse DCP's cached plan while the state keeps its shape; a new shape must not reuse it.
-    mgr = safepoint.CheckpointManager(tmp_path / "root")
-    small, big = nn.Linear(4, 4), nn.Linear(5, 6)
-    mgr.save(1, safepoint.TrainState(model=small, rng=False))
-    mgr.save(2, safepoint.TrainState(model=small, rng=False))
-    mgr.save(3, safepoint.TrainState(model=big, rng=False))
-    fresh = nn.Linear(5, 6)
-    assert mgr.restore(safepoint.TrainState(model=fresh, rng=False)) == 3
+    small, big, fresh, again = nn.Linear(4, 4), nn.Linear(5, 6), nn.Linear(5, 6), nn.Linear(4, 4)
+    with safepoint.CheckpointManager(tmp_path / "root") as mgr:
+        mgr.save(1, safepoint.TrainState(model=small, rng=False))
+        mgr.save(2, safepoint.TrainState(model=small, rng=False))
+        mgr.save(3, safepoint.TrainState(model=big, rng=False))
+        assert mgr.restore(safepoint.TrainState(model=fresh, rng=False)) == 3
+        assert mgr.restore(safepoint.TrainState(model=again, rng=False), step=2) == 2
     assert _same_bits(fresh.weight.detach(), big.weight.detach())
-    again = nn.Linear(4, 4)
-    assert mgr.restore(safepoint.TrainState(model=again, rng=False), step=2) == 2
     assert _same_bits(again.weight.detach(), small.weight.detach())

@@ -156,6 +156,38 @@ def remove_tree(path: Path) -> str | None:
     return None
 
 
+def remove_tree_from(path: Path, first: str, expected: tuple[int, int] | None) -> bool:
+    """Unlink ``path``/``first``, then (only if that worked) the whole directory :func:`remove_tree`.
+
+    ``first`` is unlinked through a descriptor of ``path`` opened without following a symlink and checked
+    to be the directory ``expected`` (device, inode): a ``path`` swapped for a symlink, or for another
+    directory, after the caller looked can never make this unlink a file elsewhere. Returns False, having
+    deleted nothing, when ``path`` is no longer that directory; True otherwise (also when unlinking
+    ``first`` failed and the directory was left intact)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if expected is not None and (st.st_dev, st.st_ino) != expected:
+            return False
+        os.unlink(first, dir_fd=fd)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    try:
+        now = os.lstat(path)
+    except OSError:
+        return True
+    if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):  # else what stands there now is not ours
+        remove_tree(path)
+    return True
+
+
 def check_bare(step: int | None, name: object, what: str) -> str:
     """``name`` if it is a bare file name, else CorruptCheckpointError naming ``what`` it came from."""
     problem = bare_name_problem(name)

@@ -38,6 +38,7 @@ from safepoint.store.guard import (
     parse_step,
     real_dir_problem,
     remove_tree,
+    remove_tree_from,
 )
 from safepoint.store.heartbeat import HeartbeatLease
 from safepoint.store.lease import Lease
@@ -280,7 +281,7 @@ class Layout:
         try:
             os.rename(parked, doomed)
         except OSError:
-            _remove_manifest_first(parked)
+            _remove_manifest_first(parked, expected)
             return
         remove_tree(doomed)
 
@@ -335,7 +336,9 @@ class Layout:
         expected = _identity(src)  # before the fence: what this owner decided to delete
         self.fence(f"deleting step {step}")
         if real_dir_problem(self.pending_root) or not self.pending_root.exists():
-            _remove_manifest_first(src)  # in place: through a symlinked .pending it would go outside ROOT
+            # In place: through a symlinked .pending it would go outside ROOT.
+            if not _remove_manifest_first(src, expected):
+                self._lost(f"deleting step {step}", f"{src} was replaced meanwhile")
             return
         doomed = self.pending_root / f"{_DELETING_PREFIX}{src.name}-{uuid.uuid4().hex[:8]}"
         os.rename(src, doomed)
@@ -402,11 +405,8 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def _remove_manifest_first(path: Path) -> None:
+def _remove_manifest_first(path: Path, expected: tuple[int, int] | None) -> bool:
     """Delete a checkpoint directory so it never looks whole while half-deleted: the manifest goes first,
-    and if that fails the directory is left intact (recovery may then put back only complete copies)."""
-    try:
-        (path / MANIFEST_NAME).unlink(missing_ok=True)
-    except OSError:
-        return
-    remove_tree(path)
+    and if that fails the directory is left intact (recovery may then put back only complete copies).
+    False, having deleted nothing, if ``path`` is no longer the directory ``expected`` (guard)."""
+    return remove_tree_from(path, MANIFEST_NAME, expected)
