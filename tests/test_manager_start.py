@@ -4,7 +4,7 @@ opens at once (it used to find the root held by this live process and open read-
 
 from __future__ import annotations
 
-import json
+import signal
 import threading
 import warnings
 from pathlib import Path
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import safepoint
+from safepoint.preempt.preemption import Preemption
 from safepoint.tiers.base import ReadOnlyRootWarning
 
 
@@ -21,20 +22,23 @@ def _live_children() -> list[psutil.Process]:
     return [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
 
 
-def test_a_start_that_fails_after_the_lease_gives_everything_back(root: Path) -> None:
-    # A real late failure: save_every_seconds="auto" reads ROOT/.attempts.json once the root is taken,
-    # and an attempt whose "end" is no number stops the start (as any exception after the lease may).
-    root.mkdir()
-    attempts = [{"start": 1.0, "end": "soon", "outcome": "closed"}]
-    (root / ".attempts.json").write_text(json.dumps({"version": 1, "attempts": attempts}))
+def test_a_start_that_fails_after_the_lease_gives_everything_back(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The constructor's last step (starting the preemption sources, after the lease, the heartbeat and the
+    # writer process) fails as a thread start does when the process is out of threads.
+    def out_of_threads(self: object) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(Preemption, "start", out_of_threads)
     threads_before, children_before = set(threading.enumerate()), _live_children()
-    with pytest.raises(ValueError, match="soon"):
-        safepoint.CheckpointManager(root, save_every_seconds="auto", async_save=True)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        safepoint.CheckpointManager(root, async_save=True, preemption_signals=[signal.SIGUSR1])
     left = [t.name for t in threading.enumerate() if t not in threads_before]
     assert left == [], f"threads left running: {left}"
     assert _live_children() == children_before, "the writer process was left running"
-    (root / ".attempts.json").unlink()
+    monkeypatch.undo()
     with warnings.catch_warnings():
         warnings.simplefilter("error", ReadOnlyRootWarning)  # the lease was given back: not read-only
-        with safepoint.CheckpointManager(root, save_every_seconds="auto") as mgr:
+        with safepoint.CheckpointManager(root) as mgr:
             assert mgr.save(1, safepoint.TrainState(model=torch.nn.Linear(2, 2))) is not None

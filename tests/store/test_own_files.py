@@ -179,3 +179,29 @@ def test_takeover_moves_aside_only_the_lease_it_judged_stale(root: Path) -> None
         assert sorted(p.name for p in root.iterdir()) == [".lease"]
     finally:
         b.release()
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"start": 1.0, "end": "soon", "outcome": "closed"},
+        {"start": 1.0, "end": float("inf"), "outcome": "closed"},
+        {"start": True, "outcome": "closed"},
+        {"start": 1.0, "outcome": ["closed"]},
+        "deep",
+    ],
+)
+def test_a_malformed_attempts_record_is_ignored_not_a_failed_start(
+    root: Path, record: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # .attempts.json is advice for the adaptive interval: a record summarize() cannot read (or JSON too
+    # deep to parse) means the history starts over, never a traceback from the constructor.
+    root.mkdir()
+    path = root / ".attempts.json"
+    if record == "deep":
+        path.write_text('{"version": 1, "attempts": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    else:
+        path.write_text(json.dumps({"version": 1, "attempts": [record]}))
+    with safepoint.CheckpointManager(root, save_every_seconds="auto") as mgr:
+        assert mgr.save(1, safepoint.TrainState(model=torch.nn.Linear(2, 2))) is not None
+    assert f"ignoring unreadable {path}" in caplog.text

@@ -218,14 +218,12 @@ class RunHistory:
         try:
             data = json.loads(read_regular(self.path, _MAX_HISTORY_BYTES))
             attempts = data["attempts"]
-            if not isinstance(attempts, list) or not all(
-                isinstance(a, dict) and isinstance(a.get("start"), (int, float)) for a in attempts
-            ):
+            if not isinstance(attempts, list) or not all(_well_formed(a) for a in attempts):
                 raise ValueError("malformed attempts list")
             return attempts
         except FileNotFoundError:
             return []
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
             log.warning(
                 "safepoint: ignoring unreadable %s (%s); the restart history starts over", self.path, e
             )
@@ -328,3 +326,19 @@ def adaptive_policy(
             )
 
     return AdaptiveSeconds(config, lambda: [*recorded, *costs()], mtbf), runs
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _well_formed(a: Any) -> bool:
+    """An attempt record as summarize() and the inference of a killed run read it: a finite start, an end
+    that is absent or a finite number, an outcome that is absent or a string. The file is advice: one bad
+    record means the history starts over, never that the manager fails to start."""
+    return (
+        isinstance(a, dict)
+        and _number(a.get("start"))
+        and (a.get("end") is None or _number(a.get("end")))
+        and (a.get("outcome") is None or isinstance(a.get("outcome"), str))
+    )
