@@ -23,9 +23,10 @@ from typing import Any, TypeVar
 import crc32c
 
 from safepoint.remote.retry import DamagedInTransit, UploadError, cause_code
-from safepoint.remote.s3read import S3Reader, composite
+from safepoint.remote.s3read import S3Reader, composite, composite_value
 from safepoint.remote.upload import FileCopy, b64_crc, check_local, combine, hex_crc, read_range
 from safepoint.store.checksum import crc_hex
+from safepoint.store.manifest import Parts
 
 log = logging.getLogger("safepoint")
 T = TypeVar("T")
@@ -124,11 +125,12 @@ class S3Store(S3Reader):
 
     # ---- files ------------------------------------------------------------------------------------------
 
-    def put_files(self, items: Sequence[FileCopy]) -> None:
-        self.run(self._put_all, items)
+    def put_files(self, items: Sequence[FileCopy]) -> dict[str, Parts]:
+        done = self.run(self._put_all, items)
         self.fs.invalidate_cache()
+        return done
 
-    async def _put_all(self, items: Sequence[FileCopy]) -> None:
+    async def _put_all(self, items: Sequence[FileCopy]) -> dict[str, Parts]:
         """Small files all at once; big files one after another, each with every slot for its parts.
 
         One big file keeps ``concurrency`` requests busy by itself. Finishing files one by one instead of
@@ -137,24 +139,31 @@ class S3Store(S3Reader):
         """
         small = [i for i in items if i.size <= self.cfg.part_size]
         big = sorted((i for i in items if i.size > self.cfg.part_size), key=lambda i: i.remote)
+        parts: dict[str, Parts] = {}
 
         async def big_ones() -> None:
             for item in big:
-                await self._put_file(item)
+                if (p := await self._put_file(item)) is not None:
+                    parts[item.remote] = p
 
         await self._gather([big_ones(), *(self._put_file(i) for i in small)])
+        return parts
 
     def put_file(self, item: FileCopy) -> None:
         self.put_files([item])
 
-    async def _put_file(self, item: FileCopy) -> None:
+    async def _put_file(self, item: FileCopy) -> Parts | None:
         # The whole file again if the store holds other bytes than were sent (DamagedInTransit).
         what = f"upload of {item.local} to {self.url(item.remote)}"
-        await self.aretry(what, lambda: self._put_file_once(item, what))
+        return await self.aretry(what, lambda: self._put_file_once(item, what))
 
-    async def _put_file_once(self, item: FileCopy, what: str) -> None:
+    async def _put_file_once(self, item: FileCopy, what: str) -> Parts | None:
+        """Upload one file; the parts it went up in when its stored checksum is a composite one (the manifest
+        records them, so that the object can be verified later without reading it), else None."""
         bucket, key = self._split(item.remote)
+        # Deterministic parts (the configured size, or more for a file of over 10,000 of them).
         psize = max(self.cfg.part_size, -(-item.size // _MAX_PARTS))
+        full = self.cfg.full_object_checksum is True
         part_crcs: list[int] = []
         if item.size <= psize:
             async with self.sem:
@@ -163,7 +172,7 @@ class S3Store(S3Reader):
                 check_local(item, crc_hex(crc))
                 answer = await self.aretry(what, lambda: self._put(bucket, key, data, item.crc32c, {}))
         else:
-            upload_id = await self.create_mpu(bucket, key, what)
+            upload_id = await self.create_mpu(bucket, key, what, full=full)
             try:
 
                 async def part(n: int, off: int) -> tuple[dict[str, Any], int, int]:
@@ -179,16 +188,17 @@ class S3Store(S3Reader):
                 part_crcs = [crc for _, crc, _ in done]
                 check_local(item, combine([(crc, n) for _, crc, n in done]))
                 answer = await self.complete_mpu(
-                    bucket, key, upload_id, [p for p, _, _ in done], item.crc32c, what
+                    bucket, key, upload_id, [p for p, _, _ in done], item.crc32c, what, full=full
                 )
             except BaseException:
                 await self.abort_mpu(bucket, key, upload_id)
                 raise
-        if _answer_confirms(answer, item.crc32c, self.cfg.full_object_checksum or not part_crcs):
-            return  # the store's own full-object CRC32C of what it stored, in its answer: no HEAD needed
-        await self.aconfirm(item.remote, item.size, item.crc32c, what, part_crcs)
+        parts = None if full or not part_crcs else Parts(size=psize, crc32c=tuple(map(crc_hex, part_crcs)))
+        if not _answer_confirms(answer, item.crc32c, part_crcs if parts else None):
+            await self.aconfirm(item.remote, item.size, item.crc32c, what, part_crcs)
+        return parts
 
-    async def create_mpu(self, bucket: str, key: str, what: str) -> str:
+    async def create_mpu(self, bucket: str, key: str, what: str, *, full: bool) -> str:
         r = await self.aretry(
             what,
             lambda: self.call(
@@ -197,7 +207,7 @@ class S3Store(S3Reader):
                 Key=key,
                 ChecksumAlgorithm="CRC32C",
                 # Explicit either way: a HEAD then says which kind the stored checksum is.
-                ChecksumType="FULL_OBJECT" if self.cfg.full_object_checksum else "COMPOSITE",
+                ChecksumType="FULL_OBJECT" if full else "COMPOSITE",
             ),
         )
         return str(r["UploadId"])
@@ -222,15 +232,20 @@ class S3Store(S3Reader):
         return {"PartNumber": n, "ETag": r["ETag"], "ChecksumCRC32C": b64}
 
     async def complete_mpu(
-        self, bucket: str, key: str, upload_id: str, parts: list[dict[str, Any]], crc: str, what: str
+        self,
+        bucket: str,
+        key: str,
+        upload_id: str,
+        parts: list[dict[str, Any]],
+        crc: str,
+        what: str,
+        *,
+        full: bool,
     ) -> Any:
-        """Complete the upload; the store's answer (None if a retry found it already completed)."""
+        """Complete the upload (``full``: with the full-object CRC32C ``crc``, which S3 checks); the store's
+        answer (None if a retry found it already completed)."""
         attempts = 0
-        full = (
-            {"ChecksumCRC32C": b64_crc(crc), "ChecksumType": "FULL_OBJECT"}
-            if self.cfg.full_object_checksum
-            else {}
-        )
+        whole = {"ChecksumCRC32C": b64_crc(crc), "ChecksumType": "FULL_OBJECT"} if full else {}
 
         async def complete() -> Any:
             nonlocal attempts
@@ -242,7 +257,7 @@ class S3Store(S3Reader):
                     Key=key,
                     UploadId=upload_id,
                     MultipartUpload={"Parts": parts},
-                    **full,
+                    **whole,
                 )
             except Exception as e:
                 # A retry after a completion whose answer was lost: the upload is gone because it
@@ -282,8 +297,7 @@ class S3Store(S3Reader):
         stored = head.get("ChecksumCRC32C")
         if composite(head):
             # S3 spells it "<b64>-<parts>" (moto's HEAD leaves the suffix off): compare the value part.
-            joined = b"".join(c.to_bytes(4, "big") for c in parts)
-            expected = b64_crc(crc_hex(crc32c.crc32c(joined)))
+            expected = composite_value(parts)
             if parts and str(stored).split("-")[0] != expected:
                 raise DamagedInTransit(f"the store reports composite crc32c {stored}, expected {expected}")
             return
@@ -306,16 +320,26 @@ class KeyDeleteError(Exception):
         super().__init__(f"{first.get('Code')}: {message}")
 
 
-def _answer_confirms(answer: Any, crc: str, full_object: bool) -> bool:
+def _answer_confirms(answer: Any, crc: str, parts: Sequence[int] | None) -> bool:
     """Whether a PUT's or a multipart completion's answer already confirms the object: it carries the
-    full-object CRC32C the store holds for it, equal to ours. S3 computes that value from the bytes it
-    received (and refuses a request whose checksum differs), so the HEAD that would report the same value
-    is one round trip per object saved. Anything else (no checksum in the answer, a composite one, a
-    retried completion whose answer was lost) is confirmed by a HEAD. A different value raises."""
-    if not full_object or not isinstance(answer, dict):
+    CRC32C the store holds for it, equal to ours: the full-object one, or (``parts``: a composite upload)
+    the composite one those parts make. S3 computes those values from the bytes it received (and refuses a
+    request whose checksum differs), so the HEAD that would report the same value is one round trip per
+    object saved. Anything else (no checksum in the answer, another kind than expected, a retried
+    completion whose answer was lost) is confirmed by a HEAD. A different value raises."""
+    if not isinstance(answer, dict) or not isinstance(stored := answer.get("ChecksumCRC32C"), str):
         return False
-    stored = answer.get("ChecksumCRC32C")
-    if not isinstance(stored, str) or answer.get("ChecksumType", "FULL_OBJECT") != "FULL_OBJECT":
+    kind = answer.get("ChecksumType", "COMPOSITE" if "-" in stored else "FULL_OBJECT")
+    if parts is not None:
+        if kind != "COMPOSITE":
+            return False
+        b64, _, count = stored.partition("-")
+        if b64 != composite_value(parts) or (count and count != str(len(parts))):
+            raise DamagedInTransit(
+                f"the store reports composite crc32c {stored}, expected {composite_value(parts)}"
+            )
+        return True
+    if kind != "FULL_OBJECT":
         return False
     value = hex_crc(stored)
     if value is not None and value != crc:

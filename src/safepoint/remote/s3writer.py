@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 from typing import Any
 
 import crc32c
@@ -31,6 +32,9 @@ class S3Writer(RawWriter):
         self._crcs: list[tuple[int, int]] = []
         self._upload_id: str | None = None
         self._done = False
+        # Full-object unless asked otherwise: a streamed file's parts are not recorded in the manifest (the
+        # rank's file list carries size and crc32c only), so a composite value could not be checked later.
+        self._full = store.cfg.full_object_checksum is not False
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
@@ -48,7 +52,9 @@ class S3Writer(RawWriter):
     def _send(self, chunk: bytes) -> None:
         s = self._s
         if self._upload_id is None:
-            self._upload_id = s.run(s.create_mpu, self._bucket, self._key, self._what)
+            self._upload_id = s.run(
+                functools.partial(s.create_mpu, self._bucket, self._key, self._what, full=self._full)
+            )
         in_flight = [f for f in self._parts if not f.done()]
         while len(in_flight) >= s.cfg.concurrency:
             concurrent.futures.wait(in_flight, return_when=concurrent.futures.FIRST_COMPLETED)
@@ -80,7 +86,8 @@ class S3Writer(RawWriter):
                     self._send(bytes(self._buf))
                 parts = [f.result() for f in self._parts]
                 crc = combine(self._crcs)
-                s.run(s.complete_mpu, self._bucket, self._key, self._upload_id, parts, crc, self._what)
+                complete = functools.partial(s.complete_mpu, full=self._full)
+                s.run(complete, self._bucket, self._key, self._upload_id, parts, crc, self._what)
             size = sum(n for _, n in self._crcs) if self._upload_id else len(self._buf)
             s.run(s.aconfirm, self._path, size, crc, self._what, [c for c, _ in self._crcs])
             self._done = True
