@@ -210,8 +210,8 @@ class RemoteLayout:
         return {k: v for k, v in self.store.sizes(pending).items() if "/" not in k}
 
     def put_files(self, pending: str, files: list[tuple[str, str, int, str]]) -> dict[str, Parts]:
-        """Upload local files (path, name, size, crc32c) into ``pending``, each verified by the store.
-        Returns {name: parts} for what the manifest must record (``Manifest.with_parts``)."""
+        """Upload local files (path, name, size, crc32c) into ``pending``, each verified by the store;
+        {name: parts} that the manifest must record (``Manifest.with_parts``)."""
         done = self.store.put_files([FileCopy(lp, posixpath.join(pending, n), s, c) for lp, n, s, c in files])
         return {posixpath.basename(path): parts for path, parts in done.items()}
 
@@ -246,9 +246,8 @@ class RemoteLayout:
 
         def check(name: str) -> str | None:
             # Objects went up with their crc32c checked by us (and by S3): size + the store's checksum.
-            entry = manifest.files[name]
-            path = posixpath.join(prefix, name)
-            return self.store.check(path, entry.size, entry.crc32c, read=False, parts=entry.parts)
+            e = manifest.files[name]
+            return self.store.check(posixpath.join(prefix, name), e.size, e.crc32c, read=False, parts=e.parts)
 
         for name, problem in zip(names, self.store._parallel(check, names), strict=True):
             if problem:

@@ -94,8 +94,9 @@ class Manifest:
         return {name: (e.size, e.crc32c) for name, e in self.files.items()}
 
     def with_parts(self, parts: dict[str, Parts]) -> Manifest:
-        """A copy whose entries carry ``parts`` ({file name: how it went up}); the rest unchanged."""
-        files = {n: dataclasses.replace(e, parts=parts.get(n, e.parts)) for n, e in self.files.items()}
+        """A copy whose entries carry ``parts`` ({file name: how it went up this time}; others none: a part
+        record copied from another store's manifest would not describe this upload); the rest unchanged."""
+        files = {n: dataclasses.replace(e, parts=parts.get(n)) for n, e in self.files.items()}
         return dataclasses.replace(self, files=files)
 
     def to_json(self) -> bytes:

@@ -131,7 +131,7 @@ def upload_checkpoint(
 def with_parts(manifest: Manifest, parts: Sequence[dict[str, Parts] | None]) -> Manifest:
     """``manifest`` recording the parts every rank's uploads went up in (``RemoteLayout.put_files``)."""
     merged = {name: p for rank in parts for name, p in (rank or {}).items()}
-    return manifest.with_parts(merged) if merged else manifest
+    return manifest.with_parts(merged)
 
 
 def _owner(name: str, world_size: int) -> int:
