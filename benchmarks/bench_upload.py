@@ -156,6 +156,12 @@ def bench_throughput(
     variants = [*remotes, "boto3"]
     rows: dict[str, list[float]] = {v: [] for v in variants}
     cpu: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
+    for variant in variants if args.warmup else []:  # untimed: sessions, connection pools, thread pools
+        empty_bucket(client, bucket)
+        if variant in remotes:
+            upload_safepoint(layout, remotes[variant])
+        else:
+            upload_boto3(layout, client, bucket, "boto3")
     for r in range(args.rounds):
         order = variants[r % len(variants) :] + variants[: r % len(variants)]  # rotated each round
         for variant in order:
@@ -242,6 +248,7 @@ def main() -> None:
     p.add_argument("--moto-nice", type=int, default=10, help="nice value of the moto server (0: none)")
     p.add_argument("--skip", choices=["throughput", "blocking"], action="append", default=[])
     p.add_argument("--part-mib", type=int, action="append", default=[], help="also safepoint, these parts")
+    p.add_argument("--warmup", type=int, default=1, help="an untimed upload per variant first (0: none)")
     p.add_argument("--no-full-object", action="store_true", help="leave out safepoint-full-object")
     args = p.parse_args()
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")

@@ -22,7 +22,7 @@ import safepoint
 from safepoint.errors import CorruptCheckpointError
 from safepoint.remote.layout import RemoteLayout
 from safepoint.remote.s3store import S3Store
-from safepoint.remote.upload import FileCopy, MiB, TransferConfig
+from safepoint.remote.upload import FileCopy, MiB, TransferConfig, UploadError
 from safepoint.store.checksum import crc_hex
 from safepoint.store.manifest import MANIFEST_NAME, FileEntry, Manifest, Parts
 from tests.helpers.s3 import FaultProxy, storage_options
@@ -125,3 +125,23 @@ def test_malformed_parts_make_a_corrupt_manifest(parts: Parts) -> None:
     )
     with pytest.raises(CorruptCheckpointError, match="parts|part checksums"):
         Manifest.from_json(bad.to_json())
+
+
+def test_a_failed_file_stops_the_next_one_overlapping_it(
+    tmp_path: Path, moto_endpoint: str, bucket: str
+) -> None:
+    """Big files go one after another, the next starting while the previous completes: when the first
+    fails after its parts went up (its local file no longer matches the manifest), the upload fails and
+    no multipart upload is left open, neither the first's nor the one started beside it."""
+    fs = _fs(moto_endpoint)
+    store = S3Store(fs, CFG)
+    items = []
+    for name in ("a.bin", "b.bin"):
+        data = os.urandom(11 * MiB)
+        (tmp_path / name).write_bytes(data)
+        crc = crc_hex(crc32c.crc32c(data) ^ (1 if name == "a.bin" else 0))
+        items.append(FileCopy(str(tmp_path / name), f"{bucket}/y/{name}", len(data), crc))
+    with pytest.raises(UploadError, match="a.bin.*no longer matches"):
+        store.put_files(items)
+    assert fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", []) == []
+    assert not fs.exists(f"{bucket}/y/a.bin")

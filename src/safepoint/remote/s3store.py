@@ -15,6 +15,7 @@ arguments all come from s3fs), bypassing s3fs's own retry wrapper so that one re
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Sequence
@@ -135,16 +136,32 @@ class S3Store(S3Reader):
 
         One big file keeps ``concurrency`` requests busy by itself. Finishing files one by one instead of
         interleaving all of them keeps fewer multipart uploads open (less state held by the store, and
-        less to abort) at the same request concurrency.
+        less to abort) at the same request concurrency. The next file starts once a file's parts are all
+        sent: its completion and confirmation (two round trips) overlap the next file's parts.
         """
         small = [i for i in items if i.size <= self.cfg.part_size]
         big = sorted((i for i in items if i.size > self.cfg.part_size), key=lambda i: i.remote)
         parts: dict[str, Parts] = {}
 
         async def big_ones() -> None:
-            for item in big:
-                if (p := await self._put_file(item)) is not None:
-                    parts[item.remote] = p
+            tasks: list[asyncio.Task[Parts | None]] = []
+            try:
+                for item in big:
+                    sent = asyncio.Event()
+                    tasks.append(asyncio.create_task(self._put_file(item, sent)))
+                    waiter = asyncio.create_task(sent.wait())
+                    await asyncio.wait([tasks[-1], waiter], return_when=asyncio.FIRST_COMPLETED)
+                    waiter.cancel()
+                    if tasks[-1].done():
+                        tasks[-1].result()  # a failure stops here: start no further file
+                for item, task in zip(big, tasks, strict=True):
+                    if (p := await task) is not None:
+                        parts[item.remote] = p
+            except BaseException:
+                for task in tasks:  # their multipart uploads are aborted as they are cancelled
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
 
         await self._gather([big_ones(), *(self._put_file(i) for i in small)])
         return parts
@@ -152,14 +169,15 @@ class S3Store(S3Reader):
     def put_file(self, item: FileCopy) -> None:
         self.put_files([item])
 
-    async def _put_file(self, item: FileCopy) -> Parts | None:
+    async def _put_file(self, item: FileCopy, sent: asyncio.Event | None = None) -> Parts | None:
         # The whole file again if the store holds other bytes than were sent (DamagedInTransit).
         what = f"upload of {item.local} to {self.url(item.remote)}"
-        return await self.aretry(what, lambda: self._put_file_once(item, what))
+        return await self.aretry(what, lambda: self._put_file_once(item, what, sent or asyncio.Event()))
 
-    async def _put_file_once(self, item: FileCopy, what: str) -> Parts | None:
-        """Upload one file; the parts it went up in when its stored checksum is a composite one (the manifest
-        records them, so that the object can be verified later without reading it), else None."""
+    async def _put_file_once(self, item: FileCopy, what: str, sent: asyncio.Event) -> Parts | None:
+        """Upload one file (``sent`` is set once its bytes are all sent); the parts it went up in when its
+        stored checksum is a composite one (the manifest records them, so that the object can be verified
+        later without reading it), else None."""
         bucket, key = self._split(item.remote)
         # Deterministic parts (the configured size, or more for a file of over 10,000 of them).
         psize = max(self.cfg.part_size, -(-item.size // _MAX_PARTS))
@@ -171,6 +189,7 @@ class S3Store(S3Reader):
                 data, crc = await self._in_pool(read_range, item.local, 0, item.size)
                 check_local(item, crc_hex(crc))
                 answer = await self.aretry(what, lambda: self._put(bucket, key, data, item.crc32c, {}))
+            sent.set()
         else:
             upload_id = await self.create_mpu(bucket, key, what, full=full)
             try:
@@ -185,6 +204,7 @@ class S3Store(S3Reader):
                 done = await self._gather(
                     [part(i + 1, off) for i, off in enumerate(range(0, item.size, psize))]
                 )
+                sent.set()
                 part_crcs = [crc for _, crc, _ in done]
                 check_local(item, combine([(crc, n) for _, crc, n in done]))
                 answer = await self.complete_mpu(
