@@ -162,10 +162,15 @@ def bench_throughput(
             upload_safepoint(layout, remotes[variant])
         else:
             upload_boto3(layout, client, bucket, "boto3")
+    requests: dict[str, dict[str, int]] = {v: {} for v in variants}
+    counting: list[str] = [""]  # the variant whose requests are being counted now (none while emptying)
+    for variant, c in [*((v, r.store.fs.s3) for v, r in remotes.items()), ("boto3", client)]:
+        c.meta.events.register("before-send.s3", _counter(requests[variant], counting, variant))
     for r in range(args.rounds):
         order = variants[r % len(variants) :] + variants[: r % len(variants)]  # rotated each round
         for variant in order:
             empty_bucket(client, bucket)
+            counting[0] = variant if r == 0 else ""
             c0, s0 = cpu_seconds(server)
             t0 = time.perf_counter()
             if variant in remotes:
@@ -173,6 +178,7 @@ def bench_throughput(
             else:
                 upload_boto3(layout, client, bucket, "boto3")
             rows[variant].append(time.perf_counter() - t0)
+            counting[0] = ""
             c1, s1 = cpu_seconds(server)
             cpu[variant].append((c1 - c0, s1 - s0))
         print(
@@ -186,7 +192,30 @@ def bench_throughput(
         "seconds": rows,
         "cpu_client_server_s": cpu,
         "ratios": ratios,
+        "requests_per_upload": requests,
     }
+
+
+def _counter(into: dict[str, int], counting: list[str], variant: str) -> Any:
+    """A botocore ``before-send`` hook counting the requests of one upload by kind (retries included)."""
+
+    def count(request: Any, **_: Any) -> None:
+        if counting[0] != variant:
+            return
+        query = request.url.partition("?")[2]
+        kind = request.method + (
+            " part"
+            if "partNumber=" in query
+            else " complete"
+            if "uploadId=" in query
+            else " create"
+            if "uploads" in query
+            else ""
+        )
+        into[kind] = into.get(kind, 0) + 1
+        into["all"] = into.get("all", 0) + 1
+
+    return count
 
 
 def bench_blocking(args: argparse.Namespace, endpoint: str, work: Path, settled: bool) -> dict[str, Any]:
@@ -283,6 +312,8 @@ def main() -> None:
                 str(len(secs)),
             )
         console.print(table)
+        for v, counts in t["requests_per_upload"].items():
+            console.print(f"{v}: requests in one upload: {dict(sorted(counts.items()))}")
         for v, ratios in t["ratios"].items():
             paired = ", ".join(f"{r:.2f}x" for r in ratios)
             console.print(f"{v} / boto3 throughput, paired per round: {paired}; {quartiles(ratios)}")
