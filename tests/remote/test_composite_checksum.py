@@ -21,7 +21,9 @@ import s3fs
 import safepoint
 from safepoint.errors import CorruptCheckpointError
 from safepoint.remote.layout import RemoteLayout
-from safepoint.remote.s3store import S3Store
+from safepoint.remote.retry import DamagedInTransit
+from safepoint.remote.s3read import composite_value
+from safepoint.remote.s3store import S3Store, _answer_confirms
 from safepoint.remote.upload import FileCopy, MiB, TransferConfig, UploadError
 from safepoint.store.checksum import crc_hex
 from safepoint.store.manifest import MANIFEST_NAME, FileEntry, Manifest, Parts
@@ -145,3 +147,18 @@ def test_a_failed_file_stops_the_next_one_overlapping_it(
         store.put_files(items)
     assert fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", []) == []
     assert not fs.exists(f"{bucket}/y/a.bin")
+
+
+def test_a_completion_answer_with_the_composite_value_needs_no_head() -> None:
+    """Real S3 answers a composite completion with "<b64>-<parts>" (moto sends none, so there a HEAD
+    confirms): the value our parts make confirms the object, any other is damage, another kind is no answer."""
+    crcs = [0x12345678, 0x9ABCDEF0, 0x0F0F0F0F]
+    value = composite_value(crcs)
+    assert _answer_confirms({"ChecksumCRC32C": f"{value}-3", "ChecksumType": "COMPOSITE"}, "00000000", crcs)
+    assert _answer_confirms({"ChecksumCRC32C": f"{value}-3"}, "00000000", crcs)
+    with pytest.raises(DamagedInTransit):
+        _answer_confirms({"ChecksumCRC32C": f"{composite_value(crcs[:2])}-2"}, "00000000", crcs)
+    assert not _answer_confirms({"ChecksumCRC32C": "AAAAAA==", "ChecksumType": "FULL_OBJECT"}, "0", crcs)
+    assert not _answer_confirms({"ETag": "x"}, "00000000", crcs)
+    with pytest.raises(ValueError, match="full_object_checksum"):
+        TransferConfig(full_object_checksum="yes")  # type: ignore[arg-type]
