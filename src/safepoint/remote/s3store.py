@@ -153,8 +153,10 @@ class S3Store(S3Reader):
                     sent = asyncio.Event()
                     tasks.append(asyncio.create_task(self._put_file(item, sent)))
                     waiter = asyncio.create_task(sent.wait())
-                    await asyncio.wait([tasks[-1], waiter], return_when=asyncio.FIRST_COMPLETED)
-                    waiter.cancel()
+                    try:
+                        await asyncio.wait([tasks[-1], waiter], return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        waiter.cancel()
                     if tasks[-1].done():
                         tasks[-1].result()  # a failure stops here: start no further file
                 for item, task in zip(big, tasks, strict=True):
