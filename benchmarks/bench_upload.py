@@ -3,11 +3,12 @@
 
 Upload throughput (target: safepoint >= 1.0x boto3):
   safepoint  RemoteLayout.put_files + commit of one committed local checkpoint (``--size-mib``, split in
-             ``--files`` DCP files): parallel, multipart, per-part and full-object CRC32C checked by the
-             store, a HEAD per object to confirm, then the manifest. Exactly what the background uploader
-             runs for each checkpoint.
-  safepoint-composite  the same with S3's per-part "composite" CRC32C instead of the full-object one
-             (TransferConfig(full_object_checksum=False), for S3-compatible stores without the latter).
+             ``--files`` DCP files): parallel, multipart, per-part and composite CRC32C checked by the
+             store, a HEAD per object to confirm where the store's answer does not (moto's), then the
+             manifest with every object's parts. Exactly what the background uploader runs for each
+             checkpoint.
+  safepoint-full-object  the same with S3's full-object CRC32C (TransferConfig(full_object_checksum=True),
+             the default before issue 17).
   boto3      boto3's ``S3.Client.upload_file`` of the same files to the same endpoint, one after another,
              with boto3's default TransferConfig (multipart above 8 MiB, 10 threads per file). No
              checksums beyond botocore's defaults, no confirmation, no manifest.
@@ -101,8 +102,9 @@ def upload_safepoint(layout: Layout, remote: RemoteLayout) -> None:
     base = layout.step_path(1)
     pending = remote.new_pending(1, manifest.save_id)
     files = [(str(base / n), n, e.size, e.crc32c) for n, e in sorted(manifest.files.items())]
-    remote.put_files(pending, files)
-    remote.commit(pending, manifest, confirmed=True)  # as the uploader does (tiers/transfer.py)
+    parts = remote.put_files(pending, files)
+    # As the uploader does (tiers/transfer.py): the manifest records the parts of composite uploads.
+    remote.commit(pending, manifest.with_parts(parts), confirmed=True)
 
 
 def upload_boto3(layout: Layout, client: Any, bucket: str, prefix: str) -> None:
@@ -141,23 +143,34 @@ def bench_throughput(
     opts = {"client_kwargs": {"endpoint_url": endpoint}}
     remotes = {
         "safepoint": RemoteLayout(f"s3://{bucket}/run", opts),
-        "safepoint-composite": RemoteLayout(
-            f"s3://{bucket}/run", opts, transfer=TransferConfig(full_object_checksum=False)
+        "safepoint-full-object": RemoteLayout(
+            f"s3://{bucket}/run", opts, transfer=TransferConfig(full_object_checksum=True)
         ),
     }
     for mib in args.part_mib:  # the same default upload with bigger parts: fewer requests per byte
         remotes[f"safepoint-{mib}MiB-parts"] = RemoteLayout(
             f"s3://{bucket}/run", opts, transfer=TransferConfig(part_size=mib * MiB)
         )
-    if args.no_composite:
-        remotes.pop("safepoint-composite")
+    if args.no_full_object:
+        remotes.pop("safepoint-full-object")
     variants = [*remotes, "boto3"]
     rows: dict[str, list[float]] = {v: [] for v in variants}
     cpu: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
+    for variant in variants if args.warmup else []:  # untimed: sessions, connection pools, thread pools
+        empty_bucket(client, bucket)
+        if variant in remotes:
+            upload_safepoint(layout, remotes[variant])
+        else:
+            upload_boto3(layout, client, bucket, "boto3")
+    requests: dict[str, dict[str, int]] = {v: {} for v in variants}
+    counting: list[str] = [""]  # the variant whose requests are being counted now (none while emptying)
+    for variant, c in [*((v, r.store.fs.s3) for v, r in remotes.items()), ("boto3", client)]:
+        c.meta.events.register("before-send.s3", _counter(requests[variant], counting, variant))
     for r in range(args.rounds):
         order = variants[r % len(variants) :] + variants[: r % len(variants)]  # rotated each round
         for variant in order:
             empty_bucket(client, bucket)
+            counting[0] = variant if r == 0 else ""
             c0, s0 = cpu_seconds(server)
             t0 = time.perf_counter()
             if variant in remotes:
@@ -165,6 +178,7 @@ def bench_throughput(
             else:
                 upload_boto3(layout, client, bucket, "boto3")
             rows[variant].append(time.perf_counter() - t0)
+            counting[0] = ""
             c1, s1 = cpu_seconds(server)
             cpu[variant].append((c1 - c0, s1 - s0))
         print(
@@ -178,7 +192,30 @@ def bench_throughput(
         "seconds": rows,
         "cpu_client_server_s": cpu,
         "ratios": ratios,
+        "requests_per_upload": requests,
     }
+
+
+def _counter(into: dict[str, int], counting: list[str], variant: str) -> Any:
+    """A botocore ``before-send`` hook counting the requests of one upload by kind (retries included)."""
+
+    def count(request: Any, **_: Any) -> None:
+        if counting[0] != variant:
+            return
+        query = request.url.partition("?")[2]
+        kind = request.method + (
+            " part"
+            if "partNumber=" in query
+            else " complete"
+            if "uploadId=" in query
+            else " create"
+            if "uploads" in query
+            else ""
+        )
+        into[kind] = into.get(kind, 0) + 1
+        into["all"] = into.get("all", 0) + 1
+
+    return count
 
 
 def bench_blocking(args: argparse.Namespace, endpoint: str, work: Path, settled: bool) -> dict[str, Any]:
@@ -240,7 +277,8 @@ def main() -> None:
     p.add_argument("--moto-nice", type=int, default=10, help="nice value of the moto server (0: none)")
     p.add_argument("--skip", choices=["throughput", "blocking"], action="append", default=[])
     p.add_argument("--part-mib", type=int, action="append", default=[], help="also safepoint, these parts")
-    p.add_argument("--no-composite", action="store_true", help="leave out safepoint-composite")
+    p.add_argument("--warmup", type=int, default=1, help="an untimed upload per variant first (0: none)")
+    p.add_argument("--no-full-object", action="store_true", help="leave out safepoint-full-object")
     args = p.parse_args()
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
@@ -274,6 +312,8 @@ def main() -> None:
                 str(len(secs)),
             )
         console.print(table)
+        for v, counts in t["requests_per_upload"].items():
+            console.print(f"{v}: requests in one upload: {dict(sorted(counts.items()))}")
         for v, ratios in t["ratios"].items():
             paired = ", ".join(f"{r:.2f}x" for r in ratios)
             console.print(f"{v} / boto3 throughput, paired per round: {paired}; {quartiles(ratios)}")

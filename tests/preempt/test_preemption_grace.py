@@ -230,7 +230,7 @@ def move():
 t0 = time.monotonic()
 try:
     moved = move_and_commit(
-        comm, move, lambda: out.setdefault("committed", True), lambda: out.setdefault("discarded", True)
+        comm, move, lambda _: out.setdefault("committed", True), lambda: out.setdefault("discarded", True)
     )
     out.update(problems=moved.problems, unexpected=moved.unexpected, error=repr(moved.error))
 except BaseException as e:

@@ -326,7 +326,7 @@ def test_durability_lag(tmp_path: Path, proxy: FaultProxy, bucket: str) -> None:
 
 def test_multipart_upload_is_checked_by_the_store(tmp_path: Path, moto_endpoint: str, bucket: str) -> None:
     fs = _fs(moto_endpoint)
-    store = S3Store(fs, TransferConfig(part_size=5 * MiB, concurrency=4))
+    store = S3Store(fs, TransferConfig(part_size=5 * MiB, concurrency=4, full_object_checksum=True))
     big = tmp_path / "big.bin"
     data = os.urandom(12 * MiB + 3)
     big.write_bytes(data)

@@ -6,6 +6,7 @@ Each test runs on S3 (moto), GCS (fake-gcs-server) and Azure (Azurite), through 
 
 from __future__ import annotations
 
+import dataclasses
 import posixpath
 from pathlib import Path
 
@@ -41,22 +42,41 @@ def _marked_file(path: Path, size: int) -> tuple[str, int, str]:
 
 
 @pytest.mark.parametrize(
-    "size", [pytest.param(1 * MiB, marks=pytest.mark.slow), 6 * MiB], ids=["one-request", "parts"]
+    ("size", "full"),
+    [
+        pytest.param(1 * MiB, None, marks=pytest.mark.slow),
+        (6 * MiB, None),
+        pytest.param(6 * MiB, True, marks=pytest.mark.slow),
+    ],
+    ids=["one-request", "parts", "parts-full-object"],
 )
 def test_bytes_damaged_on_the_way_up_are_never_stored(
-    tmp_path: Path, store: Store, size: int, request: pytest.FixtureRequest
+    tmp_path: Path, store: Store, size: int, full: bool | None, request: pytest.FixtureRequest
 ) -> None:
     """A body damaged in transit is refused by the store or found by the confirmation, and resent; a link
-    that damages every attempt fails the upload. Either way no damaged object is ever taken as uploaded."""
+    that damages every attempt fails the upload. Either way no damaged object is ever taken as uploaded.
+    On S3 parts go up with a composite checksum by default, ``full``: with a full-object one."""
     if store.scheme == "s3" and size == 1 * MiB:
         request.applymarker(_MOTO_SINGLE_PUT)
+    if full and store.scheme != "s3":
+        pytest.skip("the full-object checksum is an S3 option")
     local, size, crc = _marked_file(tmp_path / "shard", size)
     url = store.root()
     with tcp_proxy(store.endpoint) as proxy:
-        layout = RemoteLayout(url, proxied(store, proxy).options, transfer=CFG)
+        cfg = dataclasses.replace(CFG, full_object_checksum=full)
+        layout = RemoteLayout(url, proxied(store, proxy).options, transfer=cfg)
         proxy.corrupt, proxy.corrupt_times = (MARKER, ALTERED), 1
-        layout.put_files(layout.step_key(1), [(local, "a.distcp", size, crc)])
+        parts = layout.put_files(layout.step_key(1), [(local, "a.distcp", size, crc)])
         assert proxy.corrupted == 1, "the proxy damaged one request"
+        if store.scheme == "s3":  # composite: recorded for the manifest, and they check the stored object
+            assert (parts == {}) == bool(full)
+            entry = parts.get("a.distcp")
+            assert (
+                layout.store.check(
+                    posixpath.join(layout.step_key(1), "a.distcp"), size, crc, read=False, parts=entry
+                )
+                is None
+            )
         stored = store.fs().cat_file(posixpath.join(layout.step_key(1), "a.distcp"))
         assert stored == Path(local).read_bytes(), "the damaged body was resent"
         proxy.corrupt_times = -1

@@ -25,15 +25,8 @@ from typing import Any, TypeVar
 from fsspec.asyn import sync
 
 from safepoint.remote.retry import lower_priority, next_delay, retry
-from safepoint.remote.upload import (
-    FileCopy,
-    ObjectStore,
-    RawWriter,
-    StreamWriteError,
-    check_local,
-    combine,
-    read_range,
-)
+from safepoint.remote.stream import PartWriter
+from safepoint.remote.upload import FileCopy, ObjectStore, RawWriter, check_local, combine, read_range
 from safepoint.store.checksum import crc_hex
 
 T = TypeVar("T")
@@ -157,70 +150,27 @@ class AzureStore(ObjectStore):
         return AzureWriter(self, path)
 
 
-class AzureWriter(RawWriter):
-    """DCP's stream to one blob: blocks go up (each with its Content-MD5) while DCP is still writing, at
-    most ``concurrency`` in flight; close commits the block list (a small file is one Put Blob); abort
-    commits nothing, so no blob appears."""
+class AzureWriter(PartWriter):
+    """DCP's stream to one blob (stream.PartWriter): blocks go up (each with its Content-MD5) while DCP is
+    still writing; close commits the block list (a small file is one Put Blob); abort commits nothing, so
+    no blob appears (staged blocks that are never committed are dropped by Azure)."""
 
     def __init__(self, store: AzureStore, path: str) -> None:
+        super().__init__(
+            store.fs.loop, store.cfg.part_size, store.cfg.concurrency, f"upload of {store.url(path)}"
+        )
         self._s, self._path = store, path
-        self._what = f"upload of {store.url(path)}"
-        self._buf = bytearray()
         self._upload = uuid.uuid4().hex[:12]
-        self._blocks: list[concurrent.futures.Future[None]] = []
-        self._ids: list[str] = []
-        self._done = False
 
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self._buf += view
-        size = self._s.cfg.part_size
-        while len(self._buf) >= size:
-            chunk = bytes(self._buf[:size])
-            del self._buf[:size]
-            self._send(chunk)
-        return view.nbytes
+    async def _part(self, n: int, data: bytes, crc: int) -> str:
+        block_id = _block_id(n - 1, self._upload)
+        await self._s.stage(self._path, block_id, data, f"{self._what} (block {n})")
+        return block_id
 
-    def _send(self, chunk: bytes) -> None:
-        s = self._s
-        in_flight = [f for f in self._blocks if not f.done()]
-        while len(in_flight) >= s.cfg.concurrency:
-            concurrent.futures.wait(in_flight, return_when=concurrent.futures.FIRST_COMPLETED)
-            in_flight = [f for f in self._blocks if not f.done()]
-        for f in self._blocks:
-            if f.done() and f.exception() is not None:  # an OSError too: see StreamWriteError
-                raise StreamWriteError(f"{self._what}: {f.exception()}") from f.exception()
-        block_id = _block_id(len(self._ids), self._upload)
-        self._ids.append(block_id)
-        what = f"{self._what} (block {len(self._ids)})"
-        coro = s.stage(self._path, block_id, chunk, what)
-        self._blocks.append(asyncio.run_coroutine_threadsafe(coro, s.fs.loop))
+    def _whole(self, data: bytes) -> None:
+        self._s.run(self._s.put_blob, self._path, data, self._what)
+        self._s.fs.invalidate_cache(self._path)
 
-    def close(self) -> None:
-        if self._done:
-            return
-        s = self._s
-        try:
-            if not self._ids:
-                s.run(s.put_blob, self._path, bytes(self._buf), self._what)
-            else:
-                if self._buf:
-                    self._send(bytes(self._buf))
-                for f in self._blocks:
-                    f.result()
-                s.run(s.commit_blocks, self._path, self._ids, self._what)
-            s.fs.invalidate_cache(self._path)
-            self._done = True
-        except BaseException:
-            self.abort()
-            raise
-        finally:
-            self._buf = bytearray()
-
-    def abort(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        for f in self._blocks:
-            f.cancel()
-        concurrent.futures.wait(self._blocks)
+    def _finish(self, sent: list[str]) -> None:
+        self._s.run(self._s.commit_blocks, self._path, sent, self._what)
+        self._s.fs.invalidate_cache(self._path)

@@ -35,7 +35,7 @@ from safepoint.remote.upload import FileCopy, TransferConfig, UploadError
 from safepoint.store.guard import STEP_PATTERN, STEP_PREFIX
 from safepoint.store.layout import PENDING_DIR, CheckpointInfo, step_name
 from safepoint.store.lease import Lease
-from safepoint.store.manifest import MANIFEST_NAME, Manifest
+from safepoint.store.manifest import MANIFEST_NAME, Manifest, Parts
 from safepoint.store.metadata_check import load_checked_metadata
 from safepoint.store.storage import METADATA_NAME
 
@@ -153,6 +153,7 @@ class RemoteLayout:
                 posixpath.join(base, name),
                 entry.size,
                 entry.crc32c,
+                parts=entry.parts,
                 read=not loading,
                 deep=self.deep_verify and not loading,
             )
@@ -208,9 +209,11 @@ class RemoteLayout:
     def written_sizes(self, pending: str) -> dict[str, int]:
         return {k: v for k, v in self.store.sizes(pending).items() if "/" not in k}
 
-    def put_files(self, pending: str, files: list[tuple[str, str, int, str]]) -> None:
-        """Upload local files (path, name, size, crc32c) into ``pending``, each verified by the store."""
-        self.store.put_files([FileCopy(lp, posixpath.join(pending, n), s, c) for lp, n, s, c in files])
+    def put_files(self, pending: str, files: list[tuple[str, str, int, str]]) -> dict[str, Parts]:
+        """Upload local files (path, name, size, crc32c) into ``pending``, each verified by the store;
+        {name: parts} that the manifest must record (``Manifest.with_parts``)."""
+        done = self.store.put_files([FileCopy(lp, posixpath.join(pending, n), s, c) for lp, n, s, c in files])
+        return {posixpath.basename(path): parts for path, parts in done.items()}
 
     def commit(self, pending: str, manifest: Manifest, *, confirmed: bool = False) -> str:
         """Confirm every object against ``manifest``, then write the manifest (then promote if staged).
@@ -243,8 +246,8 @@ class RemoteLayout:
 
         def check(name: str) -> str | None:
             # Objects went up with their crc32c checked by us (and by S3): size + the store's checksum.
-            entry = manifest.files[name]
-            return self.store.check(posixpath.join(prefix, name), entry.size, entry.crc32c, read=False)
+            e = manifest.files[name]
+            return self.store.check(posixpath.join(prefix, name), e.size, e.crc32c, read=False, parts=e.parts)
 
         for name, problem in zip(names, self.store._parallel(check, names), strict=True):
             if problem:

@@ -90,10 +90,13 @@ class TransferConfig:
     backoff_s: float = 0.25
     """Delay before the first retry; doubles with every further attempt (with jitter)."""
     max_backoff_s: float = 10.0
-    full_object_checksum: bool = True
-    """S3 multipart uploads carry a CRC32C of the whole object, which S3 checks and keeps (verifying later
-    needs no download). False: S3's per-part "composite" checksum, for S3-compatible stores that lack
-    full-object checksums; parts are still checked, but verifying a stored object then reads it."""
+    full_object_checksum: bool | None = None
+    """Which CRC32C an S3 multipart upload leaves on the object. None (default): a *composite* one (S3's
+    crc32c of the parts' crc32cs) for uploads of local files, whose parts' crc32cs go into the manifest so
+    that a later verify still needs no download, and a full-object one for DCP's streamed writes (no local
+    tier). True: full-object everywhere (S3 also checks the assembled object; slower on moto). False:
+    composite everywhere, for S3-compatible stores without full-object checksums (a streamed object is then
+    verified by reading it). Every part is checked by the store either way."""
     background: bool = False
     """Run the transfer threads at a lower CPU priority (tiering's uploads yield to the training loop)."""
 
@@ -104,6 +107,10 @@ class TransferConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.part_size < 5 * MiB:
             raise ValueError(f"part_size must be at least 5 MiB (S3's minimum part), got {self.part_size}")
+        if self.full_object_checksum not in (None, True, False):
+            raise ValueError(
+                f"full_object_checksum must be None, True or False, got {self.full_object_checksum!r}"
+            )
         if self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
             raise ValueError("need 0 <= backoff_s <= max_backoff_s")
 

@@ -17,7 +17,9 @@ import crc32c
 from fsspec.asyn import sync
 
 from safepoint.remote.retry import TransferConfig, UploadError, cause_code, lower_priority, next_delay
-from safepoint.remote.upload import ObjectStore, combine, hex_crc
+from safepoint.remote.upload import ObjectStore, b64_crc, combine, hex_crc
+from safepoint.store.checksum import crc_hex
+from safepoint.store.manifest import Parts
 
 T = TypeVar("T")
 
@@ -108,7 +110,7 @@ class S3Reader(ObjectStore):
                 raise FileNotFoundError(self.url(path)) from None
             raise
 
-    def stored_checksum(self, path: str) -> tuple[int, str | None]:
+    def stored_checksum(self, path: str, parts: Parts | None = None) -> tuple[int, str | None]:
         bucket, key = self._split(path)
         try:
             head = self.run(self.aretry, f"stat of {self.url(path)}", lambda: self._head(bucket, key))
@@ -116,9 +118,13 @@ class S3Reader(ObjectStore):
             if cause_code(e) in NOT_FOUND:
                 raise FileNotFoundError(self.url(path)) from None
             raise
-        crc = head.get("ChecksumCRC32C")
-        whole = isinstance(crc, str) and not composite(head)  # a composite value is not the file's crc32c
-        return int(head["ContentLength"]), hex_crc(crc) if whole else None
+        size, crc = int(head["ContentLength"]), head.get("ChecksumCRC32C")
+        if not isinstance(crc, str):
+            return size, None
+        if not composite(head):
+            return size, hex_crc(crc)
+        # A composite value is not the file's crc32c; with the parts the upload recorded it vouches for one.
+        return size, None if parts is None else vouched(crc, parts, size)
 
     async def _head(self, bucket: str, key: str) -> Any:
         return await self.call("head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED")
@@ -178,6 +184,24 @@ class S3Reader(ObjectStore):
             errors = [e for e in eg.exceptions if not isinstance(e, asyncio.CancelledError)]
             raise (errors or list(eg.exceptions))[0] from None
         return [t.result() for t in tasks]
+
+
+def composite_value(crcs: Sequence[int]) -> str:
+    """S3's composite CRC32C of parts with these crc32cs: crc32c of their big-endian bytes (base64)."""
+    return b64_crc(crc_hex(crc32c.crc32c(b"".join(c.to_bytes(4, "big") for c in crcs))))
+
+
+def vouched(stored: str, parts: Parts, size: int) -> str:
+    """The file's crc32c that a store's composite checksum ``stored`` vouches for, given the parts the upload
+    recorded: their combination, if the store's value is the one those parts make (S3 computed each part's
+    crc32c of what it received). Otherwise a value that matches no crc32c, naming what the store reports.
+    S3 spells the value "<b64>-<parts>" (moto's HEAD leaves the suffix off)."""
+    crcs = [int(c, 16) for c in parts.crc32c]
+    value, _, count = stored.partition("-")
+    if value != composite_value(crcs) or (count and count != str(len(crcs))):
+        return f"composite {stored} (the recorded parts make {composite_value(crcs)}-{len(crcs)})"
+    lengths = [min(parts.size, size - off) for off in range(0, size, parts.size)] or [0]
+    return combine(list(zip(crcs, lengths, strict=True)))
 
 
 def composite(head: dict[str, Any]) -> bool:

@@ -2,10 +2,13 @@
 
 Every object goes up with the crc32c that DCP's write stream recorded for it (``ChecksumCRC32C``); S3
 recomputes it over the bytes it received and rejects a mismatch (``BadDigest``). Big files go up as
-multipart uploads with a per-part CRC32C and a *full-object* CRC32C on completion (``ChecksumType=
-FULL_OBJECT``), so S3 checks the assembled object too. Before completing, the parts' checksums are
-combined locally and compared with the manifest: a local file that changed or rotted since it was written
-is never uploaded. After the upload a HEAD with ``ChecksumMode=ENABLED`` confirms size and checksum.
+multipart uploads with a per-part CRC32C. Uploads of local files complete with S3's *composite* CRC32C
+(crc32c of the parts' crc32cs) and return their parts, which the manifest records so that a later verify
+needs no download (s3read.vouched); streamed writes (s3writer.py) complete with a *full-object* CRC32C
+(``ChecksumType=FULL_OBJECT``), which S3 checks against the assembled object (``TransferConfig.
+full_object_checksum`` chooses otherwise). Before completing, the parts' checksums are combined locally and
+compared with the manifest: a local file that changed or rotted since it was written is never uploaded.
+After the upload the store's answer, or else a HEAD with ``ChecksumMode=ENABLED``, confirms the checksum.
 
 The requests go straight to s3fs's aiobotocore client (credentials, endpoint, region and extra request
 arguments all come from s3fs), bypassing s3fs's own retry wrapper so that one retry policy
@@ -15,6 +18,7 @@ arguments all come from s3fs), bypassing s3fs's own retry wrapper so that one re
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Sequence
@@ -23,9 +27,10 @@ from typing import Any, TypeVar
 import crc32c
 
 from safepoint.remote.retry import DamagedInTransit, UploadError, cause_code
-from safepoint.remote.s3read import S3Reader, composite
+from safepoint.remote.s3read import S3Reader, composite, composite_value
 from safepoint.remote.upload import FileCopy, b64_crc, check_local, combine, hex_crc, read_range
 from safepoint.store.checksum import crc_hex
+from safepoint.store.manifest import Parts
 
 log = logging.getLogger("safepoint")
 T = TypeVar("T")
@@ -124,37 +129,64 @@ class S3Store(S3Reader):
 
     # ---- files ------------------------------------------------------------------------------------------
 
-    def put_files(self, items: Sequence[FileCopy]) -> None:
-        self.run(self._put_all, items)
+    def put_files(self, items: Sequence[FileCopy]) -> dict[str, Parts]:
+        done = self.run(self._put_all, items)
         self.fs.invalidate_cache()
+        return done
 
-    async def _put_all(self, items: Sequence[FileCopy]) -> None:
+    async def _put_all(self, items: Sequence[FileCopy]) -> dict[str, Parts]:
         """Small files all at once; big files one after another, each with every slot for its parts.
 
         One big file keeps ``concurrency`` requests busy by itself. Finishing files one by one instead of
         interleaving all of them keeps fewer multipart uploads open (less state held by the store, and
-        less to abort) at the same request concurrency.
+        less to abort) at the same request concurrency. The next file starts once a file's parts are all
+        sent: its completion and confirmation (two round trips) overlap the next file's parts.
         """
         small = [i for i in items if i.size <= self.cfg.part_size]
         big = sorted((i for i in items if i.size > self.cfg.part_size), key=lambda i: i.remote)
+        parts: dict[str, Parts] = {}
 
         async def big_ones() -> None:
-            for item in big:
-                await self._put_file(item)
+            tasks: list[asyncio.Task[Parts | None]] = []
+            try:
+                for item in big:
+                    sent = asyncio.Event()
+                    tasks.append(asyncio.create_task(self._put_file(item, sent)))
+                    waiter = asyncio.create_task(sent.wait())
+                    try:
+                        await asyncio.wait([tasks[-1], waiter], return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        waiter.cancel()
+                    if tasks[-1].done():
+                        tasks[-1].result()  # a failure stops here: start no further file
+                for item, task in zip(big, tasks, strict=True):
+                    if (p := await task) is not None:
+                        parts[item.remote] = p
+            except BaseException:
+                for task in tasks:  # their multipart uploads are aborted as they are cancelled
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
 
         await self._gather([big_ones(), *(self._put_file(i) for i in small)])
+        return parts
 
     def put_file(self, item: FileCopy) -> None:
         self.put_files([item])
 
-    async def _put_file(self, item: FileCopy) -> None:
+    async def _put_file(self, item: FileCopy, sent: asyncio.Event | None = None) -> Parts | None:
         # The whole file again if the store holds other bytes than were sent (DamagedInTransit).
         what = f"upload of {item.local} to {self.url(item.remote)}"
-        await self.aretry(what, lambda: self._put_file_once(item, what))
+        return await self.aretry(what, lambda: self._put_file_once(item, what, sent or asyncio.Event()))
 
-    async def _put_file_once(self, item: FileCopy, what: str) -> None:
+    async def _put_file_once(self, item: FileCopy, what: str, sent: asyncio.Event) -> Parts | None:
+        """Upload one file (``sent`` is set once its bytes are all sent); the parts it went up in when its
+        stored checksum is a composite one (the manifest records them, so that the object can be verified
+        later without reading it), else None."""
         bucket, key = self._split(item.remote)
+        # Deterministic parts (the configured size, or more for a file of over 10,000 of them).
         psize = max(self.cfg.part_size, -(-item.size // _MAX_PARTS))
+        full = self.cfg.full_object_checksum is True
         part_crcs: list[int] = []
         if item.size <= psize:
             async with self.sem:
@@ -162,8 +194,9 @@ class S3Store(S3Reader):
                 data, crc = await self._in_pool(read_range, item.local, 0, item.size)
                 check_local(item, crc_hex(crc))
                 answer = await self.aretry(what, lambda: self._put(bucket, key, data, item.crc32c, {}))
+            sent.set()
         else:
-            upload_id = await self.create_mpu(bucket, key, what)
+            upload_id = await self.create_mpu(bucket, key, what, full=full)
             try:
 
                 async def part(n: int, off: int) -> tuple[dict[str, Any], int, int]:
@@ -176,19 +209,21 @@ class S3Store(S3Reader):
                 done = await self._gather(
                     [part(i + 1, off) for i, off in enumerate(range(0, item.size, psize))]
                 )
+                sent.set()
                 part_crcs = [crc for _, crc, _ in done]
                 check_local(item, combine([(crc, n) for _, crc, n in done]))
                 answer = await self.complete_mpu(
-                    bucket, key, upload_id, [p for p, _, _ in done], item.crc32c, what
+                    bucket, key, upload_id, [p for p, _, _ in done], item.crc32c, what, full=full
                 )
             except BaseException:
                 await self.abort_mpu(bucket, key, upload_id)
                 raise
-        if _answer_confirms(answer, item.crc32c, self.cfg.full_object_checksum or not part_crcs):
-            return  # the store's own full-object CRC32C of what it stored, in its answer: no HEAD needed
-        await self.aconfirm(item.remote, item.size, item.crc32c, what, part_crcs)
+        parts = None if full or not part_crcs else Parts(size=psize, crc32c=tuple(map(crc_hex, part_crcs)))
+        if not _answer_confirms(answer, item.crc32c, part_crcs if parts else None):
+            await self.aconfirm(item.remote, item.size, item.crc32c, what, part_crcs)
+        return parts
 
-    async def create_mpu(self, bucket: str, key: str, what: str) -> str:
+    async def create_mpu(self, bucket: str, key: str, what: str, *, full: bool) -> str:
         r = await self.aretry(
             what,
             lambda: self.call(
@@ -197,7 +232,7 @@ class S3Store(S3Reader):
                 Key=key,
                 ChecksumAlgorithm="CRC32C",
                 # Explicit either way: a HEAD then says which kind the stored checksum is.
-                ChecksumType="FULL_OBJECT" if self.cfg.full_object_checksum else "COMPOSITE",
+                ChecksumType="FULL_OBJECT" if full else "COMPOSITE",
             ),
         )
         return str(r["UploadId"])
@@ -222,15 +257,20 @@ class S3Store(S3Reader):
         return {"PartNumber": n, "ETag": r["ETag"], "ChecksumCRC32C": b64}
 
     async def complete_mpu(
-        self, bucket: str, key: str, upload_id: str, parts: list[dict[str, Any]], crc: str, what: str
+        self,
+        bucket: str,
+        key: str,
+        upload_id: str,
+        parts: list[dict[str, Any]],
+        crc: str,
+        what: str,
+        *,
+        full: bool,
     ) -> Any:
-        """Complete the upload; the store's answer (None if a retry found it already completed)."""
+        """Complete the upload (``full``: with the full-object CRC32C ``crc``, which S3 checks); the store's
+        answer (None if a retry found it already completed)."""
         attempts = 0
-        full = (
-            {"ChecksumCRC32C": b64_crc(crc), "ChecksumType": "FULL_OBJECT"}
-            if self.cfg.full_object_checksum
-            else {}
-        )
+        whole = {"ChecksumCRC32C": b64_crc(crc), "ChecksumType": "FULL_OBJECT"} if full else {}
 
         async def complete() -> Any:
             nonlocal attempts
@@ -242,7 +282,7 @@ class S3Store(S3Reader):
                     Key=key,
                     UploadId=upload_id,
                     MultipartUpload={"Parts": parts},
-                    **full,
+                    **whole,
                 )
             except Exception as e:
                 # A retry after a completion whose answer was lost: the upload is gone because it
@@ -282,8 +322,7 @@ class S3Store(S3Reader):
         stored = head.get("ChecksumCRC32C")
         if composite(head):
             # S3 spells it "<b64>-<parts>" (moto's HEAD leaves the suffix off): compare the value part.
-            joined = b"".join(c.to_bytes(4, "big") for c in parts)
-            expected = b64_crc(crc_hex(crc32c.crc32c(joined)))
+            expected = composite_value(parts)
             if parts and str(stored).split("-")[0] != expected:
                 raise DamagedInTransit(f"the store reports composite crc32c {stored}, expected {expected}")
             return
@@ -306,16 +345,26 @@ class KeyDeleteError(Exception):
         super().__init__(f"{first.get('Code')}: {message}")
 
 
-def _answer_confirms(answer: Any, crc: str, full_object: bool) -> bool:
+def _answer_confirms(answer: Any, crc: str, parts: Sequence[int] | None) -> bool:
     """Whether a PUT's or a multipart completion's answer already confirms the object: it carries the
-    full-object CRC32C the store holds for it, equal to ours. S3 computes that value from the bytes it
-    received (and refuses a request whose checksum differs), so the HEAD that would report the same value
-    is one round trip per object saved. Anything else (no checksum in the answer, a composite one, a
-    retried completion whose answer was lost) is confirmed by a HEAD. A different value raises."""
-    if not full_object or not isinstance(answer, dict):
+    CRC32C the store holds for it, equal to ours: the full-object one, or (``parts``: a composite upload)
+    the composite one those parts make. S3 computes those values from the bytes it received (and refuses a
+    request whose checksum differs), so the HEAD that would report the same value is one round trip per
+    object saved. Anything else (no checksum in the answer, another kind than expected, a retried
+    completion whose answer was lost) is confirmed by a HEAD. A different value raises."""
+    if not isinstance(answer, dict) or not isinstance(stored := answer.get("ChecksumCRC32C"), str):
         return False
-    stored = answer.get("ChecksumCRC32C")
-    if not isinstance(stored, str) or answer.get("ChecksumType", "FULL_OBJECT") != "FULL_OBJECT":
+    kind = answer.get("ChecksumType", "COMPOSITE" if "-" in stored else "FULL_OBJECT")
+    if parts is not None:
+        if kind != "COMPOSITE":
+            return False
+        b64, _, count = stored.partition("-")
+        if b64 != composite_value(parts) or (count and count != str(len(parts))):
+            raise DamagedInTransit(
+                f"the store reports composite crc32c {stored}, expected {composite_value(parts)}"
+            )
+        return True
+    if kind != "FULL_OBJECT":
         return False
     value = hex_crc(stored)
     if value is not None and value != crc:

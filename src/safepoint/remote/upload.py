@@ -32,6 +32,7 @@ from safepoint.remote.retry import (
 )
 from safepoint.store.checksum import crc32c_combine, crc_hex
 from safepoint.store.guard import open_regular
+from safepoint.store.manifest import Parts
 
 __all__ = ["FileCopy", "MiB", "ObjectStore", "RawWriter", "TransferConfig", "UploadError"]
 log = logging.getLogger("safepoint")
@@ -172,9 +173,11 @@ class ObjectStore:
 
     # ---- files ------------------------------------------------------------------------------------------
 
-    def put_files(self, items: Sequence[FileCopy]) -> None:
-        """Upload files in parallel (bounded); each is confirmed. Raises the first failure (UploadError)."""
+    def put_files(self, items: Sequence[FileCopy]) -> dict[str, Parts]:
+        """Upload files in parallel (bounded); each is confirmed. Raises the first failure (UploadError).
+        Returns {store path: parts} for the objects whose stored checksum needs them (S3 composite)."""
         self._parallel(self.put_file, items)
+        return {}
 
     def put_file(self, item: FileCopy) -> None:
         what = f"upload of {item.local} to {self.url(item.remote)}"
@@ -218,14 +221,24 @@ class ObjectStore:
         if crc is not None and crc != item.crc32c:
             raise DamagedInTransit(f"the store computed crc32c {crc} of what arrived; sent: {item.crc32c}")
 
-    def check(self, path: str, size: int, crc: str, *, read: bool = True, deep: bool = False) -> str | None:
+    def check(
+        self,
+        path: str,
+        size: int,
+        crc: str,
+        *,
+        read: bool = True,
+        deep: bool = False,
+        parts: Parts | None = None,
+    ) -> str | None:
         """Why the object does not match (size, crc32c), or None.
 
-        The crc32c is the store's own where it keeps one; otherwise the bytes are read if ``read`` (or the
-        store is a local disk, where reading is cheap). ``deep``: read even when the store has a checksum.
+        The crc32c is the store's own where it keeps one (or the one a composite checksum and the recorded
+        ``parts`` vouch for); otherwise the bytes are read if ``read`` (or the store is a local disk, where
+        reading is cheap). ``deep``: read even when the store has a checksum.
         """
         try:
-            stored_size, stored_crc = self.stored_checksum(path)
+            stored_size, stored_crc = self.stored_checksum(path, parts)
         except FileNotFoundError:
             return "file is missing"
         if stored_size != size:
@@ -236,8 +249,9 @@ class ObjectStore:
             return f"crc32c {stored_crc} != {crc} (contents altered)"
         return None
 
-    def stored_checksum(self, path: str) -> tuple[int, str | None]:
-        """(size, crc32c the store computed) without reading the object; crc None if it has none."""
+    def stored_checksum(self, path: str, parts: Parts | None = None) -> tuple[int, str | None]:
+        """(size, crc32c the store computed) without reading the object; crc None if it has none. ``parts``:
+        how the object went up, for a store whose checksum of a multipart object is a composite (S3)."""
         self.fs.invalidate_cache(path)
         try:
             info = retry(f"stat of {self.url(path)}", lambda: self.fs.info(path), self.cfg)

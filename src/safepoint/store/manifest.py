@@ -25,6 +25,7 @@ from safepoint.store.guard import bare_name_problem
 from safepoint.store.storage import METADATA_NAME
 
 MANIFEST_NAME = "safepoint.json"
+_HEX8 = re.compile("[0-9a-f]{8}")
 FORMAT_NAME = "safepoint-checkpoint"
 FORMAT_VERSION = 1
 _SELF_CRC_KEY = "manifest_crc32c"
@@ -34,10 +35,30 @@ ORIGIN_IMPORT = "import"
 _SAVE_ID = re.compile(r"[0-9A-Za-z_-]{0,64}")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Parts:
+    """How an object went up to a store in parts, and each part's crc32c: what lets a store's *composite*
+    checksum (S3's crc32c of the parts' crc32cs, "-<count>") be checked against the file's own crc32c
+    without reading the object (remote/s3read.py)."""
+
+    size: int
+    """Every part's length but the last one's (which holds the rest)."""
+    crc32c: tuple[str, ...]
+    """Each part's crc32c (hex), in order."""
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class FileEntry:
     size: int
     crc32c: str
+    parts: Parts | None = None
+    """Recorded by an upload in parts with a composite checksum (absent from local manifests)."""
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"size": self.size, "crc32c": self.crc32c}
+        if self.parts is not None:
+            out["parts"] = {"size": self.parts.size, "crc32c": list(self.parts.crc32c)}
+        return out
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -73,6 +94,12 @@ class Manifest:
         """{file: (size, crc32c)}: what a reader checks the bytes it reads against."""
         return {name: (e.size, e.crc32c) for name, e in self.files.items()}
 
+    def with_parts(self, parts: dict[str, Parts]) -> Manifest:
+        """A copy whose entries carry ``parts`` ({file name: how it went up this time}; others none: a part
+        record copied from another store's manifest would not describe this upload); the rest unchanged."""
+        files = {n: dataclasses.replace(e, parts=parts.get(n)) for n, e in self.files.items()}
+        return dataclasses.replace(self, files=files)
+
     def to_json(self) -> bytes:
         body: dict[str, Any] = {
             "format": FORMAT_NAME,
@@ -86,7 +113,7 @@ class Manifest:
             "host": self.host,
             "versions": self.versions,
             "extra": self.extra,
-            "files": {k: {"size": v.size, "crc32c": v.crc32c} for k, v in sorted(self.files.items())},
+            "files": {k: v.to_json() for k, v in sorted(self.files.items())},
         }
         body[_SELF_CRC_KEY] = _body_crc(body)
         return (json.dumps(body, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
@@ -151,8 +178,19 @@ def _parse_files(listed: Any) -> dict[str, FileEntry]:
         size = e["size"]
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise ValueError(f"file {name!r}: size {size!r} is not a non-negative integer")
-        files[name] = FileEntry(size=size, crc32c=str(e["crc32c"]))
+        files[name] = FileEntry(size=size, crc32c=str(e["crc32c"]), parts=_parse_parts(name, size, e))
     return files
+
+
+def _parse_parts(name: str, size: int, entry: dict[str, Any]) -> Parts | None:
+    if "parts" not in entry:
+        return None
+    psize, crcs = entry["parts"]["size"], entry["parts"]["crc32c"]
+    if not isinstance(psize, int) or isinstance(psize, bool) or psize < 1 or not isinstance(crcs, list):
+        raise ValueError(f"file {name!r}: malformed parts {entry['parts']!r}")
+    if len(crcs) != max(1, -(-size // psize)) or not all(_HEX8.fullmatch(str(c)) for c in crcs):
+        raise ValueError(f"file {name!r}: {len(crcs)} part checksums do not fit {size} bytes in {psize}")
+    return Parts(size=psize, crc32c=tuple(str(c) for c in crcs))
 
 
 def _listing_problem(files: dict[str, FileEntry]) -> str | None:

@@ -34,13 +34,13 @@ from safepoint.errors import CheckpointError
 from safepoint.remote.retry import UploadError
 from safepoint.restore.restorer import Restorer
 from safepoint.state import TrainState
-from safepoint.store.manifest import Manifest
+from safepoint.store.manifest import Manifest, Parts
 from safepoint.store.nodes import NodeMap, file_rank, node_id
 from safepoint.store.storage import METADATA_NAME
 from safepoint.tiers import peers
 from safepoint.tiers.node_view import DURABLE, LOCAL, PEER, NodeView
 from safepoint.tiers.tiering import Tiering
-from safepoint.tiers.transfer import move_and_commit
+from safepoint.tiers.transfer import move_and_commit, with_parts
 
 log = logging.getLogger("safepoint")
 
@@ -131,20 +131,21 @@ class NodeTiering(Tiering):
         held = self.comm.all_gather((manifest.save_id if manifest else None, present, listed))
         mine, missing = _assign(held, self.comm.rank)
 
-        def move() -> None:
+        def move() -> dict[str, Parts]:
             if missing and self.comm.is_coordinator:
                 raise CheckpointError(f"no node holds {', '.join(missing[:4])} (a node lost its local copy)")
-            if mine:
-                assert manifest is not None
-                files = [(str(where[n]), n, manifest.files[n].size, manifest.files[n].crc32c) for n in mine]
-                self.durable.put_files(pending, files)
+            if not mine:
+                return {}
+            assert manifest is not None
+            files = [(str(where[n]), n, manifest.files[n].size, manifest.files[n].crc32c) for n in mine]
+            return self.durable.put_files(pending, files)
 
-        def commit() -> None:
+        def commit(parts: list[dict[str, Parts]]) -> None:
             with self._grace.committing() as allowed:
                 if not allowed:
                     raise CheckpointError("abandoned at the preemption's grace deadline")
                 assert manifest is not None
-                self.durable.commit(pending, manifest)
+                self.durable.commit(pending, with_parts(manifest, parts))
 
         moved = move_and_commit(self.comm, move, commit, lambda: self.durable.discard(pending))
         if moved.problems or manifest is None:

@@ -19,8 +19,9 @@ import logging
 import re
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from safepoint.dist import Comm
 from safepoint.errors import CheckpointError, CorruptCheckpointError
@@ -28,7 +29,7 @@ from safepoint.remote.layout import RemoteLayout
 from safepoint.remote.retry import UploadError
 from safepoint.restore.restorer import CheckpointWarning, Restorer
 from safepoint.store.layout import Layout
-from safepoint.store.manifest import Manifest
+from safepoint.store.manifest import Manifest, Parts
 
 log = logging.getLogger("safepoint")
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
@@ -50,24 +51,30 @@ def _expected(e: BaseException) -> bool:
 
 
 def move_and_commit(
-    comm: Comm, move: Callable[[], object], commit: Callable[[], object], discard: Callable[[], object]
+    comm: Comm,
+    move: Callable[[], object],
+    commit: Callable[[list[Any]], object],
+    discard: Callable[[], object],
 ) -> Moved:
-    """Collective: every rank runs ``move`` (its share); if all succeeded rank 0 runs ``commit``, and if
-    anything failed (a commit too) rank 0 runs ``discard``. Any exception is recorded, never raised from
-    here: every rank always reaches both collectives, so none is left waiting for one that failed. The
-    caller raises (the same decision on every rank, from the returned problems)."""
+    """Collective: every rank runs ``move`` (its share); if all succeeded rank 0 runs ``commit`` with what
+    each rank's ``move`` returned (in rank order), and if anything failed (a commit too) rank 0 runs
+    ``discard``. Any exception is recorded, never raised from here: every rank always reaches both
+    collectives, so none is left waiting for one that failed. The caller raises (the same decision on every
+    rank, from the returned problems)."""
     problem: tuple[str, bool] | None = None
     error: BaseException | None = None
+    result: Any = None
     try:
-        move()
+        result = move()
     except Exception as e:
         error, problem = e, (f"rank {comm.rank}: {e if _expected(e) else repr(e)}", not _expected(e))
-    gathered = [p for p in comm.all_gather(problem) if p]
+    everyone = comm.all_gather((problem, result))
+    gathered = [p for p, _ in everyone if p]
     problems, unexpected = [p for p, _ in gathered], any(u for _, u in gathered)
     if comm.is_coordinator:
         if not problems:
             try:
-                commit()
+                commit([r for _, r in everyone])
             except Exception as e:
                 error = error or e
                 problems.append(f"commit: {e if _expected(e) else repr(e)}")
@@ -95,21 +102,22 @@ def upload_checkpoint(
     rank's own exception); nothing is then committed on the durable tier."""
     manifest: Manifest | None = None
 
-    def move() -> None:
+    def move() -> dict[str, Parts]:
         nonlocal manifest
         manifest = local.read_manifest(step)
         base = local.step_path(step)
         mine = [n for n in sorted(manifest.files) if _owner(n, comm.world_size) == comm.rank]
-        durable.put_files(
+        return durable.put_files(
             pending, [(str(base / n), n, manifest.files[n].size, manifest.files[n].crc32c) for n in mine]
         )
 
-    def commit() -> None:
+    def commit(parts: list[dict[str, Parts]]) -> None:
         with committing() if committing is not None else contextlib.nullcontext(True) as allowed:
             if not allowed:
                 raise CheckpointError("abandoned at the preemption's grace deadline")
             assert manifest is not None
-            durable.commit(pending, manifest, confirmed=True)  # each rank confirmed its own objects
+            # Each rank confirmed its own objects; the manifest records how they went up (their parts).
+            durable.commit(pending, with_parts(manifest, parts), confirmed=True)
 
     moved = move_and_commit(comm, move, commit, lambda: durable.discard(pending))
     if moved.problems or manifest is None:
@@ -118,6 +126,12 @@ def upload_checkpoint(
             f"local copy is kept ({'; '.join(moved.problems) or 'no manifest'})"
         ) from moved.error
     return manifest
+
+
+def with_parts(manifest: Manifest, parts: Sequence[dict[str, Parts] | None]) -> Manifest:
+    """``manifest`` recording the parts every rank's uploads went up in (``RemoteLayout.put_files``)."""
+    merged = {name: p for rank in parts for name, p in (rank or {}).items()}
+    return manifest.with_parts(merged)
 
 
 def _owner(name: str, world_size: int) -> int:
@@ -198,7 +212,7 @@ def fetch_durable(comm: Comm, local: Layout, durable: RemoteLayout, step: int) -
     moved = move_and_commit(
         comm,
         lambda: durable.store._parallel(get, sorted(manifest.files)[comm.rank :: comm.world_size]),
-        lambda: local.commit(pending, manifest),
+        lambda _: local.commit(pending, manifest),
         lambda: local.discard(pending),
     )
     if moved.unexpected:  # not a bad checkpoint: a failure to report, on every rank alike
