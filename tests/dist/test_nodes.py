@@ -50,6 +50,16 @@ def test_each_node_commits_and_restores_from_its_own_local_tier(
         assert {(e["step"], e["status"], e["tier"]) for e in listed} >= {(4, "ok", "node")}, listed
     assert main(["verify", str(durable)]) == 0  # the durable root: every file
     assert "5 files" in capsys.readouterr().out
+    # The durable root is the whole checkpoint: one node's whole share lost there (a copy of it, here) is
+    # damage, never "a node-local copy" (its manifest records no node shares).
+    assert "nodes" not in manifest["extra"]
+    damaged = tmp_path / "damaged"
+    shutil.copytree(durable, damaged)
+    for name in ("__1_0.distcp", "rank-1.state"):
+        (damaged / "step-4" / name).unlink()
+    capsys.readouterr()
+    assert main(["verify", str(damaged), "--step", "4"]) == 1, capsys.readouterr().out
+    assert "CORRUPT" in capsys.readouterr().out
 
     # Each node also keeps a replica of the other node's files (peer replicas, item 3).
     for rank in (0, 1):

@@ -31,3 +31,22 @@ def test_files_cross_in_chunks_checked_and_in_bounded_memory(tmp_path: Path) -> 
         assert all(r["same"].values()), r
     for rank in (0, 1):  # the big file's receiver and sender
         assert results[rank]["peak_growth_kib"] < 24 * 1024, results[rank]
+
+
+def test_a_hostile_receiving_directory_is_never_followed_nor_stops_the_waves(tmp_path: Path) -> None:
+    # Rank 1's directory holds a directory named like a file it receives and a symlinked .part: the file
+    # that cannot be put in place is left out (every rank still finishes: no peer waits for a rank that
+    # raised mid-stream), and nothing is written through the symlink.
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(rank), str(tmp_path), "hostile"], env=SUBPROCESS_ENV
+        )
+        for rank in range(3)
+    ]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0, 0]
+    received = json.loads((tmp_path / "result1.json").read_text())
+    assert received["received"] == ["above", "below", "empty", "one", "second-partner", "several"]
+    assert all(received["same"].values()), received
+    assert (tmp_path / "outside").read_bytes() == b"precious"
+    assert not (tmp_path / "in1" / "below").is_symlink()
+    assert not list((tmp_path / "in1").glob("*.part"))

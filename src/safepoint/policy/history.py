@@ -329,7 +329,11 @@ def adaptive_policy(
 
 
 def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    # A float, or an int a float can hold: math.isfinite(10**400) raises OverflowError, and the
+    # summaries do float arithmetic with it anyway.
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    return math.isfinite(x) if isinstance(x, float) else abs(x) < 2**53
 
 
 def _well_formed(a: Any) -> bool:

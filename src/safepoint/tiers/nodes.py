@@ -35,7 +35,7 @@ from safepoint.remote.retry import UploadError
 from safepoint.restore.restorer import Restorer
 from safepoint.state import TrainState
 from safepoint.store.manifest import Manifest, Parts
-from safepoint.store.nodes import NodeMap, file_rank, node_id
+from safepoint.store.nodes import NODES_KEY, NodeMap, file_rank, node_id
 from safepoint.store.storage import METADATA_NAME
 from safepoint.tiers import peers
 from safepoint.tiers.node_view import DURABLE, LOCAL, PEER, NodeView
@@ -145,7 +145,10 @@ class NodeTiering(Tiering):
                 if not allowed:
                     raise CheckpointError("abandoned at the preemption's grace deadline")
                 assert manifest is not None
-                self.durable.commit(pending, with_parts(manifest, parts))
+                # The durable copy holds every file: without the record of node shares, `safepoint
+                # verify` there (a local path, or a copy of it) reports a node's lost share as damage.
+                extra = {k: v for k, v in manifest.extra.items() if k != NODES_KEY}
+                self.durable.commit(pending, with_parts(dataclasses.replace(manifest, extra=extra), parts))
 
         moved = move_and_commit(self.comm, move, commit, lambda: self.durable.discard(pending))
         if moved.problems or manifest is None:

@@ -121,7 +121,7 @@ def _incoming(entries: list[Entry], into: Path, chunk: int, received: dict[str, 
         part = into / f"{name}.part"
         value, problem = 0, None
         try:
-            f: BinaryIO | None = open(part, "wb")  # noqa: SIM115 (closed below, after the last chunk)
+            f: BinaryIO | None = _create(part)
         except OSError as e:
             f, problem = None, str(e)
         for off in range(0, size, chunk):
@@ -144,9 +144,21 @@ def _incoming(entries: list[Entry], into: Path, chunk: int, received: dict[str, 
         if problem is None and crc_hex(value) != crc:
             problem = f"crc32c {crc_hex(value)} != {crc}"
         if problem is None:
-            os.replace(part, into / name)
-            received[name] = into / name
-        else:
+            try:  # an OSError here (a directory in the way) must not end this rank's waves early
+                os.replace(part, into / name)
+                received[name] = into / name
+            except OSError as e:
+                problem = str(e)
+        if problem is not None:
             with contextlib.suppress(OSError):
                 part.unlink()
             log.warning("safepoint: %s from a peer not kept: %s", name, problem)
+
+
+def _create(part: Path) -> BinaryIO:
+    """A new ``part`` to write: whatever stands there (a symlink a hostile root planted, a stale file) is
+    unlinked, never followed, and O_EXCL|O_NOFOLLOW refuses anything put there meanwhile."""
+    with contextlib.suppress(FileNotFoundError):
+        part.unlink()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    return os.fdopen(os.open(part, flags, 0o644), "wb")

@@ -52,8 +52,9 @@ SMALL = [
 
 def main() -> None:
     rank, work = int(sys.argv[1]), Path(sys.argv[2])
+    hostile = len(sys.argv) > 3 and sys.argv[3] == "hostile"
     dist.init_process_group("gloo", init_method=f"file://{work}/rendezvous", rank=rank, world_size=3)
-    comm = Comm(timeout_s=120)
+    comm = Comm(timeout_s=60)
     mine = work / f"disk{rank}"
     mine.mkdir()
     plan: list[tuple[int, int, tuple[str, int, str]]] = []
@@ -68,6 +69,12 @@ def main() -> None:
         with open(mine / "big", "wb") as f:
             for off in range(0, BIG, CHUNK):
                 f.write(PATTERN[: min(CHUNK, BIG - off)])
+    if hostile and rank == 1:
+        # The receiving directory already holds what a hostile local root can plant: a directory where a
+        # received file goes, and a symlink where its .part goes (pointing outside the root).
+        (work / "in1" / "exact").mkdir(parents=True)
+        (work / "outside").write_bytes(b"precious")
+        (work / "in1" / "below.part").symlink_to(work / "outside")
     read = {entry[0]: mine / entry[0] for src, _, entry in plan if src == rank}
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     got = peer_stream.exchange(comm, plan, read, work / f"in{rank}", chunk=CHUNK)
