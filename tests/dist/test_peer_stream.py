@@ -15,38 +15,25 @@ from tests.conftest import SUBPROCESS_ENV
 WORKER = Path(__file__).parents[1] / "helpers" / "procs" / "peer_stream_worker.py"
 
 
-def test_files_cross_in_chunks_checked_and_in_bounded_memory(tmp_path: Path) -> None:
+def test_files_cross_in_chunks_checked_in_bounded_memory_and_never_through_a_link(tmp_path: Path) -> None:
+    # One run (three interpreters with torch are the cost): rank 1's receiving directory is also hostile.
+    # It holds a directory named like a file it receives ("exact") and a symlinked "below.part": the file
+    # that cannot be put in place is left out (every rank still finishes: no peer waits for a rank that
+    # raised mid-stream), and nothing is written through the symlink.
     procs = [
         subprocess.Popen([sys.executable, str(WORKER), str(rank), str(tmp_path)], env=SUBPROCESS_ENV)
         for rank in range(3)
     ]
-    for p in procs:
-        assert p.wait(timeout=300) == 0
+    assert [p.wait(timeout=300) for p in procs] == [0, 0, 0]
     results = [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in range(3)]
     assert results[0]["received"] == ["big"]  # "wrong", "short" and "absent" are refused
     assert results[0]["files"] == ["big"]  # ... and leave no .part behind
-    assert results[1]["received"] == ["above", "below", "empty", "exact", "one", "second-partner", "several"]
+    assert results[1]["received"] == ["above", "below", "empty", "one", "second-partner", "several"]
     assert results[2]["received"] == ["also", "ring"]
     for r in results:
         assert all(r["same"].values()), r
     for rank in (0, 1):  # the big file's receiver and sender
         assert results[rank]["peak_growth_kib"] < 24 * 1024, results[rank]
-
-
-def test_a_hostile_receiving_directory_is_never_followed_nor_stops_the_waves(tmp_path: Path) -> None:
-    # Rank 1's directory holds a directory named like a file it receives and a symlinked .part: the file
-    # that cannot be put in place is left out (every rank still finishes: no peer waits for a rank that
-    # raised mid-stream), and nothing is written through the symlink.
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(rank), str(tmp_path), "hostile"], env=SUBPROCESS_ENV
-        )
-        for rank in range(3)
-    ]
-    assert [p.wait(timeout=300) for p in procs] == [0, 0, 0]
-    received = json.loads((tmp_path / "result1.json").read_text())
-    assert received["received"] == ["above", "below", "empty", "one", "second-partner", "several"]
-    assert all(received["same"].values()), received
     assert (tmp_path / "outside").read_bytes() == b"precious"
     assert not (tmp_path / "in1" / "below").is_symlink()
     assert not list((tmp_path / "in1").glob("*.part"))

@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import os
+import stat
 from pathlib import Path
 
 from safepoint.dist import Comm
@@ -55,7 +56,9 @@ def replicate(comm: Comm, nodes: NodeMap, local: Layout, step: int) -> None:
             base = local.step_path(step)
             offer = (
                 m.save_id,
-                [(n, e.size, e.crc32c) for n, e in sorted(m.files.items()) if (base / n).is_file()],
+                # Only files whose size on disk is their entry's: a forged entry never makes this node
+                # stream (and its peer store) more bytes than the file has.
+                [(n, e.size, e.crc32c) for n, e in sorted(m.files.items()) if _sized(base / n, e.size)],
             )
     offers = comm.all_gather(offer)
     leaders = _leaders(nodes)
@@ -86,6 +89,14 @@ def replicate(comm: Comm, nodes: NodeMap, local: Layout, step: int) -> None:
     except OSError as e:
         log.warning("safepoint: cannot keep the peer replica of step %d: %s", step, e)
         remove_tree(pending)
+
+
+def _sized(path: Path, size: int) -> bool:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == size
 
 
 def _commit_replica(local: Layout, step: int, save_id: str, entries: list[Entry], pending: Path) -> None:

@@ -52,7 +52,6 @@ SMALL = [
 
 def main() -> None:
     rank, work = int(sys.argv[1]), Path(sys.argv[2])
-    hostile = len(sys.argv) > 3 and sys.argv[3] == "hostile"
     dist.init_process_group("gloo", init_method=f"file://{work}/rendezvous", rank=rank, world_size=3)
     comm = Comm(timeout_s=60)
     mine = work / f"disk{rank}"
@@ -69,7 +68,7 @@ def main() -> None:
         with open(mine / "big", "wb") as f:
             for off in range(0, BIG, CHUNK):
                 f.write(PATTERN[: min(CHUNK, BIG - off)])
-    if hostile and rank == 1:
+    if rank == 1:
         # The receiving directory already holds what a hostile local root can plant: a directory where a
         # received file goes, and a symlink where its .part goes (pointing outside the root).
         (work / "in1" / "exact").mkdir(parents=True)
