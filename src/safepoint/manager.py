@@ -144,8 +144,8 @@ class CheckpointManager:
             atexit.register(self._finish_at_exit)
         self._emergency: EmergencySave | None = None
         if self._preemption is not None:
-            parts = (self._schedule, self._tiers, self.layout, self._writer, self._runs, self._save_sync)
-            self._emergency = EmergencySave(self._preemption, *parts)
+            parts = (self._schedule, self._tiers, self.layout, self._writer, self._retainer, self._runs)
+            self._emergency = EmergencySave(self._preemption, *parts, self._save_sync)
             self._preemption.start()
 
     def _new_comm(self, timeout_s: float) -> Comm:
