@@ -207,7 +207,7 @@ class CheckpointManager:
             self._bg_saver = SyncSaver(
                 self.layout, self._bg_comm, self._retainer, writer_threads=writer_threads, wrap_writer=wrap
             )
-        self._at_exit = self._async or durable is not None
+        self._at_exit = self._async or durable is not None or self._retainer.in_background  # its deletes
         # The uploader's collectives get their own group too (created here: same order on every rank).
         self._tiers = SingleTier(self.layout)
         if durable is not None and isinstance(self.layout, Layout):  # per-node ones on several nodes

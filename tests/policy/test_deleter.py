@@ -277,3 +277,46 @@ def test_kill_9_mid_background_delete_leaves_a_root_the_next_manager_cleans_and_
         assert float(state.extra["t"][0]) == 3.0  # type: ignore[index]
         mgr.save(4, _state(4))
     assert Layout(root).committed_steps() == [3, 4]  # 2 deleted; 3 is the newest this manager verified
+
+
+_EXIT_CHILD = """
+import atexit, sys, safepoint, torch, safepoint.store.layout as L
+real = L.remove_tree
+def held(path):
+    print("deleting", flush=True)
+    sys.stdin.readline()  # held until the parent has seen the interpreter start exiting
+    real(path)
+    print("deleted", flush=True)
+L.remove_tree = held
+def state(n):
+    return safepoint.TrainState(rng=False, extra={"t": torch.full((64,), float(n))})
+mgr = safepoint.CheckpointManager(sys.argv[1], keep_last=1)
+atexit.register(print, "exiting", flush=True)  # registered after the manager's: runs before it
+mgr.save(1, state(1))
+mgr.save(2, state(2))
+"""
+
+
+def test_a_script_that_ends_without_close_lets_the_deleter_finish(root: Path) -> None:
+    """No close(), no with: the interpreter's exit waits for the delete in flight (under the lease)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _EXIT_CHILD, str(root)],
+        env=SUBPROCESS_ENV,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdin is not None and child.stdout is not None
+        lines = {child.stdout.readline().strip() for _ in range(2)}
+        assert lines == {"deleting", "exiting"}, lines
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        rest = child.stdout.read()
+        assert child.wait(60) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert "deleted" in rest
+    assert Layout(root).committed_steps() == [2] and not list((root / ".pending").iterdir())

@@ -375,8 +375,12 @@ def _short(path: str, scope: Path) -> str:
 
 
 def save_windows(j: durable.Journal) -> list[tuple[Save, int, int, int | None]]:
-    """(save, first op, last op, its commit op) for every save in a clean run's journal."""
+    """(save, first op, last op, its commit op) for every save in a clean run's journal. A save's window
+    ends when it returned or failed; where the workload drained the deleter after each save, when that
+    was done: the retention pass the save started is part of it (a fault there is one in that save)."""
     windows: list[tuple[Save, int, int, int | None]] = []
+    drained = any(ev["ev"] == "mark" and ev["what"] == "drained" for ev in j.events)
+    ends = ("drained", "failed") if drained else ("returned", "failed")
     current: Save | None = None
     first = 0
     last = 0
@@ -393,7 +397,7 @@ def save_windows(j: durable.Journal) -> list[tuple[Save, int, int, int | None]]:
                 dst = ev.get("dst") or ""
                 if ev["op"] in ("rename", "exchange") and os.path.basename(dst) == f"step-{current[0]}":
                     commit = ev["i"]
-        elif ev["ev"] == "mark" and ev["what"] in ("returned", "failed") and current is not None:
+        elif ev["ev"] == "mark" and ev["what"] in ends and current is not None:
             windows.append((current, first, last, commit))
             current = None
     return windows

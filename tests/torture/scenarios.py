@@ -119,6 +119,7 @@ def workload(
                 mark(what="returned", step=step, version=version)
                 if drain:
                     mgr.wait()  # the deleter's pass for this save: done before the listing and next save
+                    mark(what="drained", step=step, version=version)
             except safepoint.SaveError as e:
                 outcome.update(ok=False, error=str(e))
                 mark(what="failed", step=step, version=version)

@@ -2,7 +2,8 @@
 
 The workload, over a root holding two committed checkpoints (steps 1, 2; keep_last=2): save step 3
 (retention deletes step 1), save step 3 again (renameat2 exchange replaces it), save step 4 (retention
-deletes step 2). First a clean run counts its operations -- every write, fsync, rename, exchange, unlink,
+deletes step 2). Retention's deletes run on the deleter thread (the default), which the workload drains
+after each save (``wait()``), so every run issues the same operations in the same order. First a clean run counts its operations -- every write, fsync, rename, exchange, unlink,
 rmdir, mkdir and open-for-writing, safepoint's and DCP's own -- then one child per operation k is SIGKILLed
 just before it. Each crash is checked three ways, in this process (which never had the patches):
 
@@ -21,7 +22,8 @@ The default run, for the first two saves: SIGKILL at every operation but the wri
 each file, power/data loss at every operation but the writes (a crash between two writes of a file that is
 neither fsynced nor listed leaves the same state as one next to them; see checks.crash_points).
 ``-m slow``: SIGKILL at every k of all three saves; power/data loss at every operation but the inside of
-runs of writes; the variants (two writer threads, async, no renameat2, a fresh root); and the mutation
+runs of writes; the variants (two writer threads, async, no renameat2, retention's deletes inline or
+alongside the next save, a fresh root); and the mutation
 tests, which put back one missing fsync, one non-atomic delete or replace, or one bug this suite found and
 that was fixed since, and check the campaign catches each.
 """
@@ -126,6 +128,11 @@ VARIANTS = {
     "async": {"async_save": True},
     # a file system without renameat2 (NFS): the old copy is parked in .pending and put back on recovery
     "no_exchange": {"fault": {"no_exchange": True}},
+    # retention's deletes inside save() (ClusterOptions(background_deletes=False)), not on the deleter
+    "inline_deletes": {"background_deletes": False},
+    # the deleter not drained after each save: its deletes run alongside the next save's operations (the
+    # order differs run to run, so the trace is not compared; every other invariant is)
+    "deletes_alongside_next_save": {"drain": False},
 }
 
 

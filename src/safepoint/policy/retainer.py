@@ -50,6 +50,11 @@ class Retainer:
         self._stopped = False  # the lease was lost, or a preemption notice came: no pass runs any more
         self._thread: threading.Thread | None = None
 
+    @property
+    def in_background(self) -> bool:
+        """Whether passes run on the deleter thread (a process ending without close() waits for them)."""
+        return self.background and bool(self.retention.policies)
+
     def claim(self, step: int) -> None:
         """Called before committing ``step``: no pass deletes it from now on (waits only if that very
         step number is being deleted this moment, so the new copy never lands under a delete)."""
