@@ -107,7 +107,6 @@ class Retainer:
         with self._cond:
             self._stopped = True
             self._queue.clear()
-            self._claimed.clear()
             self._cond.notify_all()
 
     def close(self) -> None:
