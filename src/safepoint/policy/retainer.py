@@ -36,9 +36,9 @@ class Retainer:
         self, layout: CheckpointStore, retention: Retention, verdicts: Verdicts, *, background: bool = False
     ) -> None:
         self.layout, self.retention, self.verdicts = layout, retention, verdicts
-        # False: each pass runs in the saving thread once the save's verdict is out (``settle``), so rank 0
-        # alone is late for the next collective by the deletes; True: on the deleter thread
-        # (ClusterOptions.background_deletes).
+        # True (the manager's default, ClusterOptions.background_deletes): passes run on the deleter thread,
+        # which close() stops. False (a bare saver's: no thread to stop): each runs in the saving thread
+        # once the save's verdict is out (``settle``), so rank 0 alone is late for the next collective.
         self.background = background
         self._index: dict[int, CheckpointInfo] = {}  # retention's view of the root, kept across passes
         self._cond = threading.Condition()
