@@ -141,8 +141,8 @@ class CheckpointManager:
                 # shutdown (torch's C++ writer aborts the process then): let the save in flight finish.
                 atexit.register(self._finish_at_exit)
             if self._preemption is not None:
-                parts = (self._schedule, self._tiers, self.layout, self._writer, self._runs, self._save_sync)
-                self._emergency = EmergencySave(self._preemption, *parts)
+                parts = (self._schedule, self._tiers, self.layout, self._writer, self._retainer, self._runs)
+                self._emergency = EmergencySave(self._preemption, *parts, self._save_sync)
                 self._preemption.start()
         except BaseException:
             self._destroy_parts()
@@ -216,7 +216,7 @@ class CheckpointManager:
             self._bg_saver = SyncSaver(
                 self.layout, self._bg_comm, self._retainer, writer_threads=writer_threads, wrap_writer=wrap
             )
-        self._at_exit = self._async or durable is not None
+        self._at_exit = self._async or durable is not None or self._retainer.in_background  # its deletes
         # The uploader's collectives get their own group too (created here: same order on every rank).
         self._tiers = SingleTier(self.layout)
         if durable is not None and isinstance(self.layout, Layout):  # per-node ones on several nodes

@@ -143,11 +143,14 @@ class ClusterOptions:
     host, instead of waiting ``lease_stale_after_s`` for the dead holder's heartbeat to age (the old holder
     is fenced out). None: ``SAFEPOINT_JOB_ID``, else Slurm's job id, else torchrun's ``--rdzv-id`` (see
     docs/elastic.md). It must name one job only: ids many jobs share ("none", "default") are refused."""
-    background_deletes: bool = False
-    """Run retention's deletes on rank 0's deleter thread, off the save's path (the next save never
-    waits on them; ``wait``/``restore``/``close`` drain them). False: rank 0 deletes right after each
-    save's verdict, as the other ranks go on (rank 0 is late for the next collective by that long); this
-    is the mode the crash and fault campaigns cover operation by operation."""
+    background_deletes: bool = True
+    """Run retention's deletes on rank 0's deleter thread, off the save's path (the default): a save
+    returns once committed and the next one never waits on deletes; ``wait``/``restore``/``close`` drain
+    them (so ``list()`` right after ``save()`` may still show a checkpoint being deleted; after ``wait()``
+    it does not). A preemption notice or a lost lease stops them; what is left is deleted by the next
+    owner's first save. False: rank 0 deletes inside ``save()``, after the save's verdict, as the other
+    ranks go on (rank 0 is late for the next collective by that long). Both are crash-safe and covered
+    by the crash and fault campaigns operation by operation."""
 
     def __post_init__(self) -> None:
         _positive_number("ClusterOptions.collective_timeout_s", self.collective_timeout_s)

@@ -56,10 +56,16 @@ def _train(name: str, model: str, root: Path, **kw: Any) -> dict[str, Any]:
 
 
 def _two_rank_jobs(tmp: Path) -> list[dict[str, Any]]:
-    jobs = [_train(f"ref-{m}", m, tmp / f"ref-{m}", reload=True) for m in ("ddp", "fsdp2", "fsdp1", "plain")]
+    jobs = [_train(f"ref-{m}", m, tmp / f"ref-{m}", reload=True) for m in ("ddp", "fsdp2", "fsdp1")]
+    # Retention on rank 0's deleter thread (the default) while both ranks go on saving.
+    jobs.append(_train("ref-plain", "plain", tmp / "ref-plain", reload=True, keep_last=1))
     # The same FSDP2 run with async saves written by a writer process per rank (DTensor shards in shared
     # memory): the checkpoints must restore to exactly the state the synchronous run saved.
-    jobs.append(_train("process-fsdp2", "fsdp2", tmp / "process-fsdp2", reload=True, async_writer="process"))
+    jobs.append(
+        _train(
+            "process-fsdp2", "fsdp2", tmp / "process-fsdp2", reload=True, async_writer="process", keep_last=2
+        )
+    )
     jobs += [
         {"name": "rng", "kind": "rng", "root": str(tmp / "rng")},
         {"name": "nodelocal", "kind": "nodelocal", "root": str(tmp / "nodelocal")},
@@ -184,12 +190,16 @@ def test_every_model_kind_saves_and_restores(two_ranks: Path, model: str) -> Non
     assert manifest.world_size == 2
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(manifest.files), manifest.files
     assert_bitwise(load(two_ranks / f"{job}.reloaded.pt"), load(two_ranks / f"{job}.final.pt"), job)
+    # ref-plain: keep_last=1, deleted on rank 0's deleter thread, drained by close(); nothing left over.
+    assert Layout(two_ranks / job).committed_steps() == ([12] if model == "plain" else [3, 6, 9, 12])
+    assert not list((two_ranks / job / ".pending").iterdir())
 
 
 def test_process_writer_saves_each_ranks_shard_exactly(two_ranks: Path) -> None:
     saves = events(two_ranks, "process-fsdp2", "saves")
     assert sorted(e["rank"] for e in saves) == [0, 1]
     assert all(e["steps"] == [3, 6, 9, 12] for e in saves), saves
+    assert Layout(two_ranks / "process-fsdp2").committed_steps() == [9, 12]  # keep_last=2, the deleter
     manifest = Layout(two_ranks / "process-fsdp2").verify(12)
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(manifest.files), manifest.files
     final = load(two_ranks / "process-fsdp2.final.pt")

@@ -144,6 +144,7 @@ def train_job(job: dict[str, Any], out: Path, log: Log) -> None:
         job["root"],
         save_every_steps=job.get("save_every"),
         save_every_seconds=job.get("save_every_s"),
+        keep_last=job.get("keep_last"),
         cluster=safepoint.ClusterOptions(collective_timeout_s=job.get("timeout_s", 30.0)),
         async_save=job.get("async_writer") is not None,
         writer=safepoint.WriterOptions(async_writer=job.get("async_writer", "thread")),

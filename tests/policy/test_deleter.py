@@ -1,8 +1,9 @@
-"""Retention's deletes run on rank 0's deleter thread (policy/retainer.py), off the save's critical path.
+"""Retention's deletes run on rank 0's deleter thread (policy/retainer.py), off the save's critical path:
+the default; ``ClusterOptions(background_deletes=False)`` runs them inside save().
 
 Deletes are held with real blocking (an Event, a pipe) at the seam where they happen, never with sleeps:
-a save returns and the next one commits while a delete is stuck, close() drains, a kill -9 mid-delete
-leaves a root the next manager cleans and restores from.
+a save returns and the next one commits while a delete is stuck, close() drains, a preemption notice and a
+lost lease stop the deleter, a kill -9 mid-delete leaves a root the next manager cleans and restores from.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 import safepoint
 import safepoint.store.layout as layout_module
+from safepoint.errors import LeaseError
 from safepoint.store.layout import Layout
 from tests.conftest import SUBPROCESS_ENV
 
@@ -38,6 +40,32 @@ def _restored(root: Path, step: int | None = None) -> tuple[int, float]:
     with safepoint.CheckpointManager(root, cluster=BACKGROUND) as mgr:
         got = mgr.restore(state, step=step)
     return got, float(state.extra["t"][0])  # type: ignore[index]
+
+
+@pytest.mark.parametrize("background", [None, True, False], ids=["default", "background", "inline"])
+def test_deletes_run_on_the_deleter_thread_by_default_and_inline_on_request(
+    root: Path, monkeypatch: pytest.MonkeyPatch, background: bool | None
+) -> None:
+    where: list[str] = []
+    real = layout_module.remove_tree
+
+    def remove_tree(path: Path) -> Any:
+        where.append(threading.current_thread().name)
+        return real(path)
+
+    monkeypatch.setattr(layout_module, "remove_tree", remove_tree)
+    kw: dict[str, Any] = {}
+    if background is not None:
+        kw["cluster"] = safepoint.ClusterOptions(background_deletes=background)
+    with safepoint.CheckpointManager(root, keep_last=1, **kw) as mgr:
+        mgr.save(1, _state(1))
+        mgr.save(2, _state(2))
+        if background is False:  # inline: done when save() returns
+            assert where == ["MainThread"] and Layout(root).committed_steps() == [2]
+        mgr.wait()  # drains the deleter
+        assert where == ["MainThread" if background is False else "safepoint-retention"]
+        assert [c.step for c in mgr.list()] == [2]
+        assert not list((root / ".pending").iterdir())
 
 
 class _HeldDelete:
@@ -61,7 +89,7 @@ def test_save_returns_and_the_next_commits_while_a_delete_is_stuck_and_close_dra
     events: list[str] = []
     held = _HeldDelete(layout_module.remove_tree, events)
     monkeypatch.setattr(layout_module, "remove_tree", held)
-    mgr = safepoint.CheckpointManager(root, keep_last=1, cluster=BACKGROUND)
+    mgr = safepoint.CheckpointManager(root, keep_last=1)  # the default: deletes in the background
     mgr.save(1, _state(1))
     mgr.save(2, _state(2))  # queues the deletion of step 1, which gets stuck
     assert held.started.wait(120)
@@ -149,10 +177,52 @@ def test_the_deleter_thread_deletes_nothing_after_the_lease_is_lost(
         go.set()
         mgr.wait()  # the pass ran: its delete was refused (logged), nothing raised into training
         assert (root / "step-1" / "safepoint.json").exists()
+        # The deleter stopped for good: its thread ended, and no later save gets a pass.
+        (deleter,) = [t for t in threading.enumerate() if t.name == "safepoint-retention"] or [None]
+        if deleter is not None:
+            deleter.join(60)
+            assert not deleter.is_alive(), "the deleter thread still runs after the lease was lost"
+        with pytest.raises(LeaseError, match="no longer owns"):
+            mgr.save(3, _state(3))
+        assert not any(t.name == "safepoint-retention" for t in threading.enumerate())
+        assert (root / "step-1" / "safepoint.json").exists()
     finally:
         go.set()
         with contextlib.suppress(safepoint.CheckpointError):
             mgr.close()
+
+
+def test_a_preemption_notice_stops_the_deleter_and_the_emergency_save_does_not_wait_on_it(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """keep_last=1. Step 1's delete is stuck when the notice comes, step 3's pass (deleting step 2) is
+    queued behind it: the emergency save of step 4 commits while the delete is stuck, the queued pass and
+    the emergency save's own are dropped, and close() waits for step 1's delete only (under the lease).
+    The next owner's first save deletes what was left."""
+    events: list[str] = []
+    held = _HeldDelete(layout_module.remove_tree, events)
+    monkeypatch.setattr(layout_module, "remove_tree", held)
+    mgr = safepoint.CheckpointManager(root, keep_last=1, preemption_signals=(signal.SIGTERM,))
+    mgr.save(1, _state(1))
+    mgr.save(2, _state(2))
+    assert held.started.wait(120)
+    mgr.save(3, _state(3))  # its pass would delete step 2: queued behind the stuck delete
+    os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(safepoint.Preempted) as info:
+        mgr.maybe_save(4, _state(4))
+    assert info.value.saved_step == 4  # committed with step 1's delete still stuck
+    assert Layout(root).committed_steps() == [2, 3, 4]
+    closer = threading.Thread(target=mgr.close)
+    closer.start()
+    held.release.set()
+    closer.join()
+    assert events == ["deleted step-1"]  # nothing after the notice
+    assert Layout(root).committed_steps() == [2, 3, 4] and not list((root / ".pending").iterdir())
+    monkeypatch.setattr(layout_module, "remove_tree", held.real)
+    with safepoint.CheckpointManager(root, keep_last=1) as mgr:
+        assert mgr.restore(_state(-1)) == 4
+        mgr.save(5, _state(5))
+    assert Layout(root).committed_steps() == [4, 5]  # 2 and 3 deleted; 4 is the newest verified
 
 
 _CHILD = """
@@ -207,3 +277,46 @@ def test_kill_9_mid_background_delete_leaves_a_root_the_next_manager_cleans_and_
         assert float(state.extra["t"][0]) == 3.0  # type: ignore[index]
         mgr.save(4, _state(4))
     assert Layout(root).committed_steps() == [3, 4]  # 2 deleted; 3 is the newest this manager verified
+
+
+_EXIT_CHILD = """
+import atexit, sys, safepoint, torch, safepoint.store.layout as L
+real = L.remove_tree
+def held(path):
+    print("deleting", flush=True)
+    sys.stdin.readline()  # held until the parent has seen the interpreter start exiting
+    real(path)
+    print("deleted", flush=True)
+L.remove_tree = held
+def state(n):
+    return safepoint.TrainState(rng=False, extra={"t": torch.full((64,), float(n))})
+mgr = safepoint.CheckpointManager(sys.argv[1], keep_last=1)
+atexit.register(print, "exiting", flush=True)  # registered after the manager's: runs before it
+mgr.save(1, state(1))
+mgr.save(2, state(2))
+"""
+
+
+def test_a_script_that_ends_without_close_lets_the_deleter_finish(root: Path) -> None:
+    """No close(), no with: the interpreter's exit waits for the delete in flight (under the lease)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _EXIT_CHILD, str(root)],
+        env=SUBPROCESS_ENV,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdin is not None and child.stdout is not None
+        lines = {child.stdout.readline().strip() for _ in range(2)}
+        assert lines == {"deleting", "exiting"}, lines
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        rest = child.stdout.read()
+        assert child.wait(60) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert "deleted" in rest
+    assert Layout(root).committed_steps() == [2] and not list((root / ".pending").iterdir())

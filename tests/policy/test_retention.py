@@ -81,15 +81,19 @@ def test_bad_arguments_name_the_argument(root: Path, kwargs: dict[str, object], 
     assert not root.exists() or not (root / ".lease").exists()
 
 
-def test_manager_applies_retention_after_commit(root: Path) -> None:
+@pytest.mark.parametrize("background", [True, False], ids=["background", "inline"])
+def test_manager_applies_retention_after_commit(root: Path, background: bool) -> None:
     s = Setup()
+    cluster = safepoint.ClusterOptions(background_deletes=background)
     with safepoint.CheckpointManager(
-        root, keep_last=2, keep_every_steps=4, keep_best=1, best_metric="loss"
+        root, keep_last=2, keep_every_steps=4, keep_best=1, best_metric="loss", cluster=cluster
     ) as mgr:
         losses = {1: 0.5, 2: 0.1, 3: 0.7, 4: 0.6, 5: 0.9, 6: 0.8, 7: 0.95}
         for step, loss in losses.items():
             mgr.save(step, s.state(), metrics={"loss": loss})
-        mgr.wait()  # retention runs on the deleter thread; wait() drains it
+        if not background:  # inline: each save() returned after its deletes
+            assert [c.step for c in mgr.list()] == [2, 4, 6, 7]
+        mgr.wait()  # background (the default): retention runs on the deleter thread; wait() drains it
         assert [c.step for c in mgr.list()] == [2, 4, 6, 7]
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
         "step-2",

@@ -167,6 +167,10 @@ def workload(
                 if local_root is not None:
                     mgr.wait()  # the upload (and durable retention) of this save
                 ctl.post("mark", what="returned", step=step, version=version)
+                if local_root is None:
+                    # Retention's deletes run on the deleter thread: drained before the next save, so
+                    # every run sends the same requests in the same order (the campaign's crash points).
+                    mgr.wait()
             except safepoint.SaveError as e:
                 outcome.update(ok=False, error=str(e))
                 ctl.post("mark", what="failed", step=step, version=version)

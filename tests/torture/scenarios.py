@@ -80,10 +80,16 @@ def workload(
     writer_threads: int = 1,
     async_save: bool = False,
     patches: tuple[str, ...] = (),
+    background_deletes: bool = True,
+    drain: bool = True,
 ) -> dict[str, Any]:
     """Save each (step, version) of ``plan``; a failed save is reported and training goes on.
 
     Each outcome records what was listed before and after the save and what was left in .pending.
+    ``drain``: ``wait()`` after each save, so retention's deletes (on the deleter thread by default) are
+    done before the next save begins: every run issues the same operations in the same order, which the
+    crash campaign's trace check compares. False: they run alongside the next save (the operations
+    interleave differently each run; the campaign checks the invariants, not the order).
     """
     apply_patches(patches)
     m = Model()
@@ -96,6 +102,7 @@ def workload(
         keep_last=keep_last,
         async_save=async_save,
         writer=safepoint.WriterOptions(threads=writer_threads, async_writer="thread"),
+        cluster=safepoint.ClusterOptions(background_deletes=background_deletes),
     ) as mgr:
         mark(what="ready")
         for step, version in plan:
@@ -110,6 +117,9 @@ def workload(
                     # checks that save() does too); wait() keeps the saves apart here.
                     mgr.wait()
                 mark(what="returned", step=step, version=version)
+                if drain:
+                    mgr.wait()  # the deleter's pass for this save: done before the listing and next save
+                    mark(what="drained", step=step, version=version)
             except safepoint.SaveError as e:
                 outcome.update(ok=False, error=str(e))
                 mark(what="failed", step=step, version=version)

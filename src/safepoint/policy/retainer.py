@@ -12,6 +12,11 @@ Never deleted: the step committed last, the newest step restore verified intact,
 about to commit (``claim``): a step saved again under the same number must not be removed by a pass that
 decided on its old copy. ``drain`` (from ``wait``/``restore``/``close``) waits until every queued pass is
 done.
+
+Retention stops for good when the lease is lost (the first fenced delete says so; nothing more is tried)
+and on a preemption notice (``abandon``: queued passes are dropped, a running one stops after the step it is
+deleting, so the emergency save and the exit wait on one step's delete at most). What is left undeleted is
+judged again by the next owner's first save, whose pass lists the whole root.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from safepoint.errors import CheckpointError
+from safepoint.errors import CheckpointError, LeaseError
 from safepoint.policy.rules import Retention, Verdicts
 from safepoint.store.layout import CheckpointInfo, CheckpointStore
 
@@ -31,9 +36,9 @@ class Retainer:
         self, layout: CheckpointStore, retention: Retention, verdicts: Verdicts, *, background: bool = False
     ) -> None:
         self.layout, self.retention, self.verdicts = layout, retention, verdicts
-        # False: each pass runs in the saving thread once the save's verdict is out (``settle``), so rank 0
-        # alone is late for the next collective by the deletes; True: on the deleter thread
-        # (ClusterOptions.background_deletes).
+        # True (the manager's default, ClusterOptions.background_deletes): passes run on the deleter thread,
+        # which close() stops. False (a bare saver's: no thread to stop): each runs in the saving thread
+        # once the save's verdict is out (``settle``), so rank 0 alone is late for the next collective.
         self.background = background
         self._index: dict[int, CheckpointInfo] = {}  # retention's view of the root, kept across passes
         self._cond = threading.Condition()
@@ -42,7 +47,13 @@ class Retainer:
         self._deleting: int | None = None
         self._busy = False  # a pass is running
         self._closed = False
+        self._stopped = False  # the lease was lost, or a preemption notice came: no pass runs any more
         self._thread: threading.Thread | None = None
+
+    @property
+    def in_background(self) -> bool:
+        """Whether passes run on the deleter thread (a process ending without close() waits for them)."""
+        return self.background and bool(self.retention.policies)
 
     def claim(self, step: int) -> None:
         """Called before committing ``step``: no pass deletes it from now on (waits only if that very
@@ -59,7 +70,7 @@ class Retainer:
         if not self.retention.policies:
             return
         with self._cond:
-            if self._closed:
+            if self._closed or self._stopped:
                 self._claimed.discard(step)
                 return
             self._queue.append((step, info))
@@ -90,6 +101,14 @@ class Retainer:
             while self._queue or self._busy:
                 self._cond.wait()
 
+    def abandon(self) -> None:
+        """A preemption notice: drop the queued passes and stop a running one after the step it is deleting
+        (each step's delete is crash-safe on its own; see the module docstring). Returns at once."""
+        with self._cond:
+            self._stopped = True
+            self._queue.clear()
+            self._cond.notify_all()
+
     def close(self) -> None:
         """Drain, then stop the thread. Later commits are not retained (the manager is closing)."""
         self.settle()
@@ -105,10 +124,10 @@ class Retainer:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
+                while not self._queue and not self._closed and not self._stopped:
                     self._cond.wait()
                 if not self._queue:
-                    return
+                    return  # closed, or stopped: the thread ends (``committed`` starts no other)
                 batch, self._queue = self._queue, []
                 self._busy = True
             self._process(batch)
@@ -152,6 +171,8 @@ class Retainer:
             protect = {committed} | ({good} if good is not None else set())
             for step in self.retention.to_delete(history, protect):
                 with self._cond:
+                    if self._stopped:
+                        return  # abandoned: the next owner's first pass judges what is left
                     if step in self._claimed:
                         continue  # being saved again: its new copy is not what this pass judged
                     self._deleting = step
@@ -163,6 +184,13 @@ class Retainer:
                         self._cond.notify_all()
                 self._index.pop(step, None)
                 log.info("safepoint: retention removed step %d", step)
-        except (OSError, CheckpointError) as e:  # CheckpointError: LeaseError from the fence
+        except LeaseError as e:
+            # Another owner has the root: every later delete would be refused as well (and must be).
+            with self._cond:
+                self._stopped = True
+                self._queue.clear()
+                self._cond.notify_all()
+            log.error("safepoint: retention stopped: %s", e)
+        except (OSError, CheckpointError) as e:
             # The new checkpoint is committed; a failed cleanup costs space, not correctness.
             log.warning("safepoint: retention pass failed (%s); will retry after the next save", e)

@@ -10,6 +10,7 @@ from typing import Any, NoReturn, Protocol
 
 from safepoint.errors import LeaseError, SaveError
 from safepoint.policy.history import RunHistory, outcome_of
+from safepoint.policy.retainer import Retainer
 from safepoint.policy.schedule import SaveSchedule
 from safepoint.preempt.preemption import Preemption
 from safepoint.remote.layout import RemoteLayout
@@ -48,14 +49,18 @@ class EmergencySave:
         tiers: SingleTier,
         layout: Layout | RemoteLayout,
         writer: BackgroundWriter,
+        retainer: Retainer,
         runs: RunHistory | None,
         save: SyncSave,
     ) -> None:
         self.preemption, self._schedule, self._tiers, self._layout = preemption, schedule, tiers, layout
-        self._writer, self._runs, self._save = writer, runs, save
+        self._writer, self._retainer, self._runs, self._save = writer, retainer, runs, save
 
     def run(self, step: int, state: TrainState, metrics: dict[str, Any] | None) -> NoReturn:
         """Every rank agreed on a notice: finish the save in flight, save this step synchronously, exit."""
+        # Old checkpoints can wait for the next owner: no delete competes with the emergency save for the
+        # disk, and the exit (close) waits on one step's delete at most, not on every queued pass.
+        self._retainer.abandon()
         self._writer.wait()
         try:
             self._writer.raise_failure()
