@@ -172,7 +172,7 @@ def describe(e: BaseException) -> str:
     if isinstance(resp, dict) and isinstance(resp.get("Error"), dict):
         status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
         return f"{resp['Error'].get('Code')} (HTTP {status}): {resp['Error'].get('Message', '')}".strip()
-    return f"{type(e).__name__}: {e}"
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"  # one line (gcsfs: "Forbidden: <path>\n...")
 
 
 def next_delay(what: str, e: Exception, attempt: int, cfg: TransferConfig) -> float:
