@@ -81,8 +81,9 @@ def storage_options(endpoint: str, scheme: str = "s3") -> dict[str, Any]:
 
 
 def transfer() -> TransferConfig:
-    # One request at a time (the k-th mutation is the same one every run); two attempts, no backoff.
-    return TransferConfig(concurrency=1, attempts=2, backoff_s=0.0, part_size=PART)
+    # One request at a time (the k-th mutation is the same one every run); two attempts, no backoff, and
+    # no retries of the client library's own (gcsfs's and the Azure SDK's wait 1 to 24 s between tries).
+    return TransferConfig(concurrency=1, attempts=2, backoff_s=0.0, part_size=PART, client_retries=0)
 
 
 # ---- the child ------------------------------------------------------------------------------------------
