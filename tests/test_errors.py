@@ -156,3 +156,34 @@ def test_an_item_restore_would_refuse_fails_the_save_at_once(tmp_path: Path) -> 
         with pytest.raises(safepoint.SaveError, match=r"cannot save 'scheduler\.fn': a _Opaque .*tolist"):
             mgr.save(1, safepoint.TrainState(scheduler=_Scheduler(), rng=False))
         assert mgr.list() == []  # nothing committed, and the save failed in the caller, not later
+
+
+def test_a_store_error_is_named_on_one_line_and_in_safepoints_words() -> None:
+    """gcsfs raises ``OSError("Forbidden: <path>\\n<message>")``: a save's error is one line all the same;
+    and where safepoint already said what failed (an UploadError whose cause is that OSError: "replacing
+    committed step 3 failed midway ... finishes the replacement"), that sentence is kept, not swapped for
+    the bare OSError under it."""
+    from safepoint.errors import describe_exception
+    from safepoint.remote.retry import UploadError
+
+    forbidden = OSError("Forbidden: b/bkt/o/run%2Fstep-3\nno storage.objects.create access.")
+    assert describe_exception(forbidden) == (
+        "OSError: Forbidden: b/bkt/o/run%2Fstep-3 no storage.objects.create access."
+    )
+    try:
+        try:
+            raise forbidden
+        except OSError as e:
+            raise UploadError("replacing committed step 3 failed midway; the next save finishes it") from e
+    except UploadError as e:
+        assert describe_exception(e) == (
+            "UploadError: replacing committed step 3 failed midway; the next save finishes it"
+        )
+    # An OSError under torch's "unexpected pos" RuntimeError is still the one named.
+    try:
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError as e:
+            raise RuntimeError("unexpected pos 704 vs 598") from e
+    except RuntimeError as e:
+        assert describe_exception(e) == "OSError: [Errno 28] No space left on device"

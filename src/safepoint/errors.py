@@ -83,16 +83,34 @@ def os_error_in_chain(e: BaseException) -> BaseException:
     return e
 
 
+def _named_cause(e: BaseException) -> BaseException:
+    """The exception a message names: the first OSError along the chain (os_error_in_chain), unless one of
+    safepoint's own errors comes first: that one already says what failed and names its cause (an
+    UploadError "replacing committed step 3 failed midway (...)" over a store's OSError)."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, (OSError, CheckpointError)):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return e
+
+
+def _one_line(e: BaseException) -> str:
+    # A store's message may span lines (gcsfs: "Forbidden: <path>\n<message>"); an error is one line.
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
+
+
 def describe_exception(e: BaseException) -> str:
-    """DCP wraps per-rank failures in CheckpointException; surface the root cause (e.g. ENOSPC)."""
+    """DCP wraps per-rank failures in CheckpointException; surface the root cause (e.g. ENOSPC), on one
+    line."""
     # Imported here: errors.py is imported by everything, torch.distributed.checkpoint is heavy.
     from torch.distributed.checkpoint.api import CheckpointException
 
     if isinstance(e, CheckpointException):
-        parts = []
-        for rank, (exc, _tb) in sorted(e.failures.items()):
-            cause = os_error_in_chain(exc)
-            parts.append(f"rank {rank}: {type(cause).__name__}: {cause}")
-        return "; ".join(parts) or str(e)
-    cause = os_error_in_chain(e)
-    return f"{type(cause).__name__}: {cause}"
+        parts = [
+            f"rank {rank}: {_one_line(_named_cause(exc))}" for rank, (exc, _tb) in sorted(e.failures.items())
+        ]
+        return "; ".join(parts) or " ".join(str(e).split())
+    return _one_line(_named_cause(e))

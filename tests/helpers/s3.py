@@ -8,9 +8,10 @@ For the torture suite (tests/torture/objstore.py) the proxy also counts every *m
 (PUT, upload-part, copy, multipart create/complete/abort, DELETE, batch delete) in a ``Session`` the client
 opens with a control request (``/__safepoint__/hello``, giving its pid). At the session's k-th mutation it
 can SIGKILL the client just before the store sees it, or just after the store applied it (the answer
-never arrives), answer it with an error (``503 SlowDown``, retried by the client; ``403 AccessDenied``,
-not retried), once or until the client says the store has recovered (``/__safepoint__/disarm``), or apply
-it and reset the connection (the answer is lost, the client retries). The session's journal holds every
+never arrives), answer it with an error in the store's own words (tests/helpers/store_errors.py: S3's
+``503 SlowDown``, retried by the client, and ``403 AccessDenied``, not retried; GCS's and Azure's alike),
+once or until the client says the store has recovered (``/__safepoint__/disarm``), or apply it and
+reset the connection (the answer is lost, the client retries). The session's journal holds every
 mutation in the order the store received them, with the client's own progress marks in between.
 """
 
@@ -38,17 +39,8 @@ from typing import Any
 import pytest
 
 import safepoint
-from tests.helpers import mutations
+from tests.helpers import mutations, store_errors
 
-_SLOWDOWN = (
-    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
-    b"<Message>Please reduce your request rate.</Message></Error>"
-)
-_DENIED = (
-    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code>'
-    b"<Message>Access Denied</Message></Error>"
-)
-_ERRORS = {"503": (503, _SLOWDOWN), "403": (403, _DENIED)}
 CONTROL = "/__safepoint__/"
 
 
@@ -246,9 +238,10 @@ def _handler(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:
             n = int(self.headers.get("Content-Length") or 0)
             return self.rfile.read(n) if n else b""
 
-        def _reply(self, status: int, data: bytes) -> None:
+        def _reply(self, status: int, data: bytes, headers: dict[str, str] | None = None) -> None:
             self.send_response(status)
-            self.send_header("Content-Type", "application/xml")
+            for k, v in (headers or {"Content-Type": "application/xml"}).items():
+                self.send_header(k, v)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
@@ -278,16 +271,22 @@ def _handler(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:
                 self._reset()
                 return
             if what == "503":
-                self._reply(503, _SLOWDOWN)
+                status, headers, data = store_errors.reply(
+                    store_errors.store_of(self.path, self.headers), "503"
+                )
+                self._reply(status, data, headers)
                 return
             self._forward(body)
 
         def _session(self, mutation: mutations.Mutation, body: bytes) -> None:
             session, n, what = proxy.mutation(mutation)
             assert session is not None
-            if what in _ERRORS:
+            if what in ("503", "403"):  # in the words of the store the request is for
                 session.events.append({"ev": "fail", "i": n, "error": what})
-                self._reply(*_ERRORS[what])
+                status, headers, data = store_errors.reply(
+                    store_errors.store_of(self.path, self.headers), what
+                )
+                self._reply(status, data, headers)
                 return
             if what == "key-errors":  # a batch delete answered 200, every key failed (InternalError)
                 session.events.append({"ev": "fail", "i": n, "error": what})

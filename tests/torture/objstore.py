@@ -45,6 +45,7 @@ from safepoint.errors import CheckpointError
 from safepoint.remote.layout import RemoteLayout
 from safepoint.remote.retry import MiB, TransferConfig
 from safepoint.store.manifest import MANIFEST_NAME
+from tests.helpers import store_errors
 from tests.torture import checks, scenarios
 from tests.torture.harness import Zygote
 
@@ -80,8 +81,9 @@ def storage_options(endpoint: str, scheme: str = "s3") -> dict[str, Any]:
 
 
 def transfer() -> TransferConfig:
-    # One request at a time (the k-th mutation is the same one every run); two attempts, no backoff.
-    return TransferConfig(concurrency=1, attempts=2, backoff_s=0.0, part_size=PART)
+    # One request at a time (the k-th mutation is the same one every run); two attempts, no backoff, and
+    # no retries of the client library's own (gcsfs's and the Azure SDK's wait 1 to 24 s between tries).
+    return TransferConfig(concurrency=1, attempts=2, backoff_s=0.0, part_size=PART, client_retries=0)
 
 
 # ---- the child ------------------------------------------------------------------------------------------
@@ -687,6 +689,8 @@ class Campaign:
             result.failed_saves += len(failed)
             if fault["mode"] == "lost" and failed:
                 bad(f"{where} [retry]: a lost answer made a save fail: {failed[0]['error']}")
+            if fault.get("error") == "503" and not fault.get("sticky") and failed:
+                bad(f"{where} [retry]: one 503 (retried) made a save fail: {failed[0]['error']}")
             for o in outcomes:
                 save = (o["step"], o["version"])
                 before = {int(s): v for s, v in o["before"].items()}
@@ -699,8 +703,10 @@ class Campaign:
                     continue
                 if not self.tiered and "not committed" not in o["error"]:
                     bad(f"{where} [cause]: the error does not say so: {o['error']}")
-                if not any(c in o["error"] for c in ("SlowDown", "AccessDenied", "InternalError")):
+                if not any(c in o["error"] for c in store_errors.NAMES[self.store.scheme][fault["error"]]):
                     bad(f"{where} [cause]: the error does not name the store's error: {o['error']}")
+                if "\n" in o["error"]:
+                    bad(f"{where} [cause]: the error is not one line: {o['error']!r}")
                 changed = {s: v for s, v in after.items() if before.get(s) != v}
                 if changed:
                     bad(f"{where} [lie]: save {save} raised, yet the store newly lists {changed}")

@@ -264,6 +264,43 @@ def test_other_stores_lost_answers_short(other_direct: tuple[Campaign, Ops]) -> 
     assert not r.violations, "\n".join(r.violations)
 
 
+def test_other_stores_faults_short(other_direct: tuple[Campaign, Ops]) -> None:
+    """Error replies in gs://'s and az://'s own words (tests/helpers/store_errors.py): one 503 at the commit
+    point (the manifest's write) is retried and the save succeeds; a 403 that persists until the save gives
+    up, in the re-save's window (a copy over the unlisted step), fails that save with a one-line error
+    naming the store's, loses no step, and the next save works."""
+    c, ops = other_direct
+    targets = [
+        (_find(ops, "put", "/step-3/safepoint.json"), {"mode": "fail", "error": "503"}),
+        (_find(ops, "copy", "/step-3/__0_0.distcp"), {"mode": "fail", "error": "403", "sticky": True}),
+    ]
+    r = c.fail(targets, ops)
+    _record(f"objstore-{c.store.scheme}-direct-faults-short", r)
+    assert r.points == len(targets)
+    assert not r.violations, "\n".join(r.violations)
+
+
+OTHER_FAULTS: dict[str, dict[str, Any]] = {
+    "503-once": {"mode": "fail", "error": "503"},
+    "503-until-back": {"mode": "fail", "error": "503", "sticky": True},
+    "403-until-back": {"mode": "fail", "error": "403", "sticky": True},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("fault", sorted(OTHER_FAULTS))
+def test_other_stores_faults_every_k(other_direct: tuple[Campaign, Ops], fault: str) -> None:
+    """Each error reply, in GCS's or Azure's words, at every mutation of the direct saves on gs:// and
+    az://: one 503 never fails a save; a 503 or 403 that lasts until the save gives up fails it cleanly."""
+    c, ops = other_direct
+    targets = [(k, OTHER_FAULTS[fault]) for k in _in_saves(ops)]
+    r = c.fail(targets, ops)
+    _record(f"objstore-{c.store.scheme}-direct-faults-{fault}", r)
+    assert r.points == len(targets)
+    assert not r.violations, "\n".join(r.violations)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_other_stores_direct_crash_every_k(other_direct: tuple[Campaign, Ops]) -> None:

@@ -6,6 +6,7 @@ from typing import Any
 
 from fsspec.core import url_to_fs
 
+from safepoint.remote.clientretry import with_client_retries
 from safepoint.remote.upload import ObjectStore, TransferConfig
 
 
@@ -23,6 +24,8 @@ def open_store(
         raise ValueError(
             f"root {url!r}: unknown protocol {protocol!r}: no fsspec file system for it ({e})"
         ) from e
+    if cfg is not None and cfg.client_retries is not None:
+        fs = with_client_retries(fs, cfg.client_retries)
     protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
     store: ObjectStore
     if protocols & {"s3", "s3a"}:
