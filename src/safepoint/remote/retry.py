@@ -96,7 +96,9 @@ class TransferConfig:
     safepoint hears of an error (gcsfs: 5 retries 1 to 17 s apart, ~35 s; the Azure SDK: 3 retries 15, 18
     and 24 s apart, ~60 s; botocore: what ``config_kwargs`` says). A number sets it on every store (gcsfs,
     the Azure SDK, botocore's ``total_max_attempts``); 0 leaves every retry to safepoint (``attempts``,
-    ``backoff_s``), so a store that stays down fails a save in seconds rather than minutes."""
+    ``backoff_s``), so a store that stays down fails a save in seconds rather than minutes. One exception:
+    on a gs:// root without ``local_root``, DCP's streamed writes go through gcsfs's resumable upload,
+    which only gcsfs retries; keep at least 1 there, or one ``503`` fails that save."""
     full_object_checksum: bool | None = None
     """Which CRC32C an S3 multipart upload leaves on the object. None (default): a *composite* one (S3's
     crc32c of the parts' crc32cs) for uploads of local files, whose parts' crc32cs go into the manifest so
