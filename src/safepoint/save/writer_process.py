@@ -123,6 +123,7 @@ class WriterProcess:
         self.writes = 0  # writes done by a process
         self.thread_writes = 0  # writes done by the calling thread while the process was starting
         self.descriptions = 0  # full descriptions sent (the other writes sent "same as last time")
+        self.stale = 0  # "same as last time" answered "stale" (the process did not hold it)
 
     @property
     def pid(self) -> int | None:
@@ -207,11 +208,14 @@ class WriterProcess:
                 self._expect(self._request(("arena", arena.id, arena.nbytes), [arena.fd]), "ok")
                 self._arena_sent = arena.id
             arena_id = arena.id if arena else None
-            reply: tuple[Any, ...] = ("stale",)
+            reply: tuple[Any, ...] | None = None
             held = self._held
             if held is not None and held.matches(plan, places, arena_id):
                 reply = self._request(("again", held.key, arena_id, path, thread_count, values))
-            if reply[0] == "stale":  # nothing held, a changed state, or a process that lost it
+                if reply[0] == "stale":  # the process does not hold it after all: describe it again
+                    self.stale += 1
+                    reply = None
+            if reply is None:  # nothing held, or a changed state (another plan, places or segment)
                 self._held, self._keys = None, self._keys + 1
                 msg = ("write", self._keys, arena_id, path, thread_count, plan, places, values)
                 reply = self._request(msg)
