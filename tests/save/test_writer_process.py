@@ -84,6 +84,7 @@ def test_snapshot_is_consistent_and_resume_is_bitwise(root: Path) -> None:
         # Steps 3 and 6: the plan and the places went over once; step 6 sent its values only (the resume
         # below checks they are step 6's: Adam's step, the scheduler, the extra state).
         assert mgr._process.writes == 2 and mgr._process.descriptions == 1
+        assert mgr._process.same_results == 1  # every item the same size: step 3's offsets held
         writer_pid = mgr._process.pid
         assert writer_pid is not None and writer_pid != os.getpid()
     assert writer_pid is not None and not _alive(writer_pid), "close() must end the writer process"
@@ -96,8 +97,20 @@ def test_snapshot_is_consistent_and_resume_is_bitwise(root: Path) -> None:
     assert_bitwise_equal(ref.snapshot(), s2.snapshot())
 
 
+class _Noted(torch.nn.Module):
+    """A module with extra state: a byte item of DCP's whose size can change while the plan does not."""
+
+    note = ""
+
+    def get_extra_state(self) -> str:
+        return self.note
+
+    def set_extra_state(self, state: str) -> None:
+        self.note = state
+
+
 def test_a_new_staging_segment_when_the_state_changes_shape(root: Path) -> None:
-    m = torch.nn.Module()
+    m = _Noted()
     m.a = torch.nn.Parameter(torch.full((1000,), 1.0))
     with _manager(root) as mgr:
         mgr.save(1, safepoint.TrainState(model=m, rng=False))
@@ -108,6 +121,7 @@ def test_a_new_staging_segment_when_the_state_changes_shape(root: Path) -> None:
         m.b = torch.nn.Parameter(torch.full((5000,), 2.0))  # the model grew: new buffers, new segment
         with torch.no_grad():
             m.a.fill_(3.0)
+        m.note = "xx"
         mgr.save(2, safepoint.TrainState(model=m, rng=False))
         mgr.wait()
         assert mgr._stager.allocations == 2
@@ -116,28 +130,31 @@ def test_a_new_staging_segment_when_the_state_changes_shape(root: Path) -> None:
         assert process is not None and process.descriptions == 2  # a changed state is described afresh
         with torch.no_grad():
             m.a.fill_(4.0)
+        m.note = "x" * 1000
         mgr.save(3, safepoint.TrainState(model=m, rng=False))
         mgr.wait()
         assert process.descriptions == 2 and process.writes == 3  # unchanged: "same as last time"
+        assert process.same_results == 0  # a longer byte item: its write results came back anew
         # A rank whose record disagrees with the process (here: a key the process never got) is answered
         # "stale" and describes the save in full: never a write from a description the process lacks.
         assert process._held is not None
         process._held.key += 1
         with torch.no_grad():
             m.b.fill_(5.0)
+        m.note = "xxxx"
         mgr.save(4, safepoint.TrainState(model=m, rng=False))
         mgr.wait()
         assert process.stale == 1 and process.descriptions == 3
-    fresh = torch.nn.Module()
+    fresh = _Noted()
     fresh.a = torch.nn.Parameter(torch.zeros(1000))
     fresh.b = torch.nn.Parameter(torch.zeros(5000))
     with safepoint.CheckpointManager(root) as again:
         assert again.restore(safepoint.TrainState(model=fresh, rng=False), step=2) == 2
-        assert torch.all(fresh.a == 3.0) and torch.all(fresh.b == 2.0)
+        assert torch.all(fresh.a == 3.0) and torch.all(fresh.b == 2.0) and fresh.note == "xx"
         assert again.restore(safepoint.TrainState(model=fresh, rng=False), step=3) == 3
-        assert torch.all(fresh.a == 4.0) and torch.all(fresh.b == 2.0)
+        assert torch.all(fresh.a == 4.0) and torch.all(fresh.b == 2.0) and fresh.note == "x" * 1000
         assert again.restore(safepoint.TrainState(model=fresh, rng=False)) == 4
-        assert torch.all(fresh.a == 4.0) and torch.all(fresh.b == 5.0)
+        assert torch.all(fresh.a == 4.0) and torch.all(fresh.b == 5.0) and fresh.note == "xxxx"
 
 
 def test_writer_process_killed_mid_write_fails_that_save_only(root: Path) -> None:

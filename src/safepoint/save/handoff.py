@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
 
 from safepoint.save.shared_buffers import SharedArena
 
@@ -112,6 +113,8 @@ class Sent:
     plan: SavePlan
     places: list[Place]
     arena_id: str | None
+    results: list[WriteResult] | None = None
+    """The write results of the last save written from it (what a "same" answer stands for)."""
 
     def matches(self, plan: SavePlan, places: list[Place], arena_id: str | None) -> bool:
         # The plan object itself is what DCP's cache hands back for an unchanged state; an equal one will
@@ -154,6 +157,9 @@ class Held:
     plan: SavePlan
     views: dict[MetadataIndex, torch.Tensor]
     by_value: list[MetadataIndex] = field(default_factory=list)
+    results: list[WriteResult] | None = None
+    """DCP's write results of the last save written from this description: a save that produces equal
+    ones (the same item sizes at the same offsets) answers "same" and the rank reuses its copy."""
 
     @classmethod
     def build(cls, key: int, arena: SharedArena | None, plan: SavePlan, places: list[Place]) -> Held:

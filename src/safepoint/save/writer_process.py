@@ -11,10 +11,12 @@ and copies the staged state a second time into shared memory on every save):
   ``safepoint.save.writer_child.main``: nothing of the user's script is imported), and lives until
   ``close()``;
 - the staging buffers are one shared-memory segment (shared_buffers.py); the process maps it once, so a
-  save sends only DCP's plan and, per item, where its bytes lie. No copy beyond the staging one;
+  save sends only DCP's plan and, per item, where its bytes lie, and for a save of an unchanged state not
+  even that: the process keeps the last description and gets the values of the by-value items only
+  (handoff.py). No copy beyond the staging one;
 - everything collective (planning, metadata, commit, retention) stays in the rank's background thread:
-  only the per-rank ``write_data`` moves to the process, through SafepointWriter as before (crc32c as the
-  bytes pass, fsync).
+  only the per-rank ``write_data`` moves to the process (process_writer.py), through SafepointWriter as
+  before (crc32c as the bytes pass, fsync).
 A writer process that dies (OOM killer, kill -9) fails that save, which is not committed; the next save
 starts a new process.
 
@@ -34,19 +36,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
-from torch.futures import Future
 
 from safepoint.save import background, ipc
-from safepoint.save.handoff import Place, Sent, describe
+from safepoint.save.handoff import Place, Sent
 from safepoint.save.shared_buffers import SharedArena
-from safepoint.store.file_report import with_files
-from safepoint.store.storage import SafepointWriter
 
 log = logging.getLogger("safepoint")
 
@@ -124,6 +122,7 @@ class WriterProcess:
         self.thread_writes = 0  # writes done by the calling thread while the process was starting
         self.descriptions = 0  # full descriptions sent (the other writes sent "same as last time")
         self.stale = 0  # "same as last time" answered "stale" (the process did not hold it)
+        self.same_results = 0  # writes whose results equalled the last save's (not sent back)
 
     @property
     def pid(self) -> int | None:
@@ -222,6 +221,11 @@ class WriterProcess:
                 self.descriptions += 1
                 if reply[0] == "done":  # the process holds it now (on failure, the next save resends)
                     self._held = Sent(self._keys, plan, places, arena_id)
+            if reply[0] == "same" and self._held is not None and self._held.results is not None:
+                reply = ("done", self._held.results, reply[1])  # what the last save of it produced
+                self.same_results += 1
+            elif reply[0] == "done" and self._held is not None:
+                self._held.results = reply[1]
         if reply[0] == "done":
             self.writes += 1
             return reply[1], reply[2]
@@ -371,51 +375,3 @@ def _current_nice() -> int:
         return os.getpriority(os.PRIO_PROCESS, 0)  # the calling thread's, on Linux
     except OSError:
         return 0
-
-
-class ProcessWriter(SafepointWriter):
-    """SafepointWriter whose ``write_data`` runs in the writer process; planning and ``finish`` stay here."""
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        thread_count: int,
-        process: WriterProcess,
-        arena: SharedArena | None,
-    ) -> None:
-        super().__init__(path, thread_count=thread_count)
-        self._process, self._arena = process, arena
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        places, values = describe(plan, planner, self._arena)
-        try:
-            results, files = self._process.write(
-                self._arena, str(self.path), self.thread_count, plan, places, values
-            )
-        except WriterStarting:
-            log.info("safepoint: %s written by the thread: the writer process is still starting", self.path)
-            return super().write_data(plan, planner)
-        except WriterUnavailable:
-            return super().write_data(plan, planner)  # "auto" without a process: this thread writes
-        if len(results) != len(plan.items) or {r.index for r in results} != {i.index for i in plan.items}:
-            raise WriterProcessError(
-                f"the writer process answered for {len(results)} items, not the {len(plan.items)} planned"
-            )
-        for name, (size, crc) in files.items():
-            self.recorder.record(name, size, crc)
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
-        return with_files(fut, self.written_files())
-
-
-def process_writer_factory(
-    process: WriterProcess, arena: Callable[[], SharedArena | None]
-) -> Callable[[SafepointWriter], ProcessWriter]:
-    """For SyncSaver: each save's storage writer, with its writes going to ``process``; ``arena`` gives the
-    staging segment of the state being saved (one save in flight, so it cannot change during the save)."""
-
-    def wrap(writer: SafepointWriter) -> ProcessWriter:
-        return ProcessWriter(writer.path, thread_count=writer.thread_count, process=process, arena=arena())
-
-    return wrap
