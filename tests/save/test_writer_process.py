@@ -145,6 +145,11 @@ def test_a_new_staging_segment_when_the_state_changes_shape(root: Path) -> None:
         mgr.save(4, safepoint.TrainState(model=m, rng=False))
         mgr.wait()
         assert process.stale == 1 and process.descriptions == 3
+    # The process wrote the bytes a synchronous save writes (the byte item too: torch's CRC-32 off in both).
+    with safepoint.CheckpointManager(root.parent / "sync") as sync:
+        sync.save(4, safepoint.TrainState(model=m, rng=False))
+    data = "step-4/__0_0.distcp"
+    assert (root / data).read_bytes() == (root.parent / "sync" / data).read_bytes()
     fresh = _Noted()
     fresh.a = torch.nn.Parameter(torch.zeros(1000))
     fresh.b = torch.nn.Parameter(torch.zeros(5000))

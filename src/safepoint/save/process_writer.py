@@ -22,7 +22,7 @@ from safepoint.save.writer_process import (
     WriterUnavailable,
 )
 from safepoint.store.file_report import with_files
-from safepoint.store.storage import SafepointWriter
+from safepoint.store.storage import SafepointWriter, torch_crc32_off
 
 log = logging.getLogger("safepoint")
 
@@ -42,7 +42,10 @@ class ProcessWriter(SafepointWriter):
         self._process, self._arena = process, arena
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        places, values = describe(plan, planner, self._arena)
+        # Byte items are torch.save'd as they are resolved, here: with torch's CRC-32 off, as the thread
+        # writer resolves them, so both write the same bytes (crc32c covers them either way).
+        with torch_crc32_off():
+            places, values = describe(plan, planner, self._arena)
         try:
             results, files = self._process.write(
                 self._arena, str(self.path), self.thread_count, plan, places, values
