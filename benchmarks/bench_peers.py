@@ -23,6 +23,9 @@ a few tensors of W*W*4 bytes). Save variants, all timed until the checkpoint is 
 Restore variants: ``torch.load`` + ``load_state_dict`` (baseline), ``safepoint`` (verified restore),
 ``dcp.load`` (+ ``set_state_dict``), ``tc`` (torch-checkpointing's ``load`` into the live state).
 Install the peer with ``pip install -e '.[bench]'``; without it the ``tc-*`` variants are skipped.
+
+``cpu s`` is this process's CPU (all threads); ``helper cpu s`` that of its live child processes during the
+save (safepoint's writer process, torch-checkpointing's saver process), which ``cpu s`` cannot see.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed.checkpoint as dcp
 from _common import loadavg, markdown_table, median, paired_ratios, quartiles, rotated, timed
@@ -202,6 +206,21 @@ def make_state(kind: str, layers: int, width: int) -> tuple[nn.Module, torch.opt
     return model, opt
 
 
+def helpers_cpu() -> dict[int, float]:
+    """CPU seconds so far of each live child process (safepoint's writer process, torch-checkpointing's
+    saver): ``timed`` counts only children that were waited for, and these live on between saves."""
+    out = {}
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            times = child.cpu_times()
+            out[child.pid] = times.user + times.system
+    return out
+
+
+def helpers_cpu_since(before: dict[int, float]) -> float:
+    return sum(cpu - before.get(pid, 0.0) for pid, cpu in helpers_cpu().items())
+
+
 def remove(p: Path) -> None:
     if p.is_dir():
         shutil.rmtree(p)
@@ -223,6 +242,7 @@ def run_state(kind: str, args: argparse.Namespace) -> dict[str, Any]:
             for v in rotated(saves, rnd):
                 out = base / f"save-{v}"
                 gc.collect()
+                helpers = helpers_cpu()
                 try:
                     t = timed(peers.save(v, out))
                 except Exception as e:  # a failed save is a result too: recorded, reported, not timed
@@ -237,6 +257,7 @@ def run_state(kind: str, args: argparse.Namespace) -> dict[str, Any]:
                         "round": rnd,
                         "s": t.seconds,
                         "cpu_s": t.cpu_s,
+                        "helper_cpu_s": helpers_cpu_since(helpers),
                         "blocking_s": peers.blocking.pop(v, None),
                         "loadavg_1m": loadavg()[:1],
                     }
@@ -278,12 +299,13 @@ def summarize(result: dict[str, Any]) -> list[list[str]]:
             mine = [r for r in runs if r["variant"] == v]
             if not mine:
                 rows.append(
-                    [result["state"], phase, v, *[""] * 5, str(sum(r["variant"] == v for r in failed))]
+                    [result["state"], phase, v, *[""] * 6, str(sum(r["variant"] == v for r in failed))]
                 )
                 continue
             ratios = paired_ratios({r["round"]: r["s"] for r in mine}, ref, lambda a, b: a / b)
             q1, q3 = quartiles(ratios)
             blocking = [r["blocking_s"] for r in mine if r.get("blocking_s") is not None]
+            helper = [r["helper_cpu_s"] for r in mine if r.get("helper_cpu_s") is not None]
             rows.append(
                 [
                     result["state"],
@@ -292,6 +314,7 @@ def summarize(result: dict[str, Any]) -> list[list[str]]:
                     f"{median(r['s'] for r in mine):.3f}",
                     f"{median(ratios):.2f} ({q1:.2f}-{q3:.2f})",
                     f"{median(r['cpu_s'] for r in mine):.2f}",
+                    f"{median(helper):.2f}" if helper else "",
                     f"{median(blocking):.3f}" if blocking else "",
                     f"{median(r['loadavg_1m'][0] for r in mine if r['loadavg_1m']):.1f}",
                     str(sum(r["variant"] == v for r in failed)),
@@ -307,6 +330,7 @@ COLUMNS = [
     "median s",
     "x torch paired (q1-q3)",
     "cpu s",
+    "helper cpu s",
     "blocking s",
     "load 1m",
     "failed",

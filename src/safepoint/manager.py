@@ -34,9 +34,10 @@ from safepoint.remote.upload import TransferConfig
 from safepoint.restore.partial import RestoreReport, Selection
 from safepoint.restore.restorer import Restorer
 from safepoint.save.background import BackgroundWriter
+from safepoint.save.process_writer import process_writer_factory
 from safepoint.save.saver import SyncSaver
 from safepoint.save.staging import Stager, tensor_bytes
-from safepoint.save.writer_process import WriterProcess, process_writer_factory
+from safepoint.save.writer_process import WriterProcess
 from safepoint.state import TrainState
 from safepoint.store.job import job_identity
 from safepoint.store.layout import CheckpointInfo, Layout

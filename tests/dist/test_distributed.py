@@ -200,6 +200,8 @@ def test_process_writer_saves_each_ranks_shard_exactly(two_ranks: Path) -> None:
     assert sorted(e["rank"] for e in saves) == [0, 1]
     assert all(e["steps"] == [3, 6, 9, 12] for e in saves), saves
     assert Layout(two_ranks / "process-fsdp2").committed_steps() == [9, 12]  # keep_last=2, the deleter
+    # Each rank's process wrote all four; the plan and the DTensor shards' places went over once.
+    assert all(e["writes"] == 4 and e["descriptions"] == 1 for e in saves), saves
     manifest = Layout(two_ranks / "process-fsdp2").verify(12)
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(manifest.files), manifest.files
     final = load(two_ranks / "process-fsdp2.final.pt")

@@ -149,6 +149,8 @@ def train_job(job: dict[str, Any], out: Path, log: Log) -> None:
         async_save=job.get("async_writer") is not None,
         writer=safepoint.WriterOptions(async_writer=job.get("async_writer", "thread")),
     )
+    if job.get("async_writer") == "process" and mgr._process is not None:
+        mgr._process.wait_ready()  # every save by the process (those before ready go to the thread)
     committed = [c.step for c in mgr.list()]
     step = mgr.restore(state)
     log(name, "restored", step=step, committed=committed, world_size=ws, seen=extra["rank_seen"])
@@ -206,7 +208,11 @@ def train_job(job: dict[str, Any], out: Path, log: Log) -> None:
                 msg=str(e),
             )
             raise
-    log(name, "saves", steps=[s.step for s in mgr.saves], checks=mgr._agreement.checks)
+    process, written = mgr._process, {}
+    if process is not None:
+        mgr.wait()  # the last save's write counted too
+        written = {"writes": process.writes, "descriptions": process.descriptions}
+    log(name, "saves", steps=[s.step for s in mgr.saves], checks=mgr._agreement.checks, **written)
     mgr.close()
     if job.get("log_rng"):
         log(name, "rng_end", draw=torch.rand(3).tolist())

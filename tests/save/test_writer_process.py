@@ -81,6 +81,10 @@ def test_snapshot_is_consistent_and_resume_is_bitwise(root: Path) -> None:
                         p.fill_(123.0)
         mgr.wait()
         assert mgr._process is not None and mgr._process.started == 1
+        # Steps 3 and 6: the plan and the places went over once; step 6 sent its values only (the resume
+        # below checks they are step 6's: Adam's step, the scheduler, the extra state).
+        assert mgr._process.writes == 2 and mgr._process.descriptions == 1
+        assert mgr._process.same_results == 1  # every item the same size: step 3's offsets held
         writer_pid = mgr._process.pid
         assert writer_pid is not None and writer_pid != os.getpid()
     assert writer_pid is not None and not _alive(writer_pid), "close() must end the writer process"
@@ -93,8 +97,20 @@ def test_snapshot_is_consistent_and_resume_is_bitwise(root: Path) -> None:
     assert_bitwise_equal(ref.snapshot(), s2.snapshot())
 
 
+class _Noted(torch.nn.Module):
+    """A module with extra state: a byte item of DCP's whose size can change while the plan does not."""
+
+    note = ""
+
+    def get_extra_state(self) -> str:
+        return self.note
+
+    def set_extra_state(self, state: str) -> None:
+        self.note = state
+
+
 def test_a_new_staging_segment_when_the_state_changes_shape(root: Path) -> None:
-    m = torch.nn.Module()
+    m = _Noted()
     m.a = torch.nn.Parameter(torch.full((1000,), 1.0))
     with _manager(root) as mgr:
         mgr.save(1, safepoint.TrainState(model=m, rng=False))
@@ -105,16 +121,45 @@ def test_a_new_staging_segment_when_the_state_changes_shape(root: Path) -> None:
         m.b = torch.nn.Parameter(torch.full((5000,), 2.0))  # the model grew: new buffers, new segment
         with torch.no_grad():
             m.a.fill_(3.0)
+        m.note = "xx"
         mgr.save(2, safepoint.TrainState(model=m, rng=False))
         mgr.wait()
         assert mgr._stager.allocations == 2
         assert mgr._stager.arena is not None and mgr._stager.arena.id != first_id
-    fresh = torch.nn.Module()
+        process = mgr._process
+        assert process is not None and process.descriptions == 2  # a changed state is described afresh
+        with torch.no_grad():
+            m.a.fill_(4.0)
+        m.note = "x" * 1000
+        mgr.save(3, safepoint.TrainState(model=m, rng=False))
+        mgr.wait()
+        assert process.descriptions == 2 and process.writes == 3  # unchanged: "same as last time"
+        assert process.same_results == 0  # a longer byte item: its write results came back anew
+        # A rank whose record disagrees with the process (here: a key the process never got) is answered
+        # "stale" and describes the save in full: never a write from a description the process lacks.
+        assert process._held is not None
+        process._held.key += 1
+        with torch.no_grad():
+            m.b.fill_(5.0)
+        m.note = "xxxx"
+        mgr.save(4, safepoint.TrainState(model=m, rng=False))
+        mgr.wait()
+        assert process.stale == 1 and process.descriptions == 3
+    # The process wrote the bytes a synchronous save writes (the byte item too: torch's CRC-32 off in both).
+    with safepoint.CheckpointManager(root.parent / "sync") as sync:
+        sync.save(4, safepoint.TrainState(model=m, rng=False))
+    data = "step-4/__0_0.distcp"
+    assert (root / data).read_bytes() == (root.parent / "sync" / data).read_bytes()
+    fresh = _Noted()
     fresh.a = torch.nn.Parameter(torch.zeros(1000))
     fresh.b = torch.nn.Parameter(torch.zeros(5000))
     with safepoint.CheckpointManager(root) as again:
         assert again.restore(safepoint.TrainState(model=fresh, rng=False), step=2) == 2
-    assert torch.all(fresh.a == 3.0) and torch.all(fresh.b == 2.0)
+        assert torch.all(fresh.a == 3.0) and torch.all(fresh.b == 2.0) and fresh.note == "xx"
+        assert again.restore(safepoint.TrainState(model=fresh, rng=False), step=3) == 3
+        assert torch.all(fresh.a == 4.0) and torch.all(fresh.b == 2.0) and fresh.note == "x" * 1000
+        assert again.restore(safepoint.TrainState(model=fresh, rng=False)) == 4
+        assert torch.all(fresh.a == 4.0) and torch.all(fresh.b == 5.0) and fresh.note == "xxxx"
 
 
 def test_writer_process_killed_mid_write_fails_that_save_only(root: Path) -> None:
@@ -134,12 +179,16 @@ def test_writer_process_killed_mid_write_fails_that_save_only(root: Path) -> Non
         assert "save of step 2 failed and was not committed" in msg
         assert f"writer process (pid {pid}) died while writing: killed by SIGKILL" in msg
         assert [c.step for c in mgr.list()] == [1]
-        # The next save starts a new writer process and commits.
+        # The next save starts a new writer process and commits (once it is ready, so that the process
+        # writes it, not the thread meanwhile).
         with torch.no_grad():
             m.w.fill_(3.0)
+        mgr._process.wait_ready()
         mgr.save(3, st)
         mgr.wait()
         assert mgr._process.started == 2 and mgr._process.pid != pid
+        # The new process was sent the full description at once (the rank forgot what the dead one held).
+        assert mgr._process.descriptions == 2 and mgr._process.stale == 0
         # Restarted from the writer thread (itself at +WRITER_NICE), yet at the rank's priority + WRITER_NICE.
         expected = min(19, os.getpriority(os.PRIO_PROCESS, 0) + background.WRITER_NICE)
         assert os.getpriority(os.PRIO_PROCESS, mgr._process.pid) == expected
@@ -519,3 +568,21 @@ def test_async_saves_work_with_descriptors_numbered_above_1024(root: Path) -> No
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[0] == "2 [1, 2]"
+
+
+def test_a_launch_that_popen_refuses_leaks_no_socket(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Popen raising something other than OSError (ValueError: a NUL byte in an argument) still closes both
+    ends of the channel, and is a start failure like any other: "auto" falls back to the thread."""
+    monkeypatch.setattr(sys, "executable", "/no/such\0python")
+    me = psutil.Process()
+    before = me.num_fds()
+    process = writer_process.WriterProcess()
+    with pytest.raises(writer_process.WriterProcessError, match="could not start") as err:
+        process._start()
+    assert isinstance(err.value.__cause__, ValueError)
+    # err keeps the failed call's frame (and whatever it references) alive: nothing may stay open anyway.
+    assert me.num_fds() == before
+    fallback = writer_process.WriterProcess(fallback=True)
+    fallback.start()
+    assert fallback.unavailable is not None and "could not start" in fallback.unavailable
+    assert me.num_fds() == before

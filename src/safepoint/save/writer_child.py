@@ -2,16 +2,16 @@
 
 Started by writer_process.WriterProcess with a launch line that ignores SIGINT and SIGTERM first, then
 calls ``main([program, FD, PARENT_PID, NICE])``; FD is its end of the channel. It maps the rank's staging
-segment, and for each save runs SafepointWriter.write_data (the same code as the writer thread: torch.save
-per item, crc32c as the bytes pass, fsync) over tensors that point into that segment. It exits when the
-channel closes, and within a second of its rank dying (it must not keep writing into a save nobody will
-commit).
+segment, and for each save runs SafepointWriter.write_data (the same code as the writer thread: crc32c as
+the bytes pass, fsync) over tensors that point into that segment. It keeps the last full description of a
+save (plan and item views, handoff.Held), so a save of an unchanged state sends only its values. It exits
+when the channel closes, and within a second of its rank dying (it must not keep writing into a save nobody
+will commit).
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
 import socket
@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from safepoint.errors import os_error_in_chain
 from safepoint.save import ipc
+from safepoint.save.handoff import Held
 from safepoint.save.shared_buffers import SharedArena
 from safepoint.store.file_report import split_files
 from safepoint.store.storage import SafepointWriter
@@ -44,24 +45,9 @@ class _Resolved:
         return self._data[item.index]
 
 
-def _materialize(ref: tuple[Any, ...], arena: SharedArena | None) -> Any:
-    kind = ref[0]
-    if kind == "bytes":
-        return io.BytesIO(ref[1])
-    if kind == "tensor":
-        return ref[1]
-    if kind == "arena":
-        if arena is None:
-            raise RuntimeError("an item refers to a staging segment this process was not given")
-        _, start, nbytes, dtype, storage_offset, size, stride = ref
-        return torch.empty(0, dtype=dtype).set_(arena.storage(start, nbytes), storage_offset, size, stride)
-    raise ValueError(f"unknown item kind {kind!r}")
-
-
 def _write(
-    arena: SharedArena | None, path: str, thread_count: int, plan: SavePlan, items: list[Any]
+    path: str, thread_count: int, plan: SavePlan, data: dict[MetadataIndex, Any]
 ) -> tuple[list[WriteResult], dict[str, tuple[int, str]]]:
-    data = {index: _materialize(ref, arena) for index, ref in items}
     writer = SafepointWriter(path, thread_count=thread_count)
     results = writer.write_data(plan, _Resolved(data)).wait()  # type: ignore[arg-type]
     # The file list goes back on its own; the parent's ProcessWriter adds it to its results for DCP.
@@ -90,6 +76,7 @@ def _exit_with_parent(parent: int) -> None:
 def serve(sock: socket.socket) -> None:
     """Answer every message with exactly one reply (the rank relies on it to keep the channel in step)."""
     arena: SharedArena | None = None
+    held: Held | None = None  # the last full description of a save (handoff.py)
     ipc.send(sock, ("ready", os.getpid()))
     while True:
         try:
@@ -98,6 +85,7 @@ def serve(sock: socket.socket) -> None:
             return
         if msg[0] in ("arena", "drop"):
             # One staging segment at a time: the rank replaced (or is about to replace) its buffers.
+            held = None  # its views map the old segment
             if arena is not None:
                 arena.release()
                 arena = None  # unmapped once this save's tensors are gone too (they went with the last write)
@@ -105,15 +93,30 @@ def serve(sock: socket.socket) -> None:
                 arena = SharedArena.attach(fds[0], msg[2], msg[1])
             ipc.send(sock, ("ok",))
             continue
-        _, arena_id, path, thread_count, plan, items = msg
+        if msg[0] == "again" and (held is None or held.key != msg[1] or held.arena_id != msg[2]):
+            ipc.send(sock, ("stale",))  # the rank sends the full description next
+            continue
+        data: dict[MetadataIndex, Any] | None = None
+        values: list[Any] | None = None
         try:
-            if arena_id is not None and (arena is None or arena.id != arena_id):
-                raise RuntimeError(f"staging segment {arena_id} was never sent to the writer process")
-            results, files = _write(arena, path, thread_count, plan, items)
+            if msg[0] == "write":
+                _, key, arena_id, path, thread_count, plan, places, values = msg
+                held = None
+                if arena_id is not None and (arena is None or arena.id != arena_id):
+                    raise RuntimeError(f"staging segment {arena_id} was never sent to the writer process")
+                held = Held.build(key, arena, plan, places)
+            else:
+                _, _key, _arena_id, path, thread_count, values = msg
+            assert held is not None
+            data = held.data(values)
+            results, files = _write(path, thread_count, held.plan, data)
             reply: tuple[Any, ...] = ("done", results, files)
+            if msg[0] == "again" and results == held.results:
+                reply = ("same", files)  # the rank reuses the last save's results (no 5,000 to pickle)
+            held.results = results
         except Exception as e:  # reported to the rank, which logs it and fails the save
             reply = _failure(e)
-        del items  # the tensors of this save, before waiting for the next
+        del data, values  # this save's values, before waiting for the next
         ipc.send(sock, reply)
 
 

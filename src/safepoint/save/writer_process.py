@@ -11,10 +11,12 @@ and copies the staged state a second time into shared memory on every save):
   ``safepoint.save.writer_child.main``: nothing of the user's script is imported), and lives until
   ``close()``;
 - the staging buffers are one shared-memory segment (shared_buffers.py); the process maps it once, so a
-  save sends only DCP's plan and, per item, where its bytes lie. No copy beyond the staging one;
+  save sends only DCP's plan and, per item, where its bytes lie, and for a save of an unchanged state not
+  even that: the process keeps the last description and gets the values of the by-value items only
+  (handoff.py). No copy beyond the staging one;
 - everything collective (planning, metadata, commit, retention) stays in the rank's background thread:
-  only the per-rank ``write_data`` moves to the process, through SafepointWriter as before (crc32c as the
-  bytes pass, fsync).
+  only the per-rank ``write_data`` moves to the process (process_writer.py), through SafepointWriter as
+  before (crc32c as the bytes pass, fsync).
 A writer process that dies (OOM killer, kill -9) fails that save, which is not committed; the next save
 starts a new process.
 
@@ -26,7 +28,6 @@ same files, checksums, commit).
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
 import signal
@@ -35,30 +36,24 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
-from torch.futures import Future
 
 from safepoint.save import background, ipc
+from safepoint.save.handoff import Place, Sent
 from safepoint.save.shared_buffers import SharedArena
-from safepoint.store.file_report import with_files
-from safepoint.store.storage import SafepointWriter
 
 log = logging.getLogger("safepoint")
 
 CHILD_MODULE = "safepoint.save.writer_child"
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 """The directory holding the ``safepoint`` package this module belongs to (src/safepoint/save/ -> src)."""
-# The process ignores SIGINT and SIGTERM before anything else (importing torch takes seconds): a Ctrl-C or a
-# scheduler's SIGTERM to the whole process group is the rank's to act on, and the process ends with its
-# rank (channel closed, or the parent watch in writer_child).
 # Before anything else (importing torch takes seconds, minutes on a thrashing node): ignore the group's
-# SIGINT/SIGTERM, and where the rank's main thread started us, die with the rank (PR_SET_PDEATHSIG), then
+# SIGINT/SIGTERM (a Ctrl-C or a scheduler's SIGTERM to the process group is the rank's to act on), and
+# where the rank's main thread started us, die with the rank (PR_SET_PDEATHSIG), then
 # check the rank did not die before that (argv[2] is its pid). The child's own poll covers the rest.
 _LAUNCH = (
     "import signal as s; s.signal(s.SIGINT, s.SIG_IGN); s.signal(s.SIGTERM, s.SIG_IGN); "
@@ -68,13 +63,15 @@ _LAUNCH = (
     "from {module} import main; sys.exit(main(sys.argv))"
 )
 _POLL_S = 1.0  # how often a wait for the process checks that it is still alive
-_WHILE = {"write": "while writing", "arena": "while mapping the staging memory", "drop": "while unmapping it"}
+_WHILE = {
+    "write": "while writing",
+    "again": "while writing",
+    "arena": "while mapping the staging memory",
+    "drop": "while unmapping it",
+}
 # Starting the process imports torch: seconds on a loaded node, minutes on a thrashing one. It starts with
 # the manager, so this only bounds the wait of a first save that comes before the process is ready.
 START_TIMEOUT_S = 300.0
-# An item is described by value (pickled) when it is not in the staging segment: 0-d tensors (Adam's step)
-# and non-tensor objects. Anything bigger than this is worth a warning: it means a copy per save.
-_BY_VALUE_WARN = 1024 * 1024
 
 
 class WriterProcessError(OSError):
@@ -113,6 +110,8 @@ class WriterProcess:
         self._sock: socket.socket | None = None
         self._ready = False
         self._arena_sent: str | None = None
+        self._held: Sent | None = None  # the save description the process holds (handoff.py)
+        self._keys = 0
         self._killed: str | None = None  # why we killed the process, when we did
         # Relative to the thread that creates the manager (not to the writer thread, already at +10, that
         # may restart the process later).
@@ -121,6 +120,9 @@ class WriterProcess:
         self._started_at = 0.0  # time.monotonic() of the last start
         self.writes = 0  # writes done by a process
         self.thread_writes = 0  # writes done by the calling thread while the process was starting
+        self.descriptions = 0  # full descriptions sent (the other writes sent "same as last time")
+        self.stale = 0  # "same as last time" answered "stale" (the process did not hold it)
+        self.same_results = 0  # writes whose results equalled the last save's (not sent back)
 
     @property
     def pid(self) -> int | None:
@@ -160,19 +162,31 @@ class WriterProcess:
                 env=env,
                 stdin=subprocess.DEVNULL,
             )
-        except OSError as e:
+        except BaseException as e:
             mine.close()
+            if not isinstance(e, Exception):
+                raise
+            # OSError (no such interpreter, EAGAIN) or anything else Popen refuses (ValueError for a NUL in
+            # an argument): either way no process, which "auto" answers with the writer thread.
             raise WriterProcessError(f"could not start the safepoint writer process: {e}") from e
         finally:
             theirs.close()
         self._sock, self._ready, self._arena_sent, self._killed = mine, False, None, None
+        self._held = None
         self._started_at = time.monotonic()
         self.started += 1
 
     def write(
-        self, arena: SharedArena | None, path: str, thread_count: int, plan: SavePlan, items: list[Any]
+        self,
+        arena: SharedArena | None,
+        path: str,
+        thread_count: int,
+        plan: SavePlan,
+        places: list[Place],
+        values: list[Any],
     ) -> tuple[list[WriteResult], dict[str, tuple[int, str]]]:
-        """Have the process write one rank's items; returns DCP's write results and {file: (size, crc)}.
+        """Have the process write one rank's items (``places`` and ``values`` from handoff.describe);
+        returns DCP's write results and {file: (size, crc)}.
 
         Raises WriterStarting while the process is still starting (never waits for it), and
         WriterUnavailable (with ``fallback``) if no process could be started for it.
@@ -189,9 +203,29 @@ class WriterProcess:
                 self.thread_writes += 1
                 raise WriterStarting("the writer process is still starting")
             if arena is not None and arena.id != self._arena_sent:
+                self._held = None  # the process forgets its description with the old segment
                 self._expect(self._request(("arena", arena.id, arena.nbytes), [arena.fd]), "ok")
                 self._arena_sent = arena.id
-            reply = self._request(("write", arena.id if arena else None, path, thread_count, plan, items))
+            arena_id = arena.id if arena else None
+            reply: tuple[Any, ...] | None = None
+            held = self._held
+            if held is not None and held.matches(plan, places, arena_id):
+                reply = self._request(("again", held.key, arena_id, path, thread_count, values))
+                if reply[0] == "stale":  # the process does not hold it after all: describe it again
+                    self.stale += 1
+                    reply = None
+            if reply is None:  # nothing held, or a changed state (another plan, places or segment)
+                self._held, self._keys = None, self._keys + 1
+                msg = ("write", self._keys, arena_id, path, thread_count, plan, places, values)
+                reply = self._request(msg)
+                self.descriptions += 1
+                if reply[0] == "done":  # the process holds it now (on failure, the next save resends)
+                    self._held = Sent(self._keys, plan, places, arena_id)
+            if reply[0] == "same" and self._held is not None and self._held.results is not None:
+                reply = ("done", self._held.results, reply[1])  # what the last save of it produced
+                self.same_results += 1
+            elif reply[0] == "done" and self._held is not None:
+                self._held.results = reply[1]
         if reply[0] == "done":
             self.writes += 1
             return reply[1], reply[2]
@@ -208,6 +242,7 @@ class WriterProcess:
         with self._lock:
             if self._arena_sent is None or self._sock is None:
                 return
+            self._held = None
             try:
                 self._expect(self._request(("drop",)), "ok")
             except WriterProcessError as e:
@@ -314,7 +349,7 @@ class WriterProcess:
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)
             self._sock.close()
-        self._proc, self._sock, self._ready, self._arena_sent = None, None, False, None
+        self._proc, self._sock, self._ready, self._arena_sent, self._held = None, None, False, None, None
 
     def close(self, timeout_s: float = 10.0) -> None:
         """End the process: it exits when its channel closes (between writes: close waits for one)."""
@@ -340,74 +375,3 @@ def _current_nice() -> int:
         return os.getpriority(os.PRIO_PROCESS, 0)  # the calling thread's, on Linux
     except OSError:
         return 0
-
-
-def describe_item(data: Any, arena: SharedArena | None) -> tuple[Any, ...]:
-    """How the writer process finds one resolved item: a place in the staging segment, or its value."""
-    if isinstance(data, io.BytesIO):
-        return ("bytes", data.getvalue())
-    if isinstance(data, torch.Tensor) and arena is not None and data.device.type == "cpu":
-        st = data.untyped_storage()
-        off = arena.offset_of(st.data_ptr(), st.nbytes())
-        if off is not None:
-            return (
-                "arena",
-                off,
-                st.nbytes(),
-                data.dtype,
-                data.storage_offset(),
-                tuple(data.size()),
-                data.stride(),
-            )
-    if isinstance(data, torch.Tensor):
-        nbytes = data.numel() * data.element_size()
-        if nbytes > _BY_VALUE_WARN:
-            log.warning("safepoint: a %d-byte tensor is outside the staging segment: copied per save", nbytes)
-        return ("tensor", data.detach().cpu())  # the process has no CUDA (a 0-d DTensor stays on device)
-    raise WriterProcessError(f"cannot hand a {type(data).__name__} item to the writer process")
-
-
-class ProcessWriter(SafepointWriter):
-    """SafepointWriter whose ``write_data`` runs in the writer process; planning and ``finish`` stay here."""
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        thread_count: int,
-        process: WriterProcess,
-        arena: SharedArena | None,
-    ) -> None:
-        super().__init__(path, thread_count=thread_count)
-        self._process, self._arena = process, arena
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        items = [(item.index, describe_item(planner.resolve_data(item), self._arena)) for item in plan.items]
-        try:
-            results, files = self._process.write(self._arena, str(self.path), self.thread_count, plan, items)
-        except WriterStarting:
-            log.info("safepoint: %s written by the thread: the writer process is still starting", self.path)
-            return super().write_data(plan, planner)
-        except WriterUnavailable:
-            return super().write_data(plan, planner)  # "auto" without a process: this thread writes
-        if sorted(str(r.index) for r in results) != sorted(str(i.index) for i in plan.items):
-            raise WriterProcessError(
-                f"the writer process answered for {len(results)} items, not the {len(plan.items)} planned"
-            )
-        for name, (size, crc) in files.items():
-            self.recorder.record(name, size, crc)
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
-        return with_files(fut, self.written_files())
-
-
-def process_writer_factory(
-    process: WriterProcess, arena: Callable[[], SharedArena | None]
-) -> Callable[[SafepointWriter], ProcessWriter]:
-    """For SyncSaver: each save's storage writer, with its writes going to ``process``; ``arena`` gives the
-    staging segment of the state being saved (one save in flight, so it cannot change during the save)."""
-
-    def wrap(writer: SafepointWriter) -> ProcessWriter:
-        return ProcessWriter(writer.path, thread_count=writer.thread_count, process=process, arena=arena())
-
-    return wrap
