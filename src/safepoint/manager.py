@@ -188,11 +188,10 @@ class CheckpointManager:
         self.comm = self._new_comm(timeout)
         self._agreement = self._schedule.attach(self.comm)
         # With tiering, local copies are pruned by the uploader (keep_local_last); `retention` is durable's.
-        saver_retention = Retention() if durable is not None else retention
+        kept = Retention() if durable is not None else retention
         verdicts = Verdicts()  # what restore verified, for retention (the newest intact step survives)
-        # Retention on rank 0, after each save's verdict, or on its deleter thread (policy/retainer.py).
-        background = cluster.background_deletes
-        self._retainer = Retainer(self.layout, saver_retention, verdicts, background=background)
+        # Retention on rank 0, on its deleter thread or after each save's verdict (policy/retainer.py).
+        self._retainer = Retainer(self.layout, kept, verdicts, background=cluster.background_deletes)
         self._saver = SyncSaver(self.layout, self.comm, self._retainer, writer_threads=writer_threads)
         self._restorer = Restorer(self.layout, self.comm, verdicts)
         self._async = bool(async_save)
