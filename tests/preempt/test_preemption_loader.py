@@ -23,6 +23,7 @@ from tests.helpers.launch import assert_bitwise, events, finish, load, ready_pid
 
 CHILD = REPO / "tests" / "helpers" / "procs" / "loader_term.py"
 WORKER = REPO / "tests" / "dist_preempt" / "loader_worker.py"
+MERGE = REPO / "tests" / "helpers" / "procs" / "shield_merge.py"
 
 
 def _alive(pid: int) -> bool:
@@ -75,6 +76,32 @@ def test_group_sigterm_with_loader_workers_saves_and_exits_143(
     saved = [p.name for p in (tmp_path / "root").glob("step-*")]
     assert len(saved) == 1 and "emergency save of step" in err, err[-3000:]
     assert not [w for w in workers if _alive(w)]  # the workers exited with the process
+
+
+def test_parent_sigterm_merged_into_a_pending_group_sigterm_still_ends_the_worker() -> None:
+    # SIGTERM does not queue: the exit handler's terminate() merges into the group's SIGTERM if the
+    # worker's waiter has not taken that one yet (a thread unscheduled under load). The helper makes the
+    # merge certain; the rank's join must still end. Bounded only to fail instead of hanging.
+    proc = subprocess.Popen(
+        [sys.executable, str(MERGE)],
+        env=SUBPROCESS_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        worker = proc.stdout.readline()
+        assert worker, proc.communicate()[1]
+        os.kill(int(worker), signal.SIGTERM)  # from this process: neither the rank nor the worker's parent
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0 and "rank exiting" in err, err[-3000:]
+    assert not _alive(int(worker))
 
 
 @pytest.mark.slow  # a demonstration of the failure the shield prevents, not a guarantee: see below

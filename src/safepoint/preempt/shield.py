@@ -14,12 +14,23 @@ to the emergency save's step. Simply ignoring SIGTERM in workers instead would m
 and hang every rank at exit until the agent's SIGKILL. With ``PR_SET_PDEATHSIG`` the worker also dies with
 the rank if the rank is killed outright.
 
+SIGTERM does not queue, though: if the waiter has not yet taken the group's SIGTERM when the parent's
+``terminate()`` comes (a thread left unscheduled for the length of a short save, under load), the second
+merges into the first, ``sigwaitinfo`` reports only the foreign sender, and the rank's exit handler joins
+the worker forever. So a forked worker also waits for :data:`RELEASE`, a real-time signal (those queue,
+one per send), and the rank sends it, at exit, to each of its multiprocessing children whose mask blocks it
+(its shielded workers; to any other process its default action would kill), from a multiprocessing
+finalizer: ``multiprocessing``'s exit handler runs it before it ``terminate()``s and joins the children,
+in the main process (at ``atexit``) and in a rank that is itself a multiprocessing child alike.
+
 Applied by default: while a manager with preemption signals is open, every child forked by a DataLoader
 (``torch.utils.data`` or ``torchdata``, found on the forking call stack) is shielded from those signals.
 Loaders started with ``multiprocessing_context="spawn"`` or ``"forkserver"`` do not fork from the rank:
 pass ``worker_init_fn=safepoint.shield_worker_init(...)`` for them. Such a worker already runs a native
 thread when its init function runs, which the mask cannot cover, so it also leaves the rank's process group:
-it is safe from group signals (torchrun, ``kill -- -PGID``), not from a signal sent to each process.
+it is safe from group signals (torchrun, ``kill -- -PGID``), not from a signal sent to each process. Nor
+does it wait for :data:`RELEASE` (that native thread would die of it): out of the group, no foreign SIGTERM
+is pending when its parent's comes.
 """
 
 from __future__ import annotations
@@ -27,6 +38,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import sys
@@ -43,15 +56,27 @@ _shielded_in: int | None = None
 """The pid of the process shielded already (the fork hook and a ``shield_worker_init`` may both run)."""
 _forked_on_main_thread = True
 """Set in the parent right before each fork: PR_SET_PDEATHSIG fires when the *thread* that forked exits."""
+_RTMIN: int | None = getattr(signal, "SIGRTMIN", None)
+RELEASE: int | None = None if _RTMIN is None else int(_RTMIN) + 5
+"""The rank's "exit now" to its shielded workers at its exit: real-time, so it cannot merge into a pending
+foreign SIGTERM as a second SIGTERM does (see the module docstring). None where there are no real-time
+signals."""
+_release_in: int | None = None
+"""The pid of the process whose exit releases its shielded workers (a forked child inherits this module)."""
 
 
 def activate(signals: Iterable[signal.Signals]) -> frozenset[signal.Signals]:
     """Shield the DataLoader workers forked from now on (until :func:`deactivate` with the same set)."""
-    global _hook_installed
+    global _hook_installed, _release_in
     token = frozenset(signals)
     if not _hook_installed and hasattr(os, "register_at_fork"):
         os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
         _hook_installed = True
+    if _release_in != os.getpid() and RELEASE is not None:
+        # Not deactivated with the manager: workers forked while it was open may outlive it (a loader's
+        # iterator held at top level), and they are the ones multiprocessing's exit handler stops.
+        multiprocessing.util.Finalize(None, _release_workers, exitpriority=0)
+        _release_in = os.getpid()
     _active.append(token)
     return token
 
@@ -92,8 +117,13 @@ def shield(signals: Iterable[int | signal.Signals], *, exit_with_parent: bool = 
     if _shielded_in == os.getpid():
         return
     _shielded_in = os.getpid()
-    sigs = {signal.Signals(s) for s in signals}
+    sigs: set[int] = {signal.Signals(s) for s in signals}
     parent = os.getppid()
+    # Alone (a forked worker), the mask set now covers every thread this process will have. Otherwise (a
+    # spawned worker: importing torch started a native thread) it cannot cover the threads already running.
+    alone = _single_threaded()
+    if alone and RELEASE is not None:
+        sigs.add(RELEASE)
     # Blocked before the waiter starts, so every thread (the waiter included) inherits the mask and the
     # signal stays pending until sigwaitinfo takes it: no handler (PyTorch's included) ever runs for it.
     signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
@@ -101,32 +131,48 @@ def shield(signals: Iterable[int | signal.Signals], *, exit_with_parent: bool = 
         _set_pdeathsig(signal.SIGKILL)
         if os.getppid() != parent:  # the parent died before prctl: the death signal never comes
             os._exit(1)
-    if not _every_thread_blocks(sigs):
-        # A spawned worker has a native thread (started by importing torch) that does not block them, and
-        # a process-directed signal goes to any thread that does not: it would run PyTorch's handler. Leave
-        # the signalled process group instead (torchrun's killpg and ``kill -- -PGID`` miss the worker;
-        # a per-process signal, as Slurm's at the time limit, still reaches it).
+    if not alone:
+        # A process-directed signal goes to any thread that does not block it: the native thread would run
+        # PyTorch's handler. Leave the signalled process group instead (torchrun's killpg and
+        # ``kill -- -PGID`` miss the worker; a per-process signal, as Slurm's at the time limit, still
+        # reaches it). Out of the group, no foreign SIGTERM is pending when the parent's comes either.
         with contextlib.suppress(OSError):
             os.setpgid(0, 0)
     threading.Thread(target=_wait, args=(sigs, parent), name="safepoint-shield", daemon=True).start()
 
 
-def _every_thread_blocks(sigs: set[signal.Signals]) -> bool:
-    mask = sum(1 << (int(s) - 1) for s in sigs)
+def _single_threaded() -> bool:
     try:
-        tasks = os.listdir("/proc/self/task")
-        for tid in tasks:
-            with open(f"/proc/self/task/{tid}/status") as f:
-                blocked = next(int(line.split()[1], 16) for line in f if line.startswith("SigBlk:"))
-            if blocked & mask != mask:
-                return False
-    except (OSError, StopIteration, ValueError):
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
         return threading.active_count() == 1
-    return True
 
 
-def _wait(sigs: set[signal.Signals], parent: int) -> None:
+def _release_workers() -> None:
+    """At the rank's exit, before multiprocessing's exit handler ``terminate()``s and joins its children."""
+    if _release_in != os.getpid() or RELEASE is None:
+        return
+    bit = 1 << (RELEASE - 1)
+    for child in multiprocessing.active_children():
+        # Only a child that blocks RELEASE is waiting for it (a shielded worker); it would kill any other.
+        # An unreaped child's pid cannot be reused, so the pid read is the pid signalled.
+        if child.pid is not None and _blocked(child.pid) & bit:
+            with contextlib.suppress(OSError):
+                os.kill(child.pid, RELEASE)
+
+
+def _blocked(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1], 16) for line in f if line.startswith("SigBlk:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
+def _wait(sigs: set[int], parent: int) -> None:
     while True:
+        # SIGTERM from the parent, or RELEASE: it queues, so it is read even when the parent's SIGTERM
+        # merged into a pending foreign one (the first sender is all sigwaitinfo reports of a merge).
         info = signal.sigwaitinfo(sigs)
         if info.si_pid == parent or os.getppid() != parent:
             # The parent's terminate() (loader shutdown, multiprocessing's exit handler): exit at once and
