@@ -243,12 +243,40 @@ def apply_mutations(names: list[str]) -> None:
 
             remote.RemoteLayout._replace = replace  # type: ignore[method-assign]
         elif name == "retention_raises_upload_error":  # a failed retention delete failed the committed save
+            # The bug had two halves, both put back: remove let the store's UploadError (not an OSError)
+            # out, and retention, which ran in the saving thread after the commit and took only OSError
+            # for a cleanup to retry, let it out of the save. Retention now runs on the deleter thread and
+            # logs whatever a pass raises, so the second half is put back as the old design: the pass
+            # runs in the saving thread (inline mode) and the store's error escapes it.
+            from safepoint.policy import retainer
+            from safepoint.remote.upload import UploadError
 
-            def remove_raising(self: Any, step: int) -> None:
-                self.store.delete([f"{self.step_key(step)}/{MANIFEST_NAME}"])
-                self.discard(self.step_key(step))
+            failed: list[UploadError] = []
+
+            def remove_raising(self: Any, step: int, failed: list[UploadError] = failed) -> None:
+                try:
+                    self.store.delete([f"{self.step_key(step)}/{MANIFEST_NAME}"])
+                except UploadError as e:
+                    failed.append(e)
+                    raise
+                self.discard(self.step_key(step), manifest_deleted=True)
+
+            def init(self: Any, *a: Any, _real: Any = retainer.Retainer.__init__, **kw: Any) -> None:
+                _real(self, *a, **{**kw, "background": False})
+
+            def process(
+                self: Any,
+                batch: Any,
+                _real: Any = retainer.Retainer._process,
+                failed: list[UploadError] = failed,
+            ) -> None:
+                _real(self, batch)
+                if failed:
+                    raise failed.pop()
 
             remote.RemoteLayout.remove = remove_raising  # type: ignore[method-assign]
+            retainer.Retainer.__init__ = init  # type: ignore[method-assign]
+            retainer.Retainer._process = process  # type: ignore[method-assign]
         elif name == "bulk_delete_ignores_errors":  # s3fs's rm: per-key errors of a batch delete ignored
             from safepoint.remote import s3store
             from safepoint.remote.upload import ObjectStore
