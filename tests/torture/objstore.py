@@ -44,6 +44,7 @@ import safepoint
 from safepoint.errors import CheckpointError
 from safepoint.remote.layout import RemoteLayout
 from safepoint.remote.retry import MiB, TransferConfig
+from safepoint.store import heartbeat
 from safepoint.store.manifest import MANIFEST_NAME
 from tests.helpers import store_errors
 from tests.torture import checks, scenarios
@@ -62,6 +63,7 @@ DIRECT_PLAN: list[Save] = [(3, 30), (3, 31), (4, 40)]
 # Tiered: two saves, each uploaded (durable retention deletes steps 1 and 2).
 TIERED_PLAN: list[Save] = [(3, 30), (4, 40)]
 KEEP_LAST = 2
+NO_HEARTBEAT_S = 86400.0  # a child's lease heartbeat interval: never within a run
 
 
 def storage_options(endpoint: str, scheme: str = "s3") -> dict[str, Any]:
@@ -156,8 +158,18 @@ def workload(
     failing = session.get("mode") in ("fail", "lost")
     outcomes: list[dict[str, Any]] = []
     ctl.post("mark", what="start")
+    # No lease heartbeat inside a child: a beat is a mutation (a PUT of .lease) sent every 15 s wherever the
+    # run has got to, so a run slowed past 15 s by load sent one more than the clean run and every later k
+    # named another request ([trace]). The next owner takes a dead child's lease over by its pid (one host).
+    heartbeat.HEARTBEAT_S = NO_HEARTBEAT_S
+    cluster = safepoint.ClusterOptions(lease_stale_after_s=4 * NO_HEARTBEAT_S)
     with safepoint.CheckpointManager(
-        url, local_root=local_root, storage_options=opts, transfer=transfer(url), keep_last=keep_last
+        url,
+        local_root=local_root,
+        storage_options=opts,
+        transfer=transfer(url),
+        keep_last=keep_last,
+        cluster=cluster,
     ) as mgr:
         ctl.post("mark", what="ready")
         for step, version in plan:
