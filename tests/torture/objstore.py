@@ -44,6 +44,7 @@ import safepoint
 from safepoint.errors import CheckpointError
 from safepoint.remote.layout import RemoteLayout
 from safepoint.remote.retry import MiB, TransferConfig
+from safepoint.store import heartbeat
 from safepoint.store.manifest import MANIFEST_NAME
 from tests.helpers import store_errors
 from tests.torture import checks, scenarios
@@ -62,6 +63,7 @@ DIRECT_PLAN: list[Save] = [(3, 30), (3, 31), (4, 40)]
 # Tiered: two saves, each uploaded (durable retention deletes steps 1 and 2).
 TIERED_PLAN: list[Save] = [(3, 30), (4, 40)]
 KEEP_LAST = 2
+NO_HEARTBEAT_S = 86400.0  # a child's lease heartbeat interval: never within a run
 
 
 def storage_options(endpoint: str, scheme: str = "s3") -> dict[str, Any]:
@@ -156,8 +158,18 @@ def workload(
     failing = session.get("mode") in ("fail", "lost")
     outcomes: list[dict[str, Any]] = []
     ctl.post("mark", what="start")
+    # No lease heartbeat inside a child: a beat is a mutation (a PUT of .lease) sent every 15 s wherever the
+    # run has got to, so a run slowed past 15 s by load sent one more than the clean run and every later k
+    # named another request ([trace]). The next owner takes a dead child's lease over by its pid (one host).
+    heartbeat.HEARTBEAT_S = NO_HEARTBEAT_S
+    cluster = safepoint.ClusterOptions(lease_stale_after_s=4 * NO_HEARTBEAT_S)
     with safepoint.CheckpointManager(
-        url, local_root=local_root, storage_options=opts, transfer=transfer(url), keep_last=keep_last
+        url,
+        local_root=local_root,
+        storage_options=opts,
+        transfer=transfer(url),
+        keep_last=keep_last,
+        cluster=cluster,
     ) as mgr:
         ctl.post("mark", what="ready")
         for step, version in plan:
@@ -243,12 +255,40 @@ def apply_mutations(names: list[str]) -> None:
 
             remote.RemoteLayout._replace = replace  # type: ignore[method-assign]
         elif name == "retention_raises_upload_error":  # a failed retention delete failed the committed save
+            # The bug had two halves, both put back: remove let the store's UploadError (not an OSError)
+            # out, and retention, which ran in the saving thread after the commit and took only OSError
+            # for a cleanup to retry, let it out of the save. Retention now runs on the deleter thread and
+            # logs whatever a pass raises, so the second half is put back as the old design: the pass
+            # runs in the saving thread (inline mode) and the store's error escapes it.
+            from safepoint.policy import retainer
+            from safepoint.remote.upload import UploadError
 
-            def remove_raising(self: Any, step: int) -> None:
-                self.store.delete([f"{self.step_key(step)}/{MANIFEST_NAME}"])
-                self.discard(self.step_key(step))
+            failed: list[UploadError] = []
+
+            def remove_raising(self: Any, step: int, failed: list[UploadError] = failed) -> None:
+                try:
+                    self.store.delete([f"{self.step_key(step)}/{MANIFEST_NAME}"])
+                except UploadError as e:
+                    failed.append(e)
+                    raise
+                self.discard(self.step_key(step), manifest_deleted=True)
+
+            def init(self: Any, *a: Any, _real: Any = retainer.Retainer.__init__, **kw: Any) -> None:
+                _real(self, *a, **{**kw, "background": False})
+
+            def process(
+                self: Any,
+                batch: Any,
+                _real: Any = retainer.Retainer._process,
+                failed: list[UploadError] = failed,
+            ) -> None:
+                _real(self, batch)
+                if failed:
+                    raise failed.pop()
 
             remote.RemoteLayout.remove = remove_raising  # type: ignore[method-assign]
+            retainer.Retainer.__init__ = init  # type: ignore[method-assign]
+            retainer.Retainer._process = process  # type: ignore[method-assign]
         elif name == "bulk_delete_ignores_errors":  # s3fs's rm: per-key errors of a batch delete ignored
             from safepoint.remote import s3store
             from safepoint.remote.upload import ObjectStore
