@@ -295,18 +295,27 @@ def apply_mutations(names: list[str]) -> None:
 
             s3store.S3Store.delete = ObjectStore.delete  # type: ignore[method-assign]
         elif name == "stream_error_not_oserror":  # torch's zip writer hid a failed part as "unexpected pos"
-            from safepoint.remote import s3writer
+            # As it was: the store's error went into torch's writer as a non-OSError (StreamWriteError is an
+            # OSError now), and a message named only an OSError found along the chain (today safepoint's own
+            # errors are named too). Both halves, or the cause is still named and nothing is re-created.
+            from safepoint import errors
+            from safepoint.remote import stream
+            from safepoint.remote.upload import StreamWriteError
 
-            def write(self: Any, data: Any) -> int:
-                view = memoryview(data).cast("B")
-                self._buf += view
-                while len(self._buf) >= self._s.cfg.part_size:
-                    chunk = bytes(self._buf[: self._s.cfg.part_size])
-                    del self._buf[: self._s.cfg.part_size]
-                    self._send(chunk)
-                return view.nbytes
+            send = stream.PartWriter._send
 
-            s3writer.S3Writer.write = write  # type: ignore[method-assign]
+            def unwrapped(self: Any, chunk: bytes, _send: Any = send) -> None:
+                failed: BaseException | None = None
+                try:
+                    _send(self, chunk)
+                except StreamWriteError as e:
+                    failed = e.__cause__ or e
+                if failed is not None:  # raised outside the handler: no OSError left in its context
+                    failed.__context__ = None
+                    raise failed
+
+            stream.PartWriter._send = unwrapped  # type: ignore[method-assign]
+            errors._named_cause = errors.os_error_in_chain
         else:
             raise ValueError(f"unknown mutation {name!r}")
 
