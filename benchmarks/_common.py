@@ -377,3 +377,13 @@ def remove(path: Path) -> None:
         shutil.rmtree(path)
     elif path.exists():
         path.unlink()
+
+
+def linear_adam(layers: int, width: int = 132) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``layers`` x ``Linear(width, width)`` with Adam, one step taken (every optimizer buffer exists): the
+    many-small-tensors state of issue 16 (1,250 layers: 10,018 DCP items; 625: the 5,000-tensor variant)."""
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, width)).sum().backward()
+    opt.step()
+    return model, opt

@@ -19,7 +19,7 @@ import shutil
 import time
 
 import torch
-from torch import nn
+from _common import linear_adam
 
 import safepoint
 
@@ -32,10 +32,7 @@ def main() -> None:
     p.add_argument("--base", default="/dev/shm/safepoint-async-cpu")
     args = p.parse_args()
     torch.set_num_threads(1)
-    model = nn.Sequential(*[nn.Linear(132, 132) for _ in range(args.layers)])
-    opt = torch.optim.Adam(model.parameters())
-    model(torch.randn(2, 132)).sum().backward()
-    opt.step()
+    model, opt = linear_adam(args.layers)
     state = safepoint.TrainState(model=model, optimizer=opt)
     root = f"{args.base}-{os.getpid()}"
     shutil.rmtree(root, ignore_errors=True)

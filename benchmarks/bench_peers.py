@@ -45,7 +45,7 @@ from typing import Any
 import psutil
 import torch
 import torch.distributed.checkpoint as dcp
-from _common import loadavg, markdown_table, median, paired_ratios, quartiles, rotated, timed
+from _common import linear_adam, loadavg, markdown_table, median, paired_ratios, quartiles, rotated, timed
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -198,12 +198,7 @@ class Peers:
 
 
 def make_state(kind: str, layers: int, width: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    n, w = (layers, 132) if kind == "small" else (1, width)
-    model = nn.Sequential(*[nn.Linear(w, w) for _ in range(n)])
-    opt = torch.optim.Adam(model.parameters())
-    model(torch.randn(2, w)).sum().backward()
-    opt.step()
-    return model, opt
+    return linear_adam(layers) if kind == "small" else linear_adam(1, width)
 
 
 def helpers_cpu() -> dict[int, float]:

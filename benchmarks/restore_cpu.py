@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
+from _common import linear_adam
 
 import safepoint
 
@@ -31,10 +31,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)
-    model = nn.Sequential(*[nn.Linear(132, 132) for _ in range(args.layers)])
-    opt = torch.optim.Adam(model.parameters())
-    model(torch.randn(2, 132)).sum().backward()
-    opt.step()
+    model, opt = linear_adam(args.layers)
     base = Path(args.base)
     shutil.rmtree(base, ignore_errors=True)
     state = safepoint.TrainState(model=model, optimizer=opt)
