@@ -138,6 +138,7 @@ def test_sigkill_during_async_process_saves_30_times(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # ~1-2 s per kill on a loaded 2-core machine: beyond the default 300 s
 def test_sigkill_during_save_200_times(tmp_path: Path) -> None:
     _sync_campaign(tmp_path, kills=200, seed=2)
 
