@@ -182,12 +182,15 @@ def _commit_no_rollback(self: Any, pending: Path, manifest: Any) -> Path:
         layout.fsync_dir(self.root)  # the bug: a failure here leaves the new copy listed
         layout.remove_tree(pending)
     else:
+        changed = ""
         try:
             os.rename(pending, final)
         except OSError as e:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.ENOENT):
                 raise
-            self._lost(f"committing step {manifest.step}", f"{final} or {pending} changed meanwhile")
+            changed = f"{final} or {pending} changed meanwhile ({e.strerror})"
+        if changed:
+            self._lost(f"committing step {manifest.step}", changed)
         layout.fsync_dir(self.root)  # the bug: a failure here leaves the new step listed
     with contextlib.suppress(OSError):
         layout.fsync_dir(self.pending_root)
