@@ -6,6 +6,8 @@ and ``extra["version"]`` records it: a restored state is checked to be exactly o
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import json
 import os
@@ -173,19 +175,35 @@ def _skipping_fsync_dir(real: Any, skip: Any) -> Any:
 
 
 def _commit_no_rollback(self: Any, pending: Path, manifest: Any) -> Path:
+    """Layout.commit (and its renameat2 replacement) before the fix: an fsync of ROOT that fails after the
+    commit rename or exchange is raised with the new step left listed (no rename back, no swap back)."""
     from safepoint.store import layout
 
     layout.write_file_durably(pending / layout.MANIFEST_NAME, manifest.to_json())
     layout.fsync_dir(pending)
     final = self.step_path(manifest.step)
-    if final.exists():
-        assert layout._rename_exchange(pending, final)
-        layout.fsync_dir(self.root)
-        layout.shutil.rmtree(pending, ignore_errors=True)
+    replacing = layout._identity(final)
+    self.fence(f"committing step {manifest.step}")
+    if replacing is not None:
+        assert layout._rename_exchange(pending, final), "only for runs with renameat2"
+        if layout._identity(pending) != replacing:
+            layout._rename_exchange(pending, final)
+            self._lost(f"replacing {final.name}", f"{final} was replaced meanwhile")
+        layout.fsync_dir(self.root)  # the bug: a failure here leaves the new copy listed
+        layout.remove_tree(pending)
     else:
-        os.rename(pending, final)
-    layout.fsync_dir(self.root)
-    layout.fsync_dir(self.pending_root)
+        changed = ""
+        try:
+            os.rename(pending, final)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.ENOENT):
+                raise
+            changed = f"{final} or {pending} changed meanwhile ({e.strerror})"
+        if changed:
+            self._lost(f"committing step {manifest.step}", changed)
+        layout.fsync_dir(self.root)  # the bug: a failure here leaves the new step listed
+    with contextlib.suppress(OSError):
+        layout.fsync_dir(self.pending_root)
     return final
 
 
@@ -197,7 +215,9 @@ def _describe_top_only(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def _park_replace(self: Any, pending: Path, final: Path, *, undo: bool, rmtree: bool) -> None:
+def _park_replace(
+    self: Any, pending: Path, final: Path, expected: tuple[int, int], *, undo: bool, rmtree: bool
+) -> None:
     """Layout._replace without renameat2 (the fault layer's no_exchange), before two fixes: ``undo=False``
     does not put the old copy back when renaming the new one in fails; ``rmtree=True`` deletes the parked
     copy in place, ignoring errors."""
@@ -209,6 +229,9 @@ def _park_replace(self: Any, pending: Path, final: Path, *, undo: bool, rmtree: 
     assert not layout._rename_exchange(pending, final), "only for runs without renameat2"
     parked = self.pending_root / f"replaced-{final.name}-{uuid.uuid4().hex[:8]}"
     os.rename(final, parked)
+    if layout._identity(parked) != expected:
+        os.rename(parked, final)
+        self._lost(f"replacing {final.name}", f"{final} was replaced meanwhile")
     try:
         os.rename(pending, final)
     except OSError:
@@ -225,8 +248,12 @@ def _park_replace(self: Any, pending: Path, final: Path, *, undo: bool, rmtree: 
         shutil.rmtree(parked, ignore_errors=True)
         return
     doomed = self.pending_root / f"deleting-{final.name}-{uuid.uuid4().hex[:8]}"
-    os.rename(parked, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+    try:
+        os.rename(parked, doomed)
+    except OSError:
+        layout._remove_manifest_first(parked, expected)
+        return
+    layout.remove_tree(doomed)
 
 
 def apply_patches(names: tuple[str, ...] | list[str]) -> None:
@@ -298,8 +325,10 @@ def apply_patches(names: tuple[str, ...] | list[str]) -> None:
             layout.Layout.remove = remove  # type: ignore[method-assign]
         elif name == "replace_by_delete":
 
-            def replace(self: Any, pending: Path, final: Path) -> None:
-                shutil.rmtree(final)
+            def replace(self: Any, pending: Path, final: Path, expected: tuple[int, int]) -> None:
+                if layout._identity(final) != expected:
+                    self._lost(f"replacing {final.name}", f"{final} was replaced meanwhile")
+                layout.remove_tree(final)  # the bug: the old copy is gone before the new one is in place
                 os.rename(pending, final)
                 layout.fsync_dir(self.root)
 

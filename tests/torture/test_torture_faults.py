@@ -320,7 +320,10 @@ def test_a_partly_deleted_parked_copy_is_never_put_back(
 @pytest.mark.timeout(1500)
 def test_enospc_and_eio_at_every_operation_sync_full(zygote: Zygote, scratch: Path, template: Path) -> None:
     r = _run(zygote, scratch, template, "sync-full", targets(3, full_first=True), plan=scenarios.PLAN)
-    assert r.injected >= 300
+    # Small tensors go out in batched writes (store/item_writer.py): a data file is one or two writes, so
+    # the three saves hold ~90 picked faults, not the 300+ of one write per torch.save record (faults inside
+    # a record: test_the_save_error_names_a_full_disk_mid_tensor).
+    assert r.injected >= 80
     assert r.violations == []
 
 

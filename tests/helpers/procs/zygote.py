@@ -10,7 +10,11 @@ from __future__ import annotations
 import os
 import sys
 
-import torch  # noqa: F401 - imported before forking on purpose
+import torch  # imported before forking on purpose
+
+# torch.optim imports torch._dynamo on the first optimizer built (~1.6 s here, no thread started): without
+# this every forked child paid it again, and 200 kills took longer than the test's time limit.
+import torch._dynamo  # noqa: F401
 
 import safepoint  # noqa: F401
 from tests.helpers.procs import saver_child
