@@ -57,8 +57,17 @@ def test_a_composite_object_is_checked_against_its_recorded_parts(
     assert store.stored_checksum(path) == (len(data), None)  # without the parts: no file crc32c
     assert store.stored_checksum(path, recorded) == (len(data), crc)
     assert store.check(path, len(data), crc, read=False, parts=recorded) is None
+    # Parts that do not make the store's value vouch for nothing: verify reads the bytes instead.
     wrong = dataclasses.replace(recorded, crc32c=(recorded.crc32c[0], "00000000", recorded.crc32c[2]))
-    assert "composite" in (store.check(path, len(data), crc, read=False, parts=wrong) or "")
+    assert store.stored_checksum(path, wrong) == (len(data), None)
+    assert store.check(path, len(data), crc, parts=wrong) is None  # read: the bytes are the file's
+    assert "crc32c" in (store.check(path, len(data), f"{int(crc, 16) ^ 1:08x}", parts=wrong) or "")
+    # A server-side copy (what `aws s3 cp` between buckets, or a copied root, does) is stored in another
+    # layout: never reported as damaged; the store's value or the bytes confirm it.
+    fs.call_s3(
+        "copy_object", Bucket=bucket, Key="x/copy.bin", CopySource={"Bucket": bucket, "Key": "x/big.bin"}
+    )
+    assert store.check(f"{bucket}/x/copy.bin", len(data), crc, parts=recorded) is None
     # Parts that make the store's value but not the manifest's crc32c (a manifest that contradicts itself).
     assert "crc32c" in (
         store.check(path, len(data), f"{int(crc, 16) ^ 1:08x}", read=False, parts=recorded) or ""
@@ -98,7 +107,15 @@ def test_a_tiered_upload_verifies_without_a_download(tmp_path: Path, proxy: Faul
         manifest, files={**manifest.files, "__0_0.distcp": dataclasses.replace(entry, parts=bad)}
     )
     layout.store.put_bytes(posixpath.join(layout.step_key(1), MANIFEST_NAME), forged.to_json())
-    with pytest.raises(CorruptCheckpointError, match="__0_0.distcp.*composite"):
+    # A part record that does not make the store's value vouches for nothing: verify reads that object.
+    proxy.seen.clear()
+    layout.verify(1)
+    assert [p for m, p, _ in proxy.seen if m == "GET" and ".distcp" in p], "the object was not read"
+    # ... and bytes that do not match the manifest's crc32c are damage, whatever the part record says.
+    lying = dataclasses.replace(entry, crc32c=f"{int(entry.crc32c, 16) ^ 1:08x}", parts=bad)
+    forged = dataclasses.replace(manifest, files={**manifest.files, "__0_0.distcp": lying})
+    layout.store.put_bytes(posixpath.join(layout.step_key(1), MANIFEST_NAME), forged.to_json())
+    with pytest.raises(CorruptCheckpointError, match="__0_0.distcp.*crc32c"):
         layout.verify(1)
 
 

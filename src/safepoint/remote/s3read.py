@@ -191,15 +191,18 @@ def composite_value(crcs: Sequence[int]) -> str:
     return b64_crc(crc_hex(crc32c.crc32c(b"".join(c.to_bytes(4, "big") for c in crcs))))
 
 
-def vouched(stored: str, parts: Parts, size: int) -> str:
+def vouched(stored: str, parts: Parts, size: int) -> str | None:
     """The file's crc32c that a store's composite checksum ``stored`` vouches for, given the parts the upload
     recorded: their combination, if the store's value is the one those parts make (S3 computed each part's
-    crc32c of what it received). Otherwise a value that matches no crc32c, naming what the store reports.
+    crc32c of what it received). None if it is not: the object was written again in another layout since
+    (a server-side copy, `aws s3 sync`, another tool), or the record is wrong, and then the value vouches
+    for nothing either way; the caller reads the bytes (verify) or checks them as they are loaded. A damaged
+    upload is caught when it is made (s3store's confirmation compares the parts it sent), not here.
     S3 spells the value "<b64>-<parts>" (moto's HEAD leaves the suffix off)."""
     crcs = [int(c, 16) for c in parts.crc32c]
     value, _, count = stored.partition("-")
     if value != composite_value(crcs) or (count and count != str(len(crcs))):
-        return f"composite {stored} (the recorded parts make {composite_value(crcs)}-{len(crcs)})"
+        return None
     lengths = [min(parts.size, size - off) for off in range(0, size, parts.size)] or [0]
     return combine(list(zip(crcs, lengths, strict=True)))
 
