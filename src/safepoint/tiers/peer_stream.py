@@ -138,9 +138,11 @@ def _incoming(entries: list[Entry], into: Path, chunk: int, received: dict[str, 
             try:
                 f.flush()
                 os.fsync(f.fileno())
-                f.close()
             except OSError as e:
                 problem = problem or str(e)
+            finally:
+                with contextlib.suppress(OSError):  # closed whatever happened: no descriptor left open
+                    f.close()
         if problem is None and crc_hex(value) != crc:
             problem = f"crc32c {crc_hex(value)} != {crc}"
         if problem is None:
