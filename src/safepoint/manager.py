@@ -153,13 +153,16 @@ class CheckpointManager:
         self._comms.append(Comm(timeout_s))
         return self._comms[-1]
 
-    def _destroy_parts(self) -> None:
-        """Give back whatever a failed start built: what close() gives back, in its order."""
+    def _destroy_parts(self, outcome: str | None = None) -> None:
+        """Give back whatever was built (close(), or a failed start: then only what exists), in close()'s
+        order; ``outcome``: how the attempt ended, for the run history (None: a start that failed)."""
         atexit.unregister(self._finish_at_exit)  # a no-op if it was not registered
         if (tiers := getattr(self, "_tiers", None)) is not None:
-            tiers.close(raise_failure=False)
+            tiers.close(raise_failure=False)  # uploads in flight or queued finish first
         if (preemption := getattr(self, "_preemption", None)) is not None:
-            preemption.stop()
+            preemption.stop()  # previous signal handlers back, poller stopped
+        if outcome is not None and self._runs is not None:
+            self._runs.end(outcome)
         if (process := getattr(self, "_process", None)) is not None:
             process.close()
         if (stager := getattr(self, "_stager", None)) is not None:
@@ -377,27 +380,12 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
-        if self._at_exit:
-            atexit.unregister(self._finish_at_exit)
         try:
             self._writer.wait()
             self._writer.raise_failure()
         finally:
             self._retainer.close()  # queued deletes finish while this process still holds the lease
-            self._tiers.close(raise_failure=False)  # uploads in flight or queued finish first
-            if self._preemption is not None:
-                self._preemption.stop()  # previous signal handlers back, poller stopped
-            if self._runs is not None:
-                self._runs.end(outcome_of(None))
-            if self._process is not None:
-                self._process.close()
-            self._stager.release()
-            if self._lease is not None:
-                self._lease.release()
-                self._lease = None
-            if self._bg_comm is not None:
-                self._bg_comm.destroy()
-            self.comm.destroy()
+            self._destroy_parts(outcome_of(None))
         self._tiers.raise_failure()
 
     def __enter__(self) -> CheckpointManager:
