@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -246,26 +246,34 @@ sys.stdin.read()
 """
 
 
-def test_kill_9_mid_background_delete_leaves_a_root_the_next_manager_cleans_and_restores(
-    root: Path,
-) -> None:
+@contextlib.contextmanager
+def _child(code: str, root: Path) -> Iterator[subprocess.Popen[str]]:
+    """``code`` in a Python child (argv[1] = ``root``) with pipes to its stdin and stdout; killed on the way
+    out if it is still running (a failed assert never leaves it behind)."""
     child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(root)],
+        [sys.executable, "-c", code, str(root)],
         env=SUBPROCESS_ENV,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
+        yield child
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_kill_9_mid_background_delete_leaves_a_root_the_next_manager_cleans_and_restores(
+    root: Path,
+) -> None:
+    with _child(_CHILD, root) as child:
         assert child.stdout is not None
         lines = {child.stdout.readline().strip() for _ in range(2)}
         assert "saved 3" in lines and any(line.startswith("deleting deleting-step-1-") for line in lines)
         child.send_signal(signal.SIGKILL)
         assert child.wait(60) == -signal.SIGKILL
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
     # Half of step 1 is left, out of the listing; nothing half-deleted looks committed.
     assert Layout(root).committed_steps() == [2, 3]
     (leftover,) = (root / ".pending").iterdir()
@@ -299,14 +307,7 @@ mgr.save(2, state(2))
 
 def test_a_script_that_ends_without_close_lets_the_deleter_finish(root: Path) -> None:
     """No close(), no with: the interpreter's exit waits for the delete in flight (under the lease)."""
-    child = subprocess.Popen(
-        [sys.executable, "-c", _EXIT_CHILD, str(root)],
-        env=SUBPROCESS_ENV,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    with _child(_EXIT_CHILD, root) as child:
         assert child.stdin is not None and child.stdout is not None
         lines = {child.stdout.readline().strip() for _ in range(2)}
         assert lines == {"deleting", "exiting"}, lines
@@ -314,9 +315,5 @@ def test_a_script_that_ends_without_close_lets_the_deleter_finish(root: Path) ->
         child.stdin.flush()
         rest = child.stdout.read()
         assert child.wait(60) == 0
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
     assert "deleted" in rest
     assert Layout(root).committed_steps() == [2] and not list((root / ".pending").iterdir())

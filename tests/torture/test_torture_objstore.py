@@ -119,6 +119,15 @@ def _find(ops: Ops, kind: str | tuple[str, ...], key: str, nth: int = 0) -> int:
     return found[nth]
 
 
+def _fail_clean(c: Campaign, ops: Ops, targets: list[tuple[int, dict[str, Any]]], label: str) -> None:
+    """Run the fault campaign at ``targets``, record its figures under ``label``: every target reached,
+    no invariant violated."""
+    r = c.fail(targets, ops)
+    _record(label, r)
+    assert r.points == len(targets)
+    assert not r.violations, "\n".join(r.violations)
+
+
 def _in_saves(ops: Ops) -> list[int]:
     """Every mutation but the lease's (its create before the saves, its delete at close)."""
     return [
@@ -202,10 +211,7 @@ def test_direct_faults_short(direct_small: tuple[Campaign, Ops]) -> None:
             {"mode": "fail", "error": "key-errors", "count": 2},
         ),
     ]
-    r = c.fail(targets, ops)
-    _record("objstore-direct-faults-short", r)
-    assert r.points == len(targets)
-    assert not r.violations, "\n".join(r.violations)
+    _fail_clean(c, ops, targets, "objstore-direct-faults-short")
 
 
 # ---- GCS and Azure: the short crash campaigns, and answers lost ------------------------------------------
@@ -258,10 +264,7 @@ def test_other_stores_lost_answers_short(other_direct: tuple[Campaign, Ops]) -> 
         (_find(ops, "copy", "/step-3/__0_0.distcp"), lost),
         (_find(ops, _DELETES, "/step-1/safepoint.json"), lost),
     ]
-    r = c.fail(targets, ops)
-    _record(f"objstore-{c.store.scheme}-direct-lost-short", r)
-    assert r.points == len(targets)
-    assert not r.violations, "\n".join(r.violations)
+    _fail_clean(c, ops, targets, f"objstore-{c.store.scheme}-direct-lost-short")
 
 
 def test_other_stores_faults_short(other_direct: tuple[Campaign, Ops]) -> None:
@@ -274,10 +277,7 @@ def test_other_stores_faults_short(other_direct: tuple[Campaign, Ops]) -> None:
         (_find(ops, "put", "/step-3/safepoint.json"), {"mode": "fail", "error": "503"}),
         (_find(ops, "copy", "/step-3/__0_0.distcp"), {"mode": "fail", "error": "403", "sticky": True}),
     ]
-    r = c.fail(targets, ops)
-    _record(f"objstore-{c.store.scheme}-direct-faults-short", r)
-    assert r.points == len(targets)
-    assert not r.violations, "\n".join(r.violations)
+    _fail_clean(c, ops, targets, f"objstore-{c.store.scheme}-direct-faults-short")
 
 
 OTHER_FAULTS: dict[str, dict[str, Any]] = {
@@ -295,10 +295,7 @@ def test_other_stores_faults_every_k(other_direct: tuple[Campaign, Ops], fault: 
     az://: one 503 never fails a save; a 503 or 403 that lasts until the save gives up fails it cleanly."""
     c, ops = other_direct
     targets = [(k, OTHER_FAULTS[fault]) for k in _in_saves(ops)]
-    r = c.fail(targets, ops)
-    _record(f"objstore-{c.store.scheme}-direct-faults-{fault}", r)
-    assert r.points == len(targets)
-    assert not r.violations, "\n".join(r.violations)
+    _fail_clean(c, ops, targets, f"objstore-{c.store.scheme}-direct-faults-{fault}")
 
 
 @pytest.mark.slow
@@ -368,10 +365,7 @@ FAULTS: dict[str, dict[str, Any]] = {
 def test_direct_faults_every_k(direct: tuple[Campaign, Ops], fault: str) -> None:
     c, ops = direct
     targets = [(k, FAULTS[fault]) for k in _in_saves(ops)]
-    r = c.fail(targets, ops)
-    _record(f"objstore-direct-faults-{fault}", r)
-    assert r.points == len(targets)
-    assert not r.violations, "\n".join(r.violations)
+    _fail_clean(c, ops, targets, f"objstore-direct-faults-{fault}")
 
 
 @pytest.mark.slow
@@ -381,10 +375,8 @@ def test_direct_batch_delete_key_errors_every_k(direct: tuple[Campaign, Ops]) ->
     c, ops = direct
     fault = {"mode": "fail", "error": "key-errors", "count": 2}
     targets = [(op["i"], fault) for op in ops if op["op"] == "delete-batch" and op["i"] in _in_saves(ops)]
-    r = c.fail(targets, ops)
-    _record("objstore-direct-faults-key-errors", r)
-    assert r.points == len(targets) >= 8
-    assert not r.violations, "\n".join(r.violations)
+    assert len(targets) >= 8
+    _fail_clean(c, ops, targets, "objstore-direct-faults-key-errors")
 
 
 @pytest.mark.slow
@@ -392,10 +384,7 @@ def test_direct_batch_delete_key_errors_every_k(direct: tuple[Campaign, Ops]) ->
 def test_tiered_faults_every_k(tiered: tuple[Campaign, Ops]) -> None:
     c, ops = tiered
     targets = [(k, FAULTS["503-until-back"]) for k in _in_saves(ops)]
-    r = c.fail(targets, ops)
-    _record("objstore-tiered-faults-503-until-back", r)
-    assert r.points == len(targets)
-    assert not r.violations, "\n".join(r.violations)
+    _fail_clean(c, ops, targets, "objstore-tiered-faults-503-until-back")
 
 
 # Each mutation breaks the store protocol in the child; the crash campaign over the saves it affects must
