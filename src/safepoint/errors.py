@@ -70,31 +70,29 @@ class Preempted(SystemExit):
         )
 
 
-def os_error_in_chain(e: BaseException) -> BaseException:
-    """torch's zip writer turns a failed write (ENOSPC, EIO) into "unexpected pos" RuntimeError and keeps the
-    OSError only as __context__: name the OSError, so a full disk is called a full disk."""
+def _first_in_chain(e: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseException:
+    """The first exception of ``kinds`` along ``e``'s chain (``__cause__`` else ``__context__``), or ``e``."""
     seen: set[int] = set()
     cur: BaseException | None = e
     while cur is not None and id(cur) not in seen:
-        if isinstance(cur, OSError):
+        if isinstance(cur, kinds):
             return cur
         seen.add(id(cur))
         cur = cur.__cause__ or cur.__context__
     return e
+
+
+def os_error_in_chain(e: BaseException) -> BaseException:
+    """torch's zip writer turns a failed write (ENOSPC, EIO) into "unexpected pos" RuntimeError and keeps the
+    OSError only as __context__: name the OSError, so a full disk is called a full disk."""
+    return _first_in_chain(e, (OSError,))
 
 
 def _named_cause(e: BaseException) -> BaseException:
     """The exception a message names: the first OSError along the chain (os_error_in_chain), unless one of
     safepoint's own errors comes first: that one already says what failed and names its cause (an
     UploadError "replacing committed step 3 failed midway (...)" over a store's OSError)."""
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        if isinstance(cur, (OSError, CheckpointError)):
-            return cur
-        seen.add(id(cur))
-        cur = cur.__cause__ or cur.__context__
-    return e
+    return _first_in_chain(e, (OSError, CheckpointError))
 
 
 def _one_line(e: BaseException) -> str:
