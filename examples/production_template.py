@@ -21,6 +21,7 @@ import json
 import os
 import random
 import signal
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -294,11 +295,16 @@ def heartbeat(directory: Path, rank: int, step: int) -> None:
 
 
 if __name__ == "__main__":
+    code = 0
     try:
         main()
     except safepoint.Preempted as e:
-        # A SystemExit: uncaught, it exits with e.code (143), which tells torchrun/Slurm/Kubernetes to
-        # restart the job; caught here only to say what was saved.
+        # A SystemExit whose code (143) tells torchrun/Slurm/Kubernetes to restart the job; caught here to say
+        # what was saved.
         if os.environ.get("RANK", "0") == "0":
             print(f"preempted at step {e.step}, saved step {e.saved_step}, exiting {e.code}", flush=True)
-        raise
+        code = e.code
+    # Everything is saved and closed: end here, without the interpreter's teardown, in which torch 2.13's gloo
+    # threads can abort the process (SIGABRT instead of `code`; docs/elastic.md, "Ending a gloo job").
+    sys.stdout.flush()
+    os._exit(code)
