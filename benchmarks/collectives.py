@@ -26,6 +26,7 @@ import functools
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -160,3 +161,7 @@ def _rounds(
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
+    # Without the interpreter's teardown, in which torch 2.13's gloo threads can abort the process
+    # (docs/elastic.md, "Ending a gloo job").
+    sys.stdout.flush()
+    os._exit(0)

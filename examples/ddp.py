@@ -90,7 +90,7 @@ def endless(loader: DataLoader[Any], sampler: safepoint.ResumableSampler) -> Ite
 
 if __name__ == "__main__":
     main()
-    # Everything is saved and closed: end here, without the interpreter's teardown, in which torch 2.13's gloo
+    # Everything is saved and closed: end without the interpreter's teardown, in which torch 2.13's gloo
     # threads can abort the process (docs/elastic.md, "Ending a gloo job").
     sys.stdout.flush()
     os._exit(0)

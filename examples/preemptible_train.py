@@ -114,8 +114,12 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    # Everything is saved and closed: end here, without the interpreter's teardown, in which torch 2.13's gloo
-    # threads can abort the process (docs/elastic.md, "Ending a gloo job").
+    code = 0
+    try:
+        main()
+    except safepoint.Preempted as e:  # saved and closed: 143 tells the orchestrator to restart the job
+        code = e.code
+    # End without the interpreter's teardown, in which torch 2.13's gloo threads can abort the process
+    # (SIGABRT instead of `code`; docs/elastic.md, "Ending a gloo job").
     sys.stdout.flush()
-    os._exit(0)
+    os._exit(code)

@@ -7,6 +7,7 @@ other, and module size.
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import grimp
@@ -93,3 +94,37 @@ def test_paths_computed_from_a_module_file_point_where_they_mean() -> None:
     assert (Path(writer_process.PACKAGE_ROOT) / "safepoint" / "__init__.py").is_file()
     assert Path(writer_process.PACKAGE_ROOT) == SRC.parent
     assert "parents[3]" in Path(bench.__file__).read_text() and (SRC.parents[1] / "benchmarks").is_dir()
+
+
+# Scripts that end through the interpreter's teardown on purpose: run by hand, never by the suite.
+_BY_HAND = {"tests/dist/bench_agreement.py", "tests/dist_preempt/cost.py"}
+_ENDINGS = {"run_then_exit", "run_plan", "exit_now", "_exit"}  # _exit: os._exit, in examples and the demo
+
+
+def _main_block_calls(path: Path) -> set[str]:
+    """The names called in ``path``'s ``if __name__ == "__main__":`` block (empty if it has none)."""
+    tree = ast.parse(path.read_text())
+    for node in tree.body:
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+            return {
+                call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
+                for call in ast.walk(node)
+                if isinstance(call, ast.Call)
+            }
+    return set()
+
+
+def test_every_process_group_script_ends_without_the_interpreters_teardown() -> None:
+    """torch 2.13's gloo threads can abort the teardown (tests/helpers/procs/exiting.py): every script of the
+    suite, example and demo that starts a process group ends its ``__main__`` block without it."""
+    root = SRC.parents[1]
+    scripts = [
+        p
+        for folder in ("tests", "examples", "benchmarks", "src/safepoint/demo")
+        for p in sorted((root / folder).rglob("*.py"))
+        if ("init_process_group(" in (text := p.read_text()) or "run_plan(" in text)
+        and not p.name.startswith("test_")
+    ]
+    ending = [p for p in scripts if (calls := _main_block_calls(p)) and not calls & _ENDINGS]
+    assert len(scripts) > 10, scripts  # the search finds the workers
+    assert [str(p.relative_to(root)) for p in ending if str(p.relative_to(root)) not in _BY_HAND] == []

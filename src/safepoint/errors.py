@@ -52,6 +52,9 @@ class Preempted(SystemExit):
     ``saved_step`` (or from the previous checkpoint if the save had to be skipped).
     """
 
+    code: int
+    """The exit status (``PreemptionOptions.exit_code``, 143 by default)."""
+
     def __init__(self, code: int, *, step: int, saved_step: int | None, resume_step: int | None, reason: str):
         super().__init__(code)  # one int argument: SystemExit's exit status
         self.step = step

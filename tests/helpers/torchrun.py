@@ -15,13 +15,14 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 import safepoint
+from tests.helpers.procs.exiting import run_then_exit
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
@@ -45,7 +46,7 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def run_plan(run_job: Callable[[dict[str, Any], Path, Log], None], audit: Callable[..., None]) -> None:
+def run_plan(run_job: Callable[[dict[str, Any], Path, Log], None], audit: Callable[..., None]) -> NoReturn:
     """A worker's main(): run the plan in ``sys.argv[1]``, each job by ``run_job``, then exit at once.
 
     ``audit`` is the worker's CPython audit hook (its fault injection), installed before anything opens a
@@ -59,17 +60,19 @@ def run_plan(run_job: Callable[[dict[str, Any], Path, Log], None], audit: Callab
     rank = dist.get_rank()
     log = Log(out, rank)
     log("-", "start", world_size=dist.get_world_size())
-    for job in plan["jobs"]:
-        done = out / f"{job['name']}.done"
-        if done.exists():  # rank 0 wrote it after a barrier: every rank sees the same
-            continue
-        run_job(job, out, log)
-        dist.barrier()
-        if rank == 0:
-            done.touch()
-        dist.barrier()
-    dist.destroy_process_group()
-    # Interpreter teardown after torch.distributed costs over a second per launch; nothing is left to do.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+
+    def jobs() -> None:
+        for job in plan["jobs"]:
+            done = out / f"{job['name']}.done"
+            if done.exists():  # rank 0 wrote it after a barrier: every rank sees the same
+                continue
+            run_job(job, out, log)
+            dist.barrier()
+            if rank == 0:
+                done.touch()
+            dist.barrier()
+        dist.destroy_process_group()
+
+    # Never through the interpreter's teardown, where torch's gloo threads can abort the process (and which
+    # costs over a second per launch): tests/helpers/procs/exiting.py.
+    run_then_exit(jobs)

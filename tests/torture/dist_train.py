@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import safepoint
-from tests.helpers.procs.exiting import exit_now
+from tests.helpers.procs.exiting import run_then_exit
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
@@ -102,5 +102,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    exit_now()  # DDP/FSDP2 on gloo: never through the teardown (tests/helpers/procs/exiting.py)
+    run_then_exit(main)  # never through the teardown: tests/helpers/procs/exiting.py

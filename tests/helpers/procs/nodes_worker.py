@@ -37,7 +37,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader
 
 import safepoint
-from tests.helpers.procs.exiting import exit_now
+from tests.helpers.procs.exiting import run_then_exit
 
 SAMPLES = 24
 
@@ -133,5 +133,4 @@ def train(cfg, out, mgr, model, opt, data, sampler, loader, state, step, log):  
 
 
 if __name__ == "__main__":
-    main()
-    exit_now()  # DDP/FSDP2 on gloo: never through the teardown (tests/helpers/procs/exiting.py)
+    run_then_exit(main)  # never through the teardown: tests/helpers/procs/exiting.py

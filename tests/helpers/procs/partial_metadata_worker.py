@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import safepoint
+from tests.helpers.procs.exiting import run_then_exit
 
 
 def main() -> None:
@@ -46,4 +47,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)  # never through the teardown: tests/helpers/procs/exiting.py

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from safepoint.dist import Comm
 from safepoint.store.checksum import crc_hex
 from safepoint.tiers import peer_stream
+from tests.helpers.procs.exiting import run_then_exit
 
 CHUNK = 1 << 20
 BIG = 48 * CHUNK + 5  # far more than the chunk: held whole, it would show in the peak memory
@@ -93,4 +94,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)  # never through the teardown: tests/helpers/procs/exiting.py

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import safepoint
+from tests.helpers.procs.exiting import run_then_exit
 
 
 def main() -> None:
@@ -36,4 +37,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)  # never through the teardown: tests/helpers/procs/exiting.py
