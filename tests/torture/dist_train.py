@@ -2,11 +2,18 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node=2 --max-restarts=R dist_train.py PLAN.json
 
-PLAN.json: {"out": DIR, "steps": N, "jobs": ["ref", "run"]}. Each job trains the same deterministic DDP
-model (dropout, per-rank data from every RNG) for N steps, saving every step under DIR/<job>/ckpt. "ref"
-is never killed; the parent SIGKILLs ranks of "run" at random moments and torchrun restarts both ranks,
-which resume from the newest checkpoint. A job finished in an earlier attempt (DIR/<job>.done) is
-skipped. Events go to DIR/log.rank<R>.jsonl; rank 0 writes DIR/<job>.final.pt (model + optimizer).
+PLAN.json: {"out": DIR, "steps": N, "jobs": ["ref", "run"], "gate": {"job": "run", "deadline": T}}. Each
+job trains the same deterministic DDP model (dropout, per-rank data from every RNG) for N steps, saving
+every step under DIR/<job>/ckpt. "ref" is never killed; the parent SIGKILLs ranks of "run" at random
+moments and torchrun restarts both ranks, which resume from the newest checkpoint. A job finished in an
+earlier attempt (DIR/<job>.done) is skipped. Events go to DIR/log.rank<R>.jsonl; rank 0 writes
+DIR/<job>.final.pt (model + optimizer).
+
+The gate: the "gate" job logs "gate" before its last step and waits there until DIR/finish exists, which
+the parent writes once it has made all its kills. However late the parent reads the logs, the run cannot
+end before it is done with it; a kill that has not happened yet is made at the gate (a resume there still
+trains and saves the last step). T (wall clock) is a backstop: the gate opens by itself then, so the
+ranks never wait for a parent that died without writing the file.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import safepoint
 from tests.helpers.procs.exiting import run_then_exit
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+FINISH = "finish"  # the gate's file, under DIR (tests/torture/kills.py writes it)
 
 
 class Tiny(nn.Module):
@@ -39,6 +47,14 @@ class Tiny(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.net(x)
         return out
+
+
+def wait_at_gate(out: Path, deadline: float) -> None:
+    """Until the parent wrote ``out/FINISH`` (or the deadline passed). Each rank waits by itself, with no
+    collective: the file is written once and never removed, so both ranks leave the gate, a poll apart,
+    and the first one out waits for the other in the next step's allreduce."""
+    while not (out / FINISH).exists() and time.time() < deadline:
+        time.sleep(0.02)
 
 
 def main() -> None:
@@ -55,6 +71,7 @@ def main() -> None:
                 + "\n"
             )
 
+    gate = plan.get("gate", {})
     log("-", "start", pid=os.getpid())
     for job in plan["jobs"]:
         if (out / f"{job}.done").exists():
@@ -78,6 +95,9 @@ def main() -> None:
             step = mgr.restore(state)
             log(job, "restored", step=step, listed=listed, pid=os.getpid(), seen=extra["seen"])
             while step < steps:
+                if job == gate.get("job") and step == steps - 1:
+                    log(job, "gate", step=step)
+                    wait_at_gate(out, float(gate["deadline"]))
                 x = torch.randn(4, 8) + float(np.random.rand()) + random.random()
                 y = torch.randn(4, 2)
                 loss = ((model(x) - y) ** 2).mean()

@@ -7,7 +7,10 @@ every step it trained matches the uninterrupted run.
 
 Two ranks: one torchrun launch (dist_train.py) with ``--max-restarts``; a random rank is SIGKILLed at a
 random moment, torchrun restarts both, they resume. Everything is checked from the ranks' logs after the
-launch, and the final model and optimizer are compared bitwise with an uninterrupted run.
+launch, and the final model and optimizer are compared bitwise with an uninterrupted run. The run waits
+before its last step until this process has made every kill (it writes OUT/finish then), and a kill it has
+not made when the ranks get there is made at that gate: the kill count is exact however late this process
+reads the logs.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 import safepoint
 from safepoint.store.layout import Layout
 from tests.helpers.train import Setup, assert_bitwise_equal
+from tests.torture.dist_train import FINISH
 from tests.torture.harness import ENV, REPO, Zygote
 
 
@@ -151,6 +155,7 @@ WORKER = REPO / "tests" / "torture" / "dist_train.py"
 @dataclasses.dataclass
 class DistResult:
     kills: int = 0
+    gate_kills: int = 0  # kills made at the run's gate (the last one always; others when the harness lagged)
     attempts: int = 0
     unplanned_restarts: int = 0  # attempts that failed without a kill of ours (e.g. a gloo connect error)
     lost: int = 0
@@ -159,7 +164,7 @@ class DistResult:
 
 
 class _Tail:
-    """New JSON lines of the ranks' logs since the last call."""
+    """New JSON lines of the ranks' logs since the last call, in the order they were written."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
@@ -176,17 +181,77 @@ class _Tail:
                 self.offsets[path] = f.tell()
             *lines, self.partial[path] = data.split(b"\n")
             events += [{**json.loads(line), "rank": rank} for line in lines if line]
-        return events
+        # Interleaved by time, not file after file: one rank's later lines must not come before the
+        # other's earlier ones (its "restored", which aims a kill).
+        return sorted(events, key=lambda e: e["t"])
 
 
 def events(out: Path) -> list[dict[str, Any]]:
     return _Tail(out).poll()
 
 
+class _Aim:
+    """The next kill of the "run" job, aimed from its ranks' events: at the newest attempt both of whose
+    ranks restored, after 1-3 of its saves (a random moment of the next one), or at once at the gate."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.pids: dict[int, dict[int, int]] = {}  # attempt -> rank -> pid
+        self.gated: set[int] = set()  # attempts whose ranks reached the gate (dist_train.py)
+        self.attempt = -1  # the attempt aimed at
+        self.done = -1  # the newest attempt killed (or found gone): the next aim must be newer
+        self.target = self.ends = 0
+        self.durations: list[float] = []
+        self.began = 0.0
+
+    def see(self, ev: dict[str, Any]) -> None:
+        a = ev["attempt"]
+        if ev["job"] != "run" or a <= self.done:
+            return
+        if ev["event"] == "restored":
+            self.pids.setdefault(a, {})[ev["rank"]] = ev["pid"]
+            # Both ranks resumed: aim at it (also over an aimed attempt that failed by itself meanwhile).
+            if len(self.pids[a]) == 2 and a > self.attempt:
+                self.attempt, self.target, self.ends, self.durations = a, self.rng.randint(1, 3), 0, []
+        elif ev["event"] == "gate":
+            self.gated.add(a)  # before the attempt is aimed, too: the other rank's "restored" may come later
+        elif a == self.attempt and ev["rank"] == 0 and ev["event"] == "begin":
+            self.began = ev["t"]
+        elif a == self.attempt and ev["rank"] == 0 and ev["event"] == "end":
+            self.durations.append(ev["t"] - self.began)
+            self.ends += 1
+
+    def at_gate(self) -> bool:
+        return self.attempt > self.done and self.attempt in self.gated
+
+    def ready(self, last: bool) -> bool:
+        """Whether to kill now. The last kill waits for the gate: the run always gets there, so every
+        campaign checks that the gate holds it and that a resume there is exact."""
+        aimed = self.attempt > self.done
+        return self.at_gate() or (aimed and not last and self.ends >= self.target)
+
+    def fire(self) -> bool:
+        """SIGKILL a random rank of the aimed attempt: at the gate at once (no save is in flight, any moment
+        is as good), otherwise a random fraction of a save later. False if it was gone already."""
+        if not self.at_gate():
+            typical = sorted(self.durations)[len(self.durations) // 2] if self.durations else 0.05
+            time.sleep(self.rng.uniform(0, typical * 1.2))
+        victim = self.pids[self.attempt][self.rng.randrange(2)]
+        self.done = self.attempt
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            return False  # the run cannot end before the gate opens: that attempt failed by itself
+        return True
+
+
 def dist_campaign(out: Path, kills: int, seed: int, steps: int, timeout: float) -> DistResult:
     out.mkdir(parents=True, exist_ok=True)
     plan = out / "plan.json"
-    plan.write_text(json.dumps({"out": str(out), "steps": steps, "jobs": ["ref", "run"]}))
+    # The gate's deadline is a backstop for a harness that died without opening it (its own timeout,
+    # below, comes first).
+    gate = {"job": "run", "deadline": time.time() + timeout + 60}
+    plan.write_text(json.dumps({"out": str(out), "steps": steps, "jobs": ["ref", "run"], "gate": gate}))
     cmd = [
         sys.executable,
         "-m",
@@ -198,50 +263,19 @@ def dist_campaign(out: Path, kills: int, seed: int, steps: int, timeout: float) 
         str(WORKER),
         str(plan),
     ]
-    rng = random.Random(seed)
     result = DistResult()
     t0 = time.monotonic()
     with open(out / "torchrun.log", "wb") as log:
         proc = subprocess.Popen(cmd, env=ENV, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-        tail = _Tail(out)
-        armed = False
-        attempt = floor = -1  # the armed attempt; the next one to arm must be newer than floor
-        starts: dict[int, dict[int, int]] = {}  # attempt -> rank -> pid
-        target = ends = 0
-        durations: list[float] = []
-        began = 0.0
         try:
-            while proc.poll() is None:
-                if time.monotonic() - t0 > timeout:
-                    raise AssertionError(f"the 2-rank campaign ran past {timeout}s")
-                for ev in tail.poll():
-                    if ev["job"] != "run":
-                        continue
-                    if not armed and ev["event"] == "restored" and ev["attempt"] > floor:
-                        starts.setdefault(ev["attempt"], {})[ev["rank"]] = ev["pid"]
-                        if len(starts[ev["attempt"]]) == 2:  # both ranks resumed: aim the next kill
-                            armed, attempt = True, ev["attempt"]
-                            target, ends, durations = rng.randint(1, 3), 0, []
-                    elif armed and ev["attempt"] == attempt and ev["rank"] == 0 and ev["event"] == "begin":
-                        began = ev["t"]
-                    elif armed and ev["attempt"] == attempt and ev["rank"] == 0 and ev["event"] == "end":
-                        durations.append(ev["t"] - began)
-                        ends += 1
-                if armed and ends >= target and result.kills < kills:
-                    typical = sorted(durations)[len(durations) // 2] if durations else 0.05
-                    time.sleep(rng.uniform(0, typical * 1.2))
-                    victim = starts[attempt][rng.randrange(2)]
-                    try:
-                        os.kill(victim, signal.SIGKILL)
-                        result.kills += 1
-                    except ProcessLookupError:
-                        pass  # it had just finished
-                    armed, floor = False, attempt
-                time.sleep(0.005)
-        finally:
+            _make_kills(proc, out, kills, random.Random(seed), result, t0 + timeout)
+            while proc.poll() is None and time.monotonic() < t0 + timeout:
+                time.sleep(0.05)
             if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=60)
+                raise AssertionError(f"the 2-rank campaign ran past {timeout}s")
+        finally:
+            (out / FINISH).touch()  # never leave the ranks waiting at the gate
+            _stop(proc)
     result.seconds = time.monotonic() - t0
     if proc.returncode != 0:
         result.violations.append(
@@ -250,6 +284,42 @@ def dist_campaign(out: Path, kills: int, seed: int, steps: int, timeout: float) 
         return result
     _check_dist_logs(out, result)
     return result
+
+
+def _make_kills(
+    proc: subprocess.Popen[bytes],
+    out: Path,
+    kills: int,
+    rng: random.Random,
+    result: DistResult,
+    deadline: float,
+) -> None:
+    """Every kill, then open the gate: the run cannot take its last step before (dist_train.py)."""
+    tail, aim = _Tail(out), _Aim(rng)
+    while result.kills < kills and proc.poll() is None:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the 2-rank campaign ran past its timeout after {result.kills} kills")
+        for ev in tail.poll():
+            aim.see(ev)
+        if aim.ready(last=result.kills == kills - 1):
+            at_gate = aim.at_gate()
+            if aim.fire():
+                result.kills += 1
+                result.gate_kills += at_gate
+        time.sleep(0.005)
+    (out / FINISH).touch()
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """End torchrun if it still runs. SIGTERM, so that it stops the ranks: they run in sessions of their
+    own, and a SIGKILL of torchrun alone would leave them behind."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=60)
 
 
 def _check_dist_logs(out: Path, result: DistResult) -> None:
