@@ -2,15 +2,16 @@
 
 Single process: training children forked by the zygote (scenarios.train), killed at random moments
 (aimed from their own begin/end-of-save lines); after every kill this process restores and compares the
-state bitwise with an uninterrupted run at that step; at the end a child trains to the last step and
-every step it trained matches the uninterrupted run.
+state bitwise with an uninterrupted run at that step; at the end a child resumes and trains to the last
+step, and every step it trained matches the uninterrupted run.
 
 Two ranks: one torchrun launch (dist_train.py) with ``--max-restarts``; a random rank is SIGKILLed at a
 random moment, torchrun restarts both, they resume. Everything is checked from the ranks' logs after the
-launch, and the final model and optimizer are compared bitwise with an uninterrupted run. The run waits
-before its last step until this process has made every kill (it writes OUT/finish then), and a kill it has
-not made when the ranks get there is made at that gate: the kill count is exact however late this process
-reads the logs.
+launch, and the final model and optimizer are compared bitwise with an uninterrupted run.
+
+Both gate the run: it waits before its last step until this process has made every kill (it writes a
+finish file then: ROOT.finish, OUT/finish), and a kill not made when the run gets there (the last one
+always) is made at that gate: the kill count is exact however late this process reads the run's lines.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from tests.torture.harness import ENV, REPO, Zygote
 @dataclasses.dataclass
 class KillResult:
     kills: int = 0
+    gate_kills: int = 0  # kills made at the gate (the last one always; others when this process lagged)
     restores: int = 0  # restores checked bitwise against the uninterrupted run
     lost: int = 0  # committed checkpoints lost (must stay 0)
     corrupt: int = 0  # restores that loaded a state differing from that step's (must stay 0)
@@ -45,23 +47,17 @@ class KillResult:
     violations: list[str] = dataclasses.field(default_factory=list)
 
 
+CHILD_TIMEOUT = 120.0  # how long one training child may run before it counts as hung (Zygote.messages)
+
+
 def reference(zygote: Zygote, root: Path, total: int, out: Path) -> dict[int, dict[str, torch.Tensor]]:
-    """An uninterrupted run: the state after every step."""
+    """An uninterrupted run: the state after every step (no gate: it is never killed)."""
     code = zygote.run(
         {"scenario": "train", "args": {"root": str(root), "total": total, "snapshots": str(out)}}, timeout=300
     )
     assert code == 0, zygote.log_tail()
     ref: dict[int, dict[str, torch.Tensor]] = torch.load(out, weights_only=True)
     return ref
-
-
-def _restore_here(root: Path) -> tuple[int, dict[str, torch.Tensor], list[int], list[str]]:
-    s = Setup(seed=9)
-    with safepoint.CheckpointManager(root) as mgr:
-        listed = [c.step for c in mgr.list()]
-        step = mgr.restore(s.state(rng=False))
-    leftovers = sorted(p.name for p in (root / ".pending").iterdir())
-    return step, s.snapshot(), listed, leftovers
 
 
 def single_process_campaign(
@@ -75,63 +71,19 @@ def single_process_campaign(
     rng = random.Random(seed)
     total = max(ref)
     result = KillResult()
+    finish = root.parent / f"{root.name}.{FINISH}"  # the children's gate: open once every kill is made
+    finish.unlink(missing_ok=True)
     committed = 0  # the newest step whose save returned before the last kill
-    while result.kills < kills:
-        pid = zygote.start({"scenario": "train", "args": {"root": str(root), "total": total}})
-        target, ends, durations, began = rng.randint(1, 3), 0, [], time.monotonic()
-        finished = False
-        for msg in zygote.messages(timeout=120):
-            ev = msg.get("ev")
-            if ev == "restored" and msg["step"] < committed:
-                result.violations.append(
-                    f"a child restored step {msg['step']} after {committed} was committed"
-                )
-            elif ev == "begin":
-                began = time.monotonic()
-            elif ev == "end":
-                durations.append(time.monotonic() - began)
-                committed = msg["step"]
-                ends += 1
-                if ends >= target:
-                    break
-            elif "status" in msg:
-                finished = True
-                break
-        if finished:
-            break  # trained to the end before the kill budget was spent
-        typical = sorted(durations)[len(durations) // 2] if durations else 0.05
-        time.sleep(rng.uniform(0, typical * 1.2))
-        os.kill(pid, signal.SIGKILL)
-        for msg in zygote.messages(timeout=60):
-            if msg.get("ev") == "end":
-                committed = msg["step"]  # finished before the signal landed
-        result.kills += 1
-        step, snap, listed, leftovers = _restore_here(root)
-        result.restores += 1
-        result.restored_steps.append(step)
-        if step < committed:
-            result.lost += 1
-            result.violations.append(
-                f"kill {result.kills}: restored step {step}, but {committed} was committed"
-            )
-        if listed and step != listed[-1]:
-            result.violations.append(
-                f"kill {result.kills}: restored {step}, not the newest listed {listed[-1]}"
-            )
-        if leftovers:
-            result.violations.append(f"kill {result.kills}: .pending not cleaned: {leftovers}")
-        if step:
-            try:
-                assert_bitwise_equal(ref[step], snap)
-            except AssertionError as e:
-                result.corrupt += 1
-                result.violations.append(f"kill {result.kills}: step {step} restored a different state: {e}")
-        committed = max(committed, step)
-    # The exactness check: resume once more and train to the end; every step matches the uninterrupted run.
-    code = zygote.run(
-        {"scenario": "train", "args": {"root": str(root), "total": total, "snapshots": str(snapshots)}},
-        timeout=300,
-    )
+    try:
+        while result.kills < kills:
+            cmd = _train(root, total, finish)
+            committed = _kill_child(zygote, cmd, rng, result, committed, last=result.kills == kills - 1)
+            committed = max(committed, _check_restore(root, ref, committed, result))
+    finally:
+        finish.touch()  # never leave a child waiting at the gate
+    # The exactness check: resume once more (at the open gate) and train to the end; every step matches the
+    # uninterrupted run.
+    code = zygote.run(_train(root, total, finish, snapshots=str(snapshots)), timeout=300)
     if code != 0:
         result.violations.append(f"the final run exited {code}")
         return result
@@ -145,6 +97,80 @@ def single_process_campaign(
             result.violations.append(f"after the kills, step {step} differs from the uninterrupted run: {e}")
             break
     return result
+
+
+def _train(root: Path, total: int, finish: Path, **args: Any) -> dict[str, Any]:
+    """The zygote command of a gated training child. The deadline is a backstop for a parent that died
+    without opening the gate; this process's own timeout on the child comes first."""
+    gate = {"path": str(finish), "deadline": time.time() + CHILD_TIMEOUT + 60}
+    return {"scenario": "train", "args": {"root": str(root), "total": total, "gate": gate, **args}}
+
+
+def _kill_child(
+    zygote: Zygote, cmd: dict[str, Any], rng: random.Random, result: KillResult, committed: int, last: bool
+) -> int:
+    """Start a training child and SIGKILL it: a random moment of the save after 1-3 of its saves, or at
+    once when it reports its gate (no save in flight; a kill this process has not made by then). The last
+    kill waits for the gate: the child always gets there, so every campaign checks that the gate holds it
+    and that a resume there is exact. Returns the newest step committed before the kill."""
+    pid = zygote.start(cmd)
+    target, ends, durations, began = rng.randint(1, 3), 0, [], time.monotonic()
+    at_gate = False
+    for msg in zygote.messages(timeout=CHILD_TIMEOUT):
+        ev = msg.get("ev")
+        if ev == "restored" and msg["step"] < committed:
+            result.violations.append(f"a child restored step {msg['step']} after {committed} was committed")
+        elif ev == "begin":
+            began = time.monotonic()
+        elif ev == "end":
+            durations.append(time.monotonic() - began)
+            committed = msg["step"]
+            ends += 1
+            if ends >= target and not last:
+                break
+        elif ev == "gate":
+            at_gate = True
+            break
+        elif "status" in msg:  # it cannot end before the gate opens: it failed
+            raise AssertionError(f"a child exited before kill {result.kills + 1}:\n{zygote.log_tail()}")
+    if not at_gate:
+        typical = sorted(durations)[len(durations) // 2] if durations else 0.05
+        time.sleep(rng.uniform(0, typical * 1.2))
+    os.kill(pid, signal.SIGKILL)
+    for msg in zygote.messages(timeout=60):
+        if msg.get("ev") == "end":
+            committed = msg["step"]  # finished before the signal landed
+    result.kills += 1
+    result.gate_kills += at_gate
+    return committed
+
+
+def _check_restore(
+    root: Path, ref: dict[int, dict[str, torch.Tensor]], committed: int, result: KillResult
+) -> int:
+    """Restore here after a kill: never older than ``committed``, the newest listed, bitwise the
+    uninterrupted run's state at that step, nothing left pending. Returns the step restored."""
+    s = Setup(seed=9)
+    with safepoint.CheckpointManager(root) as mgr:
+        listed = [c.step for c in mgr.list()]
+        step = mgr.restore(s.state(rng=False))
+    leftovers = sorted(p.name for p in (root / ".pending").iterdir())
+    result.restores += 1
+    result.restored_steps.append(step)
+    if step < committed:
+        result.lost += 1
+        result.violations.append(f"kill {result.kills}: restored step {step}, but {committed} was committed")
+    if listed and step != listed[-1]:
+        result.violations.append(f"kill {result.kills}: restored {step}, not the newest listed {listed[-1]}")
+    if leftovers:
+        result.violations.append(f"kill {result.kills}: .pending not cleaned: {leftovers}")
+    if step:
+        try:
+            assert_bitwise_equal(ref[step], s.snapshot())
+        except AssertionError as e:
+            result.corrupt += 1
+            result.violations.append(f"kill {result.kills}: step {step} restored a different state: {e}")
+    return step
 
 
 # ---- two ranks under torchrun -----------------------------------------------------------------------------

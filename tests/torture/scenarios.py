@@ -361,10 +361,19 @@ def emit(**fields: Any) -> None:
 
 
 def train(
-    layer: faults.Layer | None, root: str, total: int, snapshots: str | None = None, async_save: bool = False
+    layer: faults.Layer | None,
+    root: str,
+    total: int,
+    snapshots: str | None = None,
+    async_save: bool = False,
+    gate: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Real training (dropout, every RNG in play, tests/_train.Setup) that saves every step; the parent
-    SIGKILLs it at random moments. ``snapshots``: dump model+optimizer after every step trained here."""
+    SIGKILLs it at random moments. ``snapshots``: dump model+optimizer after every step trained here.
+
+    ``gate`` ({"path": P, "deadline": T}): before the last step, emit "gate" and wait until P exists, so
+    the run cannot end before the parent has made all its kills however late it reads these lines
+    (tests/torture/kills.py). T (wall clock) opens the gate by itself: no child waits for a dead parent."""
     from tests.helpers.train import Setup
 
     s = Setup(seed=0)
@@ -377,6 +386,10 @@ def train(
         step = mgr.restore(state)
         emit(ev="restored", step=step, listed=listed, pid=os.getpid())
         while step < total:
+            if gate and step == total - 1:
+                emit(ev="gate", step=step)
+                while not os.path.exists(gate["path"]) and time.time() < gate["deadline"]:
+                    time.sleep(0.01)
             s.step()
             step += 1
             if snapshots:
