@@ -18,6 +18,7 @@ import torch
 
 import safepoint
 from tests.conftest import REPO, SUBPROCESS_ENV
+from tests.torture.kills import sleep_into_save
 
 
 def _check_restorable(root: Path) -> int:
@@ -79,8 +80,7 @@ def _kill_campaign(root: Path, kills: int, seed: int, mode: str = "") -> list[in
                     ends += 1
                     if ends >= target:
                         break
-            typical = sorted(durations)[len(durations) // 2] if durations else 0.05
-            time.sleep(rng.uniform(0, typical * 1.2))
+            sleep_into_save(rng, durations)
             os.kill(pid, signal.SIGKILL)
             for line in zygote.stdout:
                 if line.startswith("EXIT"):

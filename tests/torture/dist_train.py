@@ -49,11 +49,12 @@ class Tiny(nn.Module):
         return out
 
 
-def wait_at_gate(out: Path, deadline: float) -> None:
-    """Until the parent wrote ``out/FINISH`` (or the deadline passed). Each rank waits by itself, with no
+def wait_at_gate(finish: Path, deadline: float) -> None:
+    """Until the parent wrote ``finish`` (or the deadline passed). Here each rank waits by itself, with no
     collective: the file is written once and never removed, so both ranks leave the gate, a poll apart,
-    and the first one out waits for the other in the next step's allreduce."""
-    while not (out / FINISH).exists() and time.time() < deadline:
+    and the first one out waits for the other in the next step's allreduce. (scenarios.train's children
+    wait here too.)"""
+    while not finish.exists() and time.time() < deadline:
         time.sleep(0.02)
 
 
@@ -97,7 +98,7 @@ def main() -> None:
             while step < steps:
                 if job == gate.get("job") and step == steps - 1:
                     log(job, "gate", step=step)
-                    wait_at_gate(out, float(gate["deadline"]))
+                    wait_at_gate(out / FINISH, float(gate["deadline"]))
                 x = torch.randn(4, 8) + float(np.random.rand()) + random.random()
                 y = torch.randn(4, 2)
                 loss = ((model(x) - y) ** 2).mean()

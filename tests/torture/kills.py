@@ -50,6 +50,13 @@ class KillResult:
 CHILD_TIMEOUT = 120.0  # how long one training child may run before it counts as hung (Zygote.messages)
 
 
+def sleep_into_save(rng: random.Random, durations: list[float]) -> None:
+    """Called as a save ends: sleep to a random moment of the next one (up to 1.2 typical saves, the median
+    of ``durations``; 50 ms if none was timed), where the kill lands."""
+    typical = sorted(durations)[len(durations) // 2] if durations else 0.05
+    time.sleep(rng.uniform(0, typical * 1.2))
+
+
 def reference(zygote: Zygote, root: Path, total: int, out: Path) -> dict[int, dict[str, torch.Tensor]]:
     """An uninterrupted run: the state after every step (no gate: it is never killed)."""
     code = zygote.run(
@@ -134,8 +141,7 @@ def _kill_child(
         elif "status" in msg:  # it cannot end before the gate opens: it failed
             raise AssertionError(f"a child exited before kill {result.kills + 1}:\n{zygote.log_tail()}")
     if not at_gate:
-        typical = sorted(durations)[len(durations) // 2] if durations else 0.05
-        time.sleep(rng.uniform(0, typical * 1.2))
+        sleep_into_save(rng, durations)
     os.kill(pid, signal.SIGKILL)
     for msg in zygote.messages(timeout=60):
         if msg.get("ev") == "end":
@@ -260,8 +266,7 @@ class _Aim:
         """SIGKILL a random rank of the aimed attempt: at the gate at once (no save is in flight, any moment
         is as good), otherwise a random fraction of a save later. False if it was gone already."""
         if not self.at_gate():
-            typical = sorted(self.durations)[len(self.durations) // 2] if self.durations else 0.05
-            time.sleep(self.rng.uniform(0, typical * 1.2))
+            sleep_into_save(self.rng, self.durations)
         victim = self.pids[self.attempt][self.rng.randrange(2)]
         self.done = self.attempt
         try:

@@ -21,6 +21,7 @@ import torch
 
 import safepoint
 from tests.torture import faults
+from tests.torture.dist_train import wait_at_gate
 
 # The baseline every crash case starts from (committed by a clean process), and the saves run on top:
 # a new step (retention deletes step 1), a replacement of that step (renameat2 exchange), a new step
@@ -388,8 +389,7 @@ def train(
         while step < total:
             if gate and step == total - 1:
                 emit(ev="gate", step=step)
-                while not os.path.exists(gate["path"]) and time.time() < gate["deadline"]:
-                    time.sleep(0.01)
+                wait_at_gate(Path(gate["path"]), gate["deadline"])
             s.step()
             step += 1
             if snapshots:
