@@ -22,7 +22,7 @@ from safepoint.dist import Comm
 from safepoint.policy.rules import Retention
 from safepoint.restore.restorer import Restorer
 from safepoint.save.saver import SyncSaver
-from safepoint.store.layout import Layout
+from safepoint.store.posix_layout import Layout
 
 SAVE_VARIANTS = ("safepoint", "safepoint-writer", "dcp", "torch.save", "dd")
 RESTORE_VARIANTS = ("safepoint", "safepoint-noverify", "verify", "dcp")

@@ -49,10 +49,10 @@ from rich.table import Table
 import safepoint
 from safepoint.dist import Comm
 from safepoint.policy.rules import Retention
-from safepoint.remote.layout import RemoteLayout
+from safepoint.remote.object_layout import RemoteLayout
 from safepoint.remote.upload import TransferConfig
 from safepoint.save.saver import SyncSaver
-from safepoint.store.layout import Layout
+from safepoint.store.posix_layout import Layout
 
 MiB = 1024 * 1024
 

@@ -35,8 +35,8 @@ from safepoint.dist import Comm
 from safepoint.policy.retainer import Retainer
 from safepoint.policy.rules import Verdicts, build_retention
 from safepoint.save.saver import SyncSaver
-from safepoint.store.layout import Layout
 from safepoint.store.manifest import MANIFEST_NAME, Manifest
+from safepoint.store.posix_layout import Layout
 
 SECTIONS = ["model", "optimizer", "rng", "extra"]
 

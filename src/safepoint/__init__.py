@@ -24,12 +24,12 @@ from safepoint.policy.rules import (
 )
 from safepoint.preempt.preemption import Preempted
 from safepoint.preempt.shield import ShieldedWorkerInit, shield_worker_init
-from safepoint.remote.layout import RemoteLayout
+from safepoint.remote.object_layout import RemoteLayout
 from safepoint.remote.upload import TransferConfig, UploadError
 from safepoint.restore.partial import RestoreReport
 from safepoint.restore.restorer import CheckpointWarning
 from safepoint.state import TrainState
-from safepoint.store.layout import CheckpointInfo
+from safepoint.store.posix_layout import CheckpointInfo
 from safepoint.tiers.base import DurabilityLag
 
 __all__ = [

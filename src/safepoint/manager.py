@@ -11,6 +11,7 @@ from types import TracebackType
 from typing import Any
 
 from safepoint.dist import Comm
+from safepoint.emergency import EmergencySave
 from safepoint.errors import CheckpointError, Preempted
 from safepoint.options import (
     ClusterOptions,
@@ -28,7 +29,6 @@ from safepoint.policy.history import RunHistory, outcome_of
 from safepoint.policy.retainer import Retainer
 from safepoint.policy.rules import AdaptiveInterval, Retention, Verdicts, build_retention
 from safepoint.policy.schedule import SaveSchedule
-from safepoint.preempt.emergency import EmergencySave
 from safepoint.preempt.preemption import Preemption
 from safepoint.remote.upload import TransferConfig
 from safepoint.restore.partial import RestoreReport, Selection
@@ -40,10 +40,10 @@ from safepoint.save.staging import Stager, tensor_bytes
 from safepoint.save.writer_process import WriterProcess
 from safepoint.state import TrainState
 from safepoint.store.job import job_identity
-from safepoint.store.layout import CheckpointInfo, Layout
 from safepoint.store.manifest import clean_metrics
+from safepoint.store.posix_layout import CheckpointInfo, Layout
 from safepoint.tiers.base import DurabilityLag, SingleTier, check_owner, plan_tiers, take_ownership
-from safepoint.tiers.nodes import build_tiers
+from safepoint.tiers.node_tiers import build_tiers
 from safepoint.tiers.resume import Resume
 
 log = logging.getLogger("safepoint")

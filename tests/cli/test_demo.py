@@ -244,8 +244,8 @@ def test_demo_kills_only_a_rank_that_is_still_torchruns(tmp_path: Path) -> None:
         from types import SimpleNamespace
 
         from safepoint.demo import main as demo
-        from safepoint.store.layout import step_name
         from safepoint.store.manifest import MANIFEST_NAME
+        from safepoint.store.posix_layout import step_name
 
         (tmp_path / step_name(16)).mkdir()
         (tmp_path / step_name(16) / MANIFEST_NAME).touch()  # a checkpoint committed: the kill is due

@@ -32,7 +32,7 @@ from torch._C._distributed_c10d import TCPStore
 
 import safepoint
 from safepoint.data import rng
-from safepoint.store.layout import Layout
+from safepoint.store.posix_layout import Layout
 from tests.conftest import REPO
 from tests.helpers.launch import assert_bitwise, events, finish, load, start
 

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import safepoint
 from safepoint.dist import Agreement, Comm
-from safepoint.store.layout import Layout
+from safepoint.store.posix_layout import Layout
 from tests.helpers.torchrun import ATTEMPT, Log, run_plan, seed_all
 
 _FAULT: dict[str, Any] = {}

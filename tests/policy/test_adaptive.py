@@ -18,7 +18,7 @@ import pytest
 import safepoint
 from safepoint.policy.history import ATTEMPTS_NAME, RunHistory, summarize
 from safepoint.policy.rules import AdaptiveInterval, AdaptiveSeconds, daly_interval, learned_mtbf
-from safepoint.store.layout import Layout
+from safepoint.store.posix_layout import Layout
 from tests.conftest import REPO
 from tests.helpers.train import Setup
 

@@ -23,9 +23,9 @@ import pytest
 import torch
 
 import safepoint
-import safepoint.store.layout as layout_module
+import safepoint.store.posix_layout as layout_module
 from safepoint.errors import LeaseError
-from safepoint.store.layout import Layout
+from safepoint.store.posix_layout import Layout
 from tests.conftest import SUBPROCESS_ENV
 
 BACKGROUND = safepoint.ClusterOptions(background_deletes=True)
@@ -226,7 +226,7 @@ def test_a_preemption_notice_stops_the_deleter_and_the_emergency_save_does_not_w
 
 
 _CHILD = """
-import sys, safepoint, torch, safepoint.store.layout as L
+import sys, safepoint, torch, safepoint.store.posix_layout as L
 real = L.remove_tree
 def stuck(path):
     files = sorted(p for p in path.iterdir() if p.is_file())
@@ -288,7 +288,7 @@ def test_kill_9_mid_background_delete_leaves_a_root_the_next_manager_cleans_and_
 
 
 _EXIT_CHILD = """
-import atexit, sys, safepoint, torch, safepoint.store.layout as L
+import atexit, sys, safepoint, torch, safepoint.store.posix_layout as L
 real = L.remove_tree
 def held(path):
     print("deleting", flush=True)

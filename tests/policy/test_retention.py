@@ -12,7 +12,7 @@ import safepoint
 from safepoint.cli.main import main
 from safepoint.policy.rules import Retention, build_retention
 from safepoint.restore.restorer import CheckpointWarning
-from safepoint.store.layout import CheckpointInfo, Layout
+from safepoint.store.posix_layout import CheckpointInfo, Layout
 from tests.helpers.train import Setup
 
 

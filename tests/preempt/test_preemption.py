@@ -33,7 +33,7 @@ import yaml  # type: ignore[import-untyped]
 
 import safepoint
 from safepoint.preempt.preemption import DEFAULT_EXIT_CODE, TierEstimate, plan_emergency_save
-from safepoint.store.layout import Layout
+from safepoint.store.posix_layout import Layout
 from tests.conftest import REPO
 from tests.helpers.launch import assert_bitwise, events, finish, load, ready_pids, start
 from tests.helpers.train import Setup

@@ -27,7 +27,7 @@ import safepoint
 from safepoint.dist import Comm
 from safepoint.policy.history import TierEstimate
 from safepoint.preempt.preemption import EmergencyPlan, Preemption
-from safepoint.remote.layout import RemoteLayout
+from safepoint.remote.object_layout import RemoteLayout
 from tests.conftest import REPO
 from tests.helpers.s3 import FaultProxy, storage_options, tiered_manager
 from tests.helpers.train import Setup, train_until_preempted

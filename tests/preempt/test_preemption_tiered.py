@@ -27,8 +27,8 @@ import pytest
 
 import safepoint
 from safepoint.policy.history import UPLOADS_NAME, UploadHistory
-from safepoint.remote.layout import RemoteLayout
-from safepoint.store.layout import Layout
+from safepoint.remote.object_layout import RemoteLayout
+from safepoint.store.posix_layout import Layout
 from tests.conftest import REPO
 from tests.helpers.launch import assert_bitwise, events, finish, load, ready_pids, start, stop
 from tests.helpers.s3 import FaultProxy, storage_options, tiered_manager

@@ -20,7 +20,7 @@ import s3fs
 
 import safepoint
 from safepoint.errors import CorruptCheckpointError
-from safepoint.remote.layout import RemoteLayout
+from safepoint.remote.object_layout import RemoteLayout
 from safepoint.remote.retry import DamagedInTransit
 from safepoint.remote.s3read import composite_value
 from safepoint.remote.s3store import S3Store, _answer_confirms

@@ -1,4 +1,4 @@
-"""Per-node local tiers in one process (tiers/nodes.py, tiers/peers.py): where a restore takes each file
+"""Per-node local tiers in one process (tiers/node_tiers.py, tiers/peers.py): where a restore takes each file
 from, and which copies it refuses. The multi-node behaviour runs in tests/dist/test_nodes.py; here a
 one-rank NodeView reads a real checkpoint (saved by a real manager with a local and a durable tier)."""
 
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import safepoint
 from safepoint.dist import Comm
-from safepoint.remote.layout import RemoteLayout
-from safepoint.store.layout import Layout
-from safepoint.store.nodes import NodeMap, node_id
+from safepoint.remote.object_layout import RemoteLayout
+from safepoint.store.node_map import NodeMap, node_id
+from safepoint.store.posix_layout import Layout
+from safepoint.tiers.node_tiers import _assign
 from safepoint.tiers.node_view import NodeView
-from safepoint.tiers.nodes import _assign
 from safepoint.tiers.peers import PEERS_DIR, REPLICA_NAME, share
 from tests.helpers.train import Setup
 

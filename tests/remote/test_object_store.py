@@ -18,10 +18,10 @@ import s3fs
 import torch
 
 import safepoint
-from safepoint.remote.layout import RemoteLayout
+from safepoint.remote.object_layout import RemoteLayout
 from safepoint.remote.s3store import S3Store
 from safepoint.remote.upload import FileCopy, TransferConfig, UploadError
-from safepoint.store.layout import Layout
+from safepoint.store.posix_layout import Layout
 from tests.conftest import PYTHON, REPO
 from tests.helpers.s3 import FaultProxy, storage_options
 from tests.helpers.train import Setup, assert_bitwise_equal, seed_everything

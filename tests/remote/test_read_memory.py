@@ -18,7 +18,7 @@ from torch import nn
 import safepoint
 import safepoint.remote.io as remote_io
 from safepoint.dist import Comm
-from safepoint.remote.layout import RemoteLayout
+from safepoint.remote.object_layout import RemoteLayout
 from safepoint.restore.partial import Selection
 from safepoint.restore.restorer import Restorer
 from tests.conftest import SUBPROCESS_ENV

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import safepoint
-from safepoint.remote.layout import RemoteLayout
+from safepoint.remote.object_layout import RemoteLayout
 from safepoint.remote.upload import MiB, TransferConfig, UploadError
 from safepoint.store.checksum import crc_hex
 from tests.helpers.stores import Store

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 import safepoint
-from safepoint.remote.layout import RemoteLayout
-from safepoint.store.layout import Layout
+from safepoint.remote.object_layout import RemoteLayout
+from safepoint.store.posix_layout import Layout
 from tests.helpers.stores import Store
 from tests.helpers.tcpproxy import proxied_options
 from tests.helpers.train import Setup, assert_bitwise_equal, seed_everything

@@ -16,8 +16,8 @@ import safepoint
 from safepoint.dist import Comm
 from safepoint.restore.restorer import Restorer
 from safepoint.state import TrainState
-from safepoint.store.layout import Layout
 from safepoint.store.manifest import Manifest
+from safepoint.store.posix_layout import Layout
 
 _EMA = 1234.5  # a value found once in step 10's data file: the byte altered after verification
 

@@ -214,7 +214,7 @@ def test_writer_thread_runs_at_lower_priority(monkeypatch: pytest.MonkeyPatch, n
     import threading
 
     from safepoint.save import background
-    from safepoint.store.layout import CheckpointInfo
+    from safepoint.store.posix_layout import CheckpointInfo
 
     if nice is not None:  # set at run time, after import: read when the writer starts
         monkeypatch.setattr(background, "WRITER_NICE", nice)

@@ -159,7 +159,7 @@ def test_kill_mid_delete_leaves_no_half_checkpoint(tmp_path: Path) -> None:
     nothing that looks valid, and the next owner cleans up."""
     root = tmp_path / "ckpt"
     script = f"""
-import os, signal, shutil, torch, safepoint, safepoint.store.layout as L
+import os, signal, shutil, torch, safepoint, safepoint.store.posix_layout as L
 m = torch.nn.Linear(4, 4)
 with safepoint.CheckpointManager({str(root)!r}, keep_last=1) as mgr:
     st = safepoint.TrainState(model=m)

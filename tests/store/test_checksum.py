@@ -23,7 +23,7 @@ from safepoint.store.checksum import (
     file_crc32c,
     range_crc32c,
 )
-from safepoint.store.layout import Layout
+from safepoint.store.posix_layout import Layout
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -15,8 +15,8 @@ import torch
 
 import safepoint
 from safepoint.errors import CheckpointError
-from safepoint.store.layout import Layout
 from safepoint.store.manifest import MANIFEST_NAME
+from safepoint.store.posix_layout import Layout
 
 
 def _hostile_root(root: Path, outside: Path) -> None:

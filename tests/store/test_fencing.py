@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import safepoint
-from safepoint.store.layout import Layout
+from safepoint.store.posix_layout import Layout
 from safepoint.tiers.base import ReadOnlyRootWarning
 from tests.conftest import PYTHON, SUBPROCESS_ENV
 from tests.helpers.s3 import storage_options

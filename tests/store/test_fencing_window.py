@@ -30,8 +30,8 @@ from tests.store.test_fencing import STALE_S, _line, needs_second_host
 JOB_A = textwrap.dedent(
     """
     import json, sys, safepoint
-    from safepoint.remote.layout import RemoteLayout
-    from safepoint.store.layout import Layout
+    from safepoint.remote.object_layout import RemoteLayout
+    from safepoint.store.posix_layout import Layout
     root, opts = sys.argv[1], json.loads(sys.argv[2])
 
     def hook(cls):
@@ -177,7 +177,7 @@ def test_a_manifest_create_refused_by_its_own_earlier_write_is_a_commit(
     """A create whose answer was lost is retried and refused (the object exists): finding its own bytes
     there, the commit succeeded; another writer's bytes are a refusal and left alone."""
     from safepoint.remote.conditional import create_if_absent
-    from safepoint.remote.layout import RemoteLayout
+    from safepoint.remote.object_layout import RemoteLayout
 
     layout = RemoteLayout(f"s3://{bucket}/run", storage_options(moto_endpoint))
     path = layout.object_key(1, "safepoint.json")
@@ -193,7 +193,7 @@ def test_a_step_replaced_since_the_fence_is_put_back_untouched(root: Path, kind:
     fence): a step-N that another writer put there since is never replaced (a commit's rename refuses it; a
     replacement or delete moves it back), and the owner is told. (Across processes the new owner's cleanup
     of .pending usually removes the stale owner's save first; this is the window that remains.)"""
-    from safepoint.store.layout import Layout
+    from safepoint.store.posix_layout import Layout
 
     with safepoint.CheckpointManager(root) as mgr:
         mgr.save(1, safepoint.TrainState(rng=False, extra={"who": "A"}))

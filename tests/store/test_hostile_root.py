@@ -25,8 +25,8 @@ from safepoint.cli.tools import scan, step_dirs
 from safepoint.dist import Comm
 from safepoint.restore.restorer import CheckpointWarning, Restorer
 from safepoint.store.checksum import file_crc32c
-from safepoint.store.layout import Layout
 from safepoint.store.manifest import MANIFEST_NAME, FileEntry, Manifest
+from safepoint.store.posix_layout import Layout
 from safepoint.store.storage import METADATA_NAME, read_metadata_file
 
 DATA_FILE = "__0_0.distcp"
@@ -398,7 +398,7 @@ def test_save_never_writes_through_a_symlinked_pending(root: Path, outside: Path
 
 
 def test_fsspec_discard_without_a_manifest_leaks_nothing(tmp_path: Path) -> None:
-    from safepoint.remote.layout import RemoteLayout
+    from safepoint.remote.object_layout import RemoteLayout
 
     layout = RemoteLayout(f"file://{tmp_path / 'store'}")
     layout.ensure_root()

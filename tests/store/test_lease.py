@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import safepoint
+from safepoint.store.file_lease import Lease
 from safepoint.store.heartbeat import UNREADABLE_WAIT_S
-from safepoint.store.layout import Layout
-from safepoint.store.lease import Lease
+from safepoint.store.posix_layout import Layout
 from tests.conftest import REPO
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from safepoint.store.nodes import NODES_KEY, NodeMap, node_copy
+from safepoint.store.node_map import NODES_KEY, NodeMap, node_copy
 
 FILES = [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
 FILES += [f"rank-{r}.state" for r in range(4)]

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import safepoint
-from safepoint.store.lease import MAX_LEASE_BYTES, Lease
+from safepoint.store.file_lease import MAX_LEASE_BYTES, Lease
 from tests.conftest import PYTHON, SUBPROCESS_ENV
 
 OPEN = textwrap.dedent(

@@ -18,7 +18,7 @@ from typing import Any
 
 import safepoint
 from safepoint.errors import CheckpointError
-from safepoint.store.layout import Layout
+from safepoint.store.posix_layout import Layout
 from tests.torture import durable, scenarios
 from tests.torture.harness import Zygote
 

@@ -7,7 +7,7 @@ It patches the entry points that safepoint *and* DCP use (DCP calls ``os.fsync``
     write     write() on a file object opened for writing; os.write on a descriptor
     fsync     os.fsync, os.fdatasync (files and directories), os.sync
     rename    os.rename, os.replace (Path.rename/replace, DCP's FileSystem.rename)
-    exchange  safepoint.store.layout._rename_exchange (renameat2 RENAME_EXCHANGE, through ctypes)
+    exchange  safepoint.store.posix_layout._rename_exchange (renameat2 RENAME_EXCHANGE, through ctypes)
     unlink    os.unlink, os.remove (Path.unlink, shutil.rmtree)
     rmdir     os.rmdir (Path.rmdir, shutil.rmtree)
     mkdir     os.mkdir (Path.mkdir, os.makedirs)
@@ -54,7 +54,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import safepoint.store.layout
+import safepoint.store.posix_layout
 
 KINDS = ("open", "write", "fsync", "rename", "exchange", "unlink", "rmdir", "mkdir")
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
@@ -78,7 +78,7 @@ _os = {
         "mkdir",
     )
 }
-_exchange = safepoint.store.layout._rename_exchange
+_exchange = safepoint.store.posix_layout._rename_exchange
 
 _active: Layer | None = None
 
@@ -401,7 +401,7 @@ def install(layer: Layer) -> Layer:
     os.remove = layer.unlink
     os.rmdir = layer.rmdir
     os.mkdir = layer.mkdir
-    safepoint.store.layout._rename_exchange = layer.exchange
+    safepoint.store.posix_layout._rename_exchange = layer.exchange
     for fn in (os.open, os.unlink, os.rmdir, os.mkdir, os.rename, os.replace):
         os.supports_dir_fd.add(fn)
     return layer

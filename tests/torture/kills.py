@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 import safepoint
-from safepoint.store.layout import Layout
+from safepoint.store.posix_layout import Layout
 from tests.helpers.train import Setup, assert_bitwise_equal
 from tests.torture.dist_train import FINISH
 from tests.torture.harness import ENV, REPO, Zygote

@@ -42,7 +42,7 @@ from typing import Any
 
 import safepoint
 from safepoint.errors import CheckpointError
-from safepoint.remote.layout import RemoteLayout
+from safepoint.remote.object_layout import RemoteLayout
 from safepoint.remote.retry import MiB, TransferConfig
 from safepoint.store import heartbeat
 from safepoint.store.manifest import MANIFEST_NAME
@@ -203,7 +203,7 @@ def workload(
 
 def apply_mutations(names: list[str]) -> None:
     """*Mutations*: break the store protocol inside this child only; the campaigns must catch each."""
-    from safepoint.remote import layout as remote
+    from safepoint.remote import object_layout as remote
 
     for name in names:
         if name == "manifest_first":  # an upload sends the manifest before the data it lists

@@ -178,7 +178,7 @@ def _skipping_fsync_dir(real: Any, skip: Any) -> Any:
 def _commit_no_rollback(self: Any, pending: Path, manifest: Any) -> Path:
     """Layout.commit (and its renameat2 replacement) before the fix: an fsync of ROOT that fails after the
     commit rename or exchange is raised with the new step left listed (no rename back, no swap back)."""
-    from safepoint.store import layout
+    from safepoint.store import posix_layout as layout
 
     layout.write_file_durably(pending / layout.MANIFEST_NAME, manifest.to_json())
     layout.fsync_dir(pending)
@@ -225,7 +225,7 @@ def _park_replace(
     import shutil
     import uuid
 
-    from safepoint.store import layout
+    from safepoint.store import posix_layout as layout
 
     assert not layout._rename_exchange(pending, final), "only for runs without renameat2"
     parked = self.pending_root / f"replaced-{final.name}-{uuid.uuid4().hex[:8]}"
@@ -503,7 +503,7 @@ def warm_up(tmp: Path) -> None:
     # The object-store children's clients (imported only: their event-loop thread starts in the child).
     import s3fs  # noqa: F401
 
-    import safepoint.remote.lease
+    import safepoint.remote.object_lease
     import safepoint.remote.s3store
     import safepoint.remote.s3writer
     import safepoint.tiers.tiering

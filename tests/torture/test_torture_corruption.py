@@ -27,8 +27,8 @@ import torch
 
 import safepoint
 from safepoint.errors import CheckpointError
-from safepoint.store.layout import Layout
 from safepoint.store.manifest import Manifest
+from safepoint.store.posix_layout import Layout
 from tests.helpers.train import Setup, assert_bitwise_equal
 from tests.torture import checks
 

@@ -28,8 +28,8 @@ from rich.progress import (
 
 from safepoint.cli import tools, tools_read
 from safepoint.errors import CheckpointError
-from safepoint.store.layout import Layout
 from safepoint.store.manifest import Manifest
+from safepoint.store.posix_layout import Layout
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1

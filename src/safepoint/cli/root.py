@@ -28,8 +28,8 @@ from safepoint.cli.common import (
 )
 from safepoint.errors import CheckpointError, CorruptCheckpointError
 from safepoint.policy.rules import build_retention
-from safepoint.remote.layout import RemoteLayout
-from safepoint.store.layout import Layout
+from safepoint.remote.object_layout import RemoteLayout
+from safepoint.store.posix_layout import Layout
 
 _STATUS_STYLE = {tools.OK: "green", tools.CORRUPT: "bold red", tools.PARTIAL: "yellow", tools.IGNORED: "red"}
 

@@ -22,14 +22,14 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from safepoint.errors import CheckpointError, CorruptCheckpointError
 from safepoint.policy.rules import Retention
-from safepoint.remote.layout import RemoteLayout, is_url
+from safepoint.remote.object_layout import RemoteLayout, is_url
 from safepoint.remote.upload import UploadError
 from safepoint.store.guard import MISSING, parse_step, real_dir_problem
 from safepoint.store.heartbeat import DEFAULT_STALE_AFTER_S
 from safepoint.store.item_check import items_problem, local_ranges
-from safepoint.store.layout import CheckpointInfo, Layout
 from safepoint.store.manifest import MANIFEST_NAME, Manifest
-from safepoint.store.nodes import node_copy
+from safepoint.store.node_map import node_copy
+from safepoint.store.posix_layout import CheckpointInfo, Layout
 from safepoint.store.storage import METADATA_NAME
 
 OK = "ok"
@@ -305,7 +305,7 @@ def node_copy_of(
     layout: Layout | RemoteLayout, manifest: Manifest, problems: list[Problem]
 ) -> list[str] | None:
     """The nodes whose share a local root holds, when ``problems`` are exactly the other nodes' files
-    missing (a per-node local tier, store/nodes.py ``node_copy``); None otherwise. Never for a URL root:
+    missing (a per-node local tier, store/node_map.py ``node_copy``); None otherwise. Never for a URL root:
     the durable tier holds every file."""
     if isinstance(layout, RemoteLayout) or not problems or any(p.reason != MISSING for p in problems):
         return None

@@ -21,8 +21,8 @@ from safepoint.policy.rules import Retention
 from safepoint.save.saver import SyncSaver
 from safepoint.state import MODEL
 from safepoint.store.heartbeat import DEFAULT_STALE_AFTER_S
-from safepoint.store.layout import CheckpointInfo, Layout
 from safepoint.store.manifest import ORIGIN_IMPORT, ORIGIN_KEY
+from safepoint.store.posix_layout import CheckpointInfo, Layout
 
 # Marks a safetensors file written by a full (not --model-only) export, whose keys carry section prefixes.
 SAFETENSORS_LAYOUT_KEY = "safepoint.layout"

@@ -16,7 +16,7 @@ from safepoint.cli import tools
 from safepoint.cli.tools_read import dtype_name
 from safepoint.errors import CheckpointError
 from safepoint.store.guard import parse_step
-from safepoint.store.layout import Layout
+from safepoint.store.posix_layout import Layout
 
 # ASCII digits only: str.isdigit() and \d also accept other scripts' digits (Arabic-Indic...),
 # and int() reads them.

@@ -23,8 +23,8 @@ from safepoint.errors import CheckpointError
 from safepoint.state import MODEL, PER_RANK_SECTIONS, SECTIONS, rank_key
 from safepoint.store import rank_state
 from safepoint.store.guard import as_corruption
-from safepoint.store.layout import Layout
 from safepoint.store.manifest import Manifest
+from safepoint.store.posix_layout import Layout
 from safepoint.store.reader import SafeLoadPlanner
 
 Include = Callable[[str], bool]

@@ -31,7 +31,7 @@ from rich.console import Console
 
 from safepoint.demo import report as demo_report
 from safepoint.demo.procs import Launch, Signalled, descendants, exit_on
-from safepoint.store.layout import Layout
+from safepoint.store.posix_layout import Layout
 
 # Wide enough for the tables when the output goes to a file or a pipe (rich's default there is 80).
 console = Console(highlight=False, width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 120)

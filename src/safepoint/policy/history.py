@@ -20,8 +20,8 @@ from safepoint.errors import CheckpointError, Preempted
 from safepoint.policy.rules import AdaptiveInterval, AdaptiveSeconds, learned_mtbf
 from safepoint.store.fsops import fsync_dir, write_file_durably
 from safepoint.store.guard import read_regular
-from safepoint.store.layout import CheckpointStore, Layout
 from safepoint.store.manifest import Manifest
+from safepoint.store.posix_layout import CheckpointStore, Layout
 
 log = logging.getLogger("safepoint")
 ATTEMPTS_NAME = ".attempts.json"

@@ -26,7 +26,7 @@ import threading
 
 from safepoint.errors import CheckpointError, LeaseError
 from safepoint.policy.rules import Retention, Verdicts
-from safepoint.store.layout import CheckpointInfo, CheckpointStore
+from safepoint.store.posix_layout import CheckpointInfo, CheckpointStore
 
 log = logging.getLogger("safepoint")
 

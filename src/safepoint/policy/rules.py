@@ -9,7 +9,7 @@ import statistics
 from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
-from safepoint.store.layout import CheckpointInfo
+from safepoint.store.posix_layout import CheckpointInfo
 
 log = logging.getLogger("safepoint")
 

@@ -19,7 +19,7 @@ from safepoint.policy.rules import (
     SavePolicy,
     parse_interval,
 )
-from safepoint.store.layout import Layout
+from safepoint.store.posix_layout import Layout
 
 
 @dataclasses.dataclass(slots=True)

@@ -1,6 +1,6 @@
 """One small object written only under conditions: create if absent, replace or delete if unchanged.
 
-This is what a lease needs from a store (remote/lease.py), and every store safepoint knows offers it:
+This is what a lease needs from a store (remote/object_lease.py), and every store safepoint knows offers it:
 
 - S3: ``If-None-Match: *`` creates, ``If-Match: <etag>`` replaces (conditional writes);
 - GCS: ``ifGenerationMatch=0`` creates, ``ifGenerationMatch=<generation>`` replaces and deletes (the

@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.metadata import (
 
 from safepoint.state import PER_RANK_SECTIONS
 from safepoint.store import rank_state
-from safepoint.store.layout import CheckpointStore
 from safepoint.store.manifest import Manifest
+from safepoint.store.posix_layout import CheckpointStore
 
 
 class RankSections:

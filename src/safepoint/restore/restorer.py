@@ -37,8 +37,8 @@ from safepoint.state import (
     rank_key,
 )
 from safepoint.store.guard import as_corruption
-from safepoint.store.layout import CheckpointStore
 from safepoint.store.manifest import MANIFEST_NAME, ORIGIN_IMPORT, ORIGIN_KEY, Manifest
+from safepoint.store.posix_layout import CheckpointStore
 from safepoint.store.reader import SafeLoadPlanner
 
 log = logging.getLogger("safepoint")

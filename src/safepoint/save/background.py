@@ -16,7 +16,7 @@ from concurrent.futures import Future
 
 from safepoint.dist import Comm
 from safepoint.errors import SaveError
-from safepoint.store.layout import CheckpointInfo
+from safepoint.store.posix_layout import CheckpointInfo
 
 log = logging.getLogger("safepoint")
 

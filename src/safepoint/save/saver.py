@@ -23,9 +23,9 @@ from safepoint.policy.retainer import Retainer
 from safepoint.policy.rules import Retention, Verdicts
 from safepoint.store import rank_state
 from safepoint.store.file_report import with_files
-from safepoint.store.layout import CheckpointInfo, CheckpointStore
 from safepoint.store.manifest import FileEntry, Manifest
-from safepoint.store.nodes import NODES_KEY, NodeMap
+from safepoint.store.node_map import NODES_KEY, NodeMap
+from safepoint.store.posix_layout import CheckpointInfo, CheckpointStore
 
 log = logging.getLogger("safepoint")
 
@@ -61,7 +61,7 @@ class SyncSaver:
         self._session: str | None = None
         self._saves = 0
         self.nodes: NodeMap | None = None
-        """Set with per-node local tiers (tiers/nodes.py): each node's leader commits its own copy."""
+        """Set with per-node local tiers (tiers/node_tiers.py): each node's leader commits its own copy."""
         self._manifest: Manifest | None = None  # the last manifest rank 0 committed
         # Failed saves' directories that could not be deleted then (out of descriptors: deleting a tree
         # needs them too): the next save deletes them, rather than the next owner's start.

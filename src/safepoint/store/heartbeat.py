@@ -1,6 +1,6 @@
 """The lease every store shares: timing rules, who holds it, the heartbeat thread, fencing, release.
 
-``lease.Lease`` (a file on a local or network file system) and ``remote.lease.RemoteLease`` (an object,
+``lease.Lease`` (a file on a local or network file system) and ``remote.object_lease.RemoteLease`` (an object,
 by conditional writes) differ only in how a record is created, read, renewed and dropped; everything
 here is the same for both. Fencing: the owner's token is checked against the lease on the store
 (:meth:`HeartbeatLease.fence`) right before every commit and every delete, so an owner that was frozen

@@ -1,6 +1,6 @@
 """What SyncSaver and Restorer need from a checkpoint root (``CheckpointStore``), and a committed
 checkpoint as listed (``CheckpointInfo``). Split from layout.py, which implements it for file systems
-(remote/layout.py does for object stores)."""
+(remote/object_layout.py does for object stores)."""
 
 from __future__ import annotations
 

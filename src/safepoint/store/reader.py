@@ -74,7 +74,7 @@ class SafeReader(FileSystemReader):
         self._deferred: Exception | None = None
         self.paths: Callable[[list[str]], dict[str, str]] | None = None
         """Given the files this rank reads, where each one is (per-node local tiers: this node's copy or a
-        download, tiers/nodes.py); None: all under ``path``."""
+        download, tiers/node_tiers.py); None: all under ``path``."""
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any

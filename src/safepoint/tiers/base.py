@@ -21,13 +21,13 @@ from safepoint.dist import Comm
 from safepoint.errors import CheckpointError, LeaseError
 from safepoint.policy.emergency_plan import EmergencyPlan
 from safepoint.policy.history import TierEstimate, save_estimate
-from safepoint.remote.layout import RemoteLayout, is_url
+from safepoint.remote.object_layout import RemoteLayout, is_url
 from safepoint.remote.retry import TransferConfig
 from safepoint.restore.restorer import Restorer
 from safepoint.state import TrainState
 from safepoint.store.heartbeat import HeldByThisJob
-from safepoint.store.layout import CheckpointInfo, CheckpointStore, Layout
 from safepoint.store.manifest import Manifest
+from safepoint.store.posix_layout import CheckpointInfo, CheckpointStore, Layout
 
 log = logging.getLogger("safepoint")
 
@@ -168,7 +168,7 @@ def read_durable(durable: RemoteLayout) -> dict[int, tuple[str, CheckpointInfo]]
 
 def drop_node_shares(local: Layout, durable: dict[int, tuple[str, CheckpointInfo]]) -> list[str]:
     """Rank 0 of a job on one node: remove local copies that hold one node's share of a durable checkpoint
-    (saved while the job spanned several nodes, tiers/nodes.py). They cannot be loaded from this disk
+    (saved while the job spanned several nodes, tiers/node_tiers.py). They cannot be loaded from this disk
     alone, and the durable tier has the whole checkpoint; a partial copy that is not durable is left to
     restore's verdict (corrupt)."""
     done = []

@@ -1,4 +1,4 @@
-"""The local tier as a restore on one node of a multi-node job reads it (tiers/nodes.py): each file from
+"""The local tier as a restore on one node of a multi-node job reads it (tiers/node_tiers.py): each file from
 this node's copy when it verifies against the durable manifest, else from a peer's replica (kept on this
 disk, or sent by the node that holds it: tiers/peers.py), else downloaded from the durable tier."""
 
@@ -11,13 +11,13 @@ from typing import Any
 
 from safepoint.dist import Comm
 from safepoint.errors import CheckpointError, CorruptCheckpointError
-from safepoint.remote.layout import RemoteLayout
+from safepoint.remote.object_layout import RemoteLayout
 from safepoint.store.checksum import file_crc32c
 from safepoint.store.guard import open_regular, remove_tree
-from safepoint.store.layout import Layout
 from safepoint.store.manifest import Manifest
 from safepoint.store.metadata_check import load_checked_metadata
-from safepoint.store.nodes import NodeMap
+from safepoint.store.node_map import NodeMap
+from safepoint.store.posix_layout import Layout
 from safepoint.store.reader import SafeReader
 from safepoint.store.storage import METADATA_NAME
 from safepoint.tiers import peers

@@ -1,6 +1,6 @@
 """Peer replicas (issue 15, item 3): each node's share of a checkpoint also sits on another node's disk.
 
-With per-node local tiers (tiers/nodes.py), after a step is committed locally the uploader thread (in the
+With per-node local tiers (tiers/node_tiers.py), after a step is committed locally the uploader thread (in the
 background, on the uploader's gloo group, in lock-step like the uploads) sends each node's files to the
 next node in a ring of node leaders: node ``k`` -> node ``(k + 1) % nodes``, so a replica is always on
 another *node*, for any node count (torch's ``_ReplicationStager`` pairs rank r with r + world/2, which
@@ -32,9 +32,9 @@ from pathlib import Path
 from safepoint.dist import Comm
 from safepoint.errors import CheckpointError
 from safepoint.store.guard import remove_tree
-from safepoint.store.layout import Layout
 from safepoint.store.manifest import Manifest
-from safepoint.store.nodes import NodeMap, file_rank
+from safepoint.store.node_map import NodeMap, file_rank
+from safepoint.store.posix_layout import Layout
 from safepoint.store.storage import METADATA_NAME
 from safepoint.tiers.peer_stream import Entry, exchange
 

@@ -28,13 +28,13 @@ from typing import Any
 from safepoint.dist import Comm
 from safepoint.errors import CheckpointError
 from safepoint.options import WarmStart
-from safepoint.remote.layout import RemoteLayout, is_url
+from safepoint.remote.object_layout import RemoteLayout, is_url
 from safepoint.restore.partial import RestoreReport, Selection
 from safepoint.restore.restorer import Restorer
 from safepoint.state import TrainState
 from safepoint.store.guard import parse_step
-from safepoint.store.layout import Layout
 from safepoint.store.manifest import MANIFEST_NAME, Manifest
+from safepoint.store.posix_layout import Layout
 from safepoint.tiers.base import SingleTier
 
 log = logging.getLogger("safepoint")

@@ -33,12 +33,12 @@ from safepoint.options import check_keep_local_last
 from safepoint.policy.emergency_plan import EmergencyPlan
 from safepoint.policy.history import TierEstimate, UploadHistory, save_estimate
 from safepoint.policy.rules import Retention, Verdicts
-from safepoint.remote.layout import RemoteLayout
+from safepoint.remote.object_layout import RemoteLayout
 from safepoint.remote.retry import UploadError, lower_priority
 from safepoint.restore.restorer import Restorer
 from safepoint.state import TrainState
-from safepoint.store.layout import CheckpointInfo, Layout
 from safepoint.store.manifest import Manifest
+from safepoint.store.posix_layout import CheckpointInfo, Layout
 from safepoint.tiers.base import (
     DurabilityLag,
     SingleTier,
@@ -58,7 +58,7 @@ IDLE_JOIN_S = 1.0
 class Tiering(SingleTier):
     """Local tier + durable tier, with a background uploader (one per rank, lock-step by collectives)."""
 
-    per_node = False  # True in tiers/nodes.py: each node has its own local tier
+    per_node = False  # True in tiers/node_tiers.py: each node has its own local tier
 
     def __init__(
         self,

@@ -25,11 +25,11 @@ from typing import Any
 
 from safepoint.dist import Comm
 from safepoint.errors import CheckpointError, CorruptCheckpointError
-from safepoint.remote.layout import RemoteLayout
+from safepoint.remote.object_layout import RemoteLayout
 from safepoint.remote.retry import UploadError
 from safepoint.restore.restorer import CheckpointWarning, Restorer
-from safepoint.store.layout import Layout
 from safepoint.store.manifest import Manifest, Parts
+from safepoint.store.posix_layout import Layout
 
 log = logging.getLogger("safepoint")
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")

@@ -98,7 +98,7 @@ def node_copy(
     extra: dict[str, Any], world_size: int, files: Iterable[str], absent: set[str]
 ) -> list[str] | None:
     """The nodes whose whole share is present, when ``absent`` (files of the checkpoint not in this
-    directory) is exactly the other nodes' whole shares: a node-local tier's copy (tiers/nodes.py), which
+    directory) is exactly the other nodes' whole shares: a node-local tier's copy (tiers/node_tiers.py), which
     holds its own ranks' files only. None otherwise, including a manifest without a well-formed
     ``extra[NODES_KEY]`` (a hostile or older one): then a missing file is damage, as for any checkpoint."""
     raw = extra.get(NODES_KEY)

@@ -32,11 +32,11 @@ from safepoint.remote.conditional import create_if_absent
 from safepoint.remote.io import SafeStoreReader, StoreWriter
 from safepoint.remote.open import open_store
 from safepoint.remote.upload import FileCopy, TransferConfig, UploadError
+from safepoint.store.file_lease import Lease
 from safepoint.store.guard import STEP_PATTERN, STEP_PREFIX
-from safepoint.store.layout import PENDING_DIR, CheckpointInfo, step_name
-from safepoint.store.lease import Lease
 from safepoint.store.manifest import MANIFEST_NAME, Manifest, Parts
 from safepoint.store.metadata_check import load_checked_metadata
+from safepoint.store.posix_layout import PENDING_DIR, CheckpointInfo, step_name
 from safepoint.store.storage import METADATA_NAME
 
 log = logging.getLogger("safepoint")
@@ -388,7 +388,7 @@ class RemoteLayout:
     def lease(self, stale_after_s: float, job: str | None = None) -> Any:
         """The owner's lease on this root: S3 conditional writes, O_EXCL for file://; None elsewhere (then
         ``clean_pending`` leaves uncommitted objects alone: they may be another writer's save in flight)."""
-        from safepoint.remote.lease import RemoteLease
+        from safepoint.remote.object_lease import RemoteLease
 
         if self.store.local:
             self.owner = Lease(Path(self.base), stale_after_s=stale_after_s, job=job)

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from safepoint.errors import CheckpointError, CorruptCheckpointError
 from safepoint.store.checksum import crc32c_combine, crc_hex, crc_ranges, range_crc32c
+from safepoint.store.file_lease import Lease
 from safepoint.store.fsops import fsync_dir, write_file_durably  # tests/torture patches them here
 from safepoint.store.fsops import rename_exchange as _rename_exchange
 from safepoint.store.guard import (
@@ -41,7 +42,6 @@ from safepoint.store.guard import (
     remove_tree_from,
 )
 from safepoint.store.heartbeat import HeartbeatLease
-from safepoint.store.lease import Lease
 from safepoint.store.manifest import MANIFEST_NAME, Manifest
 from safepoint.store.metadata_check import load_checked_metadata
 from safepoint.store.protocol import CheckpointInfo as CheckpointInfo  # re-exported: its old home

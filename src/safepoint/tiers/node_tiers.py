@@ -1,6 +1,6 @@
 """Per-node local tiers: ``local_root`` on each node's own disk, the durable tier as the one global commit.
 
-When the ranks of a tiered job span more than one node (store/nodes.py says which ranks share one):
+When the ranks of a tiered job span more than one node (store/node_map.py says which ranks share one):
 
 - **Save.** Every rank writes its DCP file into its own node's ``local_root/.pending``; rank 0 commits its
   node's copy (checking only its own node's files) and broadcasts the manifest with the outcome, and each
@@ -35,7 +35,7 @@ from safepoint.remote.retry import UploadError
 from safepoint.restore.restorer import Restorer
 from safepoint.state import TrainState
 from safepoint.store.manifest import Manifest, Parts
-from safepoint.store.nodes import NODES_KEY, NodeMap, file_rank, node_id
+from safepoint.store.node_map import NODES_KEY, NodeMap, file_rank, node_id
 from safepoint.store.storage import METADATA_NAME
 from safepoint.tiers import peers
 from safepoint.tiers.node_view import DURABLE, LOCAL, PEER, NodeView

@@ -13,11 +13,11 @@ from safepoint.policy.history import RunHistory, outcome_of
 from safepoint.policy.retainer import Retainer
 from safepoint.policy.schedule import SaveSchedule
 from safepoint.preempt.preemption import Preemption
-from safepoint.remote.layout import RemoteLayout
+from safepoint.remote.object_layout import RemoteLayout
 from safepoint.save.background import BackgroundWriter
 from safepoint.state import TrainState
-from safepoint.store.layout import CheckpointInfo, Layout
 from safepoint.store.manifest import clean_metrics
+from safepoint.store.posix_layout import CheckpointInfo, Layout
 from safepoint.tiers.base import SingleTier
 from safepoint.tiers.tiering import Tiering
 
