@@ -93,15 +93,15 @@ class Trainer:
             base / "sp-async",
             async_save=True,
             writer=safepoint.WriterOptions(async_writer="thread"),
-            keep_last=1,
+            keep=safepoint.Keep(last=1),
         )
         self.sp_process = safepoint.CheckpointManager(
             base / "sp-async-process",
             async_save=True,
             writer=safepoint.WriterOptions(async_writer="process"),
-            keep_last=1,
+            keep=safepoint.Keep(last=1),
         )
-        self.sp_sync = safepoint.CheckpointManager(base / "sp-sync", keep_last=1)
+        self.sp_sync = safepoint.CheckpointManager(base / "sp-sync", keep=safepoint.Keep(last=1))
         self.step_no = 0
         self.dcp_n = 0
         self.step()  # Adam state exists from here on

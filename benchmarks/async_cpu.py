@@ -39,7 +39,7 @@ def main() -> None:
     options: dict[str, object] = {}
     if args.writer != "sync":
         options = {"async_save": True, "writer": safepoint.WriterOptions(async_writer=args.writer)}
-    mgr = safepoint.CheckpointManager(root, keep_last=1, **options)  # type: ignore[arg-type]
+    mgr = safepoint.CheckpointManager(root, keep=safepoint.Keep(last=1), **options)  # type: ignore[arg-type]
     process = getattr(mgr, "_process", None)
     if process is not None:
         process.wait_ready()

@@ -93,8 +93,10 @@ class Peers:
     def __init__(self, base: Path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
         self.base, self.model, self.opt = base, model, opt
         self.state = safepoint.TrainState(model=model, optimizer=opt)
-        self.sp = safepoint.CheckpointManager(base / "sp-sync", keep_last=1)
-        self.sp_async = safepoint.CheckpointManager(base / "sp-async", keep_last=1, async_save=True)
+        self.sp = safepoint.CheckpointManager(base / "sp-sync", keep=safepoint.Keep(last=1))
+        self.sp_async = safepoint.CheckpointManager(
+            base / "sp-async", async_save=True, keep=safepoint.Keep(last=1)
+        )
         opts = StagingOptions(False, False, True, False)  # pinned, shared, async staging, non-blocking
         self.stager = DefaultStager(opts)
         self.tc_sync = self.tc_async = None

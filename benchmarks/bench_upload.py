@@ -7,10 +7,10 @@ Upload throughput (target: safepoint >= 1.0x boto3):
              store, a HEAD per object to confirm where the store's answer does not (moto's), then the
              manifest with every object's parts. Exactly what the background uploader runs for each
              checkpoint.
-  safepoint-full-object  the same with S3's full-object CRC32C (TransferConfig(full_object_checksum=True),
+  safepoint-full-object  the same with S3's full-object CRC32C (TransferOptions(full_object_checksum=True),
              the default before issue 17).
   boto3      boto3's ``S3.Client.upload_file`` of the same files to the same endpoint, one after another,
-             with boto3's default TransferConfig (multipart above 8 MiB, 10 threads per file). No
+             with boto3's default TransferOptions (multipart above 8 MiB, 10 threads per file). No
              checksums beyond botocore's defaults, no confirmation, no manifest.
 
 Blocking time (target: tiering == local-only): ``CheckpointManager.save`` of the same state to a local root,
@@ -50,7 +50,7 @@ import safepoint
 from safepoint.dist import Comm
 from safepoint.policy.rules import Retention
 from safepoint.remote.object_layout import RemoteLayout
-from safepoint.remote.upload import TransferConfig
+from safepoint.remote.upload import TransferOptions
 from safepoint.save.saver import SyncSaver
 from safepoint.store.posix_layout import Layout
 
@@ -144,12 +144,12 @@ def bench_throughput(
     remotes = {
         "safepoint": RemoteLayout(f"s3://{bucket}/run", opts),
         "safepoint-full-object": RemoteLayout(
-            f"s3://{bucket}/run", opts, transfer=TransferConfig(full_object_checksum=True)
+            f"s3://{bucket}/run", opts, transfer=TransferOptions(full_object_checksum=True)
         ),
     }
     for mib in args.part_mib:  # the same default upload with bigger parts: fewer requests per byte
         remotes[f"safepoint-{mib}MiB-parts"] = RemoteLayout(
-            f"s3://{bucket}/run", opts, transfer=TransferConfig(part_size=mib * MiB)
+            f"s3://{bucket}/run", opts, transfer=TransferOptions(part_size=mib * MiB)
         )
     if args.no_full_object:
         remotes.pop("safepoint-full-object")
@@ -239,7 +239,7 @@ def bench_blocking(args: argparse.Namespace, endpoint: str, work: Path, settled:
         order = ["local", "tiered"] if r % 2 == 0 else ["tiered", "local"]
         for variant in order:
             local = work / f"block-{variant}-{r}"
-            kw: dict[str, Any] = {"keep_last": 2}
+            kw: dict[str, Any] = {"keep": safepoint.Keep(last=2)}
             if variant == "tiered":
                 empty_bucket(client, bucket)
                 kw.update(local_root=local, storage_options=opts)

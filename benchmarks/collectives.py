@@ -108,7 +108,7 @@ def main() -> None:
         setattr(dist, name, _counting(name, getattr(dist, name)))
     state, sd = _state(args.fsdp2)
     result: dict[str, Any] = {"world": dist.get_world_size()}
-    with safepoint.CheckpointManager(base / "safepoint", keep_last=2) as mgr:
+    with safepoint.CheckpointManager(base / "safepoint", keep=safepoint.Keep(last=2)) as mgr:
         mgr.save(1, state)
         result["safepoint_save"] = count(lambda: mgr.save(2, state))
         result["safepoint_restore"] = count(lambda: mgr.restore(state))

@@ -35,7 +35,7 @@ def main() -> None:
     base = Path(args.base)
     shutil.rmtree(base, ignore_errors=True)
     state = safepoint.TrainState(model=model, optimizer=opt)
-    mgr = safepoint.CheckpointManager(base / "sp", keep_last=1)
+    mgr = safepoint.CheckpointManager(base / "sp", keep=safepoint.Keep(last=1))
     mgr.save(1, state)
     plain = base / "ck.pt"
     torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, plain)

@@ -56,7 +56,9 @@ def main() -> None:
     state = safepoint.TrainState(model=model, optimizer=opt, dataloader=sampler)
 
     # Every rank constructs the manager, restores and saves at the same steps; rank 0 commits.
-    with safepoint.CheckpointManager(args.root, save_every_steps=args.save_every, keep_last=2) as mgr:
+    with safepoint.CheckpointManager(
+        args.root, save_every_steps=args.save_every, keep=safepoint.Keep(last=2)
+    ) as mgr:
         step = mgr.restore(state)  # the same step on every rank; 0 on a fresh run
         saved_at = step  # the step of the newest checkpoint, the same on every rank
         if rank == 0:

@@ -61,7 +61,9 @@ def main() -> None:
     state = safepoint.TrainState(model=model, optimizer=opt, dataloader=sampler)
 
     # Every rank constructs the manager, restores and saves at the same steps; rank 0 commits.
-    with safepoint.CheckpointManager(args.root, save_every_steps=args.save_every, keep_last=2) as mgr:
+    with safepoint.CheckpointManager(
+        args.root, save_every_steps=args.save_every, keep=safepoint.Keep(last=2)
+    ) as mgr:
         step = mgr.restore(state)  # resharded by DCP if the world size changed
         saved_at = step  # the step of the newest checkpoint, the same on every rank
         if rank == 0:

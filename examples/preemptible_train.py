@@ -78,11 +78,11 @@ def main() -> None:
     with safepoint.CheckpointManager(
         args.root,
         save_every_seconds=safepoint.AdaptiveInterval(mtbf_s=args.mtbf_seconds),
-        keep_last=3,
         async_save=True,
-        preemption_signals=(signal.SIGTERM, signal.SIGUSR1),
-        preemption=safepoint.PreemptionOptions(file=args.preempt_file),
-        grace_seconds=args.grace_seconds,
+        preemption=safepoint.PreemptionOptions(
+            signals=(signal.SIGTERM, signal.SIGUSR1), grace_seconds=args.grace_seconds, file=args.preempt_file
+        ),
+        keep=safepoint.Keep(last=3),
     ) as mgr:
         step = mgr.restore(state)
         saved_at = step  # the step of the newest checkpoint, the same on every rank

@@ -225,13 +225,13 @@ def main() -> None:
         args.root,
         local_root=args.local_root,  # commit locally (training goes on at once), upload in the background
         save_every_steps=args.save_every,
-        keep_last=3,
+        keep=safepoint.Keep(last=3),
         async_save=True,  # the write overlaps training; only the staging copy blocks the loop
         # SIGTERM: torchrun's agent, Slurm and Kubernetes all send it before SIGKILL; SIGUSR1 is Slurm's
         # early warning (--signal=USR1@120). The next maybe_save saves that step on every rank, then raises
         # safepoint.Preempted (exit 143) for the scheduler to restart the job. DataLoader workers forked
         # while the manager is open are shielded from the group's signal: they serve until the save is done.
-        preemption_signals=(signal.SIGTERM, signal.SIGUSR1),
+        preemption=safepoint.PreemptionOptions(signals=(signal.SIGTERM, signal.SIGUSR1)),
         resume="auto",  # "required" on a relaunch that must find a checkpoint (a typo'd root raises)
     ) as mgr:
         step = mgr.restore(state)  # 0 on a fresh run; resharded if the world size changed

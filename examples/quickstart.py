@@ -21,7 +21,7 @@ def main(root: str = "ckpt", total_steps: int = 200) -> int:
     extra = {"tokens_seen": 0}
 
     state = safepoint.TrainState(model=model, optimizer=opt, scheduler=sched, extra=extra)
-    with safepoint.CheckpointManager(root, save_every_steps=50, keep_last=3) as mgr:
+    with safepoint.CheckpointManager(root, save_every_steps=50, keep=safepoint.Keep(last=3)) as mgr:
         step = mgr.restore(state)
         while step < total_steps:
             loss = model(torch.randn(8, 16)).pow(2).mean()

@@ -33,7 +33,9 @@ def test_a_start_that_fails_after_the_lease_gives_everything_back(
     monkeypatch.setattr(Preemption, "start", out_of_threads)
     threads_before, children_before = set(threading.enumerate()), _live_children()
     with pytest.raises(RuntimeError, match="can't start new thread"):
-        safepoint.CheckpointManager(root, async_save=True, preemption_signals=[signal.SIGUSR1])
+        safepoint.CheckpointManager(
+            root, async_save=True, preemption=safepoint.PreemptionOptions(signals=[signal.SIGUSR1])
+        )
     left = [t.name for t in threading.enumerate() if t not in threads_before]
     assert left == [], f"threads left running: {left}"
     assert _live_children() == children_before, "the writer process was left running"

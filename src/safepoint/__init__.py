@@ -13,6 +13,7 @@ from safepoint.errors import (
 )
 from safepoint.manager import CheckpointManager
 from safepoint.options import ClusterOptions, PreemptionOptions, WarmStart, WriterOptions
+from safepoint.policy.keep import Keep
 from safepoint.policy.rules import (
     AdaptiveInterval,
     EveryNSeconds,
@@ -25,7 +26,7 @@ from safepoint.policy.rules import (
 from safepoint.preempt.preemption import Preempted
 from safepoint.preempt.shield import ShieldedWorkerInit, shield_worker_init
 from safepoint.remote.object_layout import RemoteLayout
-from safepoint.remote.upload import TransferConfig, UploadError
+from safepoint.remote.upload import TransferOptions, UploadError
 from safepoint.restore.partial import RestoreReport
 from safepoint.restore.restorer import CheckpointWarning
 from safepoint.state import TrainState
@@ -43,6 +44,7 @@ __all__ = [
     "DurabilityLag",
     "EveryNSeconds",
     "EveryNSteps",
+    "Keep",
     "KeepBest",
     "KeepEvery",
     "KeepLast",
@@ -58,7 +60,7 @@ __all__ = [
     "ShieldedWorkerInit",
     "StateMismatchError",
     "TrainState",
-    "TransferConfig",
+    "TransferOptions",
     "UnsafeCheckpointError",
     "UploadError",
     "WarmStart",
@@ -67,3 +69,15 @@ __all__ = [
     "init_process_group",
     "shield_worker_init",
 ]
+
+RENAMED = {"TransferConfig": "TransferOptions"}
+"""Public names that were renamed: the old one fails with the new one named (option objects end in
+``Options``)."""
+
+
+def __getattr__(name: str) -> object:
+    if name in RENAMED:
+        # ImportError, not AttributeError: `from safepoint import TransferConfig` would turn an AttributeError
+        # into its own "cannot import name" message and lose the new name.
+        raise ImportError(f"safepoint.{name} was renamed: use safepoint.{RENAMED[name]}", name=name)
+    raise AttributeError(f"module 'safepoint' has no attribute {name!r}")

@@ -18,7 +18,6 @@ from safepoint.options import (
     PreemptionOptions,
     WarmStart,
     WriterOptions,
-    check_keep_local_last,
     check_manager_arguments,
     check_option_types,
     check_step,
@@ -26,11 +25,12 @@ from safepoint.options import (
     writer_process_mode,
 )
 from safepoint.policy.history import RunHistory, outcome_of
+from safepoint.policy.keep import Keep
 from safepoint.policy.retainer import Retainer
-from safepoint.policy.rules import AdaptiveInterval, Retention, Verdicts, build_retention
+from safepoint.policy.rules import AdaptiveInterval, Retention, Verdicts
 from safepoint.policy.schedule import SaveSchedule
 from safepoint.preempt.preemption import Preemption
-from safepoint.remote.upload import TransferConfig
+from safepoint.remote.upload import TransferOptions
 from safepoint.restore.partial import RestoreReport, Selection
 from safepoint.restore.restorer import Restorer
 from safepoint.save.background import BackgroundWriter
@@ -43,6 +43,7 @@ from safepoint.store.job import job_identity
 from safepoint.store.manifest import clean_metrics
 from safepoint.store.posix_layout import CheckpointInfo, Layout
 from safepoint.tiers.base import DurabilityLag, SingleTier, check_owner, plan_tiers, take_ownership
+from safepoint.tiers.held import HeldRoots
 from safepoint.tiers.node_tiers import build_tiers
 from safepoint.tiers.resume import Resume
 
@@ -58,26 +59,26 @@ class CheckpointManager:
         save_every_seconds: ``maybe_save`` saves when this many seconds passed since the last save (ranks
             agree); ``"auto"`` or a ``safepoint.AdaptiveInterval``: Daly's interval from the measured save
             cost and the MTBF (docs/preemption.md).
-        keep_last / keep_every_steps / keep_best (+ best_metric, best_mode): retention; the union of
-            what each keeps survives, and the newest checkpoint always does. None of them: keep all.
+        keep: ``safepoint.Keep(last=3, every_steps=1000, best=safepoint.KeepBest(2, metric="loss"),
+            local_last=1)``: retention; the union of what each rule keeps survives, and the newest checkpoint
+            always does. None: keep all.
         async_save: ``save``/``maybe_save`` block only while the state is copied into reused host buffers;
             writing, checksums, commit and retention run in the background (``writer=`` says where).
         local_root: with a URL ``root``: saves commit here first (fast local disk), and a background
-            uploader makes each one durable at ``root``. keep_local_last: local copies kept (default 1;
-            never one that is not durable yet). storage_options: passed to fsspec (endpoint, credentials).
-            ``transfer=safepoint.TransferConfig(...)``: retries, concurrency, part sizes. See docs/storage.md.
-        preemption_signals: notice signals (default: none). On a notice, the next ``maybe_save`` saves the
-            current step and raises ``safepoint.Preempted``; ``preemption=`` adds other notice sources.
-        grace_seconds: time from a notice to SIGKILL; a save expected not to fit is skipped and logged
-            (with tiering, one whose upload alone does not fit is committed locally only).
+            uploader makes each one durable at ``root`` (``Keep.local_last`` copies stay here).
+        storage_options: passed to fsspec (endpoint, credentials). See docs/storage.md.
+        preemption: ``safepoint.PreemptionOptions(signals=[signal.SIGTERM], grace_seconds=30)``: on a
+            notice, the next ``maybe_save`` saves the current step and raises ``safepoint.Preempted``.
         writer: ``safepoint.WriterOptions``: the async writer (process or thread), what a save does while
             the previous one writes, DCP writer threads.
         cluster: ``safepoint.ClusterOptions``: collective timeout, lease staleness, the job's identity.
+        transfer: ``safepoint.TransferOptions``: retries, concurrency, part sizes of object-store transfers.
         resume: "auto" (the newest intact checkpoint, else step 0), "required" (CheckpointError naming the
             root and what it holds if there is none), "never" (step 0; checkpoints kept, not loaded).
         init_from: a warm start (root, step-N directory or ``safepoint.WarmStart``) when ``root`` has none.
 
     Keywords that moved into an option object fail with their new home named (``options.MOVED_KEYWORDS``).
+    One process holds a root through one open manager: a second one on it raises ``LeaseError`` saying so.
     """
 
     def __init__(
@@ -86,33 +87,25 @@ class CheckpointManager:
         *,
         save_every_steps: int | None = None,
         save_every_seconds: float | str | AdaptiveInterval | None = None,
-        keep_last: int | None = None,
-        keep_every_steps: int | None = None,
-        keep_best: int | None = None,
-        best_metric: str | None = None,
-        best_mode: str = "min",
+        keep: Keep | None = None,
         async_save: bool = False,
         local_root: str | os.PathLike[str] | None = None,
-        keep_local_last: int = 1,
         storage_options: dict[str, Any] | None = None,
-        preemption_signals: Iterable[int] | None = None,
-        grace_seconds: float | None = None,
-        writer: WriterOptions | None = None,
         preemption: PreemptionOptions | None = None,
+        writer: WriterOptions | None = None,
         cluster: ClusterOptions | None = None,
-        transfer: TransferConfig | None = None,
+        transfer: TransferOptions | None = None,
         resume: str = "auto",
         init_from: str | os.PathLike[str] | WarmStart | None = None,
         **moved: Any,
     ) -> None:
         reject_moved(moved)
         check_option_types(writer=writer, preemption=preemption, cluster=cluster)
-        writer, cluster = writer or WriterOptions(), cluster or ClusterOptions()
+        writer, cluster, keep = writer or WriterOptions(), cluster or ClusterOptions(), Keep.of(keep)
         notices = preemption or PreemptionOptions()
         self.root, self.layout, durable = plan_tiers(
-            root, local_root, storage_options, transfer or TransferConfig()
+            root, local_root, storage_options, transfer or TransferOptions()
         )
-        retention = build_retention(keep_last, keep_every_steps, keep_best, best_metric, best_mode)
         # Every argument is validated before the first process group exists (see options.py).
         check_manager_arguments(writer, async_save, resume)
         self._job = job_identity(cluster.job_id)  # SAFEPOINT_JOB_ID is checked here too
@@ -128,11 +121,12 @@ class CheckpointManager:
         self._closed = False
         self._runs: RunHistory | None = None
         self._emergency: EmergencySave | None = None
+        self._current: CheckpointInfo | None = None  # the committed checkpoint the state now is (sync)
+        self._async = bool(async_save)
+        self._held = HeldRoots(self.layout, durable)  # last check: nothing to give back if it refuses
         try:  # whatever fails (KeyboardInterrupt included), nothing started here outlives the constructor
-            self._build(durable, retention, cluster, writer, async_save, process_fallback, keep_local_last)
-            self._preemption = Preemption.build(
-                self.comm, signals=preemption_signals, options=notices, grace_seconds=grace_seconds
-            )
+            self._build(durable, keep, cluster, writer, process_fallback)
+            self._preemption = Preemption.build(self.comm, notices)
             self._resume.before_create(self.comm)
             self._take_ownership(cluster.lease_stale_after_s)
             if isinstance(self.layout, Layout):  # "auto" was refused above for a URL root alone
@@ -173,37 +167,29 @@ class CheckpointManager:
             lease.release()
         for comm in self._comms:
             comm.destroy()
+        self._held.release()
 
     def _build(
-        self,
-        durable: Any,
-        retention: Retention,
-        cluster: ClusterOptions,
-        writer: WriterOptions,
-        async_save: bool,
-        process_fallback: bool | None,
-        keep_local_last: int,
+        self, durable: Any, keep: Keep, cluster: ClusterOptions, writer: WriterOptions, fallback: bool | None
     ) -> None:
         """The parts that need process groups (created here, in the same order on every rank)."""
-        if durable is not None:
-            check_keep_local_last(keep_local_last)
+        retention = keep.retention()
         timeout, writer_threads = cluster.collective_timeout_s, writer.threads
         self.comm = self._new_comm(timeout)
         self._agreement = self._schedule.attach(self.comm)
-        # With tiering, local copies are pruned by the uploader (keep_local_last); `retention` is durable's.
+        # With tiering, local copies are pruned by the uploader (Keep.local_last); `retention` is durable's.
         kept = Retention() if durable is not None else retention
         verdicts = Verdicts()  # what restore verified, for retention (the newest intact step survives)
         # Retention on rank 0, on its deleter thread or after each save's verdict (policy/retainer.py).
         self._retainer = Retainer(self.layout, kept, verdicts, background=cluster.background_deletes)
         self._saver = SyncSaver(self.layout, self.comm, self._retainer, writer_threads=writer_threads)
         self._restorer = Restorer(self.layout, self.comm, verdicts)
-        self._async = bool(async_save)
         self._if_busy = writer.if_busy
-        # process_fallback: None for no writer process; else whether one that cannot start may be replaced
-        # by the writer thread ("auto") instead of failing the save ("process").
+        # fallback: None for no writer process; else whether one that cannot start may be replaced by the
+        # writer thread ("auto") instead of failing the save ("process").
         self._process: WriterProcess | None = None
-        if self._async and process_fallback is not None:
-            self._process = WriterProcess(fallback=process_fallback)
+        if self._async and fallback is not None:
+            self._process = WriterProcess(fallback=fallback)
             self._process.start()  # it imports torch while training starts
         drop = self._process.drop_arena if self._process is not None else None
         self._stager = Stager(shared=self._process is not None, before_alloc=drop)
@@ -223,7 +209,7 @@ class CheckpointManager:
         # The uploader's collectives get their own group too (created here: same order on every rank).
         self._tiers = SingleTier(self.layout)
         if durable is not None and isinstance(self.layout, Layout):  # per-node ones on several nodes
-            args = (self.layout, durable, retention, keep_local_last, self._new_comm(timeout), verdicts)
+            args = (self.layout, durable, retention, keep.local_last, self._new_comm(timeout), verdicts)
             self._tiers = build_tiers(self.comm, [self._saver, self._bg_saver], *args)
 
     def _take_ownership(self, stale_after_s: float) -> None:
@@ -248,13 +234,29 @@ class CheckpointManager:
         return self._save(step, state, metrics)[0]
 
     def save(
-        self, step: int, state: TrainState, metrics: dict[str, Any] | None = None
+        self, step: int, state: TrainState, metrics: dict[str, Any] | None = None, *, overwrite: bool = False
     ) -> CheckpointInfo | None:
         """Save now (collective under torchrun). Raises SaveError if it failed; nothing is then committed.
 
         Returns the committed checkpoint; with ``async_save`` returns None once the state is staged (a
         failure in the background is raised by the next save/maybe_save/wait/close).
+
+        A ``step`` whose checkpoint the state already is (``maybe_save`` just saved it, or ``restore``
+        loaded it) is not written again: a warning says so (and that ``metrics`` given here are not
+        recorded), and the committed checkpoint is returned as it is, its metrics kept (None with
+        ``async_save``). ``overwrite=True`` replaces it, with these metrics.
         """
+        self._check_open()
+        check_step(step)
+        if step == self._schedule.last_step and not overwrite:
+            try:  # a background save of this step that failed was not committed: it is raised here
+                self._writer.raise_failure()
+            except BaseException:
+                self._schedule.at(None)  # so that saving this step again writes it
+                raise
+            self._schedule.say_committed(step, bool(metrics), self.comm.is_coordinator)
+            current = self._current
+            return current if current is not None and current.step == step else None
         return self._save(step, state, metrics)[1]
 
     def _save(
@@ -292,7 +294,7 @@ class CheckpointManager:
             timings = {"capture_s": time.perf_counter() - t0}
             extra = {"emergency": emergency} if emergency is not None else None
             info = self._saver.write(step, sd, state.sections(), metrics, timings, extra)
-        self._tiers.committed(info, upload=upload)  # queued for upload (tiering)
+        self._current = self._tiers.committed(info, upload=upload)  # queued for upload (tiering)
         self._schedule.saved(step, time.perf_counter() - t0, info.bytes)
         return info
 
@@ -340,6 +342,7 @@ class CheckpointManager:
         if manifest is None:
             return 0
         self._schedule.at(manifest.step)
+        self._current = self.layout.info(manifest.step, manifest)
         log.info("safepoint: restored step %d from %s", manifest.step, self.layout.step_path(manifest.step))
         return manifest.step
 

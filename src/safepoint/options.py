@@ -1,7 +1,7 @@
 """The manager's option objects, and the checks of its arguments that no part it builds makes.
 
-``CheckpointManager`` keeps the common knobs flat (when to save, what to keep, async, tiers, preemption
-signals and grace); the rest are grouped here, one small frozen dataclass per concern, each field
+``CheckpointManager`` keeps the common knobs flat (when to save, async, tiers, resume); the rest are grouped
+one small frozen dataclass per concern (``keep=`` in policy/keep.py, the others here), each field
 documented and validated in ``__post_init__``. Every argument is validated before the first process group
 exists (dist.new_group): a bad one must not leak a gloo group (and its threads) per attempt.
 """
@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Mapping
+import signal
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from safepoint.store.heartbeat import MIN_STALE_AFTER_S, check_lease_timing, heartbeat_for
@@ -61,11 +62,37 @@ class WriterOptions:
             raise ValueError("async_writer='process' needs Linux (memfd_create); use async_writer='thread'")
 
 
+def _notice_signals(signals: object) -> tuple[signal.Signals, ...]:
+    if isinstance(signals, (int, str)) or not isinstance(signals, Iterable):
+        raise ValueError(f"PreemptionOptions.signals must be a list of signals, got {signals!r}")
+    found: list[signal.Signals] = []
+    for s in signals:
+        try:
+            if isinstance(s, bool) or not isinstance(s, int):
+                raise ValueError
+            found.append(signal.Signals(s))
+        except ValueError:
+            raise ValueError(f"PreemptionOptions.signals: {s!r} is not a signal") from None
+    if signal.SIGKILL in found or signal.SIGSTOP in found:
+        raise ValueError(
+            "PreemptionOptions.signals: SIGKILL and SIGSTOP cannot be caught, so cannot be notices"
+        )
+    return tuple(dict.fromkeys(found))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class PreemptionOptions:
-    """Notice sources beyond ``preemption_signals``, and the exit that follows an emergency save:
-    ``CheckpointManager(preemption=safepoint.PreemptionOptions(...))``. See docs/preemption.md."""
+    """Preemption: where notices come from, the grace they give, and the exit after the emergency save:
+    ``CheckpointManager(preemption=safepoint.PreemptionOptions(signals=[signal.SIGTERM], grace_seconds=30))``.
+    On a notice, the next ``maybe_save`` saves the current step and raises ``safepoint.Preempted``. No
+    source configured (the default): no handlers, no thread. See docs/preemption.md."""
 
+    signals: Iterable[int | signal.Signals] = ()
+    """Notice signals (e.g. ``[signal.SIGTERM]``, Slurm's ``--signal=B:USR1@90``); handlers are installed
+    from the main thread only, and the previous handler is still called."""
+    grace_seconds: float | None = None
+    """Time from a notice to SIGKILL: an emergency save expected not to fit is skipped and logged (with
+    tiering, one whose upload alone does not fit is committed locally only). None: no deadline."""
     file: str | os.PathLike[str] | None = None
     """A sentinel file: its appearance is a notice (checked by a background thread)."""
     poll: Callable[[], object] | None = None
@@ -75,11 +102,15 @@ class PreemptionOptions:
     exit_code: int = DEFAULT_EXIT_CODE
     """The exit status ``safepoint.Preempted`` carries after the emergency save (default 143)."""
     shield_workers: bool = True
-    """DataLoader worker processes forked while the manager is open survive ``preemption_signals`` sent to
+    """DataLoader worker processes forked while the manager is open survive the notice ``signals`` sent to
     the whole process group (torchrun's agent, Slurm) so the emergency save can run; they still exit when
     the rank shuts the loader down or dies. False: workers die of the signal as PyTorch makes them."""
 
     def __post_init__(self) -> None:
+        # A tuple of signal.Signals whatever was given (a list, ints): the object stays frozen and hashable.
+        object.__setattr__(self, "signals", _notice_signals(self.signals))
+        if self.grace_seconds is not None:
+            _positive_number("PreemptionOptions.grace_seconds", self.grace_seconds)
         _positive_number("PreemptionOptions.poll_interval_s", self.poll_interval_s)
         if not isinstance(self.shield_workers, bool):
             raise ValueError(f"PreemptionOptions.shield_workers must be a bool, got {self.shield_workers!r}")
@@ -163,6 +194,14 @@ class ClusterOptions:
 
 
 MOVED_KEYWORDS: Mapping[str, str] = {
+    "keep_last": "keep=safepoint.Keep(last=...)",
+    "keep_every_steps": "keep=safepoint.Keep(every_steps=...)",
+    "keep_best": "keep=safepoint.Keep(best=safepoint.KeepBest(n, metric=..., mode=...))",
+    "best_metric": "keep=safepoint.Keep(best=safepoint.KeepBest(n, metric=..., mode=...))",
+    "best_mode": "keep=safepoint.Keep(best=safepoint.KeepBest(n, metric=..., mode=...))",
+    "keep_local_last": "keep=safepoint.Keep(local_last=...)",
+    "preemption_signals": "preemption=safepoint.PreemptionOptions(signals=[...])",
+    "grace_seconds": "preemption=safepoint.PreemptionOptions(grace_seconds=...)",
     "async_writer": "writer=safepoint.WriterOptions(async_writer=...)",
     "if_busy": "writer=safepoint.WriterOptions(if_busy=...)",
     "writer_threads": "writer=safepoint.WriterOptions(threads=...)",
@@ -173,8 +212,8 @@ MOVED_KEYWORDS: Mapping[str, str] = {
     "collective_timeout_s": "cluster=safepoint.ClusterOptions(collective_timeout_s=...)",
     "lease_stale_after_s": "cluster=safepoint.ClusterOptions(lease_stale_after_s=...)",
     "mtbf_seconds": "save_every_seconds=safepoint.AdaptiveInterval(mtbf_s=...)",
-    "upload_retries": "transfer=safepoint.TransferConfig(attempts=retries + 1)",
-    "upload_concurrency": "transfer=safepoint.TransferConfig(concurrency=...)",
+    "upload_retries": "transfer=safepoint.TransferOptions(attempts=retries + 1)",
+    "upload_concurrency": "transfer=safepoint.TransferOptions(concurrency=...)",
 }
 """Keywords of CheckpointManager that moved into an option object, and their new home."""
 

@@ -144,10 +144,10 @@ def train_job(job: dict[str, Any], out: Path, log: Log) -> None:
         job["root"],
         save_every_steps=job.get("save_every"),
         save_every_seconds=job.get("save_every_s"),
-        keep_last=job.get("keep_last"),
         cluster=safepoint.ClusterOptions(collective_timeout_s=job.get("timeout_s", 30.0)),
         async_save=job.get("async_writer") is not None,
         writer=safepoint.WriterOptions(async_writer=job.get("async_writer", "thread")),
+        keep=safepoint.Keep(last=job.get("keep_last")),
     )
     if job.get("async_writer") == "process" and mgr._process is not None:
         mgr._process.wait_ready()  # every save by the process (those before ready go to the thread)

@@ -44,11 +44,8 @@ def main() -> None:
     results: dict[str, tuple[float, int]] = {}
     for name, kw in [
         ("no notice source", {}),
-        ("signals", {"preemption_signals": (signal.SIGTERM, signal.SIGUSR1)}),
-        (
-            "signals + file",
-            {"preemption_signals": (signal.SIGTERM,), "preemption": safepoint.PreemptionOptions(file=flag)},
-        ),
+        ("signals", {"preemption": safepoint.PreemptionOptions(signals=(signal.SIGTERM, signal.SIGUSR1))}),
+        ("signals + file", {"preemption": safepoint.PreemptionOptions(signals=(signal.SIGTERM,), file=flag)}),
     ]:
         with safepoint.CheckpointManager(f"{root}/{len(results)}", **kw) as mgr:  # type: ignore[arg-type]
             # A tight loop: the agreement measures microsecond steps and checks rarely, so this is the

@@ -59,11 +59,10 @@ def train_job(job: dict[str, Any], out: Path, log: Log) -> None:
     else:
         loader = DataLoader(data, **common)
         state = safepoint.TrainState(model=model, optimizer=opt, dataloader=sampler)
-    signals = (signal.SIGTERM,) if job.get("preempt") else None
-    preemption = safepoint.PreemptionOptions(shield_workers=job.get("shield", True))
+    signals = (signal.SIGTERM,) if job.get("preempt") else ()
+    preemption = safepoint.PreemptionOptions(signals=signals, shield_workers=job.get("shield", True))
     with safepoint.CheckpointManager(
         job["root"],
-        preemption_signals=signals,
         preemption=preemption,
         cluster=safepoint.ClusterOptions(collective_timeout_s=30),
     ) as mgr:

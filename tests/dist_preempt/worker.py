@@ -7,7 +7,7 @@ in an earlier attempt (``DIR/<name>.done``) skipped, so a torchrun restart resum
 
     name, root, steps        the run: DDP model with dropout, data drawn from every RNG
     save_every               periodic saves every N steps (null: none; only the emergency save)
-    preempt                  install SIGTERM/SIGUSR1 handlers (preemption_signals)
+    preempt                  install SIGTERM/SIGUSR1 handlers (PreemptionOptions.signals)
     ready_after              after this many steps past the restored one, wait for the saves so far
                              (uploads included), write DIR/<name>.ready.rank<R> (this rank's pid) and go
                              on training slowly (step_sleep_s) until signalled
@@ -19,7 +19,7 @@ in an earlier attempt (``DIR/<name>.done``) skipped, so a torchrun restart resum
     save_at                  explicit saves (mgr.save) after these steps, besides any periodic ones
     local_root,              tiering: ``root`` is the durable URL, these the fast tier and s3fs options;
       storage_options        safepoint's warnings go to DIR/<name>.rank<R>.log
-    grace_seconds            the manager's grace_seconds
+    grace_seconds            PreemptionOptions.grace_seconds
     dump_restored            rank 0 writes its state right after the restore to DIR/<name>.restored.pt
 
 Signals come from the test, for real. Everything the test checks is written under DIR: JSON lines per rank
@@ -88,7 +88,7 @@ def train_job(job: dict[str, Any], out: Path, log: Log) -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
     seed_all(1000 + rank)  # every rank its own dropout and data stream
     state = safepoint.TrainState(model=model, optimizer=opt, scheduler=sched, extra={"seen": 0})
-    signals = (signal.SIGTERM, signal.SIGUSR1) if job.get("preempt") else None
+    signals = (signal.SIGTERM, signal.SIGUSR1) if job.get("preempt") else ()
     tiering: dict[str, Any] = {}
     if "local_root" in job:
         tiering = {"local_root": job["local_root"], "storage_options": job["storage_options"]}
@@ -96,10 +96,9 @@ def train_job(job: dict[str, Any], out: Path, log: Log) -> None:
     with safepoint.CheckpointManager(
         job["root"],
         save_every_steps=job.get("save_every"),
-        preemption_signals=signals,
-        grace_seconds=job.get("grace_seconds"),
         cluster=safepoint.ClusterOptions(collective_timeout_s=30),
         **tiering,
+        preemption=safepoint.PreemptionOptions(signals=signals, grace_seconds=job.get("grace_seconds")),
     ) as mgr:
         step = mgr.restore(state)
         log(name, "restored", step=step, committed=[c.step for c in mgr.list()])

@@ -413,6 +413,6 @@ def tiered_manager(tmp_path: Path, proxy: FaultProxy, bucket: str, **kw: Any) ->
         local_root=tmp_path / "local",
         storage_options=storage_options(proxy.endpoint),
         save_every_steps=5,
-        keep_local_last=5,
         **kw,
+        keep=safepoint.Keep(local_last=5),
     )

@@ -129,7 +129,7 @@ def test_restarts_are_recorded_and_teach_the_mtbf(root: Path, caplog: pytest.Log
     with pytest.raises(RuntimeError), mgr:
         raise RuntimeError("loss is NaN")
     with safepoint.CheckpointManager(
-        root, save_every_seconds="auto", preemption_signals=(signal.SIGTERM,)
+        root, save_every_seconds="auto", preemption=safepoint.PreemptionOptions(signals=(signal.SIGTERM,))
     ) as m:
         os.kill(os.getpid(), signal.SIGTERM)
         s.step()

@@ -57,7 +57,7 @@ def test_deletes_run_on_the_deleter_thread_by_default_and_inline_on_request(
     kw: dict[str, Any] = {}
     if background is not None:
         kw["cluster"] = safepoint.ClusterOptions(background_deletes=background)
-    with safepoint.CheckpointManager(root, keep_last=1, **kw) as mgr:
+    with safepoint.CheckpointManager(root, keep=safepoint.Keep(last=1), **kw) as mgr:
         mgr.save(1, _state(1))
         mgr.save(2, _state(2))
         if background is False:  # inline: done when save() returns
@@ -89,7 +89,7 @@ def test_save_returns_and_the_next_commits_while_a_delete_is_stuck_and_close_dra
     events: list[str] = []
     held = _HeldDelete(layout_module.remove_tree, events)
     monkeypatch.setattr(layout_module, "remove_tree", held)
-    mgr = safepoint.CheckpointManager(root, keep_last=1)  # the default: deletes in the background
+    mgr = safepoint.CheckpointManager(root, keep=safepoint.Keep(last=1))  # deletes in the background
     mgr.save(1, _state(1))
     mgr.save(2, _state(2))  # queues the deletion of step 1, which gets stuck
     assert held.started.wait(120)
@@ -123,7 +123,7 @@ def test_a_step_saved_again_while_a_pass_is_deleting_is_not_deleted(
     with safepoint.CheckpointManager(root, cluster=BACKGROUND) as mgr:  # no policy: both kept
         mgr.save(1, _state(1))
         mgr.save(2, _state(2))
-    mgr = safepoint.CheckpointManager(root, keep_last=1, cluster=BACKGROUND)
+    mgr = safepoint.CheckpointManager(root, cluster=BACKGROUND, keep=safepoint.Keep(last=1))
     assert isinstance(mgr.layout, Layout)
     real_fence, go, stuck = mgr.layout.fence, threading.Event(), threading.Event()
 
@@ -158,7 +158,7 @@ def _take_over(lease_path: Path) -> None:
 def test_the_deleter_thread_deletes_nothing_after_the_lease_is_lost(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    mgr = safepoint.CheckpointManager(root, keep_last=1, cluster=BACKGROUND)
+    mgr = safepoint.CheckpointManager(root, cluster=BACKGROUND, keep=safepoint.Keep(last=1))
     assert isinstance(mgr.layout, Layout)
     real_fence, go, stuck = mgr.layout.fence, threading.Event(), threading.Event()
 
@@ -202,7 +202,9 @@ def test_a_preemption_notice_stops_the_deleter_and_the_emergency_save_does_not_w
     events: list[str] = []
     held = _HeldDelete(layout_module.remove_tree, events)
     monkeypatch.setattr(layout_module, "remove_tree", held)
-    mgr = safepoint.CheckpointManager(root, keep_last=1, preemption_signals=(signal.SIGTERM,))
+    mgr = safepoint.CheckpointManager(
+        root, preemption=safepoint.PreemptionOptions(signals=(signal.SIGTERM,)), keep=safepoint.Keep(last=1)
+    )
     mgr.save(1, _state(1))
     mgr.save(2, _state(2))
     assert held.started.wait(120)
@@ -219,7 +221,7 @@ def test_a_preemption_notice_stops_the_deleter_and_the_emergency_save_does_not_w
     assert events == ["deleted step-1"]  # nothing after the notice
     assert Layout(root).committed_steps() == [2, 3, 4] and not list((root / ".pending").iterdir())
     monkeypatch.setattr(layout_module, "remove_tree", held.real)
-    with safepoint.CheckpointManager(root, keep_last=1) as mgr:
+    with safepoint.CheckpointManager(root, keep=safepoint.Keep(last=1)) as mgr:
         assert mgr.restore(_state(-1)) == 4
         mgr.save(5, _state(5))
     assert Layout(root).committed_steps() == [4, 5]  # 2 and 3 deleted; 4 is the newest verified
@@ -237,7 +239,7 @@ def stuck(path):
 L.remove_tree = stuck
 def state(n):
     return safepoint.TrainState(rng=False, extra={"t": torch.full((64,), float(n))})
-mgr = safepoint.CheckpointManager(sys.argv[1], keep_last=1, cluster=safepoint.ClusterOptions(background_deletes=True))
+mgr = safepoint.CheckpointManager(sys.argv[1], keep=safepoint.Keep(last=1), cluster=safepoint.ClusterOptions(background_deletes=True))
 mgr.save(1, state(1))
 mgr.save(2, state(2))
 mgr.save(3, state(3))
@@ -278,7 +280,7 @@ def test_kill_9_mid_background_delete_leaves_a_root_the_next_manager_cleans_and_
     assert Layout(root).committed_steps() == [2, 3]
     (leftover,) = (root / ".pending").iterdir()
     assert leftover.name.startswith("deleting-step-1-")
-    with safepoint.CheckpointManager(root, keep_last=1, cluster=BACKGROUND) as mgr:
+    with safepoint.CheckpointManager(root, cluster=BACKGROUND, keep=safepoint.Keep(last=1)) as mgr:
         assert not list((root / ".pending").iterdir())  # the new owner cleaned it up
         state = _state(-1)
         assert mgr.restore(state) == 3
@@ -289,17 +291,20 @@ def test_kill_9_mid_background_delete_leaves_a_root_the_next_manager_cleans_and_
 
 _EXIT_CHILD = """
 import atexit, sys, safepoint, torch, safepoint.store.posix_layout as L
+def say(line):  # one write per line: print() writes the text and the newline apart, and two threads
+    sys.stdout.write(line + "\\n")  # (the deleter's, the exiting main one) interleaved as "exitingdeleting"
+    sys.stdout.flush()
 real = L.remove_tree
 def held(path):
-    print("deleting", flush=True)
+    say("deleting")
     sys.stdin.readline()  # held until the parent has seen the interpreter start exiting
     real(path)
-    print("deleted", flush=True)
+    say("deleted")
 L.remove_tree = held
 def state(n):
     return safepoint.TrainState(rng=False, extra={"t": torch.full((64,), float(n))})
-mgr = safepoint.CheckpointManager(sys.argv[1], keep_last=1)
-atexit.register(print, "exiting", flush=True)  # registered after the manager's: runs before it
+mgr = safepoint.CheckpointManager(sys.argv[1], keep=safepoint.Keep(last=1))
+atexit.register(say, "exiting")  # registered after the manager's: runs before it
 mgr.save(1, state(1))
 mgr.save(2, state(2))
 """

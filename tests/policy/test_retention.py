@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import safepoint
 from safepoint.cli.main import main
-from safepoint.policy.rules import Retention, build_retention
+from safepoint.policy.rules import Retention
 from safepoint.restore.restorer import CheckpointWarning
 from safepoint.store.posix_layout import CheckpointInfo, Layout
 from tests.helpers.train import Setup
@@ -31,20 +32,20 @@ def _hist(steps: list[int], losses: dict[int, float] | None = None) -> list[Chec
 
 
 def test_keep_last() -> None:
-    r = build_retention(2, None, None, None, "min")
+    r = safepoint.Keep(last=2).retention()
     assert r.to_delete(_hist([1, 2, 3, 4])) == [1, 2]
 
 
 def test_keep_every_milestones_union_with_last() -> None:
-    r = build_retention(1, 10, None, None, "min")
+    r = safepoint.Keep(last=1, every_steps=10).retention()
     assert r.to_delete(_hist([5, 10, 15, 20, 25])) == [5, 15]
 
 
 def test_keep_best_never_evicts_newest() -> None:
     # Orbax's best_fn + max_to_keep evicted the newest checkpoint; ours must never.
-    r = build_retention(None, None, 1, "loss", "min")
+    r = safepoint.Keep(best=safepoint.KeepBest(1, metric="loss")).retention()
     assert r.to_delete(_hist([1, 2, 3], {1: 0.1, 2: 0.5, 3: 0.9})) == [2]
-    r = build_retention(None, None, 2, "acc", "max")
+    r = safepoint.Keep(best=safepoint.KeepBest(2, metric="acc", mode="max")).retention()
     hist = _hist([1, 2, 3, 4])
     hist = [
         CheckpointInfo(c.step, c.path, c.time, 1, {"acc": a})
@@ -54,7 +55,7 @@ def test_keep_best_never_evicts_newest() -> None:
 
 
 def test_keep_best_ignores_checkpoints_without_metric() -> None:
-    r = build_retention(None, None, 1, "loss", "min")
+    r = safepoint.Keep(best=safepoint.KeepBest(1, metric="loss")).retention()
     assert r.to_delete(_hist([1, 2, 3], {2: 0.3})) == [1]
 
 
@@ -65,20 +66,40 @@ def test_no_policy_keeps_everything() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "msg"),
     [
-        ({"keep_last": 0}, "keep_last must be a positive"),
-        ({"keep_every_steps": -5}, "keep_every_steps"),
-        ({"keep_best": 2}, "keep_best needs best_metric"),
-        ({"best_metric": "loss"}, "keep_best is not"),
-        ({"keep_best": 1, "best_metric": "loss", "best_mode": "lowest"}, "best_mode must be"),
-        ({"save_every_steps": 0}, "save_every_steps"),
-        ({"save_every_seconds": -1.0}, "save_every_seconds"),
-        ({"keep_last": True}, "keep_last"),
+        (lambda: {"keep": safepoint.Keep(last=0)}, "Keep.last must be a positive int"),
+        (lambda: {"keep": safepoint.Keep(every_steps=-5)}, "Keep.every_steps"),
+        (lambda: {"keep": safepoint.Keep(last=True)}, "Keep.last"),  # type: ignore[arg-type]
+        (lambda: {"keep": safepoint.Keep(local_last=0)}, "Keep.local_last"),
+        (lambda: {"keep": safepoint.Keep(best=2)}, "Keep.best takes a safepoint.KeepBest"),  # type: ignore[arg-type]
+        (lambda: {"keep": safepoint.Keep(best=safepoint.KeepBest(1, metric=""))}, "KeepBest.metric"),
+        (lambda: {"keep": safepoint.Keep(best=safepoint.KeepBest(0, metric="loss"))}, "KeepBest.n"),
+        (
+            lambda: {"keep": safepoint.Keep(best=safepoint.KeepBest(1, metric="loss", mode="lowest"))},
+            "KeepBest.mode must be",
+        ),
+        (lambda: {"save_every_steps": 0}, "save_every_steps"),
+        (lambda: {"save_every_seconds": -1.0}, "save_every_seconds"),
     ],
 )
-def test_bad_arguments_name_the_argument(root: Path, kwargs: dict[str, object], msg: str) -> None:
+def test_bad_arguments_name_the_argument(root: Path, kwargs: Any, msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
-        safepoint.CheckpointManager(root, **kwargs)  # type: ignore[arg-type]
+        safepoint.CheckpointManager(root, **kwargs())
     assert not root.exists() or not (root / ".lease").exists()
+
+
+def test_keep_takes_a_keep_object(root: Path) -> None:
+    with pytest.raises(TypeError, match="keep= takes a safepoint.Keep, got KeepLast"):
+        safepoint.CheckpointManager(root, keep=safepoint.KeepLast(3))  # type: ignore[arg-type]
+    assert not root.exists()
+
+
+def test_keep_composes_the_policy_objects() -> None:
+    best = safepoint.KeepBest(1, metric="loss")
+    keep = safepoint.Keep(last=2, every_steps=10, best=best)
+    assert keep.policies == (safepoint.KeepLast(2), safepoint.KeepEvery(10), best)
+    assert safepoint.Keep().retention() == Retention()  # no rule: keep everything
+    losses = {5: 0.1, 10: 0.5, 15: 0.9, 20: 0.8, 25: 0.7}
+    assert keep.retention().to_delete(_hist([5, 10, 15, 20, 25], losses)) == [15]
 
 
 @pytest.mark.parametrize("background", [True, False], ids=["background", "inline"])
@@ -86,7 +107,9 @@ def test_manager_applies_retention_after_commit(root: Path, background: bool) ->
     s = Setup()
     cluster = safepoint.ClusterOptions(background_deletes=background)
     with safepoint.CheckpointManager(
-        root, keep_last=2, keep_every_steps=4, keep_best=1, best_metric="loss", cluster=cluster
+        root,
+        cluster=cluster,
+        keep=safepoint.Keep(last=2, every_steps=4, best=safepoint.KeepBest(1, metric="loss")),
     ) as mgr:
         losses = {1: 0.5, 2: 0.1, 3: 0.7, 4: 0.6, 5: 0.9, 6: 0.8, 7: 0.95}
         for step, loss in losses.items():
@@ -126,13 +149,13 @@ def test_retention_keeps_the_newest_verified_and_the_one_just_saved(root: Path) 
     _saved(root, [10, 20])
     _rot(root, 20)
     state = safepoint.TrainState(rng=False, extra={"t": torch.zeros(256)})
-    with safepoint.CheckpointManager(root, keep_last=1) as mgr:
+    with safepoint.CheckpointManager(root, keep=safepoint.Keep(last=1)) as mgr:
         with pytest.warns(CheckpointWarning, match="step 20"):
             assert mgr.restore(state) == 10
         mgr.save(15, state)
     steps = Layout(root).committed_steps()
     assert 10 in steps and 15 in steps  # was: [20] (the corrupt one), the next restart from 0
-    with safepoint.CheckpointManager(root, keep_last=1) as mgr:
+    with safepoint.CheckpointManager(root, keep=safepoint.Keep(last=1)) as mgr:
         with pytest.warns(CheckpointWarning, match="step 20"):
             assert mgr.restore(state) == 15
 

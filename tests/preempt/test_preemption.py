@@ -79,8 +79,7 @@ def test_sigterm_saves_the_current_step_and_raises_preempted(root: Path) -> None
     mgr = safepoint.CheckpointManager(
         root,
         save_every_steps=100,
-        preemption_signals=(signal.SIGTERM,),
-        preemption=safepoint.PreemptionOptions(exit_code=77),
+        preemption=safepoint.PreemptionOptions(signals=(signal.SIGTERM,), exit_code=77),
     )
     e = train_until_preempted(mgr, s, at=7)
     assert isinstance(e, SystemExit) and e.code == 77
@@ -114,7 +113,9 @@ def test_previous_handler_is_chained_and_restored_on_close(root: Path) -> None:
         calls.append(signum)
 
     signal.signal(signal.SIGTERM, previous)
-    mgr = safepoint.CheckpointManager(root, preemption_signals=(signal.SIGTERM, signal.SIGUSR1))
+    mgr = safepoint.CheckpointManager(
+        root, preemption=safepoint.PreemptionOptions(signals=(signal.SIGTERM, signal.SIGUSR1))
+    )
     assert signal.getsignal(signal.SIGTERM) is not previous
     e = train_until_preempted(mgr, Setup(), at=3)
     assert calls == [signal.SIGTERM]  # the flag was set and the previous handler still ran
@@ -129,16 +130,22 @@ def test_signal_handlers_need_the_main_thread(root: Path) -> None:
 
     def make() -> None:
         try:
-            safepoint.CheckpointManager(root, preemption_signals=(signal.SIGTERM,))
+            safepoint.CheckpointManager(
+                root, preemption=safepoint.PreemptionOptions(signals=(signal.SIGTERM,))
+            )
         except ValueError as e:
             errors.append(e)
 
     t = threading.Thread(target=make)
     t.start()
     t.join()
-    assert len(errors) == 1 and "main thread" in str(errors[0]) and "preemption_file" in str(errors[0])
+    assert (
+        len(errors) == 1
+        and "main thread" in str(errors[0])
+        and "PreemptionOptions(file=...)" in str(errors[0])
+    )
     # Nothing was left behind: the root is not leased, a manager in the main thread opens it.
-    with safepoint.CheckpointManager(root, preemption_signals=(signal.SIGTERM,)):
+    with safepoint.CheckpointManager(root, preemption=safepoint.PreemptionOptions(signals=(signal.SIGTERM,))):
         pass
 
 
@@ -189,7 +196,9 @@ def test_grace_too_short_skips_the_save_and_logs_the_fallback(
 ) -> None:
     s = Setup()
     mgr = safepoint.CheckpointManager(
-        root, save_every_steps=5, preemption_signals=(signal.SIGTERM,), grace_seconds=0.001
+        root,
+        save_every_steps=5,
+        preemption=safepoint.PreemptionOptions(signals=(signal.SIGTERM,), grace_seconds=0.001),
     )
     with caplog.at_level(logging.INFO, logger="safepoint"):
         e = train_until_preempted(mgr, s, at=7)
@@ -206,14 +215,18 @@ def test_grace_too_short_skips_the_save_and_logs_the_fallback(
     )
     assert "skipped tier(s): root" in skipped[0].message
     # With enough grace the same situation saves.
-    mgr2 = safepoint.CheckpointManager(root, preemption_signals=(signal.SIGTERM,), grace_seconds=60)
+    mgr2 = safepoint.CheckpointManager(
+        root, preemption=safepoint.PreemptionOptions(signals=(signal.SIGTERM,), grace_seconds=60)
+    )
     e2 = train_until_preempted(mgr2, s, start=5, at=7)
     mgr2.close()
     assert e2.saved_step == 7 and committed(root) == [5, 7]
 
 
 def test_no_measured_history_still_saves(root: Path) -> None:
-    mgr = safepoint.CheckpointManager(root, preemption_signals=(signal.SIGTERM,), grace_seconds=0.001)
+    mgr = safepoint.CheckpointManager(
+        root, preemption=safepoint.PreemptionOptions(signals=(signal.SIGTERM,), grace_seconds=0.001)
+    )
     e = train_until_preempted(mgr, Setup(), at=2)
     mgr.close()
     # Nothing says the save will not fit: refusing would lose the work for sure.
@@ -223,7 +236,10 @@ def test_no_measured_history_still_saves(root: Path) -> None:
 def test_async_save_in_flight_is_finished_before_the_emergency_save(root: Path) -> None:
     s = Setup()
     mgr = safepoint.CheckpointManager(
-        root, save_every_steps=5, async_save=True, preemption_signals=(signal.SIGTERM,)
+        root,
+        save_every_steps=5,
+        async_save=True,
+        preemption=safepoint.PreemptionOptions(signals=(signal.SIGTERM,)),
     )
     e = train_until_preempted(mgr, s, at=6)
     # Before close(): the save of step 5 had committed before step 6 was written, synchronously.
@@ -237,7 +253,9 @@ def test_async_save_in_flight_is_finished_before_the_emergency_save(root: Path) 
 
 def test_already_committed_step_is_not_saved_again(root: Path) -> None:
     s = Setup()
-    mgr = safepoint.CheckpointManager(root, save_every_steps=5, preemption_signals=(signal.SIGTERM,))
+    mgr = safepoint.CheckpointManager(
+        root, save_every_steps=5, preemption=safepoint.PreemptionOptions(signals=(signal.SIGTERM,))
+    )
     for step in range(1, 6):
         s.step()
         mgr.maybe_save(step, s.state())

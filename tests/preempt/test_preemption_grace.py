@@ -33,8 +33,11 @@ from tests.helpers.s3 import FaultProxy, storage_options, tiered_manager
 from tests.helpers.train import Setup, train_until_preempted
 
 
-def _s3_manager(tmp_path: Path, proxy: FaultProxy, bucket: str, **kw: Any) -> safepoint.CheckpointManager:
-    return tiered_manager(tmp_path, proxy, bucket, preemption_signals=(signal.SIGTERM,), **kw)
+def _s3_manager(
+    tmp_path: Path, proxy: FaultProxy, bucket: str, grace_seconds: float | None = None, **kw: Any
+) -> safepoint.CheckpointManager:
+    notices = safepoint.PreemptionOptions(signals=(signal.SIGTERM,), grace_seconds=grace_seconds)
+    return tiered_manager(tmp_path, proxy, bucket, preemption=notices, **kw)
 
 
 def _durable(proxy: FaultProxy, bucket: str) -> list[int]:
@@ -88,8 +91,7 @@ def test_close_after_the_grace_does_not_abandon_an_idle_uploader(
         tmp_path / "durable",  # a file:// durable tier
         local_root=tmp_path / "local",
         save_every_steps=5,
-        preemption_signals=(signal.SIGTERM,),
-        grace_seconds=0.3,
+        preemption=safepoint.PreemptionOptions(signals=(signal.SIGTERM,), grace_seconds=0.3),
     )
     assert train_until_preempted(mgr, s, range(1, 6)) is None
     mgr.wait()  # step 5 is durable; the uploader thread idles
@@ -298,10 +300,10 @@ cases = {
     # (a callable: the option object itself refuses the value, inside the try below)
     "collective_timeout": lambda: dict(root=tmp + "/a", save_every_seconds="auto", cluster=safepoint.ClusterOptions(collective_timeout_s=-5)),
     "auto_needs_local_root": dict(root="memory://run", save_every_seconds="auto"),
-    "grace_seconds": dict(root=tmp + "/a", preemption=safepoint.PreemptionOptions(file=tmp + "/p"), grace_seconds=-1),
-    "exit_code": dict(root=tmp + "/a", preemption_signals=(signal.SIGUSR1,), grace_seconds=-0.0),
-    "keep_local_last": dict(local, keep_local_last=0, async_save=True),
-    "signal": dict(root=tmp + "/a", preemption_signals=(signal.SIGKILL,), async_save=True),
+    "grace_seconds": lambda: dict(root=tmp + "/a", preemption=safepoint.PreemptionOptions(file=tmp + "/p", grace_seconds=-1)),
+    "exit_code": lambda: dict(root=tmp + "/a", preemption=safepoint.PreemptionOptions(signals=(signal.SIGUSR1,), grace_seconds=-0.0)),
+    "keep_local_last": lambda: dict(local, keep=safepoint.Keep(local_last=0), async_save=True),
+    "signal": lambda: dict(root=tmp + "/a", preemption=safepoint.PreemptionOptions(signals=(signal.SIGKILL,)), async_save=True),
     "resume": dict(root=tmp + "/a", resume="sometimes", async_save=True),
 }
 out = {}
@@ -347,10 +349,7 @@ def test_a_failed_fastest_tier_save_is_not_logged_as_written(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     preemption = Preemption.build(
-        Comm(),
-        signals=None,
-        options=safepoint.PreemptionOptions(file=tmp_path / "preempt"),
-        grace_seconds=10.0,
+        Comm(), safepoint.PreemptionOptions(file=tmp_path / "preempt", grace_seconds=10.0)
     )
     assert preemption is not None
     estimates = (TierEstimate("local", 0.1), TierEstimate("durable", 20.0))

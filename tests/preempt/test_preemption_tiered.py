@@ -38,6 +38,10 @@ SLOW_UPLOAD_S = 1.5  # so one upload is expected to take >= 1.25 x 1.5 = 1.9 s
 DIST_WORKER = REPO / "tests" / "dist_preempt" / "worker.py"
 
 
+def _notices(grace_seconds: float) -> safepoint.PreemptionOptions:
+    return safepoint.PreemptionOptions(signals=(signal.SIGTERM,), grace_seconds=grace_seconds)
+
+
 def _hold_upload_of(proxy: FaultProxy, step: int) -> None:
     proxy.hold(method="PUT", path=rf"/run/step-{step}/__0_0\.distcp", count=1)
 
@@ -58,7 +62,7 @@ def _preempted_at_7(
 ) -> tuple[safepoint.CheckpointManager, Any]:
     """A save at step 5 with a slow upload, then SIGTERM at step 7: the manager and its Preempted."""
     s = Setup()
-    mgr = tiered_manager(tmp_path, proxy, bucket, preemption_signals=(signal.SIGTERM,), grace_seconds=grace)
+    mgr = tiered_manager(tmp_path, proxy, bucket, preemption=_notices(grace))
     _train_with_a_slow_upload(mgr, s, proxy)
     return mgr, train_until_preempted(mgr, s, range(6, 100), term_at=7)
 
@@ -122,7 +126,7 @@ def test_grace_too_short_for_anything_skips_and_starts_nothing(
     tmp_path: Path, proxy: FaultProxy, bucket: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     s, local = Setup(), tmp_path / "local"
-    mgr = tiered_manager(tmp_path, proxy, bucket, preemption_signals=(signal.SIGTERM,), grace_seconds=0.001)
+    mgr = tiered_manager(tmp_path, proxy, bucket, preemption=_notices(0.001))
     assert train_until_preempted(mgr, s, range(1, 6)) is None
     mgr.wait()
     with caplog.at_level(logging.INFO, logger="safepoint"):
@@ -149,7 +153,7 @@ def test_upload_history_survives_restarts_and_the_backlog_counts_and_waits(
     # emergency upload would queue behind both, so >= 5.6 s: more than the 3 s grace, though one upload
     # alone would fit.
     _hold_upload_of(proxy, 10)
-    mgr = tiered_manager(tmp_path, proxy, bucket, preemption_signals=(signal.SIGTERM,), grace_seconds=3.0)
+    mgr = tiered_manager(tmp_path, proxy, bucket, preemption=_notices(3.0))
     assert mgr.restore(s.state()) == 5
     caplog.set_level(logging.INFO, logger="safepoint")
     assert train_until_preempted(mgr, s, range(6, 16)) is None
@@ -198,7 +202,7 @@ def test_close_after_a_notice_waits_for_uploads_only_until_the_grace_ends(
 ) -> None:
     caplog.set_level(logging.INFO, logger="safepoint")
     s = Setup()
-    mgr = tiered_manager(tmp_path, proxy, bucket, preemption_signals=(signal.SIGTERM,), grace_seconds=1.0)
+    mgr = tiered_manager(tmp_path, proxy, bucket, preemption=_notices(1.0))
     _hold_upload_of(proxy, 5)
     assert train_until_preempted(mgr, s, range(1, 6)) is None
     assert proxy.held.wait(60)

@@ -1,4 +1,4 @@
-"""``TransferConfig(client_retries=)``: how often the store's client library retries a request on its own,
+"""``TransferOptions(client_retries=)``: how often the store's client library retries a request on its own,
 under safepoint's attempts, on S3 (moto), GCS (fake-gcs-server) and Azure (Azurite).
 
 Left to themselves, gcsfs retries a 5xx 5 times (~35 s) and the Azure SDK 3 times (~60 s) before
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from safepoint.remote.open import open_store
-from safepoint.remote.retry import TransferConfig, UploadError
+from safepoint.remote.retry import TransferOptions, UploadError
 from tests.helpers.s3 import running_proxy
 from tests.helpers.stores import Store
 from tests.helpers.tcpproxy import proxied_options
@@ -24,7 +24,7 @@ def test_client_retries_zero_leaves_every_retry_to_safepoint(store: Store) -> No
         opts = proxied_options(store, proxy.endpoint)
         if store.scheme == "s3":  # a user's own botocore policy: overridden for safepoint's store only
             opts["config_kwargs"] = {"retries": {"max_attempts": 4, "mode": "standard"}}
-        cfg = TransferConfig(attempts=2, backoff_s=0.0, client_retries=0)
+        cfg = TransferOptions(attempts=2, backoff_s=0.0, client_retries=0)
         s, base = open_store(f"{store.scheme}://{bucket}/run", opts, cfg)
         # (gcsfs names a small object in its upload's body: every upload is answered 503)
         proxy.add("503", path="probe-object|^/upload/")
@@ -41,4 +41,4 @@ def test_client_retries_zero_leaves_every_retry_to_safepoint(store: Store) -> No
 def test_client_retries_is_validated() -> None:
     for bad in (-1, True, 1.5, "3"):
         with pytest.raises(ValueError, match="client_retries must be None or an int >= 0"):
-            TransferConfig(client_retries=bad)  # type: ignore[arg-type]
+            TransferOptions(client_retries=bad)  # type: ignore[arg-type]

@@ -24,13 +24,13 @@ from safepoint.remote.object_layout import RemoteLayout
 from safepoint.remote.retry import DamagedInTransit
 from safepoint.remote.s3read import composite_value
 from safepoint.remote.s3store import S3Store, _answer_confirms
-from safepoint.remote.upload import FileCopy, MiB, TransferConfig, UploadError
+from safepoint.remote.upload import FileCopy, MiB, TransferOptions, UploadError
 from safepoint.store.checksum import crc_hex
 from safepoint.store.manifest import MANIFEST_NAME, FileEntry, Manifest, Parts
 from tests.helpers.s3 import FaultProxy, storage_options
 from tests.helpers.train import Setup
 
-CFG = TransferConfig(part_size=5 * MiB, concurrency=4)
+CFG = TransferOptions(part_size=5 * MiB, concurrency=4)
 
 
 def _fs(endpoint: str) -> Any:
@@ -178,4 +178,4 @@ def test_a_completion_answer_with_the_composite_value_needs_no_head() -> None:
     assert not _answer_confirms({"ChecksumCRC32C": "AAAAAA==", "ChecksumType": "FULL_OBJECT"}, "0", crcs)
     assert not _answer_confirms({"ETag": "x"}, "00000000", crcs)
     with pytest.raises(ValueError, match="full_object_checksum"):
-        TransferConfig(full_object_checksum="yes")  # type: ignore[arg-type]
+        TransferOptions(full_object_checksum="yes")  # type: ignore[arg-type]

@@ -20,7 +20,7 @@ import torch
 import safepoint
 from safepoint.remote.object_layout import RemoteLayout
 from safepoint.remote.s3store import S3Store
-from safepoint.remote.upload import FileCopy, TransferConfig, UploadError
+from safepoint.remote.upload import FileCopy, TransferOptions, UploadError
 from safepoint.store.posix_layout import Layout
 from tests.conftest import PYTHON, REPO
 from tests.helpers.s3 import FaultProxy, storage_options
@@ -50,7 +50,9 @@ def _train(mgr: safepoint.CheckpointManager, s: Setup, steps: range) -> None:
 def test_round_trip_direct_to_s3(moto_endpoint: str, bucket: str) -> None:
     url, opts = f"s3://{bucket}/run", storage_options(moto_endpoint)
     s = Setup()
-    with safepoint.CheckpointManager(url, storage_options=opts, save_every_steps=2, keep_last=2) as mgr:
+    with safepoint.CheckpointManager(
+        url, storage_options=opts, save_every_steps=2, keep=safepoint.Keep(last=2)
+    ) as mgr:
         assert mgr.restore(s.state()) == 0
         _train(mgr, s, range(1, 7))
         mgr.wait()  # retention's deletes run on the deleter thread
@@ -137,7 +139,9 @@ def test_tiered_save_then_local_copy_lost_restores_from_s3(
 def test_local_copy_corrupt_uses_the_durable_copy(tmp_path: Path, moto_endpoint: str, bucket: str) -> None:
     url, opts, local = f"s3://{bucket}/run", storage_options(moto_endpoint), tmp_path / "nvme"
     s = Setup()
-    with safepoint.CheckpointManager(url, local_root=local, storage_options=opts, keep_local_last=2) as mgr:
+    with safepoint.CheckpointManager(
+        url, local_root=local, storage_options=opts, keep=safepoint.Keep(local_last=2)
+    ) as mgr:
         for step in (1, 2):
             s.step()
             mgr.save(step, s.state())
@@ -210,7 +214,7 @@ def test_transient_errors_are_retried(tmp_path: Path, proxy: FaultProxy, bucket:
     proxy.add("503", method="HEAD", count=1)
     s = Setup()
     with safepoint.CheckpointManager(
-        url, local_root=tmp_path / "l", storage_options=opts, transfer=safepoint.TransferConfig(attempts=9)
+        url, local_root=tmp_path / "l", storage_options=opts, transfer=safepoint.TransferOptions(attempts=9)
     ) as mgr:
         s.step()
         mgr.save(1, s.state())
@@ -226,7 +230,7 @@ def test_persistent_errors_fail_clearly_and_commit_nothing(
     url, opts, local = f"s3://{bucket}/run", storage_options(proxy.endpoint), tmp_path / "l"
     s = Setup()
     with safepoint.CheckpointManager(
-        url, local_root=local, storage_options=opts, transfer=safepoint.TransferConfig(attempts=3)
+        url, local_root=local, storage_options=opts, transfer=safepoint.TransferOptions(attempts=3)
     ) as mgr:
         s.step()
         mgr.save(1, s.state())
@@ -251,7 +255,7 @@ def test_direct_save_failure_commits_nothing(proxy: FaultProxy, bucket: str) -> 
     url, opts = f"s3://{bucket}/run", storage_options(proxy.endpoint)
     s = Setup()
     with safepoint.CheckpointManager(
-        url, storage_options=opts, transfer=safepoint.TransferConfig(attempts=2)
+        url, storage_options=opts, transfer=safepoint.TransferOptions(attempts=2)
     ) as mgr:
         s.step()
         mgr.save(1, s.state())
@@ -266,15 +270,15 @@ def test_direct_save_failure_commits_nothing(proxy: FaultProxy, bucket: str) -> 
 def test_durable_retention_and_keep_local_last(tmp_path: Path, moto_endpoint: str, bucket: str) -> None:
     url, opts, local = f"s3://{bucket}/run", storage_options(moto_endpoint), tmp_path / "l"
     s = Setup()
-    kw: dict[str, Any] = dict(local_root=local, storage_options=opts, keep_last=2, keep_every_steps=10)
-    with safepoint.CheckpointManager(url, keep_local_last=2, **kw) as mgr:
+    keep = safepoint.Keep(last=2, every_steps=10, local_last=2)
+    with safepoint.CheckpointManager(url, local_root=local, storage_options=opts, keep=keep) as mgr:
         for step in (10, 11, 12, 13):
             s.step()
             mgr.save(step, s.state())
             mgr.wait()
     assert RemoteLayout(url, opts).committed_steps() == [10, 12, 13], "keep_last=2 + milestone every 10"
     assert Layout(local).committed_steps() == [12, 13]
-    with safepoint.CheckpointManager(url, **kw) as mgr:
+    with safepoint.CheckpointManager(url, local_root=local, storage_options=opts, keep=keep) as mgr:
         assert [i.step for i in mgr.list()] == [10, 12, 13]
 
 
@@ -284,7 +288,9 @@ def test_keep_local_last_never_deletes_before_the_upload_commits(
     url, opts, local = f"s3://{bucket}/run", storage_options(proxy.endpoint), tmp_path / "l"
     proxy.add("hold", method="PUT", path=r"/step-1/__0_0\.distcp")
     s = Setup()
-    with safepoint.CheckpointManager(url, local_root=local, storage_options=opts, keep_local_last=1) as mgr:
+    with safepoint.CheckpointManager(
+        url, local_root=local, storage_options=opts, keep=safepoint.Keep(local_last=1)
+    ) as mgr:
         for step in (1, 2, 3):
             s.step()
             mgr.save(step, s.state())
@@ -326,7 +332,7 @@ def test_durability_lag(tmp_path: Path, proxy: FaultProxy, bucket: str) -> None:
 
 def test_multipart_upload_is_checked_by_the_store(tmp_path: Path, moto_endpoint: str, bucket: str) -> None:
     fs = _fs(moto_endpoint)
-    store = S3Store(fs, TransferConfig(part_size=5 * MiB, concurrency=4, full_object_checksum=True))
+    store = S3Store(fs, TransferOptions(part_size=5 * MiB, concurrency=4, full_object_checksum=True))
     big = tmp_path / "big.bin"
     data = os.urandom(12 * MiB + 3)
     big.write_bytes(data)
@@ -347,7 +353,7 @@ def test_multipart_upload_is_checked_by_the_store(tmp_path: Path, moto_endpoint:
     assert fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", []) == []
     # Composite checksums (for S3-compatible stores without full-object ones): checked per part and as a
     # whole against the parts' checksums; verifying the stored object later reads it.
-    composite = S3Store(fs, TransferConfig(part_size=5 * MiB, full_object_checksum=False))
+    composite = S3Store(fs, TransferOptions(part_size=5 * MiB, full_object_checksum=False))
     composite.put_files([FileCopy(str(big), f"{bucket}/x/c.bin", len(data), crc)])
     head = fs.call_s3("head_object", Bucket=bucket, Key="x/c.bin", ChecksumMode="ENABLED")
     assert head["ChecksumType"] == "COMPOSITE"
@@ -380,7 +386,7 @@ def test_resaving_a_committed_step_and_interrupted_replacement(moto_endpoint: st
         s.step()
         mgr.save(3, s.state(), metrics={"loss": 1.0})
         s.step()
-        mgr.save(3, s.state(), metrics={"loss": 0.5})  # staged under .pending, then promoted
+        mgr.save(3, s.state(), metrics={"loss": 0.5}, overwrite=True)  # staged under .pending, then promoted
         assert mgr.list()[-1].metrics == {"loss": 0.5}
     assert _keys(moto_endpoint, f"{bucket}/run") == [
         "step-3/.metadata",
@@ -403,8 +409,10 @@ def test_resaving_a_committed_step_and_interrupted_replacement(moto_endpoint: st
 def test_second_writer_on_an_s3_root_is_refused(moto_endpoint: str, bucket: str) -> None:
     url, opts = f"s3://{bucket}/run", storage_options(moto_endpoint)
     with safepoint.CheckpointManager(url, storage_options=opts):
-        with pytest.raises(safepoint.LeaseError, match="in use by pid"):
-            safepoint.CheckpointManager(url, storage_options=opts)
+        with pytest.raises(safepoint.LeaseError, match="already held by another open CheckpointManager"):
+            safepoint.CheckpointManager(url + "/", storage_options=opts)
+        with pytest.raises(safepoint.LeaseError, match="in use by pid"):  # the lease refuses as well
+            RemoteLayout(url, opts).lease(120.0).acquire()
     with safepoint.CheckpointManager(url, storage_options=opts):  # released on close
         pass
 
@@ -413,7 +421,9 @@ def test_any_fsspec_url_as_durable_tier(tmp_path: Path) -> None:
     """The generic (non-S3) path: file:// as the durable tier, through the same commit protocol."""
     url, local = f"file://{tmp_path / 'durable'}", tmp_path / "local"
     s = Setup()
-    with safepoint.CheckpointManager(url, local_root=local, save_every_steps=1, keep_last=2) as mgr:
+    with safepoint.CheckpointManager(
+        url, local_root=local, save_every_steps=1, keep=safepoint.Keep(last=2)
+    ) as mgr:
         _train(mgr, s, range(1, 4))
         mgr.wait()
     assert RemoteLayout(url).committed_steps() == [2, 3]
@@ -503,7 +513,9 @@ def test_durable_retention_keeps_the_newest_verified(tmp_path: Path, moto_endpoi
     15 is uploaded (not "superseded" by the corrupt 20), 10 (the newest verified) survives durable retention,
     and the corrupt 20 is left alone. The old rule kept only the corrupt 20, and a restart began at 0."""
     url, opts, local = f"s3://{bucket}/run", storage_options(moto_endpoint), tmp_path / "l"
-    kw: dict[str, Any] = dict(local_root=local, storage_options=opts, keep_last=1, keep_local_last=2)
+    kw: dict[str, Any] = dict(
+        local_root=local, storage_options=opts, keep=safepoint.Keep(last=1, local_last=2)
+    )
     s = Setup()
     with safepoint.CheckpointManager(url, local_root=local, storage_options=opts) as mgr:  # keeps all
         for step in (10, 20):

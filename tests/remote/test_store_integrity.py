@@ -16,7 +16,7 @@ import torch
 
 import safepoint
 from safepoint.remote.object_layout import RemoteLayout
-from safepoint.remote.upload import MiB, TransferConfig, UploadError
+from safepoint.remote.upload import MiB, TransferOptions, UploadError
 from safepoint.store.checksum import crc_hex
 from tests.helpers.stores import Store
 from tests.helpers.tcpproxy import proxied, tcp_proxy
@@ -32,7 +32,7 @@ _MOTO_SINGLE_PUT = pytest.mark.xfail(
     raises=(AssertionError, pytest.fail.Exception),
     strict=True,
 )
-CFG = TransferConfig(part_size=5 * MiB, backoff_s=0.0, max_backoff_s=0.0, attempts=3)
+CFG = TransferOptions(part_size=5 * MiB, backoff_s=0.0, max_backoff_s=0.0, attempts=3)
 
 
 def _marked_file(path: Path, size: int) -> tuple[str, int, str]:
@@ -108,7 +108,7 @@ def test_restore_from_a_url_reads_each_byte_once_and_falls_back_on_damage(store:
     object damaged after commit is found while loading, and restore falls back to the previous step."""
     url = store.root()
     s = Setup(width=8192)  # a checkpoint of ~1.5 MB, so that requests' own bytes are small beside it
-    with safepoint.CheckpointManager(url, storage_options=store.options, keep_last=3) as mgr:
+    with safepoint.CheckpointManager(url, storage_options=store.options, keep=safepoint.Keep(last=3)) as mgr:
         for step in (1, 2):
             s.step()
             mgr.save(step, s.state())

@@ -35,7 +35,7 @@ def test_round_trip_retention_and_release_leave_nothing_behind(store: Store) -> 
     url = store.root()
     s = Setup()
     with safepoint.CheckpointManager(
-        url, storage_options=store.options, save_every_steps=1, keep_last=2
+        url, storage_options=store.options, save_every_steps=1, keep=safepoint.Keep(last=2)
     ) as mgr:
         assert mgr.restore(s.state()) == 0
         _train(mgr, s, range(1, 6))
@@ -58,7 +58,7 @@ def test_tiered_upload_then_local_copy_lost(tmp_path: Path, store: Store) -> Non
     url, local = store.root(), tmp_path / "nvme"
     s = Setup()
     with safepoint.CheckpointManager(
-        url, local_root=local, storage_options=store.options, save_every_steps=2, keep_last=1
+        url, local_root=local, storage_options=store.options, save_every_steps=2, keep=safepoint.Keep(last=1)
     ) as mgr:
         _train(mgr, s, range(1, 5))
         mgr.wait()
@@ -78,7 +78,7 @@ def test_tiered_upload_then_local_copy_lost(tmp_path: Path, store: Store) -> Non
 def test_corrupt_object_falls_back_to_the_previous_step(store: Store) -> None:
     url = store.root()
     s = Setup()
-    with safepoint.CheckpointManager(url, storage_options=store.options, keep_last=3) as mgr:
+    with safepoint.CheckpointManager(url, storage_options=store.options, keep=safepoint.Keep(last=3)) as mgr:
         for step in (1, 2):
             s.step()
             mgr.save(step, s.state())
@@ -133,8 +133,10 @@ def test_cli_ls_and_verify(
 def test_second_writer_is_refused(store: Store) -> None:
     url = store.root()
     with safepoint.CheckpointManager(url, storage_options=store.options):
-        with pytest.raises(safepoint.LeaseError, match="in use by pid"):
+        with pytest.raises(safepoint.LeaseError, match="already held by another open CheckpointManager"):
             safepoint.CheckpointManager(url, storage_options=store.options)
+        with pytest.raises(safepoint.LeaseError, match="in use by pid"):  # the lease refuses as well
+            RemoteLayout(url, store.options).lease(120.0).acquire()
     with safepoint.CheckpointManager(url, storage_options=store.options):  # released on close
         pass
 
@@ -174,7 +176,7 @@ def test_a_stale_owner_is_fenced(other_store: Store) -> None:
     url = store.root()
     fs, base = store.fs(), url.split("://", 1)[1]
     s = Setup()
-    mgr = safepoint.CheckpointManager(url, storage_options=store.options, keep_last=1)
+    mgr = safepoint.CheckpointManager(url, storage_options=store.options, keep=safepoint.Keep(last=1))
     try:
         s.step()
         mgr.save(1, s.state())
@@ -203,7 +205,9 @@ def test_retention_deletes_a_manifest_once(gcs_endpoint: str) -> None:
     with running_proxy(store.endpoint) as proxy:
         via = Store(store.scheme, {}, {}, store.make_bucket, store.endpoint)
         opts = proxied_options(via, proxy.endpoint)
-        with safepoint.CheckpointManager(url, storage_options=opts, save_every_steps=1, keep_last=1) as mgr:
+        with safepoint.CheckpointManager(
+            url, storage_options=opts, save_every_steps=1, keep=safepoint.Keep(last=1)
+        ) as mgr:
             _train(mgr, Setup(), range(1, 4))
     deletes = [unquote(p) for m, p, _ in proxy.seen if m == "DELETE" and "safepoint.json" in unquote(p)]
     assert len(deletes) == 2, deletes  # steps 1 and 2

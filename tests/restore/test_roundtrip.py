@@ -150,12 +150,12 @@ def test_layout_and_manifest(root: Path) -> None:
     assert not any((root / ".pending").iterdir())
 
 
-def test_saving_existing_step_replaces_it(root: Path) -> None:
+def test_saving_existing_step_with_overwrite_replaces_it(root: Path) -> None:
     s = Setup()
     with safepoint.CheckpointManager(root) as mgr:
         mgr.save(2, s.state())
         s.step()
-        mgr.save(2, s.state())
+        mgr.save(2, s.state(), overwrite=True)
         expected = s.snapshot()
     s2 = Setup(seed=5)
     with safepoint.CheckpointManager(root) as mgr:

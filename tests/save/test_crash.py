@@ -161,7 +161,7 @@ def test_kill_mid_delete_leaves_no_half_checkpoint(tmp_path: Path) -> None:
     script = f"""
 import os, signal, shutil, torch, safepoint, safepoint.store.posix_layout as L
 m = torch.nn.Linear(4, 4)
-with safepoint.CheckpointManager({str(root)!r}, keep_last=1) as mgr:
+with safepoint.CheckpointManager({str(root)!r}, keep=safepoint.Keep(last=1)) as mgr:
     st = safepoint.TrainState(model=m)
     mgr.save(1, st)
     def die(*a, **k):

@@ -162,7 +162,7 @@ def _take_over(lease_path: Path) -> None:
 
 
 def test_deletes_and_commits_are_fenced_by_the_lease_on_disk(root: Path) -> None:
-    with safepoint.CheckpointManager(root, keep_last=1) as mgr:
+    with safepoint.CheckpointManager(root, keep=safepoint.Keep(last=1)) as mgr:
         mgr.save(1, safepoint.TrainState(rng=False, extra={"n": 1}))
         layout = mgr.layout
         assert isinstance(layout, Layout)

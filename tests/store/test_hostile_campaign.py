@@ -539,7 +539,7 @@ def _campaign(p: Pristine, plan: list[Attack]) -> None:
         writable = not pending.is_symlink() and (pending.is_dir() or not pending.exists())
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with safepoint.CheckpointManager(w.root, keep_last=1) as mgr:
+            with safepoint.CheckpointManager(w.root, keep=safepoint.Keep(last=1)) as mgr:
                 with contextlib.suppress(CheckpointError):
                     mgr.restore(safepoint.TrainState(model=_model(999)))
                 try:

@@ -89,8 +89,8 @@ def main() -> None:
         with safepoint.CheckpointManager(
             out / job / "ckpt",
             save_every_steps=1,
-            keep_last=2,
             cluster=safepoint.ClusterOptions(collective_timeout_s=30),
+            keep=safepoint.Keep(last=2),
         ) as mgr:
             listed = [c.step for c in mgr.list()]
             step = mgr.restore(state)

@@ -6,7 +6,7 @@ which counts every mutating request (PUT, upload-part, copy, multipart create/co
 batch delete) in the order the store receives them. A child opens a session with its pid; at the k-th
 mutation the proxy SIGKILLs it (just before the store sees the request, or just after the store applied
 it), fails it (503 SlowDown until the child says the store is back, or one 403 AccessDenied), or applies
-it and loses the answer (the child retries). Requests are sequential (``TransferConfig(concurrency=1)``)
+it and loses the answer (the child retries). Requests are sequential (``TransferOptions(concurrency=1)``)
 so that the k-th mutation is the same request in every run.
 
 After each crash the parent (never patched, and talking to moto directly) checks the store as the child
@@ -43,7 +43,7 @@ from typing import Any
 import safepoint
 from safepoint.errors import CheckpointError
 from safepoint.remote.object_layout import RemoteLayout
-from safepoint.remote.retry import MiB, TransferConfig
+from safepoint.remote.retry import MiB, TransferOptions
 from safepoint.store import heartbeat
 from safepoint.store.manifest import MANIFEST_NAME
 from tests.helpers import store_errors
@@ -82,13 +82,13 @@ def storage_options(endpoint: str, scheme: str = "s3") -> dict[str, Any]:
     }
 
 
-def transfer(url: str) -> TransferConfig:
+def transfer(url: str) -> TransferOptions:
     # One request at a time (the k-th mutation is the same one every run); two attempts, no backoff, and
     # no retries of the client library's own (gcsfs's and the Azure SDK's wait 1 to 24 s between tries).
     # Except one on gs://: DCP's streamed writes of a direct root go through gcsfs's resumable upload,
     # which only gcsfs retries (docs/storage.md, client_retries).
     retries = 1 if url.startswith("gs://") else 0
-    return TransferConfig(concurrency=1, attempts=2, backoff_s=0.0, part_size=PART, client_retries=retries)
+    return TransferOptions(concurrency=1, attempts=2, backoff_s=0.0, part_size=PART, client_retries=retries)
 
 
 # ---- the child ------------------------------------------------------------------------------------------
@@ -168,8 +168,8 @@ def workload(
         local_root=local_root,
         storage_options=opts,
         transfer=transfer(url),
-        keep_last=keep_last,
         cluster=cluster,
+        keep=safepoint.Keep(last=keep_last),
     ) as mgr:
         ctl.post("mark", what="ready")
         for step, version in plan:
@@ -179,7 +179,7 @@ def workload(
             ctl.post("mark", what="begin", step=step, version=version)
             outcome: dict[str, Any] = {"step": step, "version": version, "ok": True}
             try:
-                mgr.save(step, m.state, metrics={"version": version})
+                mgr.save(step, m.state, metrics={"version": version}, overwrite=True)  # PLAN replaces a step
                 ctl.post("mark", what="saved", step=step, version=version)
                 if local_root is not None:
                     mgr.wait()  # the upload (and durable retention) of this save
@@ -412,7 +412,7 @@ def make_baseline(store: Store, prefix: str, local: Path | None, shape: tuple[in
         local_root=local,
         storage_options=opts,
         transfer=transfer(store.url(prefix)),
-        keep_last=KEEP_LAST,
+        keep=safepoint.Keep(last=KEEP_LAST),
     ) as mgr:
         for step, version in BASELINE:
             m.fill(version)
@@ -566,7 +566,7 @@ def check_tiered(
         warnings.simplefilter("always")
         try:
             with safepoint.CheckpointManager(
-                url, local_root=local, storage_options=opts, keep_last=KEEP_LAST
+                url, local_root=local, storage_options=opts, keep=safepoint.Keep(last=KEEP_LAST)
             ) as mgr:
                 step = mgr.restore(m.state)
                 mgr.wait()

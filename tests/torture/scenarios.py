@@ -102,10 +102,10 @@ def workload(
     # The fault layer patches this process's file operations: the writes must happen here, on the thread.
     with safepoint.CheckpointManager(
         root,
-        keep_last=keep_last,
         async_save=async_save,
         writer=safepoint.WriterOptions(threads=writer_threads, async_writer="thread"),
         cluster=safepoint.ClusterOptions(background_deletes=background_deletes),
+        keep=safepoint.Keep(last=keep_last),
     ) as mgr:
         mark(what="ready")
         for step, version in plan:
@@ -114,7 +114,7 @@ def workload(
             mark(what="begin", step=step, version=version)
             outcome: dict[str, Any] = {"step": step, "version": version, "ok": True}
             try:
-                mgr.save(step, m.state, metrics={"version": version})
+                mgr.save(step, m.state, metrics={"version": version}, overwrite=True)  # PLAN replaces a step
                 if async_save:
                     # The next call into the manager surfaces a background failure (async_next_call
                     # checks that save() does too); wait() keeps the saves apart here.
@@ -145,7 +145,10 @@ def async_next_call(layer: faults.Layer | None, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     # The fault layer patches this process's file operations: the writes must happen here, on the thread.
     with safepoint.CheckpointManager(
-        root, keep_last=KEEP_LAST, async_save=True, writer=safepoint.WriterOptions(async_writer="thread")
+        root,
+        async_save=True,
+        writer=safepoint.WriterOptions(async_writer="thread"),
+        keep=safepoint.Keep(last=KEEP_LAST),
     ) as mgr:
         m.fill(30)
         mgr.save(3, m.state)  # returns once staged; the fault (if any) hits the background writer
@@ -381,7 +384,7 @@ def train(
     state = s.state()
     trained: dict[int, dict[str, torch.Tensor]] = {}
     with safepoint.CheckpointManager(
-        root, save_every_steps=1, keep_last=2, keep_every_steps=10, async_save=async_save
+        root, save_every_steps=1, async_save=async_save, keep=safepoint.Keep(last=2, every_steps=10)
     ) as mgr:
         listed = [c.step for c in mgr.list()]
         step = mgr.restore(state)
@@ -461,7 +464,7 @@ def soak(
         # The thread writer: a writer process per cycle would add seconds per cycle (its torch import);
         # tests/save/test_writer_process.py checks managers leave no process or descriptor behind.
         return {
-            "keep_last": 2,
+            "keep": safepoint.Keep(last=2),
             "async_save": async_save,
             "writer": safepoint.WriterOptions(async_writer="thread"),
         }
@@ -511,13 +514,13 @@ def warm_up(tmp: Path) -> None:
 
     make_baseline(tmp / "ckpt")
     with safepoint.CheckpointManager(
-        tmp / "ckpt", keep_last=1, writer=safepoint.WriterOptions(threads=2)
+        tmp / "ckpt", writer=safepoint.WriterOptions(threads=2), keep=safepoint.Keep(last=1)
     ) as mgr:
         m = Model()
         mgr.restore(m.state)
         m.fill(3)
         mgr.save(3, m.state)
-        mgr.save(3, m.state)
+        mgr.save(3, m.state, overwrite=True)  # the replacement path (renameat2 exchange) too
 
 
 def run_child(cmd: dict[str, Any]) -> int:

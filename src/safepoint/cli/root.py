@@ -27,7 +27,8 @@ from safepoint.cli.common import (
     when,
 )
 from safepoint.errors import CheckpointError, CorruptCheckpointError
-from safepoint.policy.rules import build_retention
+from safepoint.policy.keep import Keep
+from safepoint.policy.rules import KeepBest
 from safepoint.remote.object_layout import RemoteLayout
 from safepoint.store.posix_layout import Layout
 
@@ -113,8 +114,11 @@ def cmd_verify(args: argparse.Namespace, out: Console, err: Console) -> int:
 def cmd_prune(args: argparse.Namespace, out: Console, err: Console) -> int:
     if args.keep_last is None and args.keep_every is None and args.keep_best is None:
         raise UsageError("say what to keep: --keep-last N, --keep-every N and/or --keep-best N --metric NAME")
+    if (args.keep_best is None) != (not args.metric):
+        raise UsageError("--keep-best N and --metric NAME go together (keep the N best by that metric)")
     try:
-        retention = build_retention(args.keep_last, args.keep_every, args.keep_best, args.metric, args.mode)
+        best = KeepBest(args.keep_best, args.metric, args.mode) if args.keep_best is not None else None
+        retention = Keep(last=args.keep_last, every_steps=args.keep_every, best=best).retention()
     except ValueError as e:
         raise UsageError(str(e)) from None
     layout = tools.open_root(args.root)

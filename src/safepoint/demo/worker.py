@@ -134,8 +134,8 @@ def train(job: dict[str, Any], log: Log) -> None:
         job["root"],
         save_every_steps=job["save_every"],
         async_save=True,
-        preemption_signals=(signal.SIGTERM,),
         cluster=safepoint.ClusterOptions(collective_timeout_s=60),
+        preemption=safepoint.PreemptionOptions(signals=(signal.SIGTERM,)),
     ) as mgr:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", safepoint.CheckpointWarning)

@@ -216,10 +216,13 @@ class RetentionPolicy(Protocol):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class KeepLast:
+    """The newest ``n`` checkpoints (``Keep(last=n)``)."""
+
     n: int
+    """How many of the newest to keep."""
 
     def __post_init__(self) -> None:
-        _positive("keep_last", self.n)
+        _positive("KeepLast.n", self.n)
 
     def keep(self, history: Sequence[CheckpointInfo]) -> set[int]:
         return {c.step for c in sorted(history, key=lambda c: c.step)[-self.n :]}
@@ -227,12 +230,13 @@ class KeepLast:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class KeepEvery:
-    """Milestones: keep every checkpoint whose step is a multiple of ``steps``."""
+    """Milestones: keep every checkpoint whose step is a multiple of ``steps`` (``Keep(every_steps=...)``)."""
 
     steps: int
+    """The milestone period in steps."""
 
     def __post_init__(self) -> None:
-        _positive("keep_every_steps", self.steps)
+        _positive("KeepEvery.steps", self.steps)
 
     def keep(self, history: Sequence[CheckpointInfo]) -> set[int]:
         return {c.step for c in history if c.step % self.steps == 0}
@@ -240,18 +244,22 @@ class KeepEvery:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class KeepBest:
-    """The ``n`` best checkpoints by ``metric`` (ties go to the newer).
-
-    Checkpoints without the metric do not compete."""
+    """The ``n`` best checkpoints by ``metric`` (ties go to the newer): ``Keep(best=KeepBest(2,
+    metric="loss", mode="min"))``. Checkpoints without the metric do not compete."""
 
     n: int
+    """How many of the best to keep."""
     metric: str
+    """The name of a metric passed to ``save``/``maybe_save`` (``metrics={"loss": ...}``)."""
     mode: str = "min"
+    """"min" (lower is better, e.g. a loss) or "max" (e.g. an accuracy)."""
 
     def __post_init__(self) -> None:
-        _positive("keep_best", self.n)
+        _positive("KeepBest.n", self.n)
+        if not isinstance(self.metric, str) or not self.metric:
+            raise ValueError(f"KeepBest.metric must be a metric's name, got {self.metric!r}")
         if self.mode not in ("min", "max"):
-            raise ValueError(f"best_mode must be 'min' or 'max', got {self.mode!r}")
+            raise ValueError(f"KeepBest.mode must be 'min' or 'max', got {self.mode!r}")
 
     def keep(self, history: Sequence[CheckpointInfo]) -> set[int]:
         scored = [c for c in history if self.metric in c.metrics]
@@ -300,29 +308,6 @@ class Verdicts:
     def newest_intact(self, steps: Collection[int]) -> int | None:
         good = [s for s in steps if self._found.get(s) is True]
         return max(good) if good else None
-
-
-def build_retention(
-    keep_last: int | None,
-    keep_every_steps: int | None,
-    keep_best: int | None,
-    best_metric: str | None,
-    best_mode: str,
-) -> Retention:
-    policies: list[RetentionPolicy] = []
-    if keep_last is not None:
-        policies.append(KeepLast(keep_last))
-    if keep_every_steps is not None:
-        policies.append(KeepEvery(keep_every_steps))
-    if keep_best is not None:
-        if not best_metric:
-            raise ValueError("keep_best needs best_metric (the name of a metric passed to save/maybe_save)")
-        policies.append(KeepBest(keep_best, best_metric, best_mode))
-    elif best_metric is not None:
-        raise ValueError("best_metric is set but keep_best is not; set keep_best=N to keep the N best")
-    if best_mode not in ("min", "max"):
-        raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
-    return Retention(tuple(policies))
 
 
 def _positive(name: str, value: float) -> None:

@@ -7,6 +7,7 @@ ranks agree before acting on them (a save due on some ranks only would deadlock 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 from safepoint.dist import Agreement, Comm
@@ -20,6 +21,8 @@ from safepoint.policy.rules import (
     parse_interval,
 )
 from safepoint.store.posix_layout import Layout
+
+log = logging.getLogger("safepoint")
 
 
 @dataclasses.dataclass(slots=True)
@@ -102,3 +105,13 @@ class SaveSchedule:
         self.last_step = step
         if step is not None:
             self.last_time = time.monotonic()
+
+    def say_committed(self, step: int, metrics: bool, coordinator: bool) -> None:
+        """``save(step)`` for the step the state already is (:attr:`last_step`): the manager writes nothing
+        (rewriting it would cost a whole save and drop the metrics ``maybe_save`` recorded); this says so."""
+        if coordinator:
+            log.warning(
+                "safepoint: save(%d): step %d is already committed (saved or restored by this manager); not "
+                "written again%s. Pass overwrite=True to replace it",
+                step, step, ", and the metrics given here are not recorded" if metrics else "",
+            )  # fmt: skip

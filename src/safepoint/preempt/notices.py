@@ -58,7 +58,7 @@ class SignalNotice:
     def __init__(self, signals: Iterable[int | signal.Signals]) -> None:
         self.signals = tuple(signal.Signals(s) for s in signals)
         if not self.signals:
-            raise ValueError("preemption_signals is empty")
+            raise ValueError("PreemptionOptions.signals is empty")
         if signal.SIGKILL in self.signals or signal.SIGSTOP in self.signals:
             raise ValueError("SIGKILL and SIGSTOP cannot be caught; they cannot be preemption notices")
         self._previous: dict[signal.Signals, _Handler] = {}
@@ -69,9 +69,10 @@ class SignalNotice:
     def _check_main_thread() -> None:
         if threading.current_thread() is not threading.main_thread():
             raise ValueError(
-                "preemption_signals: Python installs signal handlers only from the main thread, and this "
-                f"CheckpointManager is created in thread {threading.current_thread().name!r}. Create it in "
-                "the main thread, or use preemption_file= / preemption_poll=, which work from any thread."
+                "PreemptionOptions.signals: Python installs signal handlers only from the main thread, and "
+                f"this CheckpointManager is created in thread {threading.current_thread().name!r}. Create it "
+                "in the main thread, or use PreemptionOptions(file=...) or (poll=...), which work from any "
+                "thread."
             )
 
     def start(self, notice: Notice) -> None:

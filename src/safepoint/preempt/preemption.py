@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import signal
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from safepoint.dist import Agreement, Comm
 from safepoint.errors import Preempted
@@ -59,26 +58,15 @@ class Preemption:
         """time.monotonic() at which the grace ends (set by :meth:`plan`; None without grace_seconds)."""
 
     @classmethod
-    def build(
-        cls,
-        comm: Comm,
-        *,
-        signals: Iterable[int | signal.Signals] | None,
-        options: PreemptionOptions,
-        grace_seconds: float | None,
-    ) -> Preemption | None:
+    def build(cls, comm: Comm, options: PreemptionOptions) -> Preemption | None:
         """None when no notice source is configured (the default: no handlers, no thread, no collective).
 
-        Validates everything (the main-thread rule included) but starts nothing: see :meth:`start`.
+        Validates what depends on where it runs (the main-thread rule) but starts nothing: see :meth:`start`.
         ``options`` validated its own fields when it was built."""
-        if grace_seconds is not None and not (
-            isinstance(grace_seconds, (int, float)) and grace_seconds > 0 and math.isfinite(grace_seconds)
-        ):
-            raise ValueError(f"grace_seconds must be a positive number of seconds, got {grace_seconds!r}")
-        file, poll = options.file, options.poll
+        file, poll, grace_seconds = options.file, options.poll, options.grace_seconds
         sources: list[NoticeSource] = []
-        if signals:
-            sources.append(SignalNotice(signals))
+        if options.signals:
+            sources.append(SignalNotice(options.signals))
         if file is not None:
             sources.append(FileNotice(file))
         if poll is not None:

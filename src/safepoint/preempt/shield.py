@@ -210,7 +210,7 @@ def shield_worker_init(
 ) -> ShieldedWorkerInit:
     """``DataLoader(..., worker_init_fn=safepoint.shield_worker_init(my_init))``: needed only for loaders
     that do not fork (``multiprocessing_context="spawn"``/``"forkserver"``); forked ones are shielded by
-    the manager already. ``signals``: the manager's ``preemption_signals``."""
+    the manager already. ``signals``: the manager's ``PreemptionOptions.signals``."""
     sigs = tuple(int(signal.Signals(s)) for s in signals)
     if not sigs:
         raise ValueError("shield_worker_init: signals is empty")

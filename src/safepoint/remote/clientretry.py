@@ -1,5 +1,5 @@
 """clientretry: how many times a store's client library retries a request on its own
-(``TransferConfig.client_retries``).
+(``TransferOptions.client_retries``).
 
 safepoint retries every request itself (retry.py); the client libraries underneath retry too, each by its
 own policy, and on GCS and Azure that policy waits long: one ``503`` costs 15 s on Azure, a store that stays

@@ -31,7 +31,7 @@ from safepoint.errors import CheckpointError, CorruptCheckpointError, LeaseError
 from safepoint.remote.conditional import create_if_absent
 from safepoint.remote.io import SafeStoreReader, StoreWriter
 from safepoint.remote.open import open_store
-from safepoint.remote.upload import FileCopy, TransferConfig, UploadError
+from safepoint.remote.upload import FileCopy, TransferOptions, UploadError
 from safepoint.store.file_lease import Lease
 from safepoint.store.guard import STEP_PATTERN, STEP_PREFIX
 from safepoint.store.manifest import MANIFEST_NAME, Manifest, Parts
@@ -57,7 +57,7 @@ class RemoteLayout:
         url: str,
         storage_options: dict[str, Any] | None = None,
         *,
-        transfer: TransferConfig | None = None,
+        transfer: TransferOptions | None = None,
         deep_verify: bool = False,
     ) -> None:
         """``deep_verify``: verify() reads every byte even where the store reports a checksum."""

@@ -7,11 +7,11 @@ from typing import Any
 from fsspec.core import url_to_fs
 
 from safepoint.remote.clientretry import with_client_retries
-from safepoint.remote.upload import ObjectStore, TransferConfig
+from safepoint.remote.upload import ObjectStore, TransferOptions
 
 
 def open_store(
-    url: str, storage_options: dict[str, Any] | None, cfg: TransferConfig | None
+    url: str, storage_options: dict[str, Any] | None, cfg: TransferOptions | None
 ) -> tuple[ObjectStore, str]:
     """The store for ``url`` and the root's path inside it (no protocol)."""
     protocol = url.split("://", 1)[0]

@@ -78,7 +78,7 @@ class DamagedInTransit(Exception):
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class TransferConfig:
+class TransferOptions:
     """How files move between tiers."""
 
     concurrency: int = 10
@@ -190,7 +190,7 @@ def describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())}"  # one line (gcsfs: "Forbidden: <path>\n...")
 
 
-def next_delay(what: str, e: Exception, attempt: int, cfg: TransferConfig) -> float:
+def next_delay(what: str, e: Exception, attempt: int, cfg: TransferOptions) -> float:
     """After failed attempt ``attempt``: the pause before the next one, or the UploadError to raise."""
     if isinstance(e, UploadError):
         raise e
@@ -205,7 +205,7 @@ def next_delay(what: str, e: Exception, attempt: int, cfg: TransferConfig) -> fl
     return pause
 
 
-def retry(what: str, fn: Callable[[], T], cfg: TransferConfig) -> T:
+def retry(what: str, fn: Callable[[], T], cfg: TransferOptions) -> T:
     """Run ``fn``; retry transient failures with backoff; raise UploadError naming ``what`` at the end."""
     attempt = 0
     while True:

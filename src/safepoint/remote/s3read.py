@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import crc32c
 from fsspec.asyn import sync
 
-from safepoint.remote.retry import TransferConfig, UploadError, cause_code, lower_priority, next_delay
+from safepoint.remote.retry import TransferOptions, UploadError, cause_code, lower_priority, next_delay
 from safepoint.remote.upload import ObjectStore, b64_crc, combine, hex_crc
 from safepoint.store.checksum import crc_hex
 from safepoint.store.manifest import Parts
@@ -29,7 +29,7 @@ NOT_FOUND = ("404", "NoSuchKey", "NotFound")
 class S3Reader(ObjectStore):
     """Requests to S3 through s3fs's client under one retry policy, and every read; S3Store adds writes."""
 
-    def __init__(self, fs: Any, cfg: TransferConfig | None = None) -> None:
+    def __init__(self, fs: Any, cfg: TransferOptions | None = None) -> None:
         super().__init__(fs, cfg)
         self._sem: asyncio.Semaphore | None = None
         # Reading parts and their crc32c happens off the event loop (both release the GIL).

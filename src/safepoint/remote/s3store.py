@@ -5,14 +5,14 @@ recomputes it over the bytes it received and rejects a mismatch (``BadDigest``).
 multipart uploads with a per-part CRC32C. Uploads of local files complete with S3's *composite* CRC32C
 (crc32c of the parts' crc32cs) and return their parts, which the manifest records so that a later verify
 needs no download (s3read.vouched); streamed writes (s3writer.py) complete with a *full-object* CRC32C
-(``ChecksumType=FULL_OBJECT``), which S3 checks against the assembled object (``TransferConfig.
+(``ChecksumType=FULL_OBJECT``), which S3 checks against the assembled object (``TransferOptions.
 full_object_checksum`` chooses otherwise). Before completing, the parts' checksums are combined locally and
 compared with the manifest: a local file that changed or rotted since it was written is never uploaded.
 After the upload the store's answer, or else a HEAD with ``ChecksumMode=ENABLED``, confirms the checksum.
 
 The requests go straight to s3fs's aiobotocore client (credentials, endpoint, region and extra request
 arguments all come from s3fs), bypassing s3fs's own retry wrapper so that one retry policy
-(``TransferConfig``) with backoff and jitter governs them. botocore's own retries (``config_kwargs=
+(``TransferOptions``) with backoff and jitter governs them. botocore's own retries (``config_kwargs=
 {"retries": ...}``) still happen inside each attempt.
 """
 

@@ -25,7 +25,7 @@ import crc32c
 from safepoint.remote.retry import (
     DamagedInTransit,
     MiB,
-    TransferConfig,
+    TransferOptions,
     UploadError,
     lower_priority,
     retry,
@@ -34,7 +34,7 @@ from safepoint.store.checksum import crc32c_combine, crc_hex
 from safepoint.store.guard import open_regular
 from safepoint.store.manifest import Parts
 
-__all__ = ["FileCopy", "MiB", "ObjectStore", "RawWriter", "TransferConfig", "UploadError"]
+__all__ = ["FileCopy", "MiB", "ObjectStore", "RawWriter", "TransferOptions", "UploadError"]
 log = logging.getLogger("safepoint")
 T = TypeVar("T")
 GATE_POLL_S = 0.1
@@ -94,9 +94,9 @@ class FileCopy:
 class ObjectStore:
     """Verified transfers over any fsspec file system (paths are the file system's own, no protocol)."""
 
-    def __init__(self, fs: Any, cfg: TransferConfig | None = None) -> None:
+    def __init__(self, fs: Any, cfg: TransferOptions | None = None) -> None:
         self.fs = fs
-        self.cfg = cfg or TransferConfig()
+        self.cfg = cfg or TransferOptions()
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
         self.protocol: str = protocol
         # Reading back to confirm costs a second transfer over a network; on a local disk it is cheap.

@@ -22,7 +22,7 @@ from safepoint.errors import CheckpointError, LeaseError
 from safepoint.policy.emergency_plan import EmergencyPlan
 from safepoint.policy.history import TierEstimate, save_estimate
 from safepoint.remote.object_layout import RemoteLayout, is_url
-from safepoint.remote.retry import TransferConfig
+from safepoint.remote.retry import TransferOptions
 from safepoint.restore.restorer import Restorer
 from safepoint.state import TrainState
 from safepoint.store.heartbeat import HeldByThisJob
@@ -50,7 +50,7 @@ def plan_tiers(
     root: str | os.PathLike[str],
     local_root: str | os.PathLike[str] | None,
     storage_options: dict[str, Any] | None,
-    transfer: TransferConfig,
+    transfer: TransferOptions,
 ) -> tuple[str, Layout | RemoteLayout, RemoteLayout | None]:
     """(root as shown, the layout saves commit to, the durable tier or None when there is one tier)."""
     if not isinstance(root, (str, os.PathLike)) or not str(root):
@@ -68,7 +68,7 @@ def plan_tiers(
     if is_url(local) and not local.startswith("file://"):
         raise ValueError(f"local_root must be a local path, got {local!r}")
     local = local.removeprefix("file://")
-    # Uploads are background work: their threads yield the CPU to training (TransferConfig.background).
+    # Uploads are background work: their threads yield the CPU to training (TransferOptions.background).
     bg = dataclasses.replace(transfer, background=True)
     durable = RemoteLayout(s if is_url(s) else "file://" + os.path.abspath(s), storage_options, transfer=bg)
     if durable.root.rstrip("/") in ("file://" + os.path.abspath(local), "file://" + os.path.realpath(local)):

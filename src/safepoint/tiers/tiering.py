@@ -7,10 +7,10 @@ last; see remote.py). Every rank uploads its own files (``__<rank>_<n>.distcp``;
 rank 0 writes the manifest once all ranks report their files confirmed. The uploader has its own process
 group (created in the manager's ``__init__``) so its collectives never interleave with a save's.
 
-Local retention (``keep_local_last``) never deletes a local copy that is not durable yet, unless durable
+Local retention (``Keep.local_last``) never deletes a local copy that is not durable yet, unless durable
 retention would not keep it anyway ("superseded": a newer checkpoint made it redundant before it was
-uploaded, e.g. ``keep_last=3`` and five checkpoints waiting). Durable retention applies the user's policy
-objects (keep_last, keep_every_steps, keep_best) to the durable tier, after each durable commit.
+uploaded, e.g. ``Keep(last=3)`` and five checkpoints waiting). Durable retention applies the user's policy
+objects (``Keep(last=, every_steps=, best=)``) to the durable tier, after each durable commit.
 
 Restore takes the newest intact checkpoint of either tier (tier_transfer.py). On a preemption the
 emergency save is planned with both tiers' estimates (local saves from the manifests, uploads from

@@ -71,7 +71,10 @@ def main() -> None:
     proc = psutil.Process()
     child: dict[str, int] = {}
     with safepoint.CheckpointManager(
-        root, async_save=True, keep_last=1, writer=safepoint.WriterOptions(async_writer=writer)
+        root,
+        async_save=True,
+        writer=safepoint.WriterOptions(async_writer=writer),
+        keep=safepoint.Keep(last=1),
     ) as mgr:
         if mgr._process is not None:
             mgr._process.wait_ready()  # saves before it is ready are the thread's: measure the process's

@@ -40,7 +40,9 @@ def main() -> None:
     model = torch.nn.Linear(8, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     state = safepoint.TrainState(model=model, optimizer=opt)
-    mgr = safepoint.CheckpointManager(root, save_every_steps=10_000, preemption_signals=[signal.SIGTERM])
+    mgr = safepoint.CheckpointManager(
+        root, save_every_steps=10_000, preemption=safepoint.PreemptionOptions(signals=[signal.SIGTERM])
+    )
     try:
         with mgr:
             step = mgr.restore(state)

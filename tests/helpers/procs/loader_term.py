@@ -42,9 +42,7 @@ def main() -> None:
     )
     state = safepoint.TrainState(model=model, optimizer=opt)
     with safepoint.CheckpointManager(
-        root,
-        preemption_signals=(signal.SIGTERM,),
-        preemption=safepoint.PreemptionOptions(shield_workers=shield),
+        root, preemption=safepoint.PreemptionOptions(signals=(signal.SIGTERM,), shield_workers=shield)
     ) as mgr:
         step = mgr.restore(state)
         while True:

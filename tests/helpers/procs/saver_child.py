@@ -27,7 +27,7 @@ def main() -> None:
     extra: dict[str, object] = {"step": 0}
     state = safepoint.TrainState(model=model, optimizer=opt, extra=extra)
     with safepoint.CheckpointManager(
-        root, save_every_steps=1, keep_last=2, keep_every_steps=5, async_save=async_save
+        root, save_every_steps=1, async_save=async_save, keep=safepoint.Keep(last=2, every_steps=5)
     ) as mgr:
         restored = mgr.restore(state)
         for step in range(restored + 1, start + 1000):

@@ -20,7 +20,9 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(32, 32)
     state = safepoint.TrainState(model=model, extra={"rank": rank})
-    with safepoint.CheckpointManager(url, local_root=local_root, storage_options=opts, keep_last=1) as mgr:
+    with safepoint.CheckpointManager(
+        url, local_root=local_root, storage_options=opts, keep=safepoint.Keep(last=1)
+    ) as mgr:
         for step in (1, 2):
             with torch.no_grad():
                 model.weight.fill_(step)
