@@ -9,7 +9,7 @@ Counted around the second ``mgr.save`` (steady state: the first one also agrees 
 ``mgr.restore``, around ``dcp.save`` and ``dcp.load`` of the same state on the same group. Rank 0 writes
 {"world": N, "safepoint_save": {...}, "dcp_save": {...}, "safepoint_restore": {...}, "dcp_load": {...}},
 each {collective name: calls}. Used by tests/dist/test_collectives.py (a regression fails) and for the table
-in docs/benchmarks.md.
+in benchmarks/README.md (the summary in docs/benchmarks.md).
 
 ``--fsdp2``: the state is a small MLP sharded with FSDP2 (``fully_shard`` on a CPU mesh) and AdamW, with
 per-rank RNG and ``extra``. ``--rounds R``: also times R saves of each (safepoint, plain DCP), interleaved

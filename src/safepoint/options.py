@@ -274,7 +274,7 @@ def writer_process_mode(async_save: bool, async_writer: str, local_files: bool) 
     """None: async saves (if any) need no writer process; else whether one that cannot start may be
     replaced by the writer thread ("auto") rather than fail the save ("process").
 
-    "auto" is the process wherever it can run: measured in docs/benchmarks.md ("The process writer"), it
+    "auto" is the process wherever it can run: measured in benchmarks/README.md ("The process writer"), it
     halves what a save costs a Python-bound loop over a many-tensor state and ties elsewhere.
     """
     if async_writer == "process" and not local_files:

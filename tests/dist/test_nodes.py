@@ -105,7 +105,7 @@ def restore(out: Path, durable: Path, locals_: dict[str, Path], tag: str) -> lis
     cfg = {"durable": str(durable), "restore_only": True, "tag": tag}
     restored = [r for r in run(out, cfg, locals_) if r["event"] == "restored"]
     assert sorted(r["step"] for r in restored) == [4, 4]
-    (out / f"restore-{tag}.json").write_text(json.dumps(restored))  # the timings, for docs/benchmarks.md
+    (out / f"restore-{tag}.json").write_text(json.dumps(restored))  # the timings, for benchmarks/README.md
     return restored
 
 

@@ -13,5 +13,6 @@
 - ``kills`` / ``dist_train``: random SIGKILL campaigns against real training, single process and 2-rank
   torchrun, with bitwise exactness checks.
 
-docs/reliability.md describes what the suite proves and its latest figures.
+docs/reliability.md describes what the suite proves and its latest figures; tests/torture/README.md how
+it works and what it found.
 """

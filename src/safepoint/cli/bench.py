@@ -2,7 +2,7 @@
 
 The benchmarks live in ``benchmarks/`` (they compare safepoint with plain DCP, ``torch.save``, ``dd`` and
 boto3, so they are not part of the installed package). Results and the commands behind the published
-numbers are in docs/benchmarks.md.
+numbers are in docs/benchmarks.md (the runs behind them: benchmarks/README.md).
 """
 
 from __future__ import annotations

@@ -38,7 +38,8 @@ class ResumableSampler(Sampler[int]):
         seed: base seed; must be the same on every rank and across restarts.
         drop_last: drop the tail that does not divide evenly among the ranks; otherwise pad it with
             repeats from the start of the remaining samples (as DistributedSampler).
-        rank, world_size: default to the default process group's, or 0 and 1 without one.
+        rank: this rank; defaults to the default process group's, or 0 without one.
+        world_size: the number of ranks; defaults to the default process group's, or 1 without one.
 
     Use it like DistributedSampler (``DataLoader(dataset, sampler=s)``, ``s.set_epoch(epoch)`` before each
     epoch) and put it in ``TrainState(dataloader=s)``. ``set_epoch`` with the epoch the sampler already is

@@ -6,7 +6,7 @@ travel by value: byte items (optimizer hyperparameters, scheduler and extra stat
 tensors outside the segment (0-d ones such as Adam's ``step``). Values change on every save; the plan and
 the places do not while the state keeps its structure (DCP's plan caching hands back the very same plan
 object, and the staging buffers are reused). Describing all of it on every save cost a 5,000-tensor state
-about twice a sync save's CPU (docs/benchmarks.md, issue 16): pickling the plan and a tuple per item in the
+about twice a sync save's CPU (benchmarks/README.md, issue 16): pickling the plan and a tuple per item in the
 rank, unpickling them and rebuilding every tensor view in the process. So the process keeps the last
 description it was sent (``Held``), and a save whose plan, places and segment equal the rank's record of it
 (``Sent``) sends a key and the values only. Anything else (a changed state, a new segment, a new process
