@@ -49,7 +49,8 @@ finishes inside the interval, which is what an async save needs.
     .venv/bin/python benchmarks/bench_async.py --size-mib 2048 --rounds 6
 
 Results: tables on stdout, ``<out>/bench_async.json`` with every raw timing (and the 1-minute load average
-after each), ``<out>/bench_async.md`` with the tables in Markdown. Results: docs/benchmarks.md; runs and reading: benchmarks/README.md.
+after each), ``<out>/bench_async.md`` with the tables in Markdown.
+Results: docs/benchmarks.md; runs and reading: benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ when the machine allows it) and warm; /dev/shm is a tmpfs, so its numbers isolat
     .venv/bin/python benchmarks/bench_save.py --size-mib 2048 --rounds 6
 
 Results: tables on stdout, ``<out>/bench_save.json`` with every raw timing and ``<out>/bench_save.md`` with
-the tables in Markdown; ``--render <json>`` reprints an earlier run. Results: docs/benchmarks.md; runs and reading: benchmarks/README.md.
+the tables in Markdown; ``--render <json>`` reprints an earlier run.
+Results: docs/benchmarks.md; runs and reading: benchmarks/README.md.
 """
 
 from __future__ import annotations
