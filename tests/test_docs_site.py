@@ -7,6 +7,9 @@ documented, a page written but left out of the nav."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
+
+import pytest
 
 import safepoint
 from tests.conftest import REPO
@@ -40,3 +43,20 @@ def test_make_test_builds_the_site_strictly() -> None:
     assert re.search(r"^test: .*\bdocs\b", makefile, re.M)
     assert "mkdocs build --strict" in makefile
     assert re.search(r"^strict: true$", (REPO / "mkdocs.yml").read_text(), re.M)
+
+
+def test_the_getting_started_loop_runs_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Section 2 of docs/getting-started.md, as written: a fresh run saves steps 50..200 (3 kept); run
+    again, it restores step 200 and trains nothing."""
+    text = (DOCS / "getting-started.md").read_text()
+    after = text[text.index("## 2. Checkpoint a loop") :]
+    found = re.search(r"```python\n(.*?)```", after, re.S)
+    assert found
+    monkeypatch.chdir(tmp_path)
+    first: dict[str, object] = {"__name__": "snippet"}
+    exec(compile(found.group(1), "getting-started", "exec"), first)
+    assert first["step"] == 200 and first["extra"] == {"tokens_seen": 1600}
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == ["step-100", "step-150", "step-200"]
+    again: dict[str, object] = {"__name__": "snippet"}
+    exec(compile(found.group(1), "getting-started", "exec"), again)
+    assert again["step"] == 200 and again["extra"] == {"tokens_seen": 1600}  # restored, not retrained
