@@ -272,7 +272,8 @@ def apply_patches(names: tuple[str, ...] | list[str]) -> None:
     import types
 
     from safepoint.save import saver
-    from safepoint.store import checksum, layout, storage
+    from safepoint.store import checksum, storage
+    from safepoint.store import posix_layout as layout
 
     for name in names:
         if name == "torch_save_items":  # not a mutation: every tensor through torch.save, each write direct
