@@ -287,7 +287,7 @@ class CheckpointManager:
         *,
         upload: bool = True,
     ) -> CheckpointInfo:
-        self._check_owner(step)  # here: the emergency save (preempt/) calls this directly
+        self._check_owner(step)  # here: the emergency save (emergency.py) calls this directly
         with self._tiers.paused():  # uploads hold off while training waits for this save
             t0 = time.perf_counter()
             sd = state.capture(self.comm.rank)
