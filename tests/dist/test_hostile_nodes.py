@@ -110,7 +110,7 @@ def test_a_planted_metadata_part_symlink_is_not_written_through(saved: Path, tmp
     (node_b / ".metadata.part").symlink_to(victim)
     shutil.rmtree(durable / "step-2")  # not durable: the next start uploads it, then node B keeps .metadata
     _restore(out, durable, locals_)
-    assert victim.read_text() == "not safepoint's"
+    assert victim.read_bytes() == b"not safepoint's"
     assert not (node_b / ".metadata.part").is_symlink()
     assert (node_b / ".metadata").read_bytes() == (durable / "step-2" / ".metadata").read_bytes()
 

@@ -150,17 +150,17 @@ class RootDir:
         st = self.lstat(rel)
         return None if st is None else describe_mode(st.st_mode)
 
-    def is_dir(self, rel: Rel) -> bool:
+    def isdir(self, rel: Rel) -> bool:
         """A real directory reached without a symlink (a symlink to one is not)."""
         st = self.lstat(rel)
         return st is not None and stat.S_ISDIR(st.st_mode)
 
-    def is_file(self, rel: Rel) -> bool:
+    def isfile(self, rel: Rel) -> bool:
         """A regular file reached without a symlink (a FIFO, device or symlink is not)."""
         st = self.lstat(rel)
         return st is not None and stat.S_ISREG(st.st_mode)
 
-    def exists(self, rel: Rel) -> bool:
+    def lexists(self, rel: Rel) -> bool:
         return self.lstat(rel) is not None
 
     def listdir(self, rel: Rel = "") -> list[str]:
@@ -236,7 +236,7 @@ class RootDir:
         finally:
             os.close(fd)
 
-    def mkdir(self, rel: Rel, *, parents: bool = True) -> None:
+    def makedirs(self, rel: Rel, *, parents: bool = True) -> None:
         """Make the real directory ``rel`` (and, with ``parents``, those on its way); an existing real
         directory is fine, a symlink or file anywhere on the way is an OSError."""
         parts = self.parts(rel)
@@ -246,7 +246,7 @@ class RootDir:
         with self.dir("/".join(parts), create=parents):
             pass  # opened: it is a real directory, reached without a symlink
 
-    def rename(self, src: Rel, dst: Rel, *, replace: bool = True) -> None:
+    def move(self, src: Rel, dst: Rel, *, replace: bool = True) -> None:
         """Rename ``src`` to ``dst``, both under the root, through their walked parents (neither path can
         lead outside it). ``replace`` False refuses an existing ``dst`` (a non-empty directory is always
         refused by the kernel)."""
@@ -263,7 +263,7 @@ class RootDir:
 
     # ---- deleting ------------------------------------------------------------------------------------
 
-    def unlink(self, rel: Rel) -> None:
+    def remove(self, rel: Rel) -> None:
         """Unlink the file (or symlink: the link, never its target) ``rel``; missing is fine."""
         with contextlib.suppress(FileNotFoundError, NotADirectoryError), self.parent(rel) as (dfd, name):
             os.unlink(name, dir_fd=dfd)

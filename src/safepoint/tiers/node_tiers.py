@@ -114,7 +114,7 @@ class NodeTiering(Tiering):
     def _sources(self, manifest: Manifest) -> dict[str, Path]:
         """name -> path of the files of ``manifest``'s save on this node's disk: its own, then its replica."""
         fs, base = self.local.fs, step_name(manifest.step)
-        own = {n: fs.full(f"{base}/{n}") for n in manifest.files if fs.is_file(f"{base}/{n}")}
+        own = {n: fs.full(f"{base}/{n}") for n in manifest.files if fs.isfile(f"{base}/{n}")}
         return {**peers.held(self.local, manifest), **own}
 
     # ---- upload: each file from a node that holds it -------------------------------------------------
@@ -167,7 +167,7 @@ class NodeTiering(Tiering):
         then reads nothing from the durable tier when the node's own files verify."""
         entry = manifest.files.get(METADATA_NAME)
         fs, target = self.local.fs, f"{step_name(step)}/{METADATA_NAME}"
-        if entry is None or fs.exists(target):
+        if entry is None or fs.lexists(target):
             return
         part = f"{target}.part"
         try:
@@ -182,10 +182,10 @@ class NodeTiering(Tiering):
                 os.close(fd)
             if crc != entry.crc32c:
                 raise CheckpointError(f"crc32c {crc} != {entry.crc32c}")
-            fs.rename(part, target)
+            fs.move(part, target)
         except (CheckpointError, OSError) as e:
             with contextlib.suppress(OSError):
-                fs.unlink(part)
+                fs.remove(part)
             log.warning("safepoint: no local copy of step %d's %s on this node (%s)", step, METADATA_NAME, e)
 
     # ---- restore -------------------------------------------------------------------------------------
@@ -243,7 +243,7 @@ def build_tiers(comm: Comm, savers: list[Any], *args: Any) -> Tiering:
     nodes and now runs on fewer: the replicas are still of use). One all_gather on ``comm`` at the start."""
     if not comm.distributed:
         return Tiering(*args)
-    seen = comm.all_gather((node_id(), RootDir(args[0].root).is_dir(peers.PEERS_DIR)))
+    seen = comm.all_gather((node_id(), RootDir(args[0].root).isdir(peers.PEERS_DIR)))
     nodes = NodeMap(rank=comm.rank, nodes=tuple(n for n, _ in seen))
     if not nodes.multi and not any(has for _, has in seen):
         return Tiering(*args)

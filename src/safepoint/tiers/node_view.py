@@ -84,7 +84,7 @@ class NodeView(Layout):
         if self.nodes.is_leader:  # what this node's disk holds of the save: its own files and its replica
             if self._local is not None:
                 own = [n for n, e in self._local.files.items() if manifest.files.get(n) == e]
-                offer = {n: fs.full(f"{base}/{n}") for n in own if fs.is_file(f"{base}/{n}")}
+                offer = {n: fs.full(f"{base}/{n}") for n in own if fs.isfile(f"{base}/{n}")}
             offer = {**offer, **replica}
         self._peer = peers.restore_from_peers(comm, self.nodes, manifest, lacking, offer, fs, self._received)
 
@@ -138,7 +138,7 @@ class NodeView(Layout):
             raise CorruptCheckpointError(manifest.step, name, "not listed in the durable manifest")
         if self._local is not None and self._local.files.get(name) == entry:
             path = self.local.step_path(manifest.step) / name
-            if self.fs.exists(f"{step_name(manifest.step)}/{name}"):
+            if self.fs.lexists(f"{step_name(manifest.step)}/{name}"):
                 try:
                     self.local.verify(manifest.step, files=[name])
                     return str(path), LOCAL

@@ -64,7 +64,7 @@ def exchange(
             streams.append((dst, _outgoing(entries, fs, read, chunk)))
         else:
             with contextlib.suppress(OSError):  # if it cannot be made, each file fails alone (in step)
-                fs.mkdir(into)
+                fs.makedirs(into)
             streams.append((src, _incoming(entries, fs, into, chunk, received)))
     live = [(peer, stream, next(stream, None)) for peer, stream in streams]
     while live := [item for item in live if item[2] is not None]:
@@ -153,11 +153,11 @@ def _incoming(
             problem = f"crc32c {crc_hex(value)} != {crc}"
         if problem is None:
             try:  # an OSError here (a directory in the way) must not end this rank's waves early
-                fs.rename(part, f"{into}/{name}")
+                fs.move(part, f"{into}/{name}")
                 received[name] = fs.full(f"{into}/{name}")
             except OSError as e:
                 problem = str(e)
         if problem is not None:
             with contextlib.suppress(OSError):
-                fs.unlink(part)
+                fs.remove(part)
             log.warning("safepoint: %s from a peer not kept: %s", name, problem)

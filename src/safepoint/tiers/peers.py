@@ -108,10 +108,10 @@ def _commit_replica(fs: RootDir, step: int, save_id: str, entries: list[Entry], 
     fs.write(f"{pending}/{REPLICA_NAME}", json.dumps(record).encode())
     if (odd := fs.kind(PEERS_DIR)) not in (None, "a directory"):
         raise OSError(f"{fs.full(PEERS_DIR)} is {odd}, not a directory; left alone (remove it)")
-    fs.mkdir(PEERS_DIR, parents=False)
+    fs.makedirs(PEERS_DIR, parents=False)
     target = f"{PEERS_DIR}/step-{step}"
     fs.remove_tree(target)
-    fs.rename(pending, target)
+    fs.move(pending, target)
     for old in fs.listdir(PEERS_DIR):  # one replica per node: the newest step's
         if old != f"step-{step}":
             fs.remove_tree(f"{PEERS_DIR}/{old}")
@@ -122,7 +122,7 @@ def held(local: Layout, manifest: Manifest) -> dict[str, Path]:
     regular files reached without a symlink. A record that is not a bounded regular file (a FIFO, a
     symlink, a huge file) or does not parse means "corrupt: not used", said in one line."""
     fs, base = local.fs, f"{PEERS_DIR}/step-{manifest.step}"
-    if not fs.exists(base):
+    if not fs.lexists(base):
         return {}
     try:
         record = json.loads(fs.read(f"{base}/{REPLICA_NAME}", MAX_RECORD_BYTES))
@@ -136,7 +136,7 @@ def held(local: Layout, manifest: Manifest) -> dict[str, Path]:
     out = {}
     for name, entry in record["files"].items():
         mine = manifest.files.get(name)
-        if mine is not None and [mine.size, mine.crc32c] == entry and fs.is_file(f"{base}/{name}"):
+        if mine is not None and [mine.size, mine.crc32c] == entry and fs.isfile(f"{base}/{name}"):
             out[name] = fs.full(f"{base}/{name}")
     return out
 
@@ -177,5 +177,5 @@ def restore_from_peers(
     exchange(comm, plan, fs, replica, into)  # each file checked, written as <name>.part, then renamed
     comm.barrier("peer restore")  # the leader's files are written before any rank of its node reads them
     leader = nodes.leader()
-    got = [name for _, d, (name, _, _) in plan if d == leader and fs.is_file(f"{into}/{name}")]
+    got = [name for _, d, (name, _, _) in plan if d == leader and fs.isfile(f"{into}/{name}")]
     return {name: fs.full(f"{into}/{name}") for name in got}

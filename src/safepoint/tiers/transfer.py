@@ -193,7 +193,7 @@ def fetch_durable(comm: Comm, local: Layout, durable: RemoteLayout, step: int) -
             raw = durable.manifest_bytes(step)
             manifest = Manifest.from_json(raw, step_hint=step)
             pending = local.new_pending(step, manifest.save_id)
-            local.fs.mkdir(pending)  # through the guarded walk: a symlinked .pending is refused
+            local.fs.makedirs(pending)  # through the guarded walk: a symlinked .pending is refused
             plan = (raw, str(pending))
         except (CheckpointError, OSError) as e:
             plan = str(e)
