@@ -142,12 +142,15 @@ def test_a_symlinked_pending_is_neither_written_through_nor_emptied(saved: Path,
         before[name] = _tree(elsewhere)
         shutil.rmtree(local / ".pending")
         (local / ".pending").symlink_to(elsewhere)
-        (local / "step-2" / ".metadata").unlink()  # each node lacks it: a peer sends it
+    (locals_["nodeB"] / "step-2" / ".metadata").unlink()  # rank 1's node lacks it: node A sends it
     got = _restore(out, durable, locals_)
     for name in locals_:
         assert _tree(tmp_path / f"elsewhere-{name}") == before[name], name
-    for r in got.values():  # the replica this node keeps of the other node's share holds a .metadata too
-        assert dict(r["files"])[".metadata"] in ("peer", "durable"), r
+    # Not received (no .pending to receive into), node B reads .metadata from the replica it keeps of
+    # node A's share.
+    assert dict(got[1]["files"])[".metadata"] == "peer", got[1]
+    logs = "".join(p.read_text() for p in out.glob("agent-*.log"))
+    assert ".metadata from a peer not kept" in logs
 
 
 def test_replica_files_that_are_symlinks_out_of_the_root_are_not_read(saved: Path, tmp_path: Path) -> None:

@@ -335,7 +335,7 @@ class Layout:
             raise OSError(f"not deleting {src}: it is {problem}, not a checkpoint directory")
         expected = _identity(src)  # before the fence: what this owner decided to delete
         self.fence(f"deleting step {step}")
-        if real_dir_problem(self.pending_root) or not self.pending_root.exists():
+        if not self.fs.isdir(PENDING_DIR):
             # In place: through a symlinked .pending it would go outside ROOT.
             if not _remove_manifest_first(src, expected):
                 self._lost(f"deleting step {step}", f"{src} was replaced meanwhile")

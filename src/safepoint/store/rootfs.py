@@ -212,12 +212,15 @@ class RootDir:
 
     # ---- writing -------------------------------------------------------------------------------------
 
-    def create(self, rel: Rel, *, parents: bool = False) -> int:
+    def create(self, rel: Rel, *, parents: bool = False, exclusive: bool = False) -> int:
         """A new, empty regular file ``rel`` open for writing (the caller closes it). Whatever stood at the
         name (a stale file, a symlink planted there) is unlinked first, never followed or written through;
-        O_EXCL|O_NOFOLLOW refuses anything put there meanwhile. A directory in the way is an error."""
+        O_EXCL|O_NOFOLLOW refuses anything put there meanwhile. A directory in the way is an error.
+        ``exclusive``: nothing is unlinked; FileExistsError if anything stands there (a lease's create)."""
         with self.parent(rel, create=parents) as (dfd, name):
             with contextlib.suppress(FileNotFoundError):
+                if exclusive:
+                    return os.open(name, _CREATE_FLAGS, 0o644, dir_fd=dfd)
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
                 if stat.S_ISDIR(st.st_mode):
                     raise IsADirectoryError(errno.EISDIR, f"{self.full(rel)} is a directory")
@@ -256,6 +259,12 @@ class RootDir:
                     os.stat(dname, dir_fd=dfd, follow_symlinks=False)
                     raise FileExistsError(errno.EEXIST, f"{self.full(dst)} exists")
             os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
+
+    def link(self, src: Rel, dst: Rel) -> None:
+        """Hard-link ``src`` (itself, never a symlink's target) as ``dst``: atomic and exclusive like
+        O_EXCL (FileExistsError if ``dst`` exists), both under the root."""
+        with self.parent(src) as (sfd, sname), self.parent(dst) as (dfd, dname):
+            os.link(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
 
     def fsync_dir(self, rel: Rel = "") -> None:
         with self.dir(rel) as fd:
