@@ -38,6 +38,7 @@ from safepoint.store.guard import NotRegularFileError, describe_mode
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+# Modes as open() and mkdir() give them (0o666/0o777, less the umask): a group-writable shared root stays so.
 
 Rel = str | Path
 """A place under the root: a ``str`` is a name relative to the root (``".pending/x"``, ``""`` the root
@@ -109,7 +110,7 @@ class RootDir:
                     if not create:
                         raise
                     with contextlib.suppress(FileExistsError):  # made meanwhile: opened (and checked) below
-                        os.mkdir(name, 0o755, dir_fd=fd)
+                        os.mkdir(name, 0o777, dir_fd=fd)
                     nxt = os.open(name, _DIR_FLAGS, dir_fd=fd)
                 os.close(fd)
                 fd = nxt
@@ -220,12 +221,12 @@ class RootDir:
         with self.parent(rel, create=parents) as (dfd, name):
             with contextlib.suppress(FileNotFoundError):
                 if exclusive:
-                    return os.open(name, _CREATE_FLAGS, 0o644, dir_fd=dfd)
+                    return os.open(name, _CREATE_FLAGS, 0o666, dir_fd=dfd)
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
                 if stat.S_ISDIR(st.st_mode):
                     raise IsADirectoryError(errno.EISDIR, f"{self.full(rel)} is a directory")
                 os.unlink(name, dir_fd=dfd)
-            return os.open(name, _CREATE_FLAGS, 0o644, dir_fd=dfd)
+            return os.open(name, _CREATE_FLAGS, 0o666, dir_fd=dfd)
 
     def write(self, rel: Rel, data: bytes, *, durable: bool = True) -> None:
         """:meth:`create` ``rel`` holding ``data`` (fsync'd when ``durable``)."""
@@ -245,7 +246,7 @@ class RootDir:
         parts = self.parts(rel)
         if not parents:
             with self.parent(rel) as (dfd, name), contextlib.suppress(FileExistsError):
-                os.mkdir(name, 0o755, dir_fd=dfd)
+                os.mkdir(name, 0o777, dir_fd=dfd)
         with self.dir("/".join(parts), create=parents):
             pass  # opened: it is a real directory, reached without a symlink
 
