@@ -32,7 +32,6 @@ from safepoint.store.heartbeat import (
     describe_holder,
     heartbeat_age,
 )
-from safepoint.store.rootfs import RootDir
 
 log = logging.getLogger("safepoint")
 LEASE_NAME = ".lease"
@@ -68,7 +67,6 @@ class Lease(HeartbeatLease):
     ) -> None:
         super().__init__(stale_after_s, heartbeat_s, job)
         self.path = root / LEASE_NAME
-        self._fs = RootDir(root)  # every file of the lease through the guarded walk (store/rootfs.py)
 
     def _where(self) -> str:
         return str(self.path)
@@ -137,21 +135,25 @@ class Lease(HeartbeatLease):
         atomic and exclusive like O_EXCL, but a crash (or a power loss) can never leave a torn or empty
         ``.lease`` that would lock the next owner out until it goes stale. File systems without hard
         links fall back to O_EXCL + write."""
-        tmp = f"{LEASE_NAME}.{self.token}.tmp"
+        tmp = self.path.with_name(f"{LEASE_NAME}.{self.token}.tmp")
         record = json.dumps(self._record())
-        self._fs.write(tmp, record.encode())
+        with open(tmp, "w") as f:
+            f.write(record)
+            f.flush()
+            os.fsync(f.fileno())
         try:
-            self._fs.link(tmp, LEASE_NAME)
+            os.link(tmp, self.path)
         except FileExistsError:
             raise
         except OSError:  # no hard links here (EPERM/ENOTSUP/EOPNOTSUPP on some FUSE and object mounts)
-            with os.fdopen(self._fs.create(LEASE_NAME, exclusive=True), "w") as f:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with os.fdopen(fd, "w") as f:
                 f.write(record)
                 f.flush()
                 os.fsync(f.fileno())
         finally:
             with contextlib.suppress(OSError):
-                self._fs.remove(tmp)
+                os.unlink(tmp)
 
     def _take_aside(self, holder: dict[str, Any], judged: os.stat_result) -> None:
         """Move the lease judged stale out of the way, and only that one. Rename moves whatever is at
@@ -160,16 +162,16 @@ class Lease(HeartbeatLease):
         is put back (link: over nothing) and this contender loses at its next look."""
         aside = self.path.with_name(f"{LEASE_NAME}.stale-{self.token}")
         try:
-            self._fs.move(LEASE_NAME, aside.name)
+            os.rename(self.path, aside)
         except FileNotFoundError:
             return
         if self._is_file(aside, judged, holder.get("token")):
-            self._fs.remove(aside.name)
+            os.unlink(aside)
             self._took_over(holder)
             return
         with contextlib.suppress(OSError):  # someone else's lease: back in place, over nothing
-            self._fs.link(aside.name, LEASE_NAME)
-        self._fs.remove(aside.name)
+            os.link(aside, self.path)
+        os.unlink(aside)
 
     @staticmethod
     def _is_file(aside: Path, seen: os.stat_result, token: object) -> bool:
@@ -290,12 +292,12 @@ class Lease(HeartbeatLease):
             return
         aside = self.path.with_name(f"{LEASE_NAME}.release-{self.token}")
         try:
-            self._fs.move(LEASE_NAME, aside.name)
+            os.rename(self.path, aside)
         except FileNotFoundError:
             return
         if self._is_file(aside, ident, self.token):
-            self._fs.remove(aside.name)
+            os.unlink(aside)
             return
         with contextlib.suppress(OSError):  # a taker's lease: back in place, over nothing
-            self._fs.link(aside.name, LEASE_NAME)
-        self._fs.remove(aside.name)
+            os.link(aside, self.path)
+        os.unlink(aside)

@@ -1,8 +1,4 @@
-"""File-system calls the standard library has no binding for, and durable writes (fsync'd).
-
-One of the guarded modules (with store/rootfs.py and store/guard.py) that tests/test_architecture.py lets
-call the file system by path: the commit protocol's renameat2 exchange and fsyncs live here so that the
-torture suite (tests/torture/faults.py) can patch them in one place."""
+"""File-system calls the standard library has no binding for, and durable writes (fsync'd)."""
 
 from __future__ import annotations
 
@@ -46,10 +42,7 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 
 
 def write_file_durably(path: Path, data: bytes) -> None:
-    """``data`` into ``path`` (created or truncated), fsync'd. O_NOFOLLOW: a symlink planted at the name
-    fails the write (ELOOP) instead of being written through; callers pass a directory they made."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-    with os.fdopen(os.open(path, flags, 0o644), "wb") as f:
+    with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

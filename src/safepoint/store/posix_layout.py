@@ -17,7 +17,6 @@ import contextlib
 import errno
 import logging
 import os
-import stat
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -35,9 +34,11 @@ from safepoint.store.guard import (
     MISSING,
     STEP_PREFIX,
     file_problem,
+    open_regular,
     parked_step_name,
     parse_step,
     real_dir_problem,
+    remove_tree,
     remove_tree_from,
 )
 from safepoint.store.heartbeat import HeartbeatLease
@@ -93,23 +94,21 @@ class Layout:
     def ensure_root(self) -> None:
         # Every directory created here gets its parent fsynced: otherwise a power loss after the first
         # commits could lose ROOT's own directory entry, and every checkpoint with it.
-        missing = [
-            p for p in (self.pending_root, self.root, *self.root.parents) if RootDir(p).lstat("") is None
-        ]
+        missing = [p for p in (self.pending_root, self.root, *self.root.parents) if not p.exists()]
         try:
-            self.fs.make()
+            self.root.mkdir(parents=True, exist_ok=True)
             # A .pending that is not a real directory is left alone, reported by clean_pending (saves refuse).
             if real_dir_problem(self.pending_root) is None:
-                self.fs.makedirs(PENDING_DIR, parents=False)
+                self.pending_root.mkdir(exist_ok=True)
             for created in reversed(missing):
                 fsync_dir(created.parent)
         except OSError as e:
             raise CheckpointError(f"cannot create checkpoint root {self.root}: {e.strerror or e}") from e
 
     def check_readable(self) -> None:
-        if (st := self.fs.lstat("")) is None:  # the root's own path is the user's: followed (rootfs)
+        if not self.root.exists():
             return
-        if not stat.S_ISDIR(st.st_mode):
+        if not self.root.is_dir():
             raise CheckpointError(f"checkpoint root {self.root} exists but is not a directory")
         if not os.access(self.root, os.R_OK | os.X_OK):
             raise CheckpointError(f"checkpoint root {self.root} is not readable (permission denied)")
@@ -120,10 +119,15 @@ class Layout:
         """Steps whose directory holds a manifest, oldest first (manifest not yet parsed)."""
         self.check_readable()
         steps = []
-        for name in self.fs.listdir():
+        try:
+            entries = list(os.scandir(self.root))
+        except FileNotFoundError:
+            return []
+        for entry in entries:
             # A symlinked step-N is never a checkpoint (it would read, and retention delete, elsewhere).
-            step = parse_step(name)
-            if step is not None and self.fs.isdir(name) and self.fs.isfile(f"{name}/{MANIFEST_NAME}"):
+            step = parse_step(entry.name)
+            is_dir = step is not None and entry.is_dir(follow_symlinks=False)
+            if is_dir and step is not None and file_problem(Path(entry.path) / MANIFEST_NAME) is None:
                 steps.append(step)
         return sorted(steps)
 
@@ -217,8 +221,7 @@ class Layout:
             self._replace(pending, final, replacing)
         else:
             try:
-                # Refuses a non-empty step-N (ENOTEMPTY/EEXIST): never replaces one.
-                self.fs.move(pending, final)
+                os.rename(pending, final)  # refuses a non-empty step-N (ENOTEMPTY/EEXIST): never replaces one
             except OSError as e:
                 # ENOENT: a new owner's clean_pending removed this save as abandoned.
                 if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.ENOENT):
@@ -232,7 +235,7 @@ class Layout:
                 fsync_dir(self.root)
             except OSError:
                 # Not durable, so not committed: take it back out of sight before reporting the failure.
-                self.fs.move(final, pending)
+                os.rename(final, pending)
                 raise
         # Housekeeping only: .pending's entries are never listed, so this cannot un-commit anything.
         with contextlib.suppress(OSError):
@@ -258,35 +261,35 @@ class Layout:
             except OSError:
                 _rename_exchange(pending, final)  # the old copy back in place: "older checkpoints intact"
                 raise
-            self.fs.remove_tree(pending)
+            remove_tree(pending)
             return
         # No atomic exchange (e.g. NFS): park the old copy where recovery puts it back if we crash before
         # the new one lands.
         parked = self.pending_root / f"{_REPLACED_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
-        self.fs.move(final, parked)
+        os.rename(final, parked)
         if _identity(parked) != expected:
-            self.fs.move(parked, final)
+            os.rename(parked, final)
             self._lost(f"replacing {final.name}", f"{final} was replaced meanwhile")
         try:
-            self.fs.move(pending, final)
+            os.rename(pending, final)
         except OSError:
-            self.fs.move(parked, final)  # the old copy back in place before reporting "not committed"
+            os.rename(parked, final)  # the old copy back in place before reporting "not committed"
             raise
         try:
             fsync_dir(self.root)
         except OSError:
-            self.fs.move(final, pending)
-            self.fs.move(parked, final)
+            os.rename(final, pending)
+            os.rename(parked, final)
             raise
         # The replacement is done: first make the parked copy unrecoverable (recovery puts back only
         # "replaced-" copies), so a failed delete can never resurrect it later.
         doomed = self.pending_root / f"{_DELETING_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
         try:
-            self.fs.move(parked, doomed)
+            os.rename(parked, doomed)
         except OSError:
             _remove_manifest_first(parked, expected)
             return
-        self.fs.remove_tree(doomed)
+        remove_tree(doomed)
 
     # ---- the seam SyncSaver/Restorer use (RemoteLayout has the same methods) ---------------------------
 
@@ -296,23 +299,26 @@ class Layout:
     def written_sizes(self, pending: Path) -> dict[str, int]:
         """{name: size} of the files a save left in ``pending`` (what rank 0 can see)."""
         with contextlib.suppress(FileNotFoundError):
-            stats = {n: self.fs.lstat(pending / n) for n in self.fs.listdir(pending)}
-            return {n: st.st_size for n, st in stats.items() if st is not None and stat.S_ISREG(st.st_mode)}
+            return {e.name: e.stat().st_size for e in os.scandir(pending) if e.is_file()}
         return {}
 
     def discard(self, pending: Path) -> None:
-        self.fs.remove_tree(pending)
+        remove_tree(pending)
 
     def manifest_bytes(self, step: int) -> bytes:
         """The manifest's bytes: a regular file reached without a symlink, at most MAX_MANIFEST_BYTES (one
         linked to /dev/zero or a FIFO would be read forever, one linked elsewhere read from there)."""
-        return self.fs.read(f"{step_name(step)}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
+        with open(open_regular(self.step_path(step) / MANIFEST_NAME), "rb") as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise OSError(errno.EFBIG, f"larger than {MAX_MANIFEST_BYTES >> 20} MiB, not a manifest")
+        return data
 
     def read_metadata(self, step: int, manifest: Manifest) -> Metadata:
         """``.metadata``, its bytes checked against ``manifest`` and its structure checked (guard)."""
         size = manifest.files[METADATA_NAME].size if METADATA_NAME in manifest.files else 0
         try:
-            with os.fdopen(self.fs.open_read(f"{step_name(step)}/{METADATA_NAME}"), "rb") as f:
+            with open(open_regular(self.step_path(step) / METADATA_NAME), "rb") as f:
                 data = f.read(size + 1)  # never more than the manifest allows, whatever the file holds
         except OSError as e:
             raise CorruptCheckpointError(step, METADATA_NAME, f"cannot read ({e.strerror or e})") from None
@@ -335,18 +341,18 @@ class Layout:
             raise OSError(f"not deleting {src}: it is {problem}, not a checkpoint directory")
         expected = _identity(src)  # before the fence: what this owner decided to delete
         self.fence(f"deleting step {step}")
-        if not self.fs.isdir(PENDING_DIR):
+        if real_dir_problem(self.pending_root) or not self.pending_root.exists():
             # In place: through a symlinked .pending it would go outside ROOT.
             if not _remove_manifest_first(src, expected):
                 self._lost(f"deleting step {step}", f"{src} was replaced meanwhile")
             return
         doomed = self.pending_root / f"{_DELETING_PREFIX}{src.name}-{uuid.uuid4().hex[:8]}"
-        self.fs.move(src, doomed)
+        os.rename(src, doomed)
         if _identity(doomed) != expected:  # a step-N committed since the fence (a new owner's): put back
-            self.fs.move(doomed, src)
+            os.rename(doomed, src)
             self._lost(f"deleting step {step}", f"{src} was replaced meanwhile")
         fsync_dir(self.root)
-        self.fs.remove_tree(doomed)
+        remove_tree(doomed)
 
     def clean_pending(self) -> list[str]:
         """Run by a new owner: recover parked replacements, delete abandoned saves. Returns what it did."""
@@ -368,8 +374,8 @@ class Layout:
                     and file_problem(target / MANIFEST_NAME) is not None
                     and file_problem(entry / MANIFEST_NAME) is None
                 ):
-                    self.fs.remove_tree(target)
-                    self.fs.move(entry, target)
+                    remove_tree(target)
+                    os.rename(entry, target)
                     fsync_dir(self.root)
                     done.append(f"recovered {original} from an interrupted replacement")
                     continue
@@ -388,12 +394,12 @@ class Layout:
                     log.warning(msg)
                     done.append(msg)
                     continue
-            done.append(self.fs.remove_tree(entry) or f"removed abandoned {entry.name}")
+            done.append(remove_tree(entry) or f"removed abandoned {entry.name}")
         return done
 
     def _pending_entries(self) -> Iterator[Path]:
         with contextlib.suppress(FileNotFoundError):
-            yield from (self.pending_root / name for name in self.fs.listdir(PENDING_DIR))
+            yield from sorted(self.pending_root.iterdir())
 
 
 def _identity(path: Path) -> tuple[int, int] | None:

@@ -26,6 +26,7 @@ import torch
 from safepoint.errors import CorruptCheckpointError, UnsafeCheckpointError
 from safepoint.state import PER_RANK_SECTIONS, rank_key
 from safepoint.store.checksum import crc_hex
+from safepoint.store.guard import open_regular
 from safepoint.store.manifest import Manifest
 
 
@@ -48,9 +49,10 @@ def write(layout: Any, pending: Any, rank: int, sections: dict[str, Any]) -> dic
     torch.save({s: v[rank_key(rank)] for s, v in sections.items()}, buf)
     data, name = buf.getvalue(), file_name(rank)
     if isinstance(pending, Path):
-        # Through the guarded walk (store/rootfs.py): a link planted at the name is never written through.
-        # fsync'd: committed with the rest (DCP fsyncs its files, the commit the directory).
-        layout.fs.write(pending / name, data)
+        with open(pending / name, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # committed with the rest: DCP fsyncs its files, the commit the directory
     else:
         layout.store.put_bytes(posixpath.join(pending, name), data)
     return {name: (len(data), crc_hex(crc32c.crc32c(data)))}
@@ -75,7 +77,7 @@ def read(layout: Any, manifest: Manifest, source: int, sections: list[str]) -> d
         resolve = getattr(layout, "paths", None)
         if resolve is not None or isinstance(base, Path):
             path = Path(resolve([name])[name]) if resolve is not None else base / name
-            with os.fdopen(layout.fs.open_read(path), "rb") as f:  # no symlink on the way, no FIFO
+            with open(open_regular(path), "rb") as f:
                 data = f.read(entry.size + 1)
         else:
             data = layout.store.get_bytes(posixpath.join(layout.step_key(step), name))

@@ -39,9 +39,8 @@ from torch.futures import Future
 from safepoint.errors import CorruptCheckpointError, UnsafeCheckpointError, os_error_in_chain
 from safepoint.store.checksum import ChecksummingWriter, ChecksumRecorder
 from safepoint.store.file_report import Files, split_files, with_files
-from safepoint.store.guard import open_regular, real_dir_problem
+from safepoint.store.guard import real_dir_problem
 from safepoint.store.item_writer import write_queue
-from safepoint.store.rootfs import RootDir
 
 METADATA_NAME = ".metadata"
 
@@ -139,8 +138,7 @@ def safe_load_metadata(data: IO[bytes]) -> Metadata:
 
 
 def read_metadata_file(path: str | os.PathLike[str]) -> Metadata:
-    """A ``.metadata`` file's DCP Metadata (tests and tools): a regular file, not read through a symlink."""
-    with os.fdopen(open_regular(path), "rb") as f:
+    with open(path, "rb") as f:
         return safe_load_metadata(f)
 
 
@@ -158,10 +156,7 @@ class _ChecksummingFileSystem(FileSystem):
                 yield stream
             return
         try:
-            # Made in the save's directory through the guarded walk (store/rootfs.py): a link planted at the
-            # name is unlinked, never written through.
-            fd = RootDir(Path(path).parent).create(Path(path).name)
-            with os.fdopen(fd, mode) as raw:  # noqa: SIM117 - the wrapper takes ownership of raw
+            with open(path, mode) as raw:  # noqa: SIM117 - the wrapper takes ownership of raw
                 with ChecksummingWriter(raw, Path(path).name, self.recorder) as stream:
                     yield stream  # type: ignore[misc]
         except Exception as e:
@@ -173,11 +168,10 @@ class _ChecksummingFileSystem(FileSystem):
         # outside ROOT. Raised here, inside DCP's collective save, so every rank fails the save together.
         if problem := real_dir_problem(Path(path).parent):
             raise OSError(f"{Path(path).parent} is {problem}, not a directory; not saving through it")
-        RootDir(Path(path).parent).makedirs(Path(path).name)
+        super().mkdir(path)
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
-        # DCP's .metadata.tmp -> .metadata, inside the save's directory (OutsideRootError otherwise).
-        RootDir(Path(path).parent).move(Path(path), Path(new_path))
+        super().rename(path, new_path)
         self.recorder.rename(Path(path).name, Path(new_path).name)
 
 
