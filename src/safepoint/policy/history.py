@@ -18,10 +18,9 @@ from typing import Any
 from safepoint.dist import Comm
 from safepoint.errors import CheckpointError, Preempted
 from safepoint.policy.rules import AdaptiveInterval, AdaptiveSeconds, learned_mtbf
-from safepoint.store.fsops import fsync_dir, write_file_durably
-from safepoint.store.guard import read_regular
 from safepoint.store.manifest import Manifest
 from safepoint.store.posix_layout import CheckpointStore, Layout
+from safepoint.store.rootfs import RootDir
 
 log = logging.getLogger("safepoint")
 ATTEMPTS_NAME = ".attempts.json"
@@ -102,18 +101,19 @@ def save_estimate(name: str, layout: CheckpointStore) -> TierEstimate:
     )
 
 
-def write_json_atomically(path: Path, data: object) -> None:
+def write_json_atomically(fs: RootDir, name: str, data: object) -> None:
     """Temporary file, fsync, rename, fsync of the directory: a crash leaves the old file or the new one.
-    Advisory files only: a failure is logged, never raised (they must not fail training)."""
-    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    All through the guarded walk (store/rootfs.py): a symlink planted at the name is replaced, never written
+    through. Advisory files only: a failure is logged, never raised (they must not fail training)."""
+    tmp = f"{name}.{uuid.uuid4().hex[:8]}.tmp"
     try:
-        write_file_durably(tmp, json.dumps(data, indent=1).encode())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
+        fs.write(tmp, json.dumps(data, indent=1).encode())
+        fs.move(tmp, name)
+        fs.fsync_dir()
     except OSError as e:
         with contextlib.suppress(OSError):
-            tmp.unlink()
-        log.warning("safepoint: cannot record the run history in %s: %s", path, e)
+            fs.remove(tmp)
+        log.warning("safepoint: cannot record the run history in %s: %s", fs.full(name), e)
 
 
 class UploadHistory:
@@ -124,10 +124,10 @@ class UploadHistory:
     emergency save with its predecessor's measurements. Advisory: unreadable means no history."""
 
     def __init__(self, local_root: Path) -> None:
-        self.path = local_root / UPLOADS_NAME
+        self.fs, self.path = RootDir(local_root), local_root / UPLOADS_NAME
         self.seconds: list[float] = []
         try:
-            raw = json.loads(read_regular(self.path, _MAX_HISTORY_BYTES))["uploads"]
+            raw = json.loads(self.fs.read(UPLOADS_NAME, _MAX_HISTORY_BYTES))["uploads"]
             self.seconds = [float(u["seconds"]) for u in raw if math.isfinite(float(u["seconds"]))]
         except FileNotFoundError:
             pass
@@ -138,7 +138,7 @@ class UploadHistory:
         self.seconds = [*self.seconds, seconds][-_KEEP_UPLOADS:]
         if persist:
             write_json_atomically(
-                self.path, {"version": 1, "uploads": [{"seconds": s} for s in self.seconds]}
+                self.fs, UPLOADS_NAME, {"version": 1, "uploads": [{"seconds": s} for s in self.seconds]}
             )
 
     def expected(self) -> float | None:
@@ -216,7 +216,7 @@ class RunHistory:
 
     def _load(self) -> list[dict[str, Any]]:
         try:
-            data = json.loads(read_regular(self.path, _MAX_HISTORY_BYTES))
+            data = json.loads(self.layout.fs.read(ATTEMPTS_NAME, _MAX_HISTORY_BYTES))
             attempts = data["attempts"]
             if not isinstance(attempts, list) or not all(_well_formed(a) for a in attempts):
                 raise ValueError("malformed attempts list")
@@ -244,7 +244,7 @@ class RunHistory:
         return start
 
     def _write(self) -> None:
-        write_json_atomically(self.path, {"version": 1, "attempts": self.attempts})
+        write_json_atomically(self.layout.fs, ATTEMPTS_NAME, {"version": 1, "attempts": self.attempts})
 
     def begin(self) -> RunStats:
         """Rank 0: close out earlier attempts, record this one, return the stats."""

@@ -47,6 +47,7 @@ from safepoint.store.metadata_check import load_checked_metadata
 from safepoint.store.protocol import CheckpointInfo as CheckpointInfo  # re-exported: its old home
 from safepoint.store.protocol import CheckpointStore as CheckpointStore
 from safepoint.store.reader import SafeReader
+from safepoint.store.rootfs import RootDir
 from safepoint.store.storage import METADATA_NAME, SafepointWriter
 
 log = logging.getLogger("safepoint")
@@ -77,6 +78,11 @@ class Layout:
         """LeaseError unless this process still owns ROOT (a no-op without a lease; see lease.fence)."""
         if self.owner is not None:
             self.owner.fence(action)
+
+    @property
+    def fs(self) -> RootDir:
+        """ROOT, touched only through the guarded walk: no symlink below it followed (store/rootfs.py)."""
+        return RootDir(self.root)
 
     @property
     def pending_root(self) -> Path:

@@ -27,7 +27,7 @@ from safepoint.restore.restorer import Restorer
 from safepoint.state import TrainState
 from safepoint.store.heartbeat import HeldByThisJob
 from safepoint.store.manifest import Manifest
-from safepoint.store.posix_layout import CheckpointInfo, CheckpointStore, Layout
+from safepoint.store.posix_layout import CheckpointInfo, CheckpointStore, Layout, step_name
 
 log = logging.getLogger("safepoint")
 
@@ -177,9 +177,9 @@ def drop_node_shares(local: Layout, durable: dict[int, tuple[str, CheckpointInfo
             manifest = local.read_manifest(step)
         except CheckpointError:
             continue
-        base = local.step_path(step)
+        base = step_name(step)
         if durable.get(step, ("",))[0] == manifest.save_id and not all(
-            (base / name).is_file() for name in manifest.files
+            local.fs.isfile(f"{base}/{name}") for name in manifest.files
         ):
             local.remove(step)
             done.append(f"removed local step {step}: one node's share of a durable checkpoint")
@@ -257,7 +257,7 @@ def take_ownership(
             log.warning(msg)
         except (CheckpointError, OSError) as e:
             cause = _cannot_write(e)
-            if cause is not None and isinstance(layout, Layout) and layout.root.is_dir():
+            if cause is not None and isinstance(layout, Layout) and layout.fs.isdir(""):
                 if lease is not None:
                     lease.release()
                 lease, layout.owner = None, None

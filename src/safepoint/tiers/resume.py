@@ -35,6 +35,7 @@ from safepoint.state import TrainState
 from safepoint.store.guard import parse_step
 from safepoint.store.manifest import MANIFEST_NAME, Manifest
 from safepoint.store.posix_layout import Layout
+from safepoint.store.rootfs import RootDir
 from safepoint.tiers.base import SingleTier
 
 log = logging.getLogger("safepoint")
@@ -45,10 +46,7 @@ _SHOWN = 10  # entries of a root named in an error
 def _entries(root: Layout | RemoteLayout) -> list[str] | None:
     """What ``root`` holds (names, sorted), or None if it does not exist."""
     if isinstance(root, Layout):
-        try:
-            return sorted(os.listdir(root.root))
-        except FileNotFoundError:
-            return None
+        return root.fs.listdir("") if root.fs.lexists("") else None
     return sorted(root.store.sizes(root.base)) or None  # a prefix with no object does not exist
 
 
@@ -201,8 +199,8 @@ def _open_source(spec: WarmStart, storage_options: dict[str, Any] | None) -> tup
             return RemoteLayout(parent, storage_options), step, path
         return RemoteLayout(path, storage_options), spec.step, path
     local = path.removeprefix("file://")
-    if step is not None and os.path.isfile(os.path.join(local, MANIFEST_NAME)):
+    if step is not None and RootDir(local).isfile(MANIFEST_NAME):
         return Layout(os.path.dirname(os.path.abspath(local))), step, local
-    if not os.path.isdir(local):
+    if not RootDir(local).isdir(""):
         raise CheckpointError(f"init_from={local!r} does not exist (a checkpoint root or a step-N directory)")
     return Layout(local), spec.step, local

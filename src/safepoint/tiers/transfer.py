@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import re
 import time
 import warnings
@@ -192,7 +193,7 @@ def fetch_durable(comm: Comm, local: Layout, durable: RemoteLayout, step: int) -
             raw = durable.manifest_bytes(step)
             manifest = Manifest.from_json(raw, step_hint=step)
             pending = local.new_pending(step, manifest.save_id)
-            pending.mkdir(parents=True)
+            local.fs.makedirs(pending)  # through the guarded walk: a symlinked .pending is refused
             plan = (raw, str(pending))
         except (CheckpointError, OSError) as e:
             plan = str(e)
@@ -204,7 +205,11 @@ def fetch_durable(comm: Comm, local: Layout, durable: RemoteLayout, step: int) -
     def get(name: str) -> None:
         entry = manifest.files[name]
         key = durable.object_key(step, name)
-        crc = durable.store.download(key, str(pending / name), entry.size)
+        fd = local.fs.create(pending / name)  # a planted symlink is unlinked, never written through
+        try:
+            crc = durable.store.download(key, fd, entry.size)
+        finally:
+            os.close(fd)
         if crc != entry.crc32c:
             raise CorruptCheckpointError(step, name, f"crc32c {crc} != {entry.crc32c} (contents altered)")
 
