@@ -118,7 +118,16 @@ def test_a_tiered_manager_starts_over_a_lying_local_manifest(tmp_path: Path, how
 
 @pytest.mark.parametrize(
     "text",
-    ["NaN", "[Infinity]", '{"a": -Infinity}', "1e400", DEEP, '{"a":' * 40 + "1" + "}" * 40, "1" * 5000, "\xff"],
+    [
+        "NaN",
+        "[Infinity]",
+        '{"a": -Infinity}',
+        "1e400",
+        DEEP,
+        '{"a":' * 40 + "1" + "}" * 40,
+        "1" * 5000,
+        "\xff",
+    ],
 )
 def test_the_reader_refuses_what_no_writer_writes(text: str) -> None:
     from safepoint.store.records import CorruptRecordError, parse_json

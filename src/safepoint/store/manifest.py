@@ -171,7 +171,8 @@ class Manifest:
                 save_id=str_field(body, "save_id", what, default=""),
                 host=str_field(body, "host", what, default=""),
                 versions={
-                    str(k): _plain(v, "versions") for k, v in dict_field(body, "versions", what, default={}).items()
+                    str(k): _plain(v, "versions")
+                    for k, v in dict_field(body, "versions", what, default={}).items()
                 },
                 extra=dict(dict_field(body, "extra", what, default={})),
             )

@@ -35,12 +35,15 @@ from safepoint.store.guard import remove_tree
 from safepoint.store.manifest import Manifest
 from safepoint.store.node_map import NodeMap, file_rank
 from safepoint.store.posix_layout import Layout
+from safepoint.store.records import CorruptRecordError, dict_field, read_record, str_field
 from safepoint.store.storage import METADATA_NAME
 from safepoint.tiers.peer_stream import Entry, exchange
 
 log = logging.getLogger("safepoint")
 PEERS_DIR = ".peers"
 REPLICA_NAME = "replica.json"
+MAX_REPLICA_BYTES = 16 << 20
+"""A replica record lists one node's files of one step (a few KB); anything larger is not one."""
 
 
 def _leaders(nodes: NodeMap) -> list[int]:
@@ -119,14 +122,20 @@ def held(local: Layout, manifest: Manifest) -> dict[str, Path]:
     """The files of this node's replica that belong to ``manifest``'s save (entries equal to its own)."""
     base = local.root / PEERS_DIR / f"step-{manifest.step}"
     try:
-        record = json.loads((base / REPLICA_NAME).read_text())
-    except (OSError, ValueError):
+        record = read_record(base / REPLICA_NAME, MAX_REPLICA_BYTES)
+        if str_field(record, "save_id", REPLICA_NAME, max_len=64) != manifest.save_id:
+            return {}
+        files = dict_field(record, "files", REPLICA_NAME)
+    except FileNotFoundError:
         return {}
-    if record.get("save_id") != manifest.save_id:
+    except (OSError, CorruptRecordError) as e:
+        # A damaged replica is no replica: the files come from the node's own disk or the durable tier.
+        log.warning("safepoint: ignoring the peer replica of step %d: %s", manifest.step, e)
         return {}
     out = {}
-    for name, entry in record.get("files", {}).items():
+    for name, entry in files.items():
         mine = manifest.files.get(name)
+        # Compared with the durable manifest's entry: only a file it lists, with its size and crc, is used.
         if mine is not None and [mine.size, mine.crc32c] == entry and (base / name).is_file():
             out[name] = base / name
     return out
