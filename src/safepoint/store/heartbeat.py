@@ -157,6 +157,10 @@ class HeartbeatLease(abc.ABC):
         self.heartbeat_s = heartbeat_s
         self.token = uuid.uuid4().hex
         self.job = job  # store/job.py: a holder of the same job is taken over at once, on any host
+        # `safepoint prune --force`: any readable holder counts as stale. Taking it over is what fences it
+        # (its token is gone from the store: its next commit or delete refuses); an unreadable lease or one
+        # that is no lease file is still refused.
+        self.forced = False
         self.lost: str | None = None
         self.beats = 0  # heartbeat attempts so far (lets tests wait for beats instead of sleeping)
         self._stop = threading.Event()
@@ -192,6 +196,8 @@ class HeartbeatLease(abc.ABC):
         names one run of one job, see store/job.py), any other holder when ``age``, the time since its
         last heartbeat, exceeds ``stale_after_s``. Never ``kill(pid, 0)`` across namespaces: there the pid
         names another process, or none, and a live holder would be taken over at once."""
+        if self.forced:
+            return True
         pid = askable_pid(holder)
         if pid is not None:
             if pid == os.getpid() and holder.get("token") != self.token:
@@ -204,7 +210,12 @@ class HeartbeatLease(abc.ABC):
 
     def _took_over(self, holder: dict[str, Any] | None) -> None:
         who = describe_holder(holder) if holder else "an unreadable lease file"
-        if holder and self._same_job(holder):
+        if holder and self.forced:
+            log.warning(
+                "safepoint: took over the lease of %s by force: that job can no longer commit or delete "
+                "(its next save fails with LeaseError)", who,
+            )  # fmt: skip
+        elif holder and self._same_job(holder):
             log.warning(
                 "safepoint: took over the lease of %s: a previous attempt of this job (%s)", who, self.job
             )
