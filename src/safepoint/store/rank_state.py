@@ -27,7 +27,7 @@ from safepoint.data.rng import rng_problem
 from safepoint.errors import CorruptCheckpointError, UnsafeCheckpointError, weights_only_reason
 from safepoint.state import PER_RANK_SECTIONS, RNG, rank_key
 from safepoint.store.checksum import crc_hex
-from safepoint.store.guard import open_regular
+from safepoint.store.guard import open_regular, read_up_to
 from safepoint.store.manifest import Manifest
 
 
@@ -79,7 +79,7 @@ def read(layout: Any, manifest: Manifest, source: int, sections: list[str]) -> d
         if resolve is not None or isinstance(base, Path):
             path = Path(resolve([name])[name]) if resolve is not None else base / name
             with open(open_regular(path), "rb") as f:
-                data = f.read(entry.size + 1)
+                data = read_up_to(f, entry.size + 1)
         else:
             data = layout.store.get_bytes(posixpath.join(layout.step_key(step), name))
     except Exception as e:  # OSError, or the store's error: the file cannot be read as listed

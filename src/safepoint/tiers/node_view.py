@@ -13,7 +13,7 @@ from safepoint.dist import Comm
 from safepoint.errors import CheckpointError, CorruptCheckpointError
 from safepoint.remote.object_layout import RemoteLayout
 from safepoint.store.checksum import file_crc32c
-from safepoint.store.guard import open_regular, remove_tree
+from safepoint.store.guard import open_regular, read_up_to, remove_tree
 from safepoint.store.manifest import Manifest
 from safepoint.store.metadata_check import load_checked_metadata
 from safepoint.store.node_map import NodeMap
@@ -167,7 +167,7 @@ class NodeView(Layout):
         try:
             path = self.paths([METADATA_NAME])[METADATA_NAME]
             with open(open_regular(path), "rb") as f:
-                data = f.read(size + 1)
+                data = read_up_to(f, size + 1)  # chunked: a forged size is never allocated
         except OSError as e:
             raise CorruptCheckpointError(step, METADATA_NAME, f"cannot read ({e.strerror or e})") from None
         return load_checked_metadata(step, data, manifest.expected())
