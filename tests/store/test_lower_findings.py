@@ -138,7 +138,7 @@ def test_a_forged_metadata_size_is_never_allocated(
     """Was: MemoryError from reading .metadata by its declared size before the size was checked."""
     saved = _save(root, 1, 2)
     _reforge(root / "step-2", _metadata=size)
-    step, got, said = _restore(root, caplog)
+    step, got, _ = _restore(root, caplog)
     assert step == 1 and _equal(got, saved[1])
     rc, out = _cli("inspect", str(root), "--step", "2")
     assert rc == 1 and len(out.strip().splitlines()) == 1 and "Traceback" not in out, out

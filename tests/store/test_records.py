@@ -142,3 +142,21 @@ def test_the_reader_wants_an_object() -> None:
     assert parse_object(b'{"a": [1, 2.5, "x", null, true]}', "r") == {"a": [1, 2.5, "x", None, True]}
     with pytest.raises(CorruptRecordError, match="r: a JSON array, not an object"):
         parse_object(b"[]", "r")
+
+
+@pytest.mark.parametrize(
+    "text", ['{"version": 1, "attempts": NaN}', DEEP, "[]", '{"attempts": [{"start": 1e400}]}']
+)
+def test_a_lying_run_history_is_ignored_and_the_manager_starts(
+    tmp_path: Path, text: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``.attempts.json`` (ROOT) and ``.uploads.json`` (local tier) are advice: ignored with a warning."""
+    durable, local = tmp_path / "durable", tmp_path / "local"
+    _save(durable, 1, local_root=local)
+    for where in (durable, local):  # the run history lives in the layout the manager plans with
+        (where / ".attempts.json").write_text(text)
+    (local / ".uploads.json").write_text(text.replace("attempts", "uploads"))
+    with caplog.at_level(logging.WARNING, "safepoint"):
+        with safepoint.CheckpointManager(durable, local_root=local, save_every_seconds="auto") as mgr:
+            assert mgr.restore(safepoint.TrainState(model=_model(9))) == 1
+    assert ".attempts.json" in caplog.text and ".uploads.json" in caplog.text, caplog.text
