@@ -38,7 +38,7 @@ from typing import Any
 import crc32c
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 import safepoint
@@ -235,7 +235,9 @@ def _mutate_rank(step_dir: Path, m: Mutation, outside: Path) -> None:
     t = rng[key]
     choice = m.how % 6
     if choice == 0 and t.numel():
-        t.view(-1)[rnd.randrange(t.numel())] = rnd.choice([-1, 2**32, 2**40, 625, -(2**62)])
+        value = rnd.choice([-1, 2**32, 2**40, 625, -(2**62)])
+        # A uint8 tensor (torch's state) cannot hold them: a random byte there (found by the long run).
+        t.view(-1)[rnd.randrange(t.numel())] = value % 256 if t.dtype == torch.uint8 else value
     elif choice == 1:
         rng[key] = t[: rnd.randrange(t.numel() + 1)].clone()
     elif choice == 2:
@@ -412,6 +414,10 @@ def _campaign(p: Pristine, m: Mutation) -> None:
         shutil.rmtree(base, ignore_errors=True)
 
 
+# Found by the long campaign: a flaw of the attack code (a word out of range written into torch's uint8
+# state raised inside the attack, before any invariant was checked).
+_UINT8 = Mutation(kind="rank", how=0, where=2813, value=0, seed=0)
+
 CAMPAIGN = settings(
     max_examples=40,
     deadline=None,
@@ -424,6 +430,7 @@ CAMPAIGN = settings(
 
 @CAMPAIGN
 @given(m=mutations)
+@example(m=_UINT8)
 def test_record_campaign(pristine: Pristine, m: Mutation) -> None:
     _campaign(pristine, m)
 
