@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from safepoint.data import rng
-from safepoint.errors import SaveError
+from safepoint.errors import SaveError, weights_only_reason
 
 MODEL = "model"
 OPTIMIZER = "optimizer"
@@ -407,7 +407,7 @@ def _check_weights_only(value: Any, path: str) -> None:
         buf.seek(0)
         torch.load(buf, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, TypeError, AttributeError, ValueError) as e:
-        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        why = weights_only_reason(e)
         raise SaveError(
             f"cannot save {path!r}: a {type(value).__name__} is not plain data, and restore (which loads "
             f"with torch.load(weights_only=True)) would refuse it ({why}). Store a tensor, a number, a "

@@ -155,3 +155,24 @@ def test_a_replica_file_that_became_a_fifo_is_not_read(tmp_path: Path) -> None:
     os.mkfifo(rep / data)
     view.paths([data])
     assert view.sources == {data: "durable"}
+
+
+def test_a_replica_record_that_lies_is_no_replica(tmp_path: Path) -> None:
+    """replica.json as ``[]`` (was AttributeError in start and restore), with NaN, nested 2,000 deep, or
+    with ``files`` of the wrong type: a warning, and the file comes from the durable tier."""
+    local, durable, data = _saved(tmp_path)
+    save_id = local.read_manifest(3).save_id
+    rep = _replica(local, [data], save_id)
+    (local.step_path(3) / data).unlink()
+    good = (rep / REPLICA_NAME).read_text()
+    for text in (
+        "[]",
+        good.replace('"step": 3', '"step": NaN'),
+        good.replace('"step": 3', '"step": ' + "[" * 2000 + "]" * 2000),
+        json.dumps({"step": 3, "save_id": save_id, "files": []}),
+        json.dumps({"step": 3, "save_id": 7, "files": {}}),
+    ):
+        (rep / REPLICA_NAME).write_text(text)
+        view = _view(local, durable)
+        view.paths([data])
+        assert view.sources == {data: "durable"}, text[:40]

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from safepoint.errors import CheckpointError, CorruptCheckpointError
+from safepoint.errors import CheckpointError, CorruptCheckpointError, LeaseError
 from safepoint.policy.rules import Retention
 from safepoint.remote.object_layout import RemoteLayout, is_url
 from safepoint.remote.upload import UploadError
@@ -336,15 +336,24 @@ def history(layout: Layout) -> list[CheckpointInfo]:
     return out
 
 
-def prune(layout: Layout, retention: Retention, *, dry_run: bool) -> tuple[list[int], list[int], list[int]]:
+def prune(
+    layout: Layout, retention: Retention, *, dry_run: bool, force: bool = False
+) -> tuple[list[int], list[int], list[int]]:
     """(kept, deleted, corrupt) steps. Deletes under the lease, so it never races a live writer.
 
     Checkpoints are verified newest first until one is intact: that one is the newest (it always
-    survives); the newer ones that failed are left alone, never counted as kept or deleted."""
+    survives); the newer ones that failed are left alone, never counted as kept or deleted. ``force``: a
+    live holder's lease is taken over (fencing it: it can no longer commit or delete) instead of refused;
+    the deletes are fenced by the lease taken, like every other delete."""
     if dry_run:
         return _prune_plan(layout, retention)
     lease = layout.lease(DEFAULT_STALE_AFTER_S)  # fences every delete/commit through layout
-    lease.acquire()
+    lease.forced = force
+    try:
+        lease.acquire()
+    except LeaseError as e:
+        hint = "" if force else "; `safepoint prune --force` takes the root over (that job's next save fails)"
+        raise LeaseError(f"not pruning: {e}{hint}") from None
     try:
         kept, doomed, corrupt = _prune_plan(layout, retention)  # under the lease: nobody else is adding
         for step in doomed:

@@ -20,6 +20,7 @@ from safepoint.errors import CheckpointError, Preempted
 from safepoint.policy.rules import AdaptiveInterval, AdaptiveSeconds, learned_mtbf
 from safepoint.store.manifest import Manifest
 from safepoint.store.posix_layout import CheckpointStore, Layout
+from safepoint.store.records import CorruptRecordError, checked_float, list_field, parse_object
 from safepoint.store.rootfs import RootDir
 
 log = logging.getLogger("safepoint")
@@ -63,7 +64,7 @@ def _timings(m: Manifest) -> dict[str, float]:
     raw = m.extra.get("timings")
     if not isinstance(raw, dict):
         return {}
-    return {k: float(v) for k, v in raw.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+    return {k: float(v) for k, v in raw.items() if _number(v) and v >= 0}  # 10**400 overflows isfinite
 
 
 def save_seconds(m: Manifest) -> float | None:
@@ -127,11 +128,19 @@ class UploadHistory:
         self.fs, self.path = RootDir(local_root), local_root / UPLOADS_NAME
         self.seconds: list[float] = []
         try:
-            raw = json.loads(self.fs.read(UPLOADS_NAME, _MAX_HISTORY_BYTES))["uploads"]
-            self.seconds = [float(u["seconds"]) for u in raw if math.isfinite(float(u["seconds"]))]
+            raw = list_field(
+                parse_object(self.fs.read(UPLOADS_NAME, _MAX_HISTORY_BYTES), str(self.path)),
+                "uploads",
+                str(self.path),
+            )
+            what = str(self.path)
+            self.seconds = [
+                checked_float(u.get("seconds") if isinstance(u, dict) else u, "seconds", what, lo=0, hi=1e9)
+                for u in raw
+            ]
         except FileNotFoundError:
             pass
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, CorruptRecordError) as e:
             log.warning("safepoint: ignoring unreadable %s (%s)", self.path, e)
 
     def record(self, seconds: float, *, persist: bool) -> None:
@@ -216,14 +225,17 @@ class RunHistory:
 
     def _load(self) -> list[dict[str, Any]]:
         try:
-            data = json.loads(self.layout.fs.read(ATTEMPTS_NAME, _MAX_HISTORY_BYTES))
-            attempts = data["attempts"]
+            attempts = list_field(
+                parse_object(self.layout.fs.read(ATTEMPTS_NAME, _MAX_HISTORY_BYTES), str(self.path)),
+                "attempts",
+                str(self.path),
+            )
             if not isinstance(attempts, list) or not all(_well_formed(a) for a in attempts):
                 raise ValueError("malformed attempts list")
             return attempts
         except FileNotFoundError:
             return []
-        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        except (OSError, ValueError, CorruptRecordError) as e:
             log.warning(
                 "safepoint: ignoring unreadable %s (%s); the restart history starts over", self.path, e
             )

@@ -19,7 +19,9 @@ a new owner finishes the promotion (``clean_pending``). This is the best a store
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import posixpath
 import re
 from pathlib import Path
@@ -319,6 +321,13 @@ class RemoteLayout:
             self.store.delete(rest)
         except (UploadError, FileNotFoundError) as e:
             log.warning("safepoint: could not clean up %s: %s", self.store.url(pending), e)
+            return
+        if self.store.local:
+            # A directory used as the durable tier has real directories: deleting the objects left step-N/
+            # empty, listed by `ls` as a partial save forever. rmdir removes only an empty directory (never
+            # a symlink, never contents): anything else left there stays for a human.
+            with contextlib.suppress(OSError):
+                os.rmdir(pending)
 
     def _still_owner(self, prefix: str) -> bool:
         """Whether this process may delete under an in-place save ``prefix``: it holds the root's lease

@@ -21,7 +21,7 @@ from safepoint.errors import (
     UnsafeCheckpointError,
 )
 from safepoint.policy.rules import Verdicts
-from safepoint.restore.compat import NotLoadable, check_compat, report, section_prefixes
+from safepoint.restore.compat import NotLoadable, check_compat, damage_first, report, section_prefixes
 from safepoint.restore.in_place import loaded_in_place
 from safepoint.restore.leftover import Leftover, written_keys
 from safepoint.restore.partial import Plan, RestoreReport, Selection, plan
@@ -341,12 +341,13 @@ class Restorer:
             def prepare() -> Metadata:
                 # Inside DCP's planning step, on every rank: a failure here reaches every rank through
                 # DCP's plan collective before anything is loaded (no collective of our own).
+                md: Metadata | None = None
                 try:
-                    metadata = self.layout.read_metadata(step, manifest)
-                    check_compat(step, template, ranks.read(metadata))
+                    md = self.layout.read_metadata(step, manifest)
+                    check_compat(step, template, ranks.read(md))
                 except (CorruptCheckpointError, StateMismatchError) as e:
-                    raise NotLoadable(e) from None
-                return metadata
+                    raise NotLoadable(damage_first(self.layout, step, md, e)) from None
+                return md
 
             reader = self.layout.make_reader(step, None, manifest)
             reader.prepare = prepare
@@ -359,7 +360,7 @@ class Restorer:
                 matched = plan(step, template, checked, tuple(section_prefixes(template)), sel)
                 to_dcp = ranks.split(matched.to_load)
             except (CorruptCheckpointError, StateMismatchError) as e:
-                error = e
+                error = damage_first(self.layout, step, metadata, e)
             # Shards differ per rank: if any rank cannot load (or read .metadata), none may enter DCP's
             # collective load, and every rank decides alike from what all found, as on the default path.
             found = [(r, e) for r, e in enumerate(self.comm.all_gather(error)) if e is not None]

@@ -37,6 +37,7 @@ from safepoint.store.guard import (
     open_regular,
     parked_step_name,
     parse_step,
+    read_up_to,
     real_dir_problem,
     remove_tree,
     remove_tree_from,
@@ -319,7 +320,7 @@ class Layout:
         size = manifest.files[METADATA_NAME].size if METADATA_NAME in manifest.files else 0
         try:
             with open(open_regular(self.step_path(step) / METADATA_NAME), "rb") as f:
-                data = f.read(size + 1)  # never more than the manifest allows, whatever the file holds
+                data = read_up_to(f, size + 1)  # never more than the manifest allows, whatever the file holds
         except OSError as e:
             raise CorruptCheckpointError(step, METADATA_NAME, f"cannot read ({e.strerror or e})") from None
         return load_checked_metadata(step, data, manifest.expected())

@@ -14,6 +14,7 @@ from typing import Any
 from safepoint.dist import Comm
 from safepoint.errors import CheckpointError, CorruptCheckpointError
 from safepoint.remote.object_layout import RemoteLayout
+from safepoint.store.guard import read_up_to
 from safepoint.store.manifest import Manifest
 from safepoint.store.metadata_check import load_checked_metadata
 from safepoint.store.node_map import NodeMap
@@ -173,7 +174,7 @@ class NodeView(Layout):
         try:
             path = self.paths([METADATA_NAME])[METADATA_NAME]
             with os.fdopen(self.fs.open_read(Path(path)), "rb") as f:
-                data = f.read(size + 1)
+                data = read_up_to(f, size + 1)  # chunked: a forged size is never allocated
         except OSError as e:
             raise CorruptCheckpointError(step, METADATA_NAME, f"cannot read ({e.strerror or e})") from None
         return load_checked_metadata(step, data, manifest.expected())

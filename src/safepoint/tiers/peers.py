@@ -33,6 +33,7 @@ from safepoint.errors import CheckpointError
 from safepoint.store.manifest import Manifest
 from safepoint.store.node_map import NodeMap, file_rank
 from safepoint.store.posix_layout import PENDING_DIR, Layout
+from safepoint.store.records import CorruptRecordError, dict_field, parse_object, str_field
 from safepoint.store.rootfs import RootDir
 from safepoint.store.storage import METADATA_NAME
 from safepoint.tiers.peer_stream import Entry, exchange
@@ -125,16 +126,18 @@ def held(local: Layout, manifest: Manifest) -> dict[str, Path]:
     if not fs.lexists(base):
         return {}
     try:
-        record = json.loads(fs.read(f"{base}/{REPLICA_NAME}", MAX_RECORD_BYTES))
-        if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
-            raise ValueError("not a replica record")
-    except (OSError, ValueError, RecursionError) as e:
+        record = parse_object(fs.read(f"{base}/{REPLICA_NAME}", MAX_RECORD_BYTES), REPLICA_NAME)
+        if str_field(record, "save_id", REPLICA_NAME, max_len=64) != manifest.save_id:
+            return {}
+        files = dict_field(record, "files", REPLICA_NAME)
+    except FileNotFoundError:
+        return {}
+    except (OSError, CorruptRecordError) as e:
+        # A damaged replica is no replica: the files come from the node's own disk or the durable tier.
         log.warning("safepoint: peer replica %s is corrupt, not used (%s)", fs.full(base), e)
         return {}
-    if record.get("save_id") != manifest.save_id:
-        return {}
     out = {}
-    for name, entry in record["files"].items():
+    for name, entry in files.items():
         mine = manifest.files.get(name)
         if mine is not None and [mine.size, mine.crc32c] == entry and fs.isfile(f"{base}/{name}"):
             out[name] = fs.full(f"{base}/{name}")
