@@ -11,6 +11,7 @@ from safepoint.errors import (
     StateMismatchError,
     UnsafeCheckpointError,
 )
+from safepoint.events import CheckpointEvent, JsonlSink, TensorBoardSink, when_committed
 from safepoint.manager import CheckpointManager
 from safepoint.options import ClusterOptions, PreemptionOptions, WarmStart, WriterOptions
 from safepoint.policy.rules import (
@@ -35,6 +36,7 @@ from safepoint.tiers.base import DurabilityLag
 __all__ = [
     "AdaptiveInterval",
     "CheckpointError",
+    "CheckpointEvent",
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointWarning",
@@ -43,6 +45,7 @@ __all__ = [
     "DurabilityLag",
     "EveryNSeconds",
     "EveryNSteps",
+    "JsonlSink",
     "KeepBest",
     "KeepEvery",
     "KeepLast",
@@ -57,6 +60,7 @@ __all__ = [
     "SaveError",
     "ShieldedWorkerInit",
     "StateMismatchError",
+    "TensorBoardSink",
     "TrainState",
     "TransferConfig",
     "UnsafeCheckpointError",
@@ -66,4 +70,5 @@ __all__ = [
     "__version__",
     "init_process_group",
     "shield_worker_init",
+    "when_committed",
 ]
