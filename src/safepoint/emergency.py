@@ -60,7 +60,11 @@ class EmergencySave:
 
     def run(self, step: int, state: TrainState, metrics: dict[str, Any] | None) -> NoReturn:
         """Every rank agreed on a notice: finish the save in flight, save this step synchronously, exit."""
-        self.events.emit(ev.PREEMPTION, step, reason="; ".join(self.preemption.reasons))
+        notice = self.preemption.notice  # this rank's (another rank's notice: none here)
+        since = time.monotonic() - notice.at if notice.at is not None else None
+        self.events.emit(
+            ev.PREEMPTION, step, reason=notice.reason or "a notice on another rank", duration_secs=since
+        )
         t_notice = time.perf_counter()
         # Old checkpoints can wait for the next owner: no delete competes with the emergency save for the
         # disk, and the exit (close) waits on one step's delete at most, not on every queued pass.

@@ -61,7 +61,8 @@ RESTORE_FALLBACK = "restore_fallback"
 RESTORE = "restore"
 """A restore ended: ``step`` loaded (0: nothing to load), ``duration_secs`` it took."""
 PREEMPTION = "preemption"
-"""Every rank agreed on a preemption notice at ``step``; ``reason`` names the notice."""
+"""Every rank agreed on a preemption notice at ``step``; ``reason`` names this rank's notice,
+``duration_secs`` is the time since it came (None: the notice came to another rank)."""
 EMERGENCY_SAVE = "emergency_save"
 """What the preemption did: ``step`` saved (None: nothing saved, ``reason`` says why)."""
 EVENT_TYPES = (
