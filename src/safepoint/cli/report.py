@@ -92,8 +92,9 @@ def render(report: RunReport, out: Console) -> None:
         restored = "fresh start" if not a.restored else f"restored step {a.restored}"
         redo = f", {a.steps_redone} step(s) redone" if a.steps_redone else ""
         reached = "-" if a.last_step is None else str(a.last_step)
+        took = _seconds(a.end - a.start)
         out.print(
-            f"    {i + 1}. {when(a.start)}  {_seconds(a.end - a.start):>9}  {restored}, reached step {reached}, "
+            f"    {i + 1}. {when(a.start)}  {took:>9}  {restored}, reached step {reached}, "
             f"{a.saves} save(s){redo}; {a.outcome}"
         )
     if r.skipped_lines:
