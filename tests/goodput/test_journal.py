@@ -140,5 +140,8 @@ def test_only_the_owner_writes_the_journal(tmp_path: Path) -> None:
         assert after == before and JOURNAL_NAME in before
     records, skipped = parse_journal((tmp_path / JOURNAL_NAME).read_bytes())
     kinds = [r["event_type"] for r in records]
-    assert skipped == 0 and kinds == [ev.SAVE_COMMITTED, ev.SAVE_DURABLE, ev.SAVE]  # no maybe_save: no progress
-    )
+    assert skipped == 0 and kinds == [
+        ev.SAVE_COMMITTED,
+        ev.SAVE_DURABLE,
+        ev.SAVE,
+    ]  # no maybe_save: no progress
