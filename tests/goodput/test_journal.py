@@ -13,8 +13,8 @@ import torch
 import safepoint
 from safepoint import events as ev
 from safepoint.cli.main import main as cli
-from safepoint.cli.report import build_report
 from safepoint.errors import CheckpointError
+from safepoint.policy.goodput import build_report
 from safepoint.policy.journal import (
     CARRY,
     JOURNAL_NAME,

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from safepoint import events as ev
-from safepoint.cli.goodput import RunReport
 from safepoint.errors import CheckpointError
+from safepoint.policy.goodput import RunReport
 
 _OUTCOME_COLOR = {"closed": "tab:green", "preempted": "tab:orange", "preempted-unsaved": "tab:red"}
 _ROWS = ("attempts", "saves", "uploads", "failures")

@@ -19,11 +19,18 @@ it restored and the last step it reached. Then:
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import logging
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 from safepoint import events as ev
-from safepoint.policy.journal import CARRY, PROGRESS
+from safepoint.errors import CheckpointError
+from safepoint.policy.history import RunHistory
+from safepoint.policy.journal import CARRY, PROGRESS, read_journal, read_progress
+from safepoint.store.posix_layout import Layout
 
 _UNKNOWN_END = {"running"}
 
@@ -259,3 +266,89 @@ def _totals(report: RunReport, records: list[dict[str, Any]]) -> None:
     if lags:
         report.durable_lag_max_s = max(lags)
         report.durable_lag_mean_s = math.fsum(lags) / len(lags)
+
+
+# ---- reading a root, and the report as text ------------------------------------------------------------
+
+
+def build_report(root: str | os.PathLike[str]) -> RunReport:
+    """The report of the run in the local ``root`` (CheckpointError if it is not a readable directory)."""
+    where = os.fspath(root)
+    if "://" in where and not where.startswith("file://"):
+        raise CheckpointError(
+            f"{where}: the run journal is kept on the local disk of the job (ROOT, or local_root with a URL "
+            "root): run `safepoint report LOCAL_ROOT`"
+        )
+    path = Path(where.removeprefix("file://"))
+    if not path.is_dir() or path.is_symlink():
+        raise CheckpointError(f"{path} is not a checkpoint root (no such directory)")
+    # The attempts file is read as at a manager's start (validated; unreadable: none), without its warning
+    # that "the restart history starts over", which is about a start, not a report.
+    history = logging.getLogger("safepoint")
+    level = history.level
+    history.setLevel(logging.ERROR)
+    try:
+        attempts = RunHistory(Layout(path))._load()
+    finally:
+        history.setLevel(level)
+    try:
+        records, skipped = read_journal(path)
+    except OSError as e:
+        raise CheckpointError(f"cannot read the run journal of {path}: {e}") from None
+    return analyze(str(path), attempts, records, skipped, read_progress(path))
+
+
+def _when(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _seconds(s: float) -> str:
+    if s < 120:
+        return f"{s:.2f}s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    return f"{s / 3600:.2f} h"
+
+
+def report_lines(r: RunReport) -> list[str]:
+    """The report as text (what `safepoint report` and the demo print)."""
+    if not r.attempts:
+        return [f"no run recorded in {r.root} (no attempts file or run journal: no manager owned it yet)"]
+    first, last = r.attempts[0].start, max(a.end for a in r.attempts)
+    lost = (
+        f"{_seconds(r.restart_lost_s)}: {_seconds(r.downtime_s)} down, {_seconds(r.redone_s)} redoing "
+        f"{r.steps_redone} step(s), {_seconds(sum(a.restore_s for a in r.attempts[1:]))} restoring"
+    )
+    rows = [
+        ("run", f"{_when(first)} -> {_when(last)}  ({_seconds(r.wall_s)} wall, {_seconds(r.run_s)} running)"),
+        ("attempts", f"{len(r.attempts)} ({r.restarts} restart(s))"),
+        ("saves", f"{r.saves} committed, {r.failed_saves} failed, {r.emergency_saves} emergency"),
+        ("loop blocked by saves", f"{_seconds(r.blocking_s)} ({r.overhead_pct:.2f}% of the running time)"),
+        ("restores", _seconds(r.restore_s)),
+        ("lost to restarts", lost),
+        ("steps redone", str(r.steps_redone)),
+        ("durability lag", _lag(r)),
+        ("goodput", f"{100 * r.goodput:.1f}% of the wall time"),
+    ]
+    out = [f"safepoint report {r.root}", *(f"  {name:<22} {value}" for name, value in rows), "  attempts:"]
+    for i, a in enumerate(r.attempts):
+        restored = "fresh start" if not a.restored else f"restored step {a.restored}"
+        redo = f", {a.steps_redone} step(s) redone" if a.steps_redone else ""
+        reached = "-" if a.last_step is None else str(a.last_step)
+        took = _seconds(a.end - a.start)
+        out.append(
+            f"    {i + 1}. {_when(a.start)}  {took:>9}  {restored}, reached step {reached}, "
+            f"{a.saves} save(s){redo}; {a.outcome}"
+        )
+    if r.skipped_lines:
+        out.append(f"  {r.skipped_lines} malformed journal line(s) skipped")
+    return out
+
+
+def _lag(r: RunReport) -> str:
+    if r.durable_lag_max_s is None:
+        return "no durable copy recorded"
+    text = f"max {_seconds(r.durable_lag_max_s)}, mean {_seconds(r.durable_lag_mean_s or 0.0)}"
+    if r.last_step is not None and r.last_durable_step is not None:
+        text += f"; at the end {max(0, r.last_step - r.last_durable_step)} step(s) not durable"
+    return text
