@@ -165,7 +165,7 @@ class Resume:
             return f"unreadable: {e}"
         if entries is None:
             return "it does not exist"
-        own = {".pending", ".lease", ".attempts.json"}  # safepoint's own files, not checkpoints
+        own = {".pending", ".lease", ".attempts.json", ".journal.jsonl", ".progress"}  # safepoint's own files
         others = [e for e in entries if e not in own]
         if not others:
             return "empty, created just now" if self.created else "empty"
