@@ -68,15 +68,17 @@ def test_a_sync_save_emits_each_phase_in_order_on_the_training_thread(root: Path
     assert rec.threads[ev.SAVE_COMMITTED] == {threading.main_thread().name}
 
 
+@pytest.mark.parametrize("async_writer", ["thread", "process"])
 def test_an_async_save_commits_on_the_writer_thread_and_the_hook_sees_a_committed_checkpoint(
-    root: Path,
+    root: Path, async_writer: str
 ) -> None:
     rec = Recorder()
     seen: list[tuple[int, bool]] = []
     hook = safepoint.when_committed(
         lambda step, path: seen.append((step, Path(path, "safepoint.json").is_file()))
     )
-    writer = safepoint.WriterOptions(async_writer="thread")
+    # With the writer process the child writes the files; the parent's writer thread reports, as with a thread.
+    writer = safepoint.WriterOptions(async_writer=async_writer)
     with safepoint.CheckpointManager(root, async_save=True, writer=writer, on_event=[rec, hook]) as mgr:
         mgr.save(1, _state())
         mgr.save(2, _state())  # waits for step 1's write first
@@ -201,3 +203,42 @@ def test_on_event_must_be_callables(root: Path) -> None:
     with pytest.raises(ValueError, match="on_event must be a callable"):
         safepoint.CheckpointManager(root, on_event=["events.jsonl"])  # type: ignore[list-item]
     assert not root.exists()  # refused before anything was created
+
+
+def test_tiering_reports_each_tier_and_the_report_its_durability_lag(
+    tmp_path: Path, moto_endpoint: str, bucket: str
+) -> None:
+    from tests.helpers.s3 import storage_options
+
+    rec = Recorder()
+    local = tmp_path / "local"
+    with safepoint.CheckpointManager(
+        f"s3://{bucket}/run",
+        local_root=local,
+        storage_options=storage_options(moto_endpoint),
+        keep_last=1,
+        keep_local_last=1,
+        on_event=rec,
+    ) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state())
+            mgr.wait()  # each upload done before the next save: none is superseded (tiering.py)
+    durable = [e for e in rec.events if e.event_type == ev.SAVE_DURABLE]
+    assert [(e.step, e.tier) for e in durable] == [(1, "durable"), (2, "durable"), (3, "durable")]
+    assert all(e.directory and e.directory.startswith(f"s3://{bucket}/run") for e in durable)
+    assert all(e.lag_secs is not None and e.lag_secs >= 0 and e.bytes_written for e in durable)
+    assert rec.threads[ev.SAVE_DURABLE] != {threading.main_thread().name}  # the uploader's thread
+    deleted = {(e.step, e.tier) for e in rec.events if e.event_type == ev.SAVE_DELETED}
+    assert deleted == {
+        (1, "durable"),
+        (2, "durable"),
+        (1, "local"),
+        (2, "local"),
+    }  # keep_last=1, keep_local_last=1
+    assert [e.step for e in rec.events if e.event_type == ev.SAVE_COMMITTED] == [1, 2, 3]
+    # The journal is on the local root; the report's durability lag comes from the uploads.
+    from safepoint.policy.goodput import build_report
+
+    report = build_report(local)
+    assert report.saves == 3 and report.last_durable_step == 3
+    assert report.durable_lag_max_s == pytest.approx(max(e.lag_secs for e in durable), abs=1e-3)  # type: ignore[type-var]

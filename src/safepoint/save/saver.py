@@ -154,6 +154,9 @@ class SyncSaver:
         try:
             info, verdict, manifest = self.comm.broadcast((info, errors, self._manifest if multi else None))
         except PeerTimeoutError as e:
+            self.events.emit(
+                ev.SAVE_FAILED, step, reason=f"{e}" + (f" (this rank: {error})" if error else "")
+            )
             if error is None:
                 raise
             # DCP's own collective usually timed out first (same group); its message names the cause.
