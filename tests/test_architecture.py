@@ -81,7 +81,8 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 def test_every_room_is_a_subpackage_and_no_module_is_oversized() -> None:
     top = {p.stem for p in SRC.glob("*.py")}
-    assert top <= {"__init__", "_version", "manager", "emergency", "state", "errors", "dist", "options"}, top
+    rooms = {"__init__", "_version", "manager", "emergency", "state", "errors", "dist", "options", "events"}
+    assert top <= rooms, top
     sizes = {str(p.relative_to(SRC)): len(p.read_text().splitlines()) for p in SRC.rglob("*.py")}
     assert {name: n for name, n in sizes.items() if n > MAX_LINES} == {}
 

@@ -11,6 +11,7 @@ from safepoint.errors import (
     StateMismatchError,
     UnsafeCheckpointError,
 )
+from safepoint.events import CheckpointEvent, JsonlSink, TensorBoardSink, when_committed
 from safepoint.manager import CheckpointManager
 from safepoint.options import ClusterOptions, PreemptionOptions, WarmStart, WriterOptions
 from safepoint.policy.keep import Keep
@@ -36,6 +37,7 @@ from safepoint.tiers.base import DurabilityLag
 __all__ = [
     "AdaptiveInterval",
     "CheckpointError",
+    "CheckpointEvent",
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointWarning",
@@ -44,6 +46,7 @@ __all__ = [
     "DurabilityLag",
     "EveryNSeconds",
     "EveryNSteps",
+    "JsonlSink",
     "Keep",
     "KeepBest",
     "KeepEvery",
@@ -59,6 +62,7 @@ __all__ = [
     "SaveError",
     "ShieldedWorkerInit",
     "StateMismatchError",
+    "TensorBoardSink",
     "TrainState",
     "TransferOptions",
     "UnsafeCheckpointError",
@@ -68,6 +72,7 @@ __all__ = [
     "__version__",
     "init_process_group",
     "shield_worker_init",
+    "when_committed",
 ]
 
 RENAMED = {"TransferConfig": "TransferOptions"}

@@ -12,7 +12,8 @@ from typing import Any
 
 from safepoint.dist import Comm
 from safepoint.emergency import EmergencySave
-from safepoint.errors import CheckpointError, Preempted
+from safepoint.errors import CheckpointError, Preempted, SaveError
+from safepoint.events import Events, EventSink, SaveCall, subscribers, wire
 from safepoint.options import (
     ClusterOptions,
     PreemptionOptions,
@@ -25,6 +26,7 @@ from safepoint.options import (
     writer_process_mode,
 )
 from safepoint.policy.history import RunHistory, outcome_of
+from safepoint.policy.journal import open_records
 from safepoint.policy.keep import Keep
 from safepoint.policy.retainer import Retainer
 from safepoint.policy.rules import AdaptiveInterval, Retention, Verdicts
@@ -76,6 +78,7 @@ class CheckpointManager:
         resume: "auto" (the newest intact checkpoint, else step 0), "required" (CheckpointError naming the
             root and what it holds if there is none), "never" (step 0; checkpoints kept, not loaded).
         init_from: a warm start (root, step-N directory or ``safepoint.WarmStart``) when ``root`` has none.
+        on_event: callable(s) given a ``safepoint.CheckpointEvent`` per save phase, restore, preemption.
 
     Keywords that moved into an option object fail with their new home named (``options.MOVED_KEYWORDS``).
     One process holds a root through one open manager: a second one on it raises ``LeaseError`` saying so.
@@ -97,9 +100,11 @@ class CheckpointManager:
         transfer: TransferOptions | None = None,
         resume: str = "auto",
         init_from: str | os.PathLike[str] | WarmStart | None = None,
+        on_event: EventSink | Iterable[EventSink] | None = None,
         **moved: Any,
     ) -> None:
         reject_moved(moved)
+        self.events = Events(subscribers(on_event))  # events.py; ``events.subscribe`` adds a sink later
         check_option_types(writer=writer, preemption=preemption, cluster=cluster)
         writer, cluster, keep = writer or WriterOptions(), cluster or ClusterOptions(), Keep.of(keep)
         notices = preemption or PreemptionOptions()
@@ -129,8 +134,9 @@ class CheckpointManager:
             self._preemption = Preemption.build(self.comm, notices)
             self._resume.before_create(self.comm)
             self._take_ownership(cluster.lease_stale_after_s)
+            self._runs, self._journal = open_records(self.layout, self.comm, self._read_only, self.events)
             if isinstance(self.layout, Layout):  # "auto" was refused above for a URL root alone
-                self._runs = self._schedule.add_adaptive(self.layout, self.comm)
+                self._schedule.add_adaptive(self.layout, self.comm, self._runs)
             if self._at_exit:
                 # A script that ends without close() must not kill the writer mid-file at interpreter
                 # shutdown (torch's C++ writer aborts the process then): let the save in flight finish.
@@ -157,6 +163,7 @@ class CheckpointManager:
             preemption.stop()  # previous signal handlers back, poller stopped
         if outcome is not None and self._runs is not None:
             self._runs.end(outcome)
+        self.events.close()  # the journal's too, under the lease like every write to the root
         if (process := getattr(self, "_process", None)) is not None:
             process.close()
         if (stager := getattr(self, "_stager", None)) is not None:
@@ -211,6 +218,8 @@ class CheckpointManager:
         if durable is not None and isinstance(self.layout, Layout):  # per-node ones on several nodes
             args = (self.layout, durable, retention, keep.local_last, self._new_comm(timeout), verdicts)
             self._tiers = build_tiers(self.comm, [self._saver, self._bg_saver], *args)
+        parts = (self._saver, self._bg_saver, self._restorer, self._retainer, self._tiers, self._resume)
+        wire(self.events, *parts, rank=self.comm.rank)  # events.py: each part emits its phases
 
     def _take_ownership(self, stale_after_s: float) -> None:
         self._lease, error, self._read_only = take_ownership(
@@ -227,6 +236,7 @@ class CheckpointManager:
         ``if_busy="skip"`` skipped it (a time policy stays due; a step policy waits for its next step)."""
         check_step(step)
         self._tiers.observe(step)  # durability_lag() counts steps trained since the last durable save
+        self._journal.progress(step)  # the report's "steps redone" after a kill
         if self._emergency is not None and self._emergency.preemption.agreed(step):
             self._emergency.run(step, state, metrics)
         if not self._schedule.due(step):
@@ -288,26 +298,28 @@ class CheckpointManager:
         upload: bool = True,
     ) -> CheckpointInfo:
         self._check_owner(step)  # here: the emergency save (preempt/) calls this directly
-        with self._tiers.paused():  # uploads hold off while training waits for this save
-            t0 = time.perf_counter()
+        call = SaveCall(self.events, step, is_async=False, emergency=emergency is not None)
+        with self._tiers.paused(), call.failing(SaveError):  # uploads hold off while training waits
+            t0 = call.begin()
             sd = state.capture(self.comm.rank)
             timings = {"capture_s": time.perf_counter() - t0}
             extra = {"emergency": emergency} if emergency is not None else None
             info = self._saver.write(step, sd, state.sections(), metrics, timings, extra)
         self._current = self._tiers.committed(info, upload=upload)  # queued for upload (tiering)
-        self._schedule.saved(step, time.perf_counter() - t0, info.bytes)
+        self._schedule.saved(step, call.returned(directory=str(info.path)), info.bytes)
         return info
 
     def _save_async(self, step: int, state: TrainState, metrics: dict[str, float]) -> bool:
         self._check_owner(step)
+        call = SaveCall(self.events, step, is_async=True)
         if not self._writer.make_room(step, self._if_busy, self.comm):
             return False
         assert self._bg_saver is not None
         saver = self._bg_saver
-        t0 = time.perf_counter()
-        with self._tiers.paused():
+        with self._tiers.paused(), call.failing(SaveError):
+            call.begin()
             staged = self._stager.stage(state.capture(self.comm.rank))
-        blocking = time.perf_counter() - t0
+        blocking = call.returned(bytes_written=tensor_bytes(staged))
         sections, tiers = state.sections(), self._tiers
         self._writer.submit(
             step, lambda: tiers.committed(saver.write(step, staged, sections, metrics, {"stage_s": blocking}))

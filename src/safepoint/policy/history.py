@@ -222,6 +222,7 @@ class RunHistory:
         self.path = layout.root / ATTEMPTS_NAME
         self.attempts: list[dict[str, Any]] = []
         self.current: dict[str, Any] | None = None
+        self.stats: RunStats | None = None  # what begin() found
 
     def _load(self) -> list[dict[str, Any]]:
         try:
@@ -277,9 +278,9 @@ class RunHistory:
             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         }
         self.attempts = [*attempts, self.current][-MAX_ATTEMPTS:]
-        stats = summarize(self.attempts, now)
+        self.stats = summarize(self.attempts, now)
         self._write()
-        return stats
+        return self.stats
 
     def end(self, outcome: str) -> None:
         """Rank 0: record how this attempt ended (once)."""
@@ -307,27 +308,23 @@ def adaptive_policy(
     layout: Layout,
     comm: Comm,
     costs: Callable[[], list[float]],
-) -> tuple[AdaptiveSeconds, RunHistory | None]:
-    """The ``save_every_seconds="auto"`` policy for a manager, and (rank 0, learned M) its run history.
+    runs: RunHistory | None,
+) -> AdaptiveSeconds:
+    """The ``save_every_seconds="auto"`` policy for a manager.
 
     C: the blocking times ``costs()`` returns, after those recorded in the newest manifests (so a restarted
     job starts from the cost its predecessor measured). M: ``mtbf_seconds``, or learned from ROOT's
-    attempts file (rank 0 reads and writes it; the counts are broadcast, one collective at start-up).
+    attempts file (``runs``: rank 0 of the root's owner read and wrote it at the start; the counts are
+    broadcast, one collective at start-up; a manager that does not own the root learns from nothing).
     """
     recorded = recorded_blocking_cost(layout)
-    runs: RunHistory | None = None
     mtbf: Callable[[], tuple[float, str]]
     if mtbf_seconds is not None:
         given = float(mtbf_seconds)
         mtbf = lambda: (given, "given")  # noqa: E731
     else:
-        stats: RunStats | None = None
-        if comm.is_coordinator:
-            runs = RunHistory(layout)
-            stats = runs.begin()
-        stats = comm.broadcast(stats)
-        assert stats is not None
-        learned = stats
+        stats = comm.broadcast(runs.stats if runs is not None else None)
+        learned = stats if stats is not None else RunStats(0.0, 0, 0, time.time())
 
         def mtbf() -> tuple[float, str]:
             observed = learned.observed_s + max(0.0, time.time() - learned.started)
@@ -337,7 +334,7 @@ def adaptive_policy(
                 f"attempt(s), prior {config.prior_mtbf_s:.0f}s"
             )
 
-    return AdaptiveSeconds(config, lambda: [*recorded, *costs()], mtbf), runs
+    return AdaptiveSeconds(config, lambda: [*recorded, *costs()], mtbf)
 
 
 def _number(x: Any) -> bool:

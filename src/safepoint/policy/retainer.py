@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
+from safepoint import events as ev
 from safepoint.errors import CheckpointError, LeaseError
 from safepoint.policy.rules import Retention, Verdicts
 from safepoint.store.posix_layout import CheckpointInfo, CheckpointStore
@@ -32,6 +34,8 @@ log = logging.getLogger("safepoint")
 
 
 class Retainer:
+    events: ev.Events = ev.NO_EVENTS  # the manager's stream (events.py): each step deleted
+
     def __init__(
         self, layout: CheckpointStore, retention: Retention, verdicts: Verdicts, *, background: bool = False
     ) -> None:
@@ -152,6 +156,7 @@ class Retainer:
 
     def _pass(self, committed: int) -> None:
         """Apply the policies; ``committed`` (the last commit) and the newest verified step survive."""
+        t0 = time.perf_counter()
         try:
             steps = self.layout.committed_steps()
             for s in list(self._index):
@@ -169,7 +174,8 @@ class Retainer:
                 history.append(self._index[s])
             good = self.verdicts.newest_intact([c.step for c in history])
             protect = {committed} | ({good} if good is not None else set())
-            for step in self.retention.to_delete(history, protect):
+            doomed, deciding = self.retention.to_delete(history, protect), time.perf_counter() - t0
+            for step in doomed:
                 with self._cond:
                     if self._stopped:
                         return  # abandoned: the next owner's first pass judges what is left
@@ -184,6 +190,7 @@ class Retainer:
                         self._cond.notify_all()
                 self._index.pop(step, None)
                 log.info("safepoint: retention removed step %d", step)
+                self.events.emit(ev.SAVE_DELETED, step, tier="root", get_old_steps_duration_secs=deciding)
         except LeaseError as e:
             # Another owner has the root: every later delete would be refused as well (and must be).
             with self._cond:

@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+from safepoint import events as ev
 from safepoint.data import rng
 from safepoint.dist import Comm
 from safepoint.errors import (
@@ -54,6 +55,8 @@ class CheckpointWarning(UserWarning):
 
 
 class Restorer:
+    events: ev.Events = ev.NO_EVENTS  # the manager's stream (events.py): each fallback
+
     def __init__(self, layout: CheckpointStore, comm: Comm, verdicts: Verdicts | None = None) -> None:
         self.layout = layout
         self.comm = comm
@@ -186,6 +189,7 @@ class Restorer:
         return candidate, manifest, None
 
     def skipping(self, e: CorruptCheckpointError) -> None:
+        self.events.emit(ev.RESTORE_FALLBACK, e.step, reason=str(e))
         if self.comm.is_coordinator:
             msg = f"safepoint: skipping corrupt checkpoint: {e}; falling back to an older one"
             warnings.warn(msg, CheckpointWarning, stacklevel=5)

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from safepoint import events as ev
 from safepoint.dist import Comm, PeerTimeoutError
 from safepoint.errors import CheckpointError, SaveError, describe_exception
 from safepoint.policy.retainer import Retainer
@@ -31,6 +32,8 @@ log = logging.getLogger("safepoint")
 
 
 class SyncSaver:
+    events: ev.Events = ev.NO_EVENTS  # the manager's stream (events.py): written, committed, failed
+
     def __init__(
         self,
         layout: CheckpointStore,
@@ -113,6 +116,11 @@ class SyncSaver:
             )
         except (CheckpointException, OSError, RuntimeError, ValueError) as e:
             error = describe_exception(e)
+        else:
+            mine = sum(size for size, _ in {**writer.written_files(), **own}.values())
+            self.events.emit(
+                ev.SAVE_WRITTEN, step, bytes_written=mine, duration_secs=time.perf_counter() - t0
+            )
         errors = [error] if error else []
         info: CheckpointInfo | None = None
         if self.comm.is_coordinator:
@@ -146,6 +154,9 @@ class SyncSaver:
         try:
             info, verdict, manifest = self.comm.broadcast((info, errors, self._manifest if multi else None))
         except PeerTimeoutError as e:
+            self.events.emit(
+                ev.SAVE_FAILED, step, reason=f"{e}" + (f" (this rank: {error})" if error else "")
+            )
             if error is None:
                 raise
             # DCP's own collective usually timed out first (same group); its message names the cause.
@@ -160,10 +171,13 @@ class SyncSaver:
             else:  # not committed: this node's share goes, as rank 0's did
                 self.layout.discard(pending)
         if errors or info is None:
+            why = "; ".join(dict.fromkeys(errors))
+            self.events.emit(ev.SAVE_FAILED, step, reason=why)
             raise SaveError(
-                f"save of step {step} failed and was not committed ({'; '.join(dict.fromkeys(errors))}). "
-                "Older checkpoints are intact."
+                f"save of step {step} failed and was not committed ({why}). Older checkpoints are intact."
             )
+        seconds, done = time.perf_counter() - t0, {"bytes_written": info.bytes, "bytes_skipped": 0}
+        self.events.emit(ev.SAVE_COMMITTED, step, duration_secs=seconds, directory=str(info.path), **done)
         if self.comm.is_coordinator:
             self.retainer.settle()  # inline mode: the pass runs now, after every rank has its verdict
         return info

@@ -22,9 +22,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
+from safepoint import events as ev
 from safepoint.dist import Comm
 from safepoint.errors import CheckpointError
 from safepoint.options import WarmStart
@@ -53,6 +55,8 @@ def _entries(root: Layout | RemoteLayout) -> list[str] | None:
 class Resume:
     """One manager's ``resume`` mode and the root it resumes from (the durable one, with tiering: a new
     node's local disk is always empty)."""
+
+    events: ev.Events = ev.NO_EVENTS  # the manager's stream (events.py): restore_begin, restore
 
     def __init__(
         self,
@@ -99,7 +103,12 @@ class Resume:
         one is configured). The report says what was loaded and what was left."""
         self.report = None
         restorer.selection, restorer.last_report = selection, None
+        self.events.emit(ev.RESTORE_BEGIN, step)
+        t0 = time.perf_counter()
         manifest = self._own(comm, step, lambda: tiers.restore(restorer, state, step))
+        where = str(self.root.step_path(manifest.step)) if manifest is not None else None
+        took = time.perf_counter() - t0
+        self.events.emit(ev.RESTORE, manifest.step if manifest else 0, duration_secs=took, directory=where)
         if manifest is None:
             if self.init_from is not None and step is None:
                 self.warm_start(comm, state, self.init_from)
@@ -154,7 +163,7 @@ class Resume:
             return f"unreadable: {e}"
         if entries is None:
             return "it does not exist"
-        own = {".pending", ".lease", ".attempts.json"}  # safepoint's own files, not checkpoints
+        own = {".pending", ".lease", ".attempts.json", ".journal.jsonl", ".progress"}  # safepoint's own files
         others = [e for e in entries if e not in own]
         if not others:
             return "empty, created just now" if self.created else "empty"

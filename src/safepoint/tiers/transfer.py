@@ -26,6 +26,7 @@ from typing import Any
 
 from safepoint.dist import Comm
 from safepoint.errors import CheckpointError, CorruptCheckpointError
+from safepoint.events import RESTORE_FALLBACK
 from safepoint.remote.object_layout import RemoteLayout
 from safepoint.remote.retry import UploadError
 from safepoint.restore.restorer import CheckpointWarning, Restorer
@@ -171,6 +172,7 @@ def choose_across_tiers(
         if isinstance(got, Manifest):
             fetched(got)
             return restorer.choose(s)
+        restorer.events.emit(RESTORE_FALLBACK, s, tier="durable", reason=f"unusable: {got}")
         if comm.is_coordinator:
             msg = f"safepoint: durable checkpoint step {s} is unusable ({got}); trying an older one"
             # manager.restore -> Tiering.restore -> here: the warning points at the caller's line.
