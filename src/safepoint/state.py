@@ -89,7 +89,8 @@ class TrainState:
         if self.model is not None and not isinstance(self.model, nn.Module):
             raise ValueError(f"TrainState(model=...) must be an nn.Module, got {type(self.model).__name__}")
         if self.optimizer is not None:
-            for opt in self._optimizers():
+            opts = self.optimizer if isinstance(self.optimizer, (list, tuple)) else [self.optimizer]
+            for opt in opts:
                 if not isinstance(opt, torch.optim.Optimizer):
                     raise ValueError(
                         f"TrainState(optimizer=...) must be an Optimizer or a list of them, got "
