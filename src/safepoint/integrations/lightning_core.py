@@ -13,8 +13,9 @@ in the loop at each of those points:
   back exactly as Lightning would restore them from a ``.ckpt``.
 - ``on_train_start``: the data position goes back into the ``ResumableSampler`` (after Lightning read
   ``len(dataloader)`` for the whole epoch; the epoch's iterator is made again from it), and safepoint's
-  SIGTERM handler replaces Lightning's (installed just before: it would raise ``SIGTERMException``, a ``SystemExit`` with code 0,
-  at the end of the batch, possibly after this batch's save: a preempted job recorded as succeeded).
+  SIGTERM handler replaces Lightning's (installed just before: it would raise ``SIGTERMException``, a
+  ``SystemExit`` with code 0, at the end of the batch, possibly after this batch's save: a preempted job
+  recorded as succeeded).
 - ``on_train_batch_start`` / ``on_train_epoch_start``: the per-rank RNG goes back where the interrupted run
   had it (around the DataLoader iterator's creation, which draws from the global RNG; see ``_rng_at``).
 - ``on_train_batch_end``: ``maybe_save(global_step)``; on a preemption notice the emergency save of this
@@ -259,8 +260,8 @@ def _warn_unreported(loader: Any) -> None:
     warnings.warn(
         f"SafepointCallback: the train DataLoader's sampler ({type(sampler).__name__}, num_workers="
         f"{getattr(loader, 'num_workers', 0)}) does not report its position: a resume mid-epoch cannot "
-        "continue with the next unseen batch. Use DataLoader(sampler=safepoint.ResumableSampler(len(dataset), ...)) "
-        "(the callback reports each batch to it), or a StatefulDataLoader",
+        "continue with the next unseen batch. Use DataLoader(sampler=safepoint.ResumableSampler(n, "
+        "...)) (the callback reports each batch to it), or a StatefulDataLoader",
         stacklevel=2,
     )
 
