@@ -225,7 +225,7 @@ class TrainState:
         """Where in ``load_template``'s dict the saved keys, not the live object's, say what is loaded: a
         PlainState, and an optimizer not keyed by a model (a fresh one has an empty ``state``)."""
         free = (PlainState, torch.optim.Optimizer)
-        wanted, parts = set(sections), []
+        wanted, parts = set(sections), list[tuple[str, ...]]()
         if OPTIMIZER in wanted and self.model is None:
             parts.append((OPTIMIZER,))
         parts += [(OBJECTS, n) for n, o in (self.objects or {}).items() if isinstance(o, free)]

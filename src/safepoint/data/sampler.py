@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import torch
@@ -233,7 +234,7 @@ def _loader_workers() -> int:
     iterator is found on the call stack, as torch exposes no link from a sampler to its loader."""
     from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(12):  # __iter__ <- BatchSampler.__iter__ <- _next_index <- _try_put_index: a few frames
         if frame is None:
             return 0
