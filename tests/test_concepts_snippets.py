@@ -25,7 +25,14 @@ def snippet(heading: str) -> str:
     return found.group(1)
 
 
-@pytest.mark.parametrize("heading", ["### Your own Stateful objects", "### `torch.compile`d models"])
+@pytest.mark.parametrize(
+    "heading",
+    [
+        "### Your own Stateful objects",
+        "### Restoring without a template: `PlainState`, fresh optimizers",
+        "### `torch.compile`d models",
+    ],
+)
 def test_concepts_snippet_runs(heading: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     exec(compile(snippet(heading), heading, "exec"), {"__name__": "snippet"})  # its asserts are the test

@@ -153,6 +153,7 @@ def test_a_loader_without_a_reported_position_is_named(root: Path) -> None:
         trainer.fit(Net(), _loader(sampler=False))
 
 
+@pytest.mark.slow  # a second framework import; the example's slow test covers this path too
 def test_the_pytorch_lightning_package_resumes_the_whole_state(root: Path) -> None:
     import pytorch_lightning as pl
 
