@@ -15,6 +15,7 @@ Results and the command go in docs/frameworks/lightning.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import runpy
@@ -64,8 +65,10 @@ def child(mode: str, root: str, steps: int, sleep: float) -> None:
             print(f"save_ms {(time.perf_counter() - t0) * 1e3:.2f}", flush=True)
 
     saver.on_train_batch_end = on_train_batch_end
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, callbacks=[saver], logger=False,
-                        enable_checkpointing=mode == "native", enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer = L.Trainer(
+        max_steps=steps, accelerator="cpu", devices=1, callbacks=[saver], logger=False,
+        enable_checkpointing=mode == "native", enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
     torch.set_num_threads(1)
     trainer.fit(ex["TinyLM"](sleep), loader, ckpt_path="last" if mode == "native" else None)
 
@@ -85,10 +88,8 @@ def launch(
             if proc.poll() is None:
                 os.killpg(proc.pid, sig)
         code = proc.wait()
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # workers left behind, if any
-    except ProcessLookupError:
-        pass
     return code, out.read_text()
 
 
@@ -109,10 +110,10 @@ def scenario(mode: str, base: Path, steps: int, at: int, ref: dict[int, str], ho
         launch(mode, root, at)
         victim = newest_file(mode, root)
         victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-        first_code, first = 0, ""
+        first_code = 0
     else:
         sig = signal.SIGKILL if how == "kill -9" else signal.SIGTERM
-        first_code, first = launch(mode, root, steps, sleep=0.25, kill=(at, sig))
+        first_code, _ = launch(mode, root, steps, sleep=0.25, kill=(at, sig))
     code, second = launch(mode, root, steps)
     got = losses(second)
     start = min(got) if got else None
@@ -138,8 +139,9 @@ def main() -> None:
             code, text = launch(mode, base / f"{mode}-ref", args.steps)
             ref = losses(text)
             saves = [float(x) for x in SAVE.findall(text)]
-            print(f"{mode}: reference exit {code}, {len(ref)} steps, blocking per save: median "
-                  f"{statistics.median(saves):.1f} ms, max {max(saves):.1f} ms over {len(saves)} saves", flush=True)  # fmt: skip
+            median, worst = statistics.median(saves), max(saves)
+            print(f"{mode}: exit {code}, {len(ref)} steps, blocking per save {median:.1f} ms median, "
+                  f"max {worst:.1f} ms over {len(saves)} saves", flush=True)  # fmt: skip
             for how in ("kill -9", "SIGTERM", "half-written"):
                 rows.append(scenario(mode, base, args.steps, args.at, ref, how))
                 print(rows[-1], flush=True)
