@@ -190,16 +190,12 @@ class SafepointHooks:
             logger.after_save_checkpoint(self)
 
     def _state(self, trainer: Any) -> TrainState:
-        ckpt = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        for key in _HPARAMS:  # for load_from_checkpoint, not for resuming: dropped if not plain data
-            if key in ckpt and not _plain(ckpt[key]):
-                log.warning("safepoint: %s is not plain data; not saved (resuming does not need it)", key)
-                del ckpt[key]
         mid_epoch = not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
         ranked: dict[str, Any] = {_RNG: rng.capture_rng(), _MID_EPOCH: mid_epoch}
         if self._sampler is not None:
             ranked[_SAMPLER] = self._sampler.state_dict()
-        return TrainState(objects={LIGHTNING: PlainState(ckpt)}, extra={RANK: PlainState(ranked)}, rng=False)
+        objects = {LIGHTNING: _LightningDump(trainer)}
+        return TrainState(objects=objects, extra={RANK: PlainState(ranked)}, rng=False)
 
     # ---- the end -----------------------------------------------------------------------------------------
 
@@ -223,6 +219,24 @@ class SafepointHooks:
         if manager is not None:
             manager.close()
             self._committed(trainer)
+
+
+class _LightningDump(PlainState):
+    """Lightning's checkpoint dict, built only when a save captures it: ``maybe_save`` decides first, and
+    most steps do not save."""
+
+    def __init__(self, trainer: Any) -> None:
+        super().__init__()
+        self._trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        ckpt = self._trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        for key in _HPARAMS:  # for load_from_checkpoint, not for resuming: dropped if not plain data
+            if key in ckpt and not _plain(ckpt[key]):
+                log.warning("safepoint: %s is not plain data; not saved (resuming does not need it)", key)
+                del ckpt[key]
+        self.value = ckpt
+        return super().state_dict()
 
 
 def _last_batch(trainer: Any) -> bool:
