@@ -175,3 +175,25 @@ def test_the_pytorch_lightning_package_resumes_the_whole_state(root: Path) -> No
     assert model.trainer.optimizers[0].state_dict()["state"]  # the optimizer came back with its moments
     assert _committed(root) == [3, 5, 6, 9]
     assert second.callbacks[-1].restored_step == 5  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow  # a moto server
+def test_an_object_store_root_with_a_local_tier(tmp_path: Path, moto_endpoint: str, bucket: str) -> None:
+    """The callback's keywords are the manager's: an S3 root (moto) with a local tier; a restart on a node
+    whose local disk is empty resumes from the durable copy."""
+    from safepoint.remote.object_layout import RemoteLayout
+    from tests.helpers.s3 import storage_options
+
+    url, opts = f"s3://{bucket}/run", storage_options(moto_endpoint)
+
+    def fit(steps: int, local: Path) -> L.Trainer:
+        cb = SafepointCallback(url, local_root=str(local), storage_options=opts, save_every_steps=2)
+        trainer = _trainer([cb], steps=steps)
+        trainer.fit(Net(), _loader())
+        return trainer
+
+    fit(4, tmp_path / "node-a")
+    assert RemoteLayout(url, opts).committed_steps() == [2, 4]
+    resumed = fit(6, tmp_path / "node-b")  # another node: nothing local
+    assert resumed.callbacks[-1].restored_step == 4  # type: ignore[attr-defined]
+    assert RemoteLayout(url, opts).committed_steps() == [2, 4, 6]
