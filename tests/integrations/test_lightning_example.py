@@ -23,6 +23,7 @@ from tests.conftest import REPO, SUBPROCESS_ENV
 EXAMPLE = REPO / "examples" / "lightning_train.py"
 STEP = re.compile(r"^step (\d+) loss (\S+)$", re.M)
 pytestmark = pytest.mark.timeout(600)
+STEPS = 20  # 12 batches an epoch: one boundary crossed
 
 
 def _losses(text: str) -> dict[int, str]:
@@ -92,12 +93,12 @@ def _verify(root: Path) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
-    """The uninterrupted run's losses (30 steps: 12 batches an epoch, so it crosses two epoch boundaries)."""
+    """The uninterrupted run's losses (STEPS steps: 12 batches an epoch, so it crosses an epoch boundary)."""
     root = tmp_path_factory.mktemp("reference") / "ckpt"
-    res = _run(_cmd(root, 30))
+    res = _run(_cmd(root, STEPS))
     assert res.returncode == 0, res.stderr[-3000:]
     losses = _losses(res.stdout)
-    assert sorted(losses) == list(range(1, 31))
+    assert sorted(losses) == list(range(1, STEPS + 1))
     _verify(root)
     return losses
 
@@ -107,17 +108,17 @@ def _sigterm_then_resume(
 ) -> None:
     root = tmp_path / "ckpt"
     code, first = _interrupt(
-        _cmd(root, 30, sleep=0.2, module=module), tmp_path / "first.txt", at, signal.SIGTERM
+        _cmd(root, STEPS, sleep=0.2, module=module), tmp_path / "first.txt", at, signal.SIGTERM
     )
     assert code == 143, first[-3000:]  # preempted, never "succeeded" (Lightning's own exit is code 0)
     printed = _steps(first)
     assert "emergency save of step" in first
     assert _committed(root)[-1] == printed[-1]  # no printed step is lost
-    second = _run(_cmd(root, 30, module=module))
+    second = _run(_cmd(root, STEPS, module=module))
     assert second.returncode == 0, second.stderr[-3000:]
     assert _steps(second.stdout)[0] == printed[-1] + 1
     got = _losses(first) | _losses(second.stdout)
-    assert sorted(got) == list(range(1, 31))
+    assert sorted(got) == list(range(1, STEPS + 1))
     assert got == reference  # every loss, bit for bit
     _verify(root)
 
@@ -144,14 +145,14 @@ def test_kill_9_of_the_process_group_resumes_from_the_newest_committed_step(
     tmp_path: Path, reference: dict[int, str], at: int
 ) -> None:
     root = tmp_path / "ckpt"
-    code, first = _interrupt(_cmd(root, 30, sleep=0.2), tmp_path / "first.txt", at, signal.SIGKILL)
+    code, first = _interrupt(_cmd(root, STEPS, sleep=0.2), tmp_path / "first.txt", at, signal.SIGKILL)
     assert code == -signal.SIGKILL
     newest = _committed(root)[-1] if _committed(root) else 0
     assert newest <= max(_steps(first))
-    second = _run(_cmd(root, 30))
+    second = _run(_cmd(root, STEPS))
     assert second.returncode == 0, second.stderr[-3000:]
     assert _steps(second.stdout)[0] == newest + 1
     got = _losses(second.stdout)
-    assert got == {s: reference[s] for s in range(newest + 1, 31)}
+    assert got == {s: reference[s] for s in range(newest + 1, STEPS + 1)}
     assert {s: reference[s] for s in _losses(first)} == _losses(first)
     _verify(root)

@@ -130,21 +130,29 @@ class SafepointHooks:
             signal.signal(signal.SIGTERM, self._handler)
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        self._rng_at(mid_epoch=False)
+        if not self._rng_at(mid_epoch=False):
+            return
+        # Resumed at an epoch boundary: this is the first epoch after it. Lightning makes the epoch's
+        # iterator again (after set_epoch) only when it is not resuming; otherwise it keeps the one made in
+        # setup_data, before this epoch's set_epoch, whose workers already drew the wrong indices.
+        fit = trainer.fit_loop
+        if not (trainer.current_epoch > 0 and not fit.is_resuming and not fit.epoch_loop.restarting):
+            iter(fit._data_fetcher)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._rng_at(mid_epoch=True)
 
-    def _rng_at(self, mid_epoch: bool) -> None:
+    def _rng_at(self, mid_epoch: bool) -> bool:
         """Put this rank's RNG back where the interrupted run had it, once. A DataLoader iterator draws its
         base seed from the global RNG when it is created: at an epoch's start in both runs, so a resume at
         an epoch boundary restores before it (epoch start); a resume mid-epoch creates one the interrupted
-        run did not, so the RNG goes back after it (the first batch's start)."""
+        run did not, so the RNG goes back after it (the first batch's start). Whether it did."""
         saved = self._rank_state
         if saved is None or _RNG not in saved or bool(saved.get(_MID_EPOCH)) != mid_epoch:
-            return
+            return False
         rng.restore_rng(saved[_RNG])
         self._rank_state = None
+        return True
 
     # ---- saving ------------------------------------------------------------------------------------------
 
