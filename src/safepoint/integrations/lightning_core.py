@@ -16,8 +16,8 @@ in the loop at each of those points:
   SIGTERM handler replaces Lightning's (installed just before: it would raise ``SIGTERMException``, a
   ``SystemExit`` with code 0, at the end of the batch, possibly after this batch's save: a preempted job
   recorded as succeeded).
-- ``on_train_batch_start`` / ``on_train_epoch_start``: the per-rank RNG goes back where the interrupted run
-  had it (around the DataLoader iterator's creation, which draws from the global RNG; see ``_rng_at``).
+- ``on_train_start`` / ``on_train_batch_start``: the per-rank RNG goes back where the interrupted run had
+  it (around the DataLoader iterator's creation, which draws from the global RNG; see ``_rng_at``).
 - ``on_train_batch_end``: ``maybe_save(global_step)``; on a preemption notice the emergency save of this
   step, then ``Preempted`` (exit code 143) out of ``trainer.fit``.
 """
@@ -122,6 +122,15 @@ class SafepointHooks:
             # makes its own iterator after set_epoch: nothing to do.)
             self._sampler.load_state_dict(saved[_SAMPLER])
             iter(trainer.fit_loop._data_fetcher)
+        elif saved is not None and not saved.get(_MID_EPOCH):
+            # Resumed at an epoch boundary: Lightning goes on to the next epoch with the iterator made in
+            # setup_data, before that epoch's set_epoch (its workers drew the old epoch's indices) and
+            # calls no on_train_epoch_start. Select the epoch now, put the RNG back where the interrupted
+            # run had it before it made that epoch's iterator, and make it.
+            if self._sampler is not None:
+                self._sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed)
+            self._rng_at(mid_epoch=False)
+            iter(trainer.fit_loop._data_fetcher)
             # Lightning warns that a mid-epoch resume of a plain DataLoader replays data: not with this one.
             warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before")
         if self._handler is not None and callable(self._handler):
@@ -129,23 +138,13 @@ class SafepointHooks:
             # a notice ends the job through maybe_save's emergency save, never through SIGTERMException.
             signal.signal(signal.SIGTERM, self._handler)
 
-    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        if not self._rng_at(mid_epoch=False):
-            return
-        # Resumed at an epoch boundary: this is the first epoch after it. Lightning makes the epoch's
-        # iterator again (after set_epoch) only when it is not resuming; otherwise it keeps the one made in
-        # setup_data, before this epoch's set_epoch, whose workers already drew the wrong indices.
-        fit = trainer.fit_loop
-        if not (trainer.current_epoch > 0 and not fit.is_resuming and not fit.epoch_loop.restarting):
-            iter(fit._data_fetcher)
-
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._rng_at(mid_epoch=True)
 
     def _rng_at(self, mid_epoch: bool) -> bool:
         """Put this rank's RNG back where the interrupted run had it, once. A DataLoader iterator draws its
         base seed from the global RNG when it is created: at an epoch's start in both runs, so a resume at
-        an epoch boundary restores before it (epoch start); a resume mid-epoch creates one the interrupted
+        an epoch boundary restores before it (train start); a resume mid-epoch creates one the interrupted
         run did not, so the RNG goes back after it (the first batch's start). Whether it did."""
         saved = self._rank_state
         if saved is None or _RNG not in saved or bool(saved.get(_MID_EPOCH)) != mid_epoch:
