@@ -177,7 +177,6 @@ def test_the_pytorch_lightning_package_resumes_the_whole_state(root: Path) -> No
     assert second.callbacks[-1].restored_step == 5  # type: ignore[attr-defined]
 
 
-@pytest.mark.slow  # a moto server
 def test_an_object_store_root_with_a_local_tier(tmp_path: Path, moto_endpoint: str, bucket: str) -> None:
     """The callback's keywords are the manager's: an S3 root (moto) with a local tier; a restart on a node
     whose local disk is empty resumes from the durable copy."""
