@@ -1,6 +1,7 @@
 """safepoint: atomic, verified, resumable checkpoints for PyTorch training."""
 
 from safepoint._version import __version__
+from safepoint.data.plain import PlainState
 from safepoint.data.sampler import ResumableSampler
 from safepoint.dist import PeerTimeoutError, init_process_group
 from safepoint.errors import (
@@ -53,6 +54,7 @@ __all__ = [
     "KeepLast",
     "LeaseError",
     "PeerTimeoutError",
+    "PlainState",
     "Preempted",
     "PreemptionOptions",
     "RemoteLayout",

@@ -23,6 +23,7 @@ from safepoint.errors import (
 )
 from safepoint.policy.rules import Verdicts
 from safepoint.restore.compat import NotLoadable, check_compat, damage_first, report, section_prefixes
+from safepoint.restore.free import check_loads_something, fill_free
 from safepoint.restore.in_place import loaded_in_place
 from safepoint.restore.leftover import Leftover, written_keys
 from safepoint.restore.partial import Plan, RestoreReport, Selection, plan
@@ -340,7 +341,8 @@ class Restorer:
         ranks = RankSections(self.layout, manifest, sections, sources[RNG])
         to_dcp = ranks.dcp_part(template)
         matched: Plan | None = None
-        if sel.default:
+        free = state.free_parts(sections, sources)  # need .metadata before the plan: the partial path
+        if sel.default and not free:
 
             def prepare() -> Metadata:
                 # Inside DCP's planning step, on every rank: a failure here reaches every rank through
@@ -361,7 +363,10 @@ class Restorer:
             try:
                 metadata = self.layout.read_metadata(step, manifest)
                 checked = ranks.read(metadata)
+                fill_free(template, free, checked, ranks.values)
                 matched = plan(step, template, checked, tuple(section_prefixes(template)), sel)
+                if not sel.strict:
+                    check_loads_something(step, matched)
                 to_dcp = ranks.split(matched.to_load)
             except (CorruptCheckpointError, StateMismatchError) as e:
                 error = damage_first(self.layout, step, metadata, e)
