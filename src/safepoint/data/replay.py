@@ -31,6 +31,7 @@ BATCHES = "batches"
 REPLAY = "replay"  # 1 if the epoch_* tensors hold the random state the current epoch started from
 EPOCH_TORCH = "epoch_torch_rng"
 GEN_PREFIX = "epoch_gen_"
+GEN_PRESENT = "epoch_gen_present"
 # Where a loader keeps the generators its sampler draws the order from: torch's DataLoader, Accelerate's
 # DataLoaderShard (whose BatchSamplerShard wraps the batch sampler) and its SeedableRandomSampler.
 _GENERATOR_PATHS = (
@@ -134,27 +135,34 @@ class ReplayLoader:
 
     # ---- random state ----------------------------------------------------------------------------------
 
-    def _generators(self) -> dict[str, torch.Generator]:
-        found: dict[str, torch.Generator] = {}
-        seen: set[int] = set()
+    def _generators(self) -> list[torch.Generator | None]:
+        """The CPU generator at each of ``_GENERATOR_PATHS`` (None where there is none, or none yet: a
+        sampler may create its generator when first iterated)."""
+        found: list[torch.Generator | None] = []
         for path in _GENERATOR_PATHS:
             obj: Any = self.loader
             for part in path.split("."):
                 obj = getattr(obj, part, None)
-            if isinstance(obj, torch.Generator) and id(obj) not in seen and obj.device.type == "cpu":
-                seen.add(id(obj))
-                found[f"{GEN_PREFIX}{len(found)}"] = obj
+            found.append(obj if isinstance(obj, torch.Generator) and obj.device.type == "cpu" else None)
         return found
 
     def _random_state(self) -> dict[str, torch.Tensor]:
-        state = {EPOCH_TORCH: torch.get_rng_state()}
-        state.update({key: gen.get_state() for key, gen in self._generators().items()})
+        """Fixed keys and shapes (a restore loads into them): one slot per path, zeros where absent."""
+        torch_state = torch.get_rng_state()
+        state = {EPOCH_TORCH: torch_state}
+        present = []
+        for i, gen in enumerate(self._generators()):
+            value = gen.get_state() if gen is not None else torch.zeros_like(torch_state)
+            present.append(gen is not None and value.shape == torch_state.shape)
+            state[f"{GEN_PREFIX}{i}"] = value if present[-1] else torch.zeros_like(torch_state)
+        state[GEN_PRESENT] = torch.tensor(present, dtype=torch.uint8)
         return state
 
     def _set_random_state(self, state: dict[str, torch.Tensor]) -> None:
         torch.set_rng_state(state[EPOCH_TORCH].contiguous())
-        for key, gen in self._generators().items():
-            gen.set_state(state[key].contiguous())
+        for i, gen in enumerate(self._generators()):
+            if gen is not None and bool(state[GEN_PRESENT][i]):
+                gen.set_state(state[f"{GEN_PREFIX}{i}"].contiguous())
 
     # ---- Stateful --------------------------------------------------------------------------------------
 
