@@ -52,7 +52,9 @@ def run_example(
     err_path = root.parent / f"{root.name}-{time.monotonic_ns()}.stderr"
     losses: list[tuple[int, str]] = []
     with open(err_path, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True
+        )
         assert proc.stdout is not None
         deadline = time.monotonic() + timeout
         try:

@@ -3,9 +3,10 @@
 A framework's DataLoader (Accelerate's ``DataLoaderShard``, the one the Transformers Trainer builds) draws
 two things from random state when an epoch's iteration starts: the shuffle order (a sampler seeded from the
 global torch RNG, or from a generator of its own) and the workers' base seed (``torch.initial_seed()`` in
-every worker is ``base_seed + worker_id``). Skipping batches after a resume (``accelerate.skip_first_batches``)
-builds another batch sampler: the order may survive, but the workers' seeds and which worker loads which
-batch do not, so every random augmentation in a worker differs from the uninterrupted run.
+every worker is ``base_seed + worker_id``). Skipping batches after a resume
+(``accelerate.skip_first_batches``) builds another batch sampler: the order may survive, but the workers'
+seeds and which worker loads which batch do not, so every random augmentation in a worker differs from the
+uninterrupted run.
 
 This wrapper keeps, per rank, the epoch, the batches consumed in it, and the random state the epoch's
 iteration started from (the torch RNG and every ``torch.Generator`` the loader's sampler uses). On resume it
@@ -108,8 +109,8 @@ class ReplayLoader:
                 # Loaded and dropped: the same workers load the same batches with the same seeds as before.
                 if next(it, _END) is _END:
                     raise ValueError(
-                        f"ReplayLoader: the checkpoint consumed {skip} batches of epoch {self.epoch}, but the "
-                        "loader has fewer now (a different dataset or batch size?)"
+                        f"ReplayLoader: the checkpoint consumed {skip} batches of epoch {self.epoch}, but "
+                        "the loader has fewer now (a different dataset or batch size?)"
                     )
                 self.batches += 1
             self._set_random_state(resumed)
@@ -129,7 +130,7 @@ class ReplayLoader:
         if hasattr(self.loader, "set_epoch"):
             self.loader.set_epoch(self.epoch)
         # A batch sampler wrapped by Accelerate's BatchSamplerShard is not reached by the loader's set_epoch.
-        inner = getattr(getattr(self.loader, "batch_sampler", None), "batch_sampler", None)
+        inner: Any = getattr(getattr(self.loader, "batch_sampler", None), "batch_sampler", None)
         if hasattr(inner, "set_epoch"):
             inner.set_epoch(self.epoch)
 
@@ -190,7 +191,9 @@ class ReplayLoader:
             )
         replay = bool(int(state_dict[REPLAY]))
         if batches > 0 and not replay:
-            raise ValueError(f"ReplayLoader: saved position {batches} in epoch {epoch} without its random state")
+            raise ValueError(
+                f"ReplayLoader: saved position {batches} in epoch {epoch} lacks its random state"
+            )
         self.epoch, self.batches = epoch, batches
         self._epoch_rng = {k: state_dict[k].clone() for k in expected} if replay else None
         self._started = False

@@ -63,10 +63,11 @@ def accelerate_state(
     """
     models = [m for m in accelerator._models if isinstance(m, nn.Module)]
     if not models:
-        raise ValueError("accelerate_state: the accelerator prepared no model; call accelerator.prepare first")
+        raise ValueError("accelerate_state: the accelerator prepared no model ; prepare one first")
     if loader is not None and not isinstance(loader, ReplayLoader):
         raise ValueError(
-            f"accelerate_state(loader=...) must be a ReplayLoader(prepared_dataloader), got {type(loader).__name__}"
+            "accelerate_state(loader=...) must be a ReplayLoader(prepared_dataloader), got "
+            f"{type(loader).__name__}"
         )
     by_model: dict[int, list[Any]] = {}
     for opt in accelerator._optimizers:

@@ -111,7 +111,7 @@ class _Progress:
         t._tr_loss = torch.tensor(float(state_dict["tr_loss"]), device=t.args.device)
         t._globalstep_last_logged = int(state_dict["globalstep_last_logged"])
         t._total_loss_scalar = float(state_dict["total_loss_scalar"])
-        t.current_flos = float(state_dict["current_flos"])
+        t.current_flos = float(state_dict["current_flos"])  # type: ignore[assignment]
         # The final train_loss divides the run's loss total by the steps since _initial_global_step: with
         # the total restored, counting from 0 reports the uninterrupted run's average.
         t._initial_global_step = 0
@@ -134,7 +134,7 @@ def _callback_states(trainer: Trainer) -> dict[str, Any]:
     return out
 
 
-class SafepointCallback(TrainerCallback):  # type: ignore[misc]
+class SafepointCallback(TrainerCallback):
     """Restores in ``on_train_begin``, saves in ``on_step_end`` through ``manager``; see the module doc.
 
     Build it with :meth:`attach`. ``manager`` is the caller's open :class:`~safepoint.CheckpointManager`
@@ -144,7 +144,7 @@ class SafepointCallback(TrainerCallback):  # type: ignore[misc]
 
     def __init__(self, manager: CheckpointManager, trainer: Trainer) -> None:
         if not isinstance(manager, CheckpointManager):
-            raise ValueError(f"SafepointCallback needs a safepoint.CheckpointManager, got {type(manager).__name__}")
+            raise ValueError(f"SafepointCallback needs a CheckpointManager, got {type(manager).__name__}")
         self.manager = manager
         self.trainer = trainer
         self.loader: _TrainerLoader | None = None
@@ -157,7 +157,7 @@ class SafepointCallback(TrainerCallback):  # type: ignore[misc]
     def attach(cls, trainer: Trainer, manager: CheckpointManager) -> SafepointCallback:
         """Add the callback to ``trainer`` and route its training DataLoader through a ReplayLoader."""
         if not isinstance(trainer, Trainer):
-            raise ValueError(f"SafepointCallback.attach needs a transformers.Trainer, got {type(trainer).__name__}")
+            raise ValueError(f"SafepointCallback.attach needs a Trainer, got {type(trainer).__name__}")
         callback = cls(manager, trainer)
         build = trainer.get_train_dataloader
 
@@ -165,7 +165,7 @@ class SafepointCallback(TrainerCallback):  # type: ignore[misc]
             callback.loader = _TrainerLoader(build())
             return callback.loader
 
-        trainer.get_train_dataloader = get_train_dataloader  # type: ignore[method-assign]
+        trainer.get_train_dataloader = get_train_dataloader  # type: ignore[method-assign,assignment]
         trainer.add_callback(callback)
         if trainer.args.save_strategy != "no":
             log.warning(
@@ -186,19 +186,20 @@ class SafepointCallback(TrainerCallback):  # type: ignore[misc]
         step = self.manager.restore(self.state)
         self.restored_step = self._saved_at = step
         if step and state.global_step != step:
-            raise RuntimeError(f"safepoint: restored step {step}, but its TrainerState says {state.global_step}")
+            raise RuntimeError(f"safepoint: restored step {step}; its TrainerState says {state.global_step}")
         if step and state.global_step >= state.max_steps:
             self.loader.finished_run = True  # nothing left to train: the Trainer stops at its first batch
-        elif step and self.loader.batches and args.gradient_accumulation_steps > 1:
-            if len(self.loader) % args.gradient_accumulation_steps:
-                raise ValueError(
-                    "safepoint: resuming mid-epoch with gradient_accumulation_steps="
-                    f"{args.gradient_accumulation_steps} needs it to divide the batches per epoch "
-                    f"({len(self.loader)}): the Trainer's epoch restarts at 0 and would not step the last "
-                    "accumulation of the resumed epoch"
-                )
+        elif step and self.loader.batches and len(self.loader) % args.gradient_accumulation_steps:
+            raise ValueError(
+                "safepoint: resuming mid-epoch with gradient_accumulation_steps="
+                f"{args.gradient_accumulation_steps} needs it to divide the batches per epoch "
+                f"({len(self.loader)}): the Trainer's epoch restarts at 0 and would not step the last "
+                "accumulation of the resumed epoch"
+            )
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         assert self.state is not None and self.loader is not None
         # The Trainer computes epoch from its own count, which restarts at 0 after a restore.
         state.epoch = self.loader.epoch + self.loader.batches / max(len(self.loader), 1)
@@ -209,7 +210,9 @@ class SafepointCallback(TrainerCallback):  # type: ignore[misc]
         finally:
             self._progress.control = None
 
-    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         if self.state is not None and state.global_step > self._saved_at:
             self.manager.save(state.global_step, self.state)  # so a rerun has nothing left to do
             self._saved_at = state.global_step
