@@ -6,7 +6,8 @@ The jobs are examples/accelerate_train.py and examples/hf_trainer_train.py (same
 native variants below save with ``accelerator.save_state`` (automatic naming, ``total_limit=3``) and resume
 with ``load_state`` + ``skip_first_batches``, or with the Trainer's ``save_steps`` and
 ``train(resume_from_checkpoint=True)``. For each framework and each way of checkpointing: an uninterrupted
-run; a run killed with kill -9 of its process group at step 13 and resumed (losses equal to the
+run; a run killed with kill -9 of its process group at step 11 (the newest checkpoint is then mid-epoch: 12
+batches an epoch) and resumed (losses equal to the
 uninterrupted run's?); a run sent SIGTERM at step 7 (exit code, steps lost); the blocking time of a save
 (median); and a resume after the newest checkpoint's largest file was cut in half (a save killed mid-write).
 """
@@ -20,6 +21,7 @@ import os
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -147,8 +149,6 @@ def _run(
     sys.path.insert(0, str(REPO))
     from tests.helpers.example_runs import _STEP  # the same parsing as the tests
 
-    import subprocess
-
     env = dict(os.environ, PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}", OMP_NUM_THREADS="1")
     cmd = [*cmd, "--step-sleep", str(sleep)]
     proc = subprocess.Popen(
@@ -206,8 +206,8 @@ def compare(out: Path, frameworks: list[str]) -> dict[str, Any]:
             base.mkdir(parents=True)
             ref = _run(_cmd(fw, how, base / "ref"))
             expected = dict(ref["losses"])
-            # kill -9 at step 13, then resume
-            _run(_cmd(fw, how, base / "kill"), stop_at=13, sleep=0.2)
+            # kill -9 at step 11 (a checkpoint every 4 steps, 12 batches an epoch: it resumes mid-epoch)
+            _run(_cmd(fw, how, base / "kill"), stop_at=11, sleep=0.2)
             resumed = _run(_cmd(fw, how, base / "kill"))
             diff = sum(1 for s, loss in resumed["losses"] if expected.get(s) != loss)
             # SIGTERM to the group at step 7
@@ -222,9 +222,9 @@ def compare(out: Path, frameworks: list[str]) -> dict[str, Any]:
                 f.truncate(victim.stat().st_size // 2)
             torn = _run(_cmd(fw, how, torn_root))
             saves = _blocking_saves(how, base / "ref", ref)
+            first = resumed["losses"][0][0] if resumed["losses"] else None
             results[f"{fw} {how}"] = {
-                "resume after kill -9": f"first step {resumed['losses'][0][0] if resumed['losses'] else None}, "
-                f"{diff} of {len(resumed['losses'])} losses differ",
+                "resume after kill -9": f"first step {first}, {diff} of {len(resumed['losses'])} differ",
                 "SIGTERM at step 7": f"exit {term['rc']}, last printed {term['losses'][-1][0]}, "
                 f"restart at {after['losses'][0][0] if after['losses'] else None}",
                 "save, blocking (median s)": round(statistics.median(saves), 3) if saves else None,
