@@ -68,12 +68,15 @@ def interrupted_sequence(
     assert (again.returncode, again.losses) == (0, []), again.stderr[-3000:]
 
 
+# Five real runs of a job that imports torch and its framework: minutes on a loaded 2-core machine.
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize(("script", "flags"), [ACCELERATE, TRAINER_LORA, TRAINER])
 def test_sigterm_then_kill9_resume_bit_for_bit(script: str, flags: tuple[str, ...], tmp_path: Path) -> None:
     interrupted_sequence(script, flags, tmp_path, [(7, signal.SIGTERM), (15, signal.SIGKILL)])
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize(("script", "flags"), [ACCELERATE, TRAINER_LORA, TRAINER])
 def test_stops_at_an_epoch_end_and_right_after_a_resume(
     script: str, flags: tuple[str, ...], tmp_path: Path
