@@ -68,8 +68,12 @@ def accelerate_native(root: str, steps: int, save_every: int, step_sleep: float)
             counter.update(sd)
 
     accelerator.register_for_checkpointing(Step())
-    if (Path(root) / "checkpoints").is_dir() and os.listdir(Path(root) / "checkpoints"):
+    folders = sorted(int(p.name.split("_")[1]) for p in (Path(root) / "checkpoints").glob("checkpoint_*"))
+    if folders:
         accelerator.load_state()  # the newest checkpoints/checkpoint_N
+        # load_state does not advance the automatic naming: without this the next save_state raises
+        # "Checkpoint directory .../checkpoint_0 already exists".
+        accelerator.project_configuration.iteration = folders[-1] + 1
     step = counter["step"]
     model.train()
     while step < steps:
@@ -197,10 +201,10 @@ def _blocking_saves(how: str, root: Path, run: dict[str, Any]) -> list[float]:
     return out
 
 
-def compare(out: Path, frameworks: list[str]) -> dict[str, Any]:
+def compare(out: Path, frameworks: list[str], ways: list[str]) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for fw in frameworks:
-        for how in ("native", "safepoint"):
+        for how in ways:
             base = out / f"{fw}-{how}"
             shutil.rmtree(base, ignore_errors=True)
             base.mkdir(parents=True)
@@ -245,13 +249,14 @@ def main() -> None:
     p.add_argument("--save-every", type=int, default=SAVE_EVERY)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--frameworks", default="accelerate,trainer")
+    p.add_argument("--ways", default="native,safepoint")
     args = p.parse_args()
     if args.what == "accelerate-native":
         accelerate_native(args.root, args.steps, args.save_every, args.step_sleep)
     elif args.what == "trainer-native":
         trainer_native(args.root, args.steps, args.save_every, args.step_sleep)
     else:
-        compare(Path(args.out), args.frameworks.split(","))
+        compare(Path(args.out), args.frameworks.split(","), args.ways.split(","))
 
 
 if __name__ == "__main__":
