@@ -71,7 +71,7 @@ def test_refuses_what_it_cannot_replay() -> None:
     with pytest.raises(ValueError, match="persistent_workers=True"):
         ReplayLoader(loader(persistent_workers=True))
     state = ReplayLoader(loader()).state_dict()
-    with pytest.raises(ValueError, match="without its random state"):
+    with pytest.raises(ValueError, match="lacks its random state"):
         ReplayLoader(loader()).load_state_dict({**state, "batches": 3, "replay": 0})
     with pytest.raises(ValueError, match="invalid saved position"):
         ReplayLoader(loader()).load_state_dict({**state, "epoch": -1})
