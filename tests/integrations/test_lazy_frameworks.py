@@ -14,8 +14,6 @@ loaded = sorted(m for m in ("accelerate", "transformers", "peft") if m in sys.mo
 assert not loaded, loaded
 import safepoint.integrations.accelerate
 assert "accelerate" not in sys.modules  # it reads the accelerator's attributes: no import needed
-import safepoint.integrations.hf_trainer
-assert "transformers" in sys.modules
 """
 
 
