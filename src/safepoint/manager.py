@@ -10,21 +10,12 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
 
+from safepoint import options as opts
 from safepoint.dist import Comm
 from safepoint.emergency import EmergencySave
 from safepoint.errors import CheckpointError, Preempted, SaveError
 from safepoint.events import Events, EventSink, SaveCall, subscribers, wire
-from safepoint.options import (
-    ClusterOptions,
-    PreemptionOptions,
-    WarmStart,
-    WriterOptions,
-    check_manager_arguments,
-    check_option_types,
-    check_step,
-    reject_moved,
-    writer_process_mode,
-)
+from safepoint.options import ClusterOptions, PreemptionOptions, WarmStart, WriterOptions
 from safepoint.policy.history import RunHistory, outcome_of
 from safepoint.policy.journal import open_records
 from safepoint.policy.keep import Keep
@@ -103,22 +94,22 @@ class CheckpointManager:
         on_event: EventSink | Iterable[EventSink] | None = None,
         **moved: Any,
     ) -> None:
-        reject_moved(moved)
+        opts.reject_moved(moved)
         self.events = Events(subscribers(on_event))  # events.py; ``events.subscribe`` adds a sink later
-        check_option_types(writer=writer, preemption=preemption, cluster=cluster)
+        opts.check_option_types(writer=writer, preemption=preemption, cluster=cluster)
         writer, cluster, keep = writer or WriterOptions(), cluster or ClusterOptions(), Keep.of(keep)
         notices = preemption or PreemptionOptions()
         self.root, self.layout, durable = plan_tiers(
             root, local_root, storage_options, transfer or TransferOptions()
         )
         # Every argument is validated before the first process group exists (see options.py).
-        check_manager_arguments(writer, async_save, resume)
+        opts.check_manager_arguments(writer, async_save, resume)
         self._job = job_identity(cluster.job_id)  # SAFEPOINT_JOB_ID is checked here too
         warm = WarmStart.of(init_from)  # with tiering, the durable root says what a job has
         self._resume = Resume(resume, durable or self.layout, warm, storage_options)
         self.last_restore: RestoreReport | None = None  # what the last restore() loaded, and left
         local = isinstance(self.layout, Layout)
-        process_fallback = writer_process_mode(async_save, writer.async_writer, local)
+        process_fallback = opts.writer_process_mode(async_save, writer.async_writer, local)
         self._schedule = SaveSchedule(save_every_steps, save_every_seconds, local=local)
         self.saves = self._schedule.saves  # the same list: what the training loop's saves cost
         self._comms: list[Comm] = []  # every group this manager created, destroyed if __init__ fails
@@ -234,7 +225,7 @@ class CheckpointManager:
     def maybe_save(self, step: int, state: TrainState, metrics: dict[str, Any] | None = None) -> bool:
         """Save if a policy says it is due. Returns whether a save happened: False also when
         ``if_busy="skip"`` skipped it (a time policy stays due; a step policy waits for its next step)."""
-        check_step(step)
+        opts.check_step(step)
         self._tiers.observe(step)  # durability_lag() counts steps trained since the last durable save
         self._journal.progress(step)  # the report's "steps redone" after a kill
         if self._emergency is not None and self._emergency.preemption.agreed(step):
@@ -257,7 +248,7 @@ class CheckpointManager:
         ``async_save``). ``overwrite=True`` replaces it, with these metrics.
         """
         self._check_open()
-        check_step(step)
+        opts.check_step(step)
         if step == self._schedule.last_step and not overwrite:
             try:  # a background save of this step that failed was not committed: it is raised here
                 self._writer.raise_failure()
@@ -274,7 +265,7 @@ class CheckpointManager:
     ) -> tuple[bool, CheckpointInfo | None]:
         """(whether a save started, not skipped by ``if_busy="skip"``; the committed checkpoint if sync)."""
         self._check_open()
-        check_step(step)
+        opts.check_step(step)
         if not isinstance(state, TrainState):
             raise ValueError(f"state must be a safepoint.TrainState, got {type(state).__name__}")
         self._writer.raise_failure()
@@ -344,7 +335,7 @@ class CheckpointManager:
         self._check_open()
         if not isinstance(state, TrainState):
             raise ValueError(f"state must be a safepoint.TrainState, got {type(state).__name__}")
-        check_step(step, optional=True)
+        opts.check_step(step, optional=True)
         self._writer.wait()
         self._writer.raise_failure()
         self._retainer.drain()  # no delete races the choice of what to load

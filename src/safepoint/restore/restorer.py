@@ -12,15 +12,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+from safepoint import errors
 from safepoint import events as ev
 from safepoint.data import rng
 from safepoint.dist import Comm
-from safepoint.errors import (
-    CheckpointError,
-    CorruptCheckpointError,
-    StateMismatchError,
-    UnsafeCheckpointError,
-)
+from safepoint.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from safepoint.policy.rules import Verdicts
 from safepoint.restore.compat import NotLoadable, check_compat, damage_first, report, section_prefixes
 from safepoint.restore.free import check_loads_something, fill_free
@@ -129,7 +125,7 @@ class Restorer:
                 if problems or manifest is None:
                     self._raise_problems(candidate, problems)
                 self.load(manifest, state)
-            except UnsafeCheckpointError:
+            except errors.UnsafeCheckpointError:
                 raise
             except CorruptCheckpointError as e:
                 self.verdicts.record(candidate, False)
@@ -218,7 +214,7 @@ class Restorer:
                 self.load(manifest, state)
                 leftover.check(manifest.step, self.writing)
                 return manifest
-            except UnsafeCheckpointError:
+            except errors.UnsafeCheckpointError:
                 raise  # a crafted checkpoint that tried to run code: stop and say so, never skip quietly
             except CorruptCheckpointError as e:
                 self.verdicts.record(manifest.step, False)  # verified, then found damaged while read
@@ -279,8 +275,8 @@ class Restorer:
         """Raise, on every rank alike, what the ranks found in DCP's planning step (``found``: the same
         list on every rank, from DCP's CheckpointException)."""
         for _, error in found:
-            if isinstance(error, UnsafeCheckpointError):
-                raise UnsafeCheckpointError(step, error.file, error.reason)
+            if isinstance(error, errors.UnsafeCheckpointError):
+                raise errors.UnsafeCheckpointError(step, error.file, error.reason)
         for _, error in found:
             if isinstance(error, StateMismatchError):
                 raise StateMismatchError(str(error))
@@ -399,7 +395,9 @@ class Restorer:
             # DCP's exception is a BaseException; hand the caller our own error (the first rank's cause).
             # Metadata and shapes were checked above, so what fails now is the checkpoint's bytes.
             error = as_corruption(step, e)
-            if isinstance(error, CorruptCheckpointError) and not isinstance(error, UnsafeCheckpointError):
+            if isinstance(error, CorruptCheckpointError) and not isinstance(
+                error, errors.UnsafeCheckpointError
+            ):
                 error = _DamagedWhileLoading(error.step, error.file, error.reason)
             raise error from None
         if matched is not None:
