@@ -39,6 +39,7 @@ from safepoint.save.saver import SyncSaver
 from safepoint.save.staging import Stager, tensor_bytes
 from safepoint.save.writer_process import WriterProcess
 from safepoint.state import TrainState
+from safepoint.store.gc_pause import gc_paused
 from safepoint.store.job import job_identity
 from safepoint.store.manifest import clean_metrics
 from safepoint.store.posix_layout import CheckpointInfo, Layout
@@ -286,7 +287,8 @@ class CheckpointManager:
         upload: bool = True,
     ) -> CheckpointInfo:
         self._check_owner(step)  # here: the emergency save (preempt/) calls this directly
-        with self._tiers.paused():  # uploads hold off while training waits for this save
+        # Uploads hold off while training waits for this save; no cyclic GC during its per-item work.
+        with self._tiers.paused(), gc_paused():
             t0 = time.perf_counter()
             sd = state.capture(self.comm.rank)
             timings = {"capture_s": time.perf_counter() - t0}
@@ -303,7 +305,7 @@ class CheckpointManager:
         assert self._bg_saver is not None
         saver = self._bg_saver
         t0 = time.perf_counter()
-        with self._tiers.paused():
+        with self._tiers.paused(), gc_paused():
             staged = self._stager.stage(state.capture(self.comm.rank))
         blocking = time.perf_counter() - t0
         sections, tiers = state.sections(), self._tiers
@@ -334,9 +336,10 @@ class CheckpointManager:
         self._writer.wait()
         self._writer.raise_failure()
         self._retainer.drain()  # no delete races the choice of what to load
-        manifest, self.last_restore = self._resume.restore(
-            self.comm, step, state, self._tiers, self._restorer, Selection.of(strict, ignore, remap)
-        )
+        with gc_paused():  # per-item work: no cyclic collections over it (store/gc_pause.py)
+            manifest, self.last_restore = self._resume.restore(
+                self.comm, step, state, self._tiers, self._restorer, Selection.of(strict, ignore, remap)
+            )
         if manifest is None:
             return 0
         self._schedule.at(manifest.step)
