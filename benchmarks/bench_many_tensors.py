@@ -208,9 +208,7 @@ def main() -> None:
                     row[f"{k}_us_cpu"] = statistics.median(c for c, _ in v) / n * 1e6
                     row[f"{k}_us_wall"] = statistics.median(w for _, w in v) / n * 1e6
                 rows.append(row)
-                cells = "  ".join(
-                    f"{k} {row[f'{k}_us_cpu']:.0f} ({row[f'{k}_us_wall']:.0f})" for k in got
-                )
+                cells = "  ".join(f"{k} {row[f'{k}_us_cpu']:.0f} ({row[f'{k}_us_wall']:.0f})" for k in got)
                 print(
                     f"N={n:<6} {phase:12s} µs/param cpu (wall): {cells}  | safepoint/torch cpu "
                     f"{row['ratio_cpu']:.2f} {row['ratios']}  load {row['load']}",
