@@ -25,8 +25,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from safepoint.data import rng
+from safepoint.data.optim_load import in_order
 from safepoint.errors import SaveError
-from safepoint.optim_load import in_order
 
 MODEL = "model"
 OPTIMIZER = "optimizer"

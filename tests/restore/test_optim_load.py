@@ -1,4 +1,4 @@
-"""A plain optimizer is restored without torch's quadratic ``_split_optim_state_dict`` (safepoint/optim_load.py),
+"""A plain optimizer is restored without torch's quadratic ``_split_optim_state_dict`` (safepoint/data/optim_load.py),
 to exactly the state ``set_state_dict`` gives; anything else goes through ``set_state_dict`` as before."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch.distributed.checkpoint import state_dict as dsd
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import safepoint
-from safepoint.optim_load import in_order
+from safepoint.data.optim_load import in_order
 
 
 def _trained(
