@@ -32,6 +32,7 @@ from safepoint.save.saver import SyncSaver
 from safepoint.save.staging import Stager, tensor_bytes
 from safepoint.save.writer_process import WriterProcess
 from safepoint.state import TrainState
+from safepoint.store.gc_pause import gc_paused
 from safepoint.store.job import job_identity
 from safepoint.store.manifest import clean_metrics
 from safepoint.store.posix_layout import CheckpointInfo, Layout
@@ -290,7 +291,8 @@ class CheckpointManager:
     ) -> CheckpointInfo:
         self._check_owner(step)  # here: the emergency save (preempt/) calls this directly
         call = SaveCall(self.events, step, is_async=False, emergency=emergency is not None)
-        with self._tiers.paused(), call.failing(SaveError):  # uploads hold off while training waits
+        # Uploads hold off while training waits for this save; no cyclic GC during its per-item work.
+        with self._tiers.paused(), call.failing(SaveError), gc_paused():
             t0 = call.begin()
             sd = state.capture(self.comm.rank)
             timings = {"capture_s": time.perf_counter() - t0}
@@ -307,7 +309,7 @@ class CheckpointManager:
             return False
         assert self._bg_saver is not None
         saver = self._bg_saver
-        with self._tiers.paused(), call.failing(SaveError):
+        with self._tiers.paused(), call.failing(SaveError), gc_paused():
             call.begin()
             staged = self._stager.stage(state.capture(self.comm.rank))
         blocking = call.returned(bytes_written=tensor_bytes(staged))
@@ -339,9 +341,10 @@ class CheckpointManager:
         self._writer.wait()
         self._writer.raise_failure()
         self._retainer.drain()  # no delete races the choice of what to load
-        manifest, self.last_restore = self._resume.restore(
-            self.comm, step, state, self._tiers, self._restorer, Selection.of(strict, ignore, remap)
-        )
+        with gc_paused():  # per-item work: no cyclic collections over it (store/gc_pause.py)
+            manifest, self.last_restore = self._resume.restore(
+                self.comm, step, state, self._tiers, self._restorer, Selection.of(strict, ignore, remap)
+            )
         if manifest is None:
             return 0
         self._schedule.at(manifest.step)

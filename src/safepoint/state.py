@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from safepoint.data import rng
+from safepoint.data.optim_load import in_order
 from safepoint.data.plain import PlainState, load_own_optimizer_sd, load_stateful, own_optimizer_sd
 from safepoint.data.sharded import check_not_sharded
 from safepoint.errors import SaveError, weights_only_reason
@@ -306,9 +307,13 @@ class TrainState:
 def _set_state(
     module: nn.Module, optims: list[torch.optim.Optimizer], model_sd: dict[str, Any], optim_sd: Any
 ) -> None:
-    """``set_state_dict``; an empty ``model_sd`` (already in place) loads the optimizers alone, or nothing."""
+    """``set_state_dict`` (an empty ``model_sd``: in place); a plain optimizer after it, in linear time."""
+    load = in_order(module, optims, optim_sd) if optims else None
+    optims, optim_sd = ([], {}) if load is not None else (optims, optim_sd)
     if model_sd or optims:
         set_state_dict(module, optims, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    if load is not None:
+        load()
 
 
 def _check_extra_value(key: str, value: Any) -> None:
