@@ -49,6 +49,9 @@ class Retainer:
         self._closed = False
         self._stopped = False  # the lease was lost, or a preemption notice came: no pass runs any more
         self._thread: threading.Thread | None = None
+        self.keep_fallback = False
+        """Incremental saves with full copies: also keep the newest step that shares no file (inode) with
+        the newest step, so one damaged shared file always leaves an intact step (docs/reliability.md)."""
 
     @property
     def in_background(self) -> bool:
@@ -150,6 +153,18 @@ class Retainer:
                 self._busy = False
                 self._cond.notify_all()
 
+    def _apart_from_newest(self, history: list[CheckpointInfo]) -> int | None:
+        """The newest step sharing no file with the newest one (None: none, or no files to tell by)."""
+        identities = getattr(self.layout, "file_identities", None)
+        if identities is None or len(history) < 2:
+            return None
+        steps = sorted((c.step for c in history), reverse=True)
+        newest = identities(steps[0])
+        for step in steps[1:]:
+            if newest.isdisjoint(identities(step)):
+                return step
+        return None
+
     def _pass(self, committed: int) -> None:
         """Apply the policies; ``committed`` (the last commit) and the newest verified step survive."""
         try:
@@ -169,6 +184,8 @@ class Retainer:
                 history.append(self._index[s])
             good = self.verdicts.newest_intact([c.step for c in history])
             protect = {committed} | ({good} if good is not None else set())
+            if self.keep_fallback and (apart := self._apart_from_newest(history)) is not None:
+                protect.add(apart)
             for step in self.retention.to_delete(history, protect):
                 with self._cond:
                     if self._stopped:
