@@ -135,7 +135,7 @@ class SyncSaver:
                     extra = dict(manifest_extra or {})
                     if round_ is not None:
                         # This rank's share: bytes linked from the previous step, written into stable groups.
-                        extra[INCREMENTAL_KEY] = dict(round_.stats, full=round_.previous is None)
+                        extra[INCREMENTAL_KEY] = dict(round_.stats, full=round_.full)
                     info = self._commit(
                         step,
                         pending,

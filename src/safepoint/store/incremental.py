@@ -144,7 +144,7 @@ class History:
     def begin(self) -> Round:
         self._seq += 1
         full = self.last is None or (self.full_every > 0 and self._since_full + 1 >= self.full_every)
-        return Round(self, None if full else self.last, self._seq)
+        return Round(self, self.last, self._seq, full=full)
 
     def committed(self, round_: Round, directory: Path) -> None:
         """``round_``'s save was committed into ``directory``: the next save compares against it."""
@@ -153,15 +153,17 @@ class History:
             return
         round_.record.directory = directory
         self.last = round_.record
-        self._since_full = 0 if round_.previous is None else self._since_full + 1
+        self._since_full = 0 if round_.full else self._since_full + 1
         self.stats = dict(round_.stats)
 
 
 class Round:
     """One save's arrangement: which items are linked, which written where."""
 
-    def __init__(self, history: History, previous: Record | None, seq: int) -> None:
+    def __init__(self, history: History, previous: Record | None, seq: int, *, full: bool) -> None:
         self.history, self.previous, self.seq = history, previous, seq
+        self.full = full
+        """A physical full copy: unchanged tensors still go to stable groups, but nothing is linked."""
         self.record: Record | None = None
         self.stats = {"linked": 0, "written": 0, "aliased": 0}
         self._aliases: dict[Key, tuple[Key, WriteItem]] = {}
@@ -202,7 +204,7 @@ class Round:
         results: list[WriteResult] = []
         placed: set[Key] = set()
         still = {item_key(i) for i in unchanged}
-        if prev is not None and prev.directory is not None:
+        if prev is not None and prev.directory is not None and not self.full:
             for stored in prev.files.values():
                 if not set(stored.infos) <= still:
                     continue
@@ -330,3 +332,16 @@ def file_identities(layout: Any, step: int) -> set[tuple[int, int]]:
             if stat.S_ISREG(st.st_mode):
                 found.add((st.st_dev, st.st_ino))
     return found
+
+
+def steps_sharing(layout: Any, step: int, name: str) -> list[int]:
+    """The other committed steps of a local ``layout`` holding ``step``'s file ``name`` itself (a hard link
+    to the same inode): damage to it is damage to them (``safepoint verify`` names them)."""
+    try:
+        st = os.stat(Path(layout.step_path(step)) / name, follow_symlinks=False)
+    except (OSError, ValueError):
+        return []
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink < 2:
+        return []
+    mine = (st.st_dev, st.st_ino)
+    return [s for s in layout.committed_steps() if s != step and mine in file_identities(layout, s)]
