@@ -138,7 +138,8 @@ def _bypass_collective(t: torch.Tensor) -> None:
 
     store_dir = Path(os.environ["SP_TEST_TMP"]) / f"store-{os.getpid()}"
     peer = subprocess.Popen(
-        [sys.executable, "-c", _PEER, str(store_dir), str(t.numel())], env=dict(os.environ, PYTHONPATH=_path())
+        [sys.executable, "-c", _PEER, str(store_dir), str(t.numel())],
+        env=dict(os.environ, PYTHONPATH=_path()),
     )
     dist.init_process_group("gloo", init_method=f"file://{store_dir}", rank=0, world_size=2)
     try:
@@ -261,7 +262,9 @@ def test_a_damaged_shared_file_leaves_an_older_intact_step(tmp_path: Path) -> No
     newest = max(steps)
     largest = max((root / f"step-{newest}").glob("*.distcp"), key=lambda p: p.stat().st_size)
     assert largest.stat().st_nlink >= 2
-    sharing = sorted(s for s in steps if any(f.samefile(largest) for f in (root / f"step-{s}").glob("*.distcp")))
+    sharing = sorted(
+        s for s in steps if any(f.samefile(largest) for f in (root / f"step-{s}").glob("*.distcp"))
+    )
     assert len(sharing) >= 2 and len(sharing) < len(steps)
     with open(largest, "r+b") as f:
         f.seek(largest.stat().st_size // 2)

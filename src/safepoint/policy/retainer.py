@@ -154,16 +154,17 @@ class Retainer:
                 self._cond.notify_all()
 
     def _apart_from_newest(self, history: list[CheckpointInfo]) -> int | None:
-        """The newest step sharing no file with the newest one (None: none, or no files to tell by)."""
+        """The newest step sharing no file with the newest one, if the newest shares files at all (None:
+        it shares none, so any other step is apart already, or there are no files to tell by)."""
         identities = getattr(self.layout, "file_identities", None)
         if identities is None or len(history) < 2:
             return None
         steps = sorted((c.step for c in history), reverse=True)
         newest = identities(steps[0])
-        for step in steps[1:]:
-            if newest.isdisjoint(identities(step)):
-                return step
-        return None
+        others = [(step, identities(step)) for step in steps[1:]]
+        if all(newest.isdisjoint(ids) for _, ids in others):
+            return None
+        return next((step for step, ids in others if newest.isdisjoint(ids)), None)
 
     def _pass(self, committed: int) -> None:
         """Apply the policies; ``committed`` (the last commit) and the newest verified step survive."""

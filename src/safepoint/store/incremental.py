@@ -4,7 +4,7 @@ A layer over the DCP writer (storage.py): before a rank's items are written, eac
 fingerprint (xxh3-128 of its bytes, dtype, shape and strides, computed where the bytes are). Items are then
 laid out in files by how they behave, so that unchanged bytes land apart from changing ones:
 
-- *stable groups* (``__<rank>_<n>.distcp``, n >= 100000): tensors whose fingerprint equalled the previous
+- *stable groups* (``__<rank>_<n>.distcp``, n >= 10**18): tensors whose fingerprint equalled the previous
   committed save's. A stable group whose every item is still unchanged is hard-linked from the previous
   step into the new one (same inode: no byte written), after the file was opened without following a link
   and found to be the very inode this process wrote (st_dev, st_ino, size). Where a link cannot be made
@@ -35,6 +35,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
+import secrets
 import stat
 from pathlib import Path
 from typing import Any
@@ -52,15 +54,26 @@ from safepoint.store.item_writer import tensor_bytes
 Key = tuple[str, tuple[int, ...]]  # (fqn, chunk offsets): one item of a rank's plan
 Entry = tuple[str, str, list[WriteItem]]  # DCP's file queue entry: (path, file name, items)
 
-# Stable groups are numbered from here: DCP numbers a rank's own files 0..threads-1, and every file name
-# stays ``__<rank>_<n>.distcp`` (what tiers/transfer.py and the node map recognise as a rank's file).
-_STABLE_BASE = 100000
+# Stable groups are numbered <9-digit tag of this process><6-digit save><4-digit group>: DCP numbers a
+# rank's own files 0..threads-1, every file name stays ``__<rank>_<n>.distcp`` (what tiers/transfer.py and
+# the node map recognise as a rank's file), and the random tag keeps a name from meaning other bytes in
+# another process's steps (an upload copies a stable group server-side by its name, size and crc32c).
+STABLE_MIN = 10**18
 # A stable group holds at most this many bytes: one tensor that starts changing again costs the rewrite of
 # its group's other tensors, at most this much.
 GROUP_BYTES = 128 * 1024 * 1024
 DEFAULT_FULL_EVERY = 10
 # manifest.extra[INCREMENTAL_KEY]: what rank 0's share of a save linked and wrote (for humans and benchmarks).
 INCREMENTAL_KEY = "incremental"
+
+
+_STABLE_NAME = re.compile(r"^__\d+_(\d{19,})\.distcp$")
+
+
+def is_stable_group(name: str) -> bool:
+    """Whether ``name`` is a stable group's file (a name no other bytes ever had, see STABLE_MIN)."""
+    m = _STABLE_NAME.match(name)
+    return m is not None and int(m.group(1)) >= STABLE_MIN
 
 
 def item_key(item: WriteItem) -> Key:
@@ -138,6 +151,7 @@ class History:
         self.last: Record | None = None
         self._since_full = 0
         self._seq = 0
+        self.tag = secrets.randbelow(9 * 10**8) + 10**8
         self.stats: dict[str, int] = {}
         """Of the last save: bytes ``linked`` and ``written`` in stable groups, items ``aliased``."""
 
@@ -228,7 +242,7 @@ class Round:
             groups[-1] = (groups[-1][0], groups[-1][1] + size)
         n = 0
         for group, group_bytes in groups:
-            while (name := f"{prefix}{_STABLE_BASE * self.seq + n}.distcp") in used:
+            while (name := f"{prefix}{self.history.tag}{self.seq % 10**6:06d}{n:04d}.distcp") in used:
                 n += 1
             used.add(name)
             self._stable.add(name)
