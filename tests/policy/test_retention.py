@@ -85,8 +85,11 @@ def test_bad_arguments_name_the_argument(root: Path, kwargs: dict[str, object], 
 def test_manager_applies_retention_after_commit(root: Path, background: bool) -> None:
     s = Setup()
     cluster = safepoint.ClusterOptions(background_deletes=background)
+    # The same state saved 7 times: incremental saves link its files, and with full copies retention would
+    # also keep a step sharing no file with the newest (docs/reliability.md); full_every=0: the policies only.
+    writer = safepoint.WriterOptions(full_every=0)
     with safepoint.CheckpointManager(
-        root, keep_last=2, keep_every_steps=4, keep_best=1, best_metric="loss", cluster=cluster
+        root, keep_last=2, keep_every_steps=4, keep_best=1, best_metric="loss", cluster=cluster, writer=writer
     ) as mgr:
         losses = {1: 0.5, 2: 0.1, 3: 0.7, 4: 0.6, 5: 0.9, 6: 0.8, 7: 0.95}
         for step, loss in losses.items():

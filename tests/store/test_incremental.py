@@ -257,7 +257,7 @@ def test_a_damaged_shared_file_leaves_an_older_intact_step(tmp_path: Path) -> No
     step holding that inode; retention kept a step sharing nothing with the newest, restore falls back to
     it, and verify names every step that shares the damaged file."""
     root = tmp_path / "root"
-    model, _ = _saves(root, 8, full_every=3)
+    _saves(root, 8, full_every=3)
     steps = sorted(int(p.name[5:]) for p in root.glob("step-*"))
     newest = max(steps)
     largest = max((root / f"step-{newest}").glob("*.distcp"), key=lambda p: p.stat().st_size)
@@ -300,3 +300,22 @@ def test_writer_options_validate() -> None:
         safepoint.WriterOptions(full_every=-1)
     with pytest.raises(ValueError, match="incremental"):
         safepoint.WriterOptions(incremental=1)  # type: ignore[arg-type]
+
+
+def test_async_saves_link_too(tmp_path: Path) -> None:
+    """Staged copies (async, the writer thread): the fingerprint decides, not the staging buffers'
+    version counters (which move at every copy)."""
+    root = tmp_path / "root"
+    torch.manual_seed(0)
+    model = Tied()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    state = safepoint.TrainState(model=model, optimizer=opt)
+    writer = safepoint.WriterOptions(async_writer="thread")
+    with safepoint.CheckpointManager(root, keep_last=3, async_save=True, writer=writer) as mgr:
+        for step in range(1, 5):
+            _train(model, opt)
+            mgr.save(step, state)
+        mgr.wait()
+    assert _file_of(root, 4, "model.emb.weight").stat().st_nlink >= 2
+    loaded = _plain_load(root / "step-4", model.state_dict())
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())

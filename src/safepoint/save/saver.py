@@ -42,12 +42,15 @@ class SyncSaver:
         *,
         wrap_writer: Callable[[Any], Any] | None = None,
         history: History | None = None,
+        staged: bool = False,
     ) -> None:
         self.layout = layout
         # Incremental saves (store/incremental.py): what this rank's last committed save wrote, shared with
         # the manager's other saver (sync and async saves link from whichever committed last). Local roots
         # only: an object store's writer has no files to link.
         self.history = history if isinstance(layout, Layout) else None
+        self.staged = staged
+        """Saves staged copies (async): their version counters say nothing about the live tensors."""
         # The manager shares one Retainer (one deleter thread, and what restore verified: retention keeps
         # the newest intact step) between its savers, and drains it on close(); a bare Retention gets one.
         if not isinstance(retention, Retainer):
@@ -103,7 +106,7 @@ class SyncSaver:
             writer = self.wrap_writer(writer)
         round_ = None
         if self.history is not None and isinstance(writer, SafepointWriter):
-            round_ = writer.incremental = self.history.begin()
+            round_ = writer.incremental = self.history.begin(versions=not self.staged)
         error: str | None = None
         own: dict[str, tuple[int, str]] = {}
         try:

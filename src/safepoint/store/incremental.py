@@ -139,6 +139,8 @@ class Record:
 
     fingerprints: dict[Key, bytes]
     files: dict[str, StoredFile]
+    versions: dict[Key, tuple[int, int]]
+    """(data_ptr, autograd version counter) of each tensor as the save saw it: a hint (see ``arrange``)."""
     directory: Path | None = None
     """The committed step directory the files lie in (set on commit)."""
 
@@ -155,10 +157,12 @@ class History:
         self.stats: dict[str, int] = {}
         """Of the last save: bytes ``linked`` and ``written`` in stable groups, items ``aliased``."""
 
-    def begin(self) -> Round:
+    def begin(self, *, versions: bool = True) -> Round:
+        """A new save's round. ``versions``: the tensors are the live ones (not staged copies, whose
+        counters move at every copy), so a moved version counter may spare a changed tensor's fingerprint."""
         self._seq += 1
         full = self.last is None or (self.full_every > 0 and self._since_full + 1 >= self.full_every)
-        return Round(self, self.last, self._seq, full=full)
+        return Round(self, self.last, self._seq, full=full, versions=versions)
 
     def committed(self, round_: Round, directory: Path) -> None:
         """``round_``'s save was committed into ``directory``: the next save compares against it."""
@@ -174,9 +178,11 @@ class History:
 class Round:
     """One save's arrangement: which items are linked, which written where."""
 
-    def __init__(self, history: History, previous: Record | None, seq: int, *, full: bool) -> None:
+    def __init__(
+        self, history: History, previous: Record | None, seq: int, *, full: bool, versions: bool
+    ) -> None:
         self.history, self.previous, self.seq = history, previous, seq
-        self.full = full
+        self.full, self.versions = full, versions
         """A physical full copy: unchanged tensors still go to stable groups, but nothing is linked."""
         self.record: Record | None = None
         self.stats = {"linked": 0, "written": 0, "aliased": 0}
@@ -190,6 +196,7 @@ class Round:
         groups). Fingerprints every tensor item once."""
         items = [item for _, _, its in entries for item in its]
         fingerprints: dict[Key, bytes] = {}
+        versions: dict[Key, tuple[int, int]] = {}
         sizes: dict[Key, int] = {}
         primaries: dict[tuple[Any, ...], Key] = {}
         changing: list[WriteItem] = []
@@ -206,15 +213,23 @@ class Round:
                     self._aliases[key] = (primaries[alias], item)
                     continue
                 primaries[alias] = key
-            fp = fingerprint(t)
             sizes[key] = t.nbytes
+            version = (raw.data_ptr(), raw._version)
+            versions[key] = version
+            seen = prev.versions.get(key) if prev is not None and self.versions else None
+            if seen is not None and seen[0] == version[0] and seen[1] != version[1]:
+                # The version counter moved: written (a hint only ever spares the fingerprint of a tensor
+                # that is written anyway; "unchanged" always needs the fingerprint).
+                changing.append(item)
+                continue
+            fp = fingerprint(t)
             if fp is not None:
                 fingerprints[key] = fp
             if fp is not None and prev is not None and prev.fingerprints.get(key) == fp:
                 unchanged.append(item)
             else:
                 changing.append(item)
-        self.record = Record(fingerprints, {})
+        self.record = Record(fingerprints, {}, versions)
         results: list[WriteResult] = []
         placed: set[Key] = set()
         still = {item_key(i) for i in unchanged}
