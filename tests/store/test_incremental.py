@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import safepoint
+from safepoint.cli.main import main
 from safepoint.store.storage import read_metadata_file
 
 VOCAB, DIM = 512, 64
@@ -104,6 +105,8 @@ def test_tied_weights_are_written_once(tmp_path: Path) -> None:
     emb, head = where["model.emb.weight"], where["model.head.weight"]
     assert (emb.relative_path, emb.offset, emb.length) == (head.relative_path, head.offset, head.length)
     assert _manifest(root, 1)["extra"]["incremental"]["aliased"] == 1
+    # verify (which checks every item's bytes) takes two keys of one stored item as intact.
+    assert main(["verify", str(root)]) == 0
     # Both keys load (plain DCP and safepoint), and stay tied in safepoint's restore.
     loaded = _plain_load(root / "step-1", model.state_dict())
     assert torch.equal(loaded["head.weight"], model.emb.weight)
@@ -319,3 +322,43 @@ def test_async_saves_link_too(tmp_path: Path) -> None:
     assert _file_of(root, 4, "model.emb.weight").stat().st_nlink >= 2
     loaded = _plain_load(root / "step-4", model.state_dict())
     assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+
+
+def test_kill_while_linking_leaves_the_older_steps_intact(tmp_path: Path) -> None:
+    """A real SIGKILL in the middle of linking (the third save): that save is never listed, the next
+    owner removes it, and the steps whose files it had linked still verify and restore."""
+    root = tmp_path / "root"
+    script = f"""
+import os, signal, torch, safepoint, safepoint.store.incremental as inc
+torch.manual_seed(0)
+m = torch.nn.Module()
+m.frozen = torch.nn.Parameter(torch.randn(4096), requires_grad=False)
+m.moving = torch.nn.Parameter(torch.zeros(8))
+real = os.link
+def link(src, dst, **kw):
+    real(src, dst, **kw)
+    os.kill(os.getpid(), signal.SIGKILL)  # the link is made: die before the save goes on
+with safepoint.CheckpointManager({str(root)!r}, keep_last=5) as mgr:
+    st = safepoint.TrainState(model=m)
+    for step in (1, 2):
+        with torch.no_grad():
+            m.moving.add_(1)
+        mgr.save(step, st)
+    inc.os.link = link
+    mgr.save(3, st)
+"""
+    env = dict(os.environ, PYTHONPATH=_path())
+    proc = subprocess.run([sys.executable, "-c", script], env=env)
+    assert proc.returncode == -9
+    pending = list((root / ".pending").iterdir())
+    assert pending and any(p.stat().st_nlink == 2 for d in pending for p in d.iterdir())
+    assert main(["verify", str(root), "--all"]) == 0
+    torch.manual_seed(0)
+    frozen = torch.randn(4096)
+    fresh = Holder(torch.zeros(4096))
+    fresh.moving = nn.Parameter(torch.zeros(8))
+    with safepoint.CheckpointManager(root) as mgr:
+        assert mgr.restore(safepoint.TrainState(model=fresh)) == 2
+    assert not list((root / ".pending").iterdir())
+    assert torch.equal(fresh.frozen, frozen) and torch.all(fresh.moving == 2)
+    assert all(p.stat().st_nlink == 1 for p in (root / "step-2").iterdir())
