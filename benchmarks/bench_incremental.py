@@ -159,32 +159,37 @@ def main() -> None:
                 loads.append(os.getloadavg()[0])
                 results[incremental].append(run(kind, incremental, args.saves, Path(args.dir)))
 
-        def med(incremental: bool, key: str) -> float:
-            return statistics.median(r[key] for r in results[incremental])
+        report(kind, results, loads)
 
-        full, incr = (lambda k: med(False, k)), (lambda k: med(True, k))
-        changed = incr("changed")
-        print(
-            f"== {kind}: changed bytes per save {changed / MiB:.2f} MiB; load avg {min(loads):.1f}-{max(loads):.1f}"
-        )
-        print(
-            f"  bytes written per steady save: full {full('wrote') / MiB:.1f} MiB, incremental "
-            f"{incr('wrote') / MiB:.2f} MiB = {incr('wrote') / changed:.2f}x changed "
-            f"(target <= 1.2x + 1 MiB: {incr('wrote') <= 1.2 * changed + MiB})"
-        )
-        print(
-            f"  steady save wall: full {full('wall') * 1e3:.0f} ms, incremental {incr('wall') * 1e3:.0f} ms "
-            f"= {incr('wall') / full('wall'):.2f}x; CPU {full('cpu') * 1e3:.0f} vs {incr('cpu') * 1e3:.0f} ms"
-        )
-        print(
-            f"  root with keep_last=3: full {full('root') / full('one'):.2f}x one checkpoint, incremental "
-            f"{incr('root') / incr('one'):.2f}x"
-        )
-        print(
-            f"  restore: full {full('restore') * 1e3:.0f} ms, incremental {incr('restore') * 1e3:.0f} ms "
-            f"= {incr('restore') / full('restore'):.2f}x"
-        )
-        print(f"  fingerprinting: {incr('fp_share') * 100:.1f}% of the save's CPU time")
+
+def report(kind: str, results: dict[bool, list[dict[str, Any]]], loads: list[float]) -> None:
+    def full(key: str) -> float:
+        return statistics.median(r[key] for r in results[False])
+
+    def incr(key: str) -> float:
+        return statistics.median(r[key] for r in results[True])
+
+    changed = incr("changed")
+    span = f"{min(loads):.1f}-{max(loads):.1f}"
+    print(f"== {kind}: changed bytes per save {changed / MiB:.2f} MiB; load avg {span}")
+    print(
+        f"  bytes written per steady save: full {full('wrote') / MiB:.1f} MiB, incremental "
+        f"{incr('wrote') / MiB:.2f} MiB = {incr('wrote') / changed:.2f}x changed "
+        f"(target <= 1.2x + 1 MiB: {incr('wrote') <= 1.2 * changed + MiB})"
+    )
+    print(
+        f"  steady save wall: full {full('wall') * 1e3:.0f} ms, incremental {incr('wall') * 1e3:.0f} ms "
+        f"= {incr('wall') / full('wall'):.2f}x; CPU {full('cpu') * 1e3:.0f} vs {incr('cpu') * 1e3:.0f} ms"
+    )
+    print(
+        f"  root with keep_last=3: full {full('root') / full('one'):.2f}x one checkpoint, incremental "
+        f"{incr('root') / incr('one'):.2f}x"
+    )
+    print(
+        f"  restore: full {full('restore') * 1e3:.0f} ms, incremental {incr('restore') * 1e3:.0f} ms "
+        f"= {incr('restore') / full('restore'):.2f}x"
+    )
+    print(f"  fingerprinting: {incr('fp_share') * 100:.1f}% of the save's CPU time")
 
 
 if __name__ == "__main__":
