@@ -33,6 +33,7 @@ from safepoint.save.staging import Stager, tensor_bytes
 from safepoint.save.writer_process import WriterProcess
 from safepoint.state import TrainState
 from safepoint.store.gc_pause import gc_paused
+from safepoint.store.incremental import History
 from safepoint.store.job import job_identity
 from safepoint.store.manifest import clean_metrics
 from safepoint.store.posix_layout import CheckpointInfo, Layout
@@ -181,7 +182,10 @@ class CheckpointManager:
         verdicts = Verdicts()  # what restore verified, for retention (the newest intact step survives)
         # Retention on rank 0, on its deleter thread or after each save's verdict (policy/retainer.py).
         self._retainer = Retainer(self.layout, kept, verdicts, background=cluster.background_deletes)
-        self._saver = SyncSaver(self.layout, self.comm, self._retainer, writer_threads=writer_threads)
+        # One incremental history for both savers: a sync save links from an async one's step and back.
+        history = History(full_every=writer.full_every) if writer.incremental else None
+        self._retainer.keep_fallback = history is not None and writer.full_every > 0  # docs/reliability.md
+        self._saver = SyncSaver(self.layout, self.comm, self._retainer, writer_threads, history=history)
         self._restorer = Restorer(self.layout, self.comm, verdicts)
         self._if_busy = writer.if_busy
         # fallback: None for no writer process; else whether one that cannot start may be replaced by the
@@ -201,9 +205,8 @@ class CheckpointManager:
             wrap = None
             if self._process is not None:
                 wrap = process_writer_factory(self._process, lambda: self._stager.arena)
-            self._bg_saver = SyncSaver(
-                self.layout, self._bg_comm, self._retainer, writer_threads=writer_threads, wrap_writer=wrap
-            )
+            bg = (self.layout, self._bg_comm, self._retainer, writer_threads)
+            self._bg_saver = SyncSaver(*bg, wrap_writer=wrap, history=history, staged=True)
         self._at_exit = self._async or durable is not None or self._retainer.in_background  # its deletes
         # The uploader's collectives get their own group too (created here: same order on every rank).
         self._tiers = SingleTier(self.layout)

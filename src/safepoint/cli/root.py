@@ -30,6 +30,7 @@ from safepoint.errors import CheckpointError, CorruptCheckpointError
 from safepoint.policy.keep import Keep
 from safepoint.policy.rules import KeepBest
 from safepoint.remote.object_layout import RemoteLayout
+from safepoint.store.incremental import steps_sharing
 from safepoint.store.posix_layout import Layout
 
 _STATUS_STYLE = {tools.OK: "green", tools.CORRUPT: "bold red", tools.PARTIAL: "yellow", tools.IGNORED: "red"}
@@ -97,6 +98,12 @@ def cmd_verify(args: argparse.Namespace, out: Console, err: Console) -> int:
             bad += 1
             for p in problems:
                 out.print(f"[bold red]CORRUPT[/] {escape(str(p))}")
+                if isinstance(layout, Layout) and p.file and (shared := steps_sharing(layout, s, p.file)):
+                    # Incremental saves hard-link unchanged files: the same bytes are those steps' too.
+                    names = ", ".join(f"step {x}" for x in shared)
+                    out.print(
+                        f"        {escape(p.file)} is the same file (a hard link) in {names}: also damaged"
+                    )
         else:
             size = decimal(manifest.total_bytes)
             out.print(f"[green]ok[/]      step {s}: {len(manifest.files)} files, {size}")

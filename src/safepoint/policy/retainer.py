@@ -53,6 +53,9 @@ class Retainer:
         self._closed = False
         self._stopped = False  # the lease was lost, or a preemption notice came: no pass runs any more
         self._thread: threading.Thread | None = None
+        self.keep_fallback = False
+        """Incremental saves with full copies: also keep the newest step that shares no file (inode) with
+        the newest step, so one damaged shared file always leaves an intact step (docs/reliability.md)."""
 
     @property
     def in_background(self) -> bool:
@@ -154,6 +157,19 @@ class Retainer:
                 self._busy = False
                 self._cond.notify_all()
 
+    def _apart_from_newest(self, history: list[CheckpointInfo]) -> int | None:
+        """The newest step sharing no file with the newest one, if the newest shares files at all (None:
+        it shares none, so any other step is apart already, or there are no files to tell by)."""
+        identities = getattr(self.layout, "file_identities", None)
+        if identities is None or len(history) < 2:
+            return None
+        steps = sorted((c.step for c in history), reverse=True)
+        newest = identities(steps[0])
+        others = [(step, identities(step)) for step in steps[1:]]
+        if all(newest.isdisjoint(ids) for _, ids in others):
+            return None
+        return next((step for step, ids in others if newest.isdisjoint(ids)), None)
+
     def _pass(self, committed: int) -> None:
         """Apply the policies; ``committed`` (the last commit) and the newest verified step survive."""
         t0 = time.perf_counter()
@@ -174,6 +190,8 @@ class Retainer:
                 history.append(self._index[s])
             good = self.verdicts.newest_intact([c.step for c in history])
             protect = {committed} | ({good} if good is not None else set())
+            if self.keep_fallback and (apart := self._apart_from_newest(history)) is not None:
+                protect.add(apart)
             doomed, deciding = self.retention.to_delete(history, protect), time.perf_counter() - t0
             for step in doomed:
                 with self._cond:

@@ -217,6 +217,20 @@ class RemoteLayout:
         done = self.store.put_files([FileCopy(lp, posixpath.join(pending, n), s, c) for lp, n, s, c in files])
         return {posixpath.basename(path): parts for path, parts in done.items()}
 
+    def copy_files(self, step: int, pending: str, files: list[tuple[str, int, str]]) -> None:
+        """Copy committed ``step``'s objects (name, size, crc32c) into ``pending`` server-side (S3
+        CopyObject: no client bytes), each confirmed against its size and crc32c like an upload."""
+        source = self.step_key(step)
+
+        def one(item: tuple[str, int, str]) -> None:
+            name, size, crc = item
+            target = posixpath.join(pending, name)
+            self.store.copy(posixpath.join(source, name), target, size)
+            if (problem := self.store.check(target, size, crc, read=False)) is not None:
+                raise UploadError(f"server-side copy of {self.store.url(target)}: {problem}")
+
+        self.store._parallel(one, files)
+
     def commit(self, pending: str, manifest: Manifest, *, confirmed: bool = False) -> str:
         """Confirm every object against ``manifest``, then write the manifest (then promote if staged).
         ``confirmed``: every object was confirmed as it was uploaded (``put_files``): not checked again."""

@@ -26,9 +26,11 @@ from safepoint.save.plan_reuse import PlanRecord, ReusingSavePlanner
 from safepoint.store import rank_state
 from safepoint.store.file_report import with_files
 from safepoint.store.gc_pause import gc_paused
+from safepoint.store.incremental import INCREMENTAL_KEY, History
 from safepoint.store.manifest import FileEntry, Manifest
 from safepoint.store.node_map import NODES_KEY, NodeMap
-from safepoint.store.posix_layout import CheckpointInfo, CheckpointStore
+from safepoint.store.posix_layout import CheckpointInfo, CheckpointStore, Layout
+from safepoint.store.storage import SafepointWriter
 
 log = logging.getLogger("safepoint")
 
@@ -41,11 +43,19 @@ class SyncSaver:
         layout: CheckpointStore,
         comm: Comm,
         retention: Retention | Retainer,
-        *,
         writer_threads: int = 1,
+        *,
         wrap_writer: Callable[[Any], Any] | None = None,
+        history: History | None = None,
+        staged: bool = False,
     ) -> None:
         self.layout = layout
+        # Incremental saves (store/incremental.py): what this rank's last committed save wrote, shared with
+        # the manager's other saver (sync and async saves link from whichever committed last). Local roots
+        # only: an object store's writer has no files to link.
+        self.history = history if isinstance(layout, Layout) else None
+        self.staged = staged
+        """Saves staged copies (async): their version counters say nothing about the live tensors."""
         # The manager shares one Retainer (one deleter thread, and what restore verified: retention keeps
         # the newest intact step) between its savers, and drains it on close(); a bare Retention gets one.
         if not isinstance(retention, Retainer):
@@ -100,6 +110,9 @@ class SyncSaver:
         writer = self.layout.make_writer(pending, thread_count=self.writer_threads)
         if self.wrap_writer is not None:
             writer = self.wrap_writer(writer)
+        round_ = None
+        if self.history is not None and isinstance(writer, SafepointWriter):
+            round_ = writer.incremental = self.history.begin(versions=not self.staged)
         error: str | None = None
         own: dict[str, tuple[int, str]] = {}
         try:
@@ -134,6 +147,10 @@ class SyncSaver:
                     per_rank = list(writer.rank_files or [{}])
                     # With the .metadata finish wrote, and this rank's own file.
                     per_rank[self.comm.rank] = {**writer.written_files(), **own}
+                    extra = dict(manifest_extra or {})
+                    if round_ is not None:
+                        # This rank's share: bytes linked from the previous step, written into stable groups.
+                        extra[INCREMENTAL_KEY] = dict(round_.stats, full=round_.full)
                     info = self._commit(
                         step,
                         pending,
@@ -141,7 +158,7 @@ class SyncSaver:
                         per_rank,
                         sections,
                         metrics,
-                        manifest_extra or {},
+                        extra,
                         dict(timings, write_s=time.perf_counter() - t0),
                     )
                 except (OSError, CheckpointError) as e:
@@ -174,6 +191,8 @@ class SyncSaver:
                 self._commit_node(pending, manifest)
             else:  # not committed: this node's share goes, as rank 0's did
                 self.layout.discard(pending)
+        if round_ is not None and self.history is not None and info is not None and not errors:
+            self.history.committed(round_, Path(self.layout.step_path(step)))
         if errors or info is None:
             why = "; ".join(dict.fromkeys(errors))
             self.events.emit(ev.SAVE_FAILED, step, reason=why)

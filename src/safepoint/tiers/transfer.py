@@ -30,6 +30,7 @@ from safepoint.events import RESTORE_FALLBACK
 from safepoint.remote.object_layout import RemoteLayout
 from safepoint.remote.retry import UploadError
 from safepoint.restore.restorer import CheckpointWarning, Restorer
+from safepoint.store.incremental import is_stable_group
 from safepoint.store.manifest import Manifest, Parts
 from safepoint.store.posix_layout import Layout
 
@@ -109,9 +110,22 @@ def upload_checkpoint(
         manifest = local.read_manifest(step)
         base = local.step_path(step)
         mine = [n for n in sorted(manifest.files) if _owner(n, comm.world_size) == comm.rank]
-        return durable.put_files(
-            pending, [(str(base / n), n, manifest.files[n].size, manifest.files[n].crc32c) for n in mine]
-        )
+        files = manifest.files
+        # Incremental saves: a stable group the durable tier already holds (same name, size and crc32c in
+        # its newest step below this one) is copied there server-side, no byte sent (store/incremental.py).
+        before = _durable_before(durable, step) if any(map(is_stable_group, mine)) else None
+        same = [
+            n
+            for n in mine
+            if before is not None
+            and is_stable_group(n)
+            and n in before[1].files
+            and (before[1].files[n].size, before[1].files[n].crc32c) == (files[n].size, files[n].crc32c)
+        ]
+        if before is not None and same:
+            durable.copy_files(before[0], pending, [(n, files[n].size, files[n].crc32c) for n in same])
+        rest = [n for n in mine if n not in same]
+        return durable.put_files(pending, [(str(base / n), n, files[n].size, files[n].crc32c) for n in rest])
 
     def commit(parts: list[dict[str, Parts]]) -> None:
         with committing() if committing is not None else contextlib.nullcontext(True) as allowed:
@@ -134,6 +148,17 @@ def with_parts(manifest: Manifest, parts: Sequence[dict[str, Parts] | None]) -> 
     """``manifest`` recording the parts every rank's uploads went up in (``RemoteLayout.put_files``)."""
     merged = {name: p for rank in parts for name, p in (rank or {}).items()}
     return manifest.with_parts(merged)
+
+
+def _durable_before(durable: RemoteLayout, step: int) -> tuple[int, Manifest] | None:
+    """The durable tier's newest committed step below ``step``, with its manifest (None: none readable)."""
+    older = [s for s in durable.committed_steps() if s < step]
+    if not older:
+        return None
+    try:
+        return older[-1], durable.read_manifest(older[-1])
+    except CheckpointError:
+        return None
 
 
 def _owner(name: str, world_size: int) -> int:
