@@ -157,6 +157,8 @@ _ALLOWED: dict[tuple[str, str], str] = {
     ("safepoint.remote.io", ".rename"): "the upload recorder's note of DCP's rename: no file is touched",
     ("safepoint.store.storage", ".rename"): "the same note, for a local save: no file is touched",
     ("safepoint.cli.bench", ".is_dir"): "finds the repository's benchmarks folder, not a root",
+    ("safepoint.cli.report", ".is_dir"): "checks the folder of the --plot file the user names, not a root",
+    ("safepoint.events", "open"): "JsonlSink's file: a path the user names for a log, not a root",
 }
 # Whole modules that are not in the checkpoint's path: the demo's own run directory (it plays the attacker
 # on purpose, flipping bytes in its checkpoints) and the CLI's export/import of user-named files.

@@ -31,6 +31,7 @@ from safepoint.errors import CheckpointError
 from safepoint.policy.history import RunHistory
 from safepoint.policy.journal import CARRY, PROGRESS, read_journal, read_progress
 from safepoint.store.posix_layout import Layout
+from safepoint.store.rootfs import RootDir
 
 _UNKNOWN_END = {"running"}
 
@@ -280,7 +281,7 @@ def build_report(root: str | os.PathLike[str]) -> RunReport:
             "root): run `safepoint report LOCAL_ROOT`"
         )
     path = Path(where.removeprefix("file://"))
-    if not path.is_dir() or path.is_symlink():
+    if not RootDir(path).isdir("") or path.is_symlink():
         raise CheckpointError(f"{path} is not a checkpoint root (no such directory)")
     # The attempts file is read as at a manager's start (validated; unreadable: none), without its warning
     # that "the restart history starts over", which is about a start, not a report.

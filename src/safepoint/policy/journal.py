@@ -28,7 +28,6 @@ import logging
 import math
 import mmap
 import os
-import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -36,9 +35,9 @@ from typing import Any
 from safepoint import events as ev
 from safepoint.dist import Comm
 from safepoint.policy.history import RunHistory
-from safepoint.store.fsops import fsync_dir, write_file_durably
-from safepoint.store.guard import NotRegularFileError, describe_mode, read_regular
+from safepoint.store.guard import read_regular
 from safepoint.store.posix_layout import CheckpointStore, Layout
+from safepoint.store.rootfs import RootDir
 
 log = logging.getLogger("safepoint")
 JOURNAL_NAME = ".journal.jsonl"
@@ -61,18 +60,6 @@ _FLAGS = frozenset({"is_async", "emergency"})
 _CARRIED = ("saves", "failures", "blocking_s", "restores", "restore_s", "deleted", "bytes", "first_time")
 
 
-def _open_write(path: Path, *, append: bool = True) -> int:
-    """A descriptor writing ``path`` (created if missing): a regular file, never through a symlink."""
-    flags = os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    # Not appending: the progress file, mapped read-write (a shared writable mapping needs O_RDWR).
-    fd = os.open(path, flags | (os.O_WRONLY | os.O_APPEND if append else os.O_RDWR), 0o644)
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise NotRegularFileError(f"{path} is {describe_mode(mode)}, not a regular file")
-    return fd
-
-
 class Journal:
     """Rank 0's writer (an event sink): appends rank 0's events and the loop's progress to ROOT's files."""
 
@@ -80,6 +67,7 @@ class Journal:
         """Touches nothing before :meth:`open`; unopened (or ``root`` None: no local root), every call
         is a no-op (a manager that does not own the root, or a rank other than 0, never opens one)."""
         root = root if root is not None else Path("/nonexistent")
+        self.fs = RootDir(root)  # ROOT's own files, never through a symlink (store/rootfs.py)
         self.path, self.progress_path = root / JOURNAL_NAME, root / PROGRESS_NAME
         self.max_bytes = max_bytes
         self._fd: int | None = None
@@ -98,7 +86,7 @@ class Journal:
         # A shared mapping of the file's one page: recording a step is a memory copy, no system call (a
         # pwrite per step measured ~4x maybe_save's own cost), and what a killed process copied in is in
         # the page cache, where the next owner reads it.
-        fd = _open_write(self.progress_path, append=False)
+        fd = self.fs.open_write(PROGRESS_NAME, append=False)
         try:
             os.ftruncate(fd, _PROGRESS_BYTES)
             self._progress = mmap.mmap(fd, _PROGRESS_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -123,7 +111,7 @@ class Journal:
         if self._step is not None:
             self._append({"event_type": PROGRESS, "step": self._step, "wall_time": round(time.time(), 3)})
             with contextlib.suppress(OSError):
-                os.unlink(self.progress_path)
+                self.fs.remove(PROGRESS_NAME)
         if self._fd is not None:
             os.close(self._fd)
         if self._progress is not None:
@@ -150,7 +138,7 @@ class Journal:
 
         def write() -> None:
             if self._fd is None:
-                self._fd = _open_write(self.path)
+                self._fd = self.fs.open_write(JOURNAL_NAME)
             if os.fstat(self._fd).st_size + len(line) > self.max_bytes:
                 self._compact()
             os.write(self._fd, line)
@@ -163,13 +151,13 @@ class Journal:
         keep = records[len(records) // 2 :]
         carry = fold_carry(records[: len(records) // 2])
         lines = [json.dumps(r, sort_keys=True) for r in [carry, *keep]]
-        tmp = self.path.with_name(f"{JOURNAL_NAME}.tmp")
-        write_file_durably(tmp, ("\n".join(lines) + "\n").encode())
-        os.replace(tmp, self.path)
-        fsync_dir(self.path.parent)
+        tmp = f"{JOURNAL_NAME}.tmp"
+        self.fs.write(tmp, ("\n".join(lines) + "\n").encode())  # fsync'd
+        self.fs.move(tmp, JOURNAL_NAME)
+        self.fs.fsync_dir()
         if self._fd is not None:
             os.close(self._fd)
-        self._fd = _open_write(self.path)
+        self._fd = self.fs.open_write(JOURNAL_NAME)
 
 
 def open_records(

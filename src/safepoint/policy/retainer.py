@@ -28,7 +28,8 @@ import time
 from safepoint import events as ev
 from safepoint.errors import CheckpointError, LeaseError
 from safepoint.policy.rules import Retention, Verdicts
-from safepoint.store.posix_layout import CheckpointInfo, CheckpointStore
+from safepoint.store.incremental import file_identities
+from safepoint.store.posix_layout import CheckpointInfo, CheckpointStore, Layout
 
 log = logging.getLogger("safepoint")
 
@@ -160,9 +161,12 @@ class Retainer:
     def _apart_from_newest(self, history: list[CheckpointInfo]) -> int | None:
         """The newest step sharing no file with the newest one, if the newest shares files at all (None:
         it shares none, so any other step is apart already, or there are no files to tell by)."""
-        identities = getattr(self.layout, "file_identities", None)
-        if identities is None or len(history) < 2:
-            return None
+        if not isinstance(self.layout, Layout) or len(history) < 2:
+            return None  # only a local layout hard-links files between steps
+
+        def identities(step: int) -> set[tuple[int, int]]:
+            return file_identities(self.layout, step)
+
         steps = sorted((c.step for c in history), reverse=True)
         newest = identities(steps[0])
         others = [(step, identities(step)) for step in steps[1:]]

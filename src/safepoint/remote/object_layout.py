@@ -10,18 +10,16 @@ where that is cheap), and only then is ``safepoint.json`` written. Deleting remo
 A reader trusts a step only if its manifest parses and every listed object matches it: the same rule and
 the same ``Manifest`` as on a local disk.
 
-Saving a step that is already committed cannot overwrite it in place (the committed copy would be broken
-before the new one exists). The new copy is written under ``.pending/step-N-<id>/`` with its own manifest;
-then the old manifest is deleted, the objects are copied server-side into ``step-N/``, and the new manifest
-is written. In that window step N is not listed (older steps are), but a complete copy always exists, and
-a new owner finishes the promotion (``clean_pending``). This is the best a store without rename allows.
+Re-saving a committed step cannot overwrite it in place. The new copy is written under
+``.pending/step-N-<id>/`` with its own manifest; then the old manifest is deleted, the objects are copied
+server-side into ``step-N/``, and the new manifest is written. In that window step N is not listed, but a
+complete copy always exists, and a new owner finishes the promotion (``clean_pending``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import posixpath
 import re
 from pathlib import Path
@@ -39,6 +37,7 @@ from safepoint.store.guard import STEP_PATTERN, STEP_PREFIX
 from safepoint.store.manifest import MANIFEST_NAME, Manifest, Parts
 from safepoint.store.metadata_check import load_checked_metadata
 from safepoint.store.posix_layout import PENDING_DIR, CheckpointInfo, step_name
+from safepoint.store.rootfs import RootDir
 from safepoint.store.storage import METADATA_NAME
 
 log = logging.getLogger("safepoint")
@@ -107,12 +106,8 @@ class RemoteLayout:
     def committed_steps(self) -> list[int]:
         """Steps whose manifest object exists, oldest first (manifest not yet parsed). One listing."""
         self._roll_forward()
-        steps = []
-        for rel in self.store.sizes(self.base):
-            m = _MANIFEST_KEY.match(rel)
-            if m:
-                steps.append(int(m.group(1).removeprefix(STEP_PREFIX)))
-        return sorted(steps)
+        found = (_MANIFEST_KEY.match(rel) for rel in self.store.sizes(self.base))
+        return sorted(int(m.group(1).removeprefix(STEP_PREFIX)) for m in found if m)
 
     def manifest_bytes(self, step: int) -> bytes:
         try:
@@ -337,11 +332,9 @@ class RemoteLayout:
             log.warning("safepoint: could not clean up %s: %s", self.store.url(pending), e)
             return
         if self.store.local:
-            # A directory used as the durable tier has real directories: deleting the objects left step-N/
-            # empty, listed by `ls` as a partial save forever. rmdir removes only an empty directory (never
-            # a symlink, never contents): anything else left there stays for a human.
-            with contextlib.suppress(OSError):
-                os.rmdir(pending)
+            # A directory as the durable tier: step-N/ left empty would be listed as a partial save forever.
+            with contextlib.suppress(OSError):  # only an empty real directory goes; anything else stays
+                RootDir(self.base).remove_empty_dir(posixpath.relpath(pending, self.base))
 
     def _still_owner(self, prefix: str) -> bool:
         """Whether this process may delete under an in-place save ``prefix``: it holds the root's lease
@@ -415,9 +408,9 @@ class RemoteLayout:
 
         if self.store.local:
             self.owner = Lease(Path(self.base), stale_after_s=stale_after_s, job=job)
-            return self.owner
-        self.owner = RemoteLease.for_layout(self, stale_after_s, job)
-        self.unguarded = self.owner is None
+        else:
+            self.owner = RemoteLease.for_layout(self, stale_after_s, job)
+            self.unguarded = self.owner is None
         return self.owner
 
     def object_key(self, step: int, name: str) -> str:

@@ -48,8 +48,8 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteIt
 from torch.distributed.checkpoint.storage import WriteResult
 
 from safepoint.errors import CheckpointError
-from safepoint.store.guard import open_regular
 from safepoint.store.item_writer import tensor_bytes
+from safepoint.store.rootfs import RootDir
 
 Key = tuple[str, tuple[int, ...]]  # (fqn, chunk offsets): one item of a rank's plan
 Entry = tuple[str, str, list[WriteItem]]  # DCP's file queue entry: (path, file name, items)
@@ -317,13 +317,16 @@ def link_into(source: Path, target: Path, stored: StoredFile) -> bool:
     """Hard-link the committed file ``source`` as ``target`` if it is still the file this process wrote;
     False where it cannot be done (the caller then writes the file instead).
 
-    The source is opened as guard.open_regular does (no symlink, regular file) and must be the recorded
+    The source is opened as RootDir.open_read does (no symlink, regular file) and must be the recorded
     inode (st_dev, st_ino, size, mtime). ``linkat`` (without AT_SYMLINK_FOLLOW: it never follows a link)
     then names whatever ``source`` is at that moment, so the new name is checked again and removed unless
     it is that same regular inode: a file swapped in meanwhile is never kept, and nothing outside the root
     can become part of a step (it would have to be the very inode we wrote inside it)."""
+    # Both walked from their common directory (the root) by descriptors: no symlinked component followed.
+    fs = RootDir(os.path.commonpath([source, target]))
+    src, dst = fs.name(source), fs.name(target)
     try:
-        fd = open_regular(source)
+        fd = fs.open_read(src)
     except OSError:
         return False
     try:
@@ -332,13 +335,13 @@ def link_into(source: Path, target: Path, stored: StoredFile) -> bool:
     finally:
         os.close(fd)
     try:
-        os.link(source, target, follow_symlinks=False)
-        made = os.stat(target, follow_symlinks=False)
+        fs.link(src, dst)
+        made = fs.lstat(dst)
     except OSError:
         return False
-    if not stat.S_ISREG(made.st_mode) or _identity(made) != stored.identity:
+    if made is None or not stat.S_ISREG(made.st_mode) or _identity(made) != stored.identity:
         with contextlib.suppress(OSError):
-            os.unlink(target)
+            fs.remove(dst)
         return False
     return True
 

@@ -43,7 +43,6 @@ from safepoint.store.guard import (
     remove_tree_from,
 )
 from safepoint.store.heartbeat import HeartbeatLease
-from safepoint.store.incremental import file_identities
 from safepoint.store.manifest import MANIFEST_NAME, Manifest
 from safepoint.store.metadata_check import load_checked_metadata
 from safepoint.store.protocol import CheckpointInfo as CheckpointInfo  # re-exported: its old home
@@ -204,10 +203,6 @@ class Layout:
             if name in problems:
                 raise CorruptCheckpointError(step, name, problems[name])
         return manifest
-
-    def file_identities(self, step: int) -> set[tuple[int, int]]:
-        """(st_dev, st_ino) of ``step``'s files: hard links shared between steps show as one pair."""
-        return file_identities(self, step)
 
     # ---- saving --------------------------------------------------------------------------------------
 

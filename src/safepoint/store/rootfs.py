@@ -228,6 +228,19 @@ class RootDir:
                 os.unlink(name, dir_fd=dfd)
             return os.open(name, _CREATE_FLAGS, 0o666, dir_fd=dfd)
 
+    def open_write(self, rel: Rel, *, append: bool = True) -> int:
+        """A descriptor writing the regular file ``rel``, kept if it exists, created if not (never through
+        a symlink; a FIFO or device is refused): ``O_APPEND`` when ``append``, else read-write (to map)."""
+        flags = os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        flags |= os.O_WRONLY | os.O_APPEND if append else os.O_RDWR
+        with self.parent(rel) as (dfd, name):
+            fd = os.open(name, flags, 0o666, dir_fd=dfd)
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            raise NotRegularFileError(f"{self.full(rel)} is {describe_mode(mode)}, not a regular file")
+        return fd
+
     def write(self, rel: Rel, data: bytes, *, durable: bool = True) -> None:
         """:meth:`create` ``rel`` holding ``data`` (fsync'd when ``durable``)."""
         fd = self.create(rel)
@@ -277,6 +290,11 @@ class RootDir:
         """Unlink the file (or symlink: the link, never its target) ``rel``; missing is fine."""
         with contextlib.suppress(FileNotFoundError, NotADirectoryError), self.parent(rel) as (dfd, name):
             os.unlink(name, dir_fd=dfd)
+
+    def remove_empty_dir(self, rel: Rel) -> None:
+        """Remove the directory ``rel`` if it is empty (never a symlink, never contents); else OSError."""
+        with self.parent(rel) as (dfd, name):
+            os.rmdir(name, dir_fd=dfd)
 
     def remove_tree(self, rel: Rel) -> str | None:
         """Delete ``rel`` and everything in it, never leaving the root: a symlink (at ``rel`` or inside) is
