@@ -81,7 +81,8 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 def test_every_room_is_a_subpackage_and_no_module_is_oversized() -> None:
     top = {p.stem for p in SRC.glob("*.py")}
-    assert top <= {"__init__", "_version", "manager", "emergency", "state", "errors", "dist", "options"}, top
+    rooms = {"__init__", "_version", "manager", "emergency", "state", "errors", "dist", "options", "events"}
+    assert top <= rooms, top
     sizes = {str(p.relative_to(SRC)): len(p.read_text().splitlines()) for p in SRC.rglob("*.py")}
     assert {name: n for name, n in sizes.items() if n > MAX_LINES} == {}
 
@@ -128,3 +129,98 @@ def test_every_process_group_script_ends_without_the_interpreters_teardown() -> 
     ending = [p for p in scripts if (calls := _main_block_calls(p)) and not calls & _ENDINGS]
     assert len(scripts) > 10, scripts  # the search finds the workers
     assert [str(p.relative_to(root)) for p in ending if str(p.relative_to(root)) not in _BY_HAND] == []
+
+
+# ---- every file under a root is touched through one guarded module ---------------------------------------
+# store/rootfs.py walks every path below a root by descriptors, never following a symlink; store/guard.py
+# and store/fsops.py hold the primitives it is built on (and renameat2, fsync, which the torture suite patches). Any other module that opens, lists, renames or deletes by path could
+# follow a symlinked component out of the root (round 2: a symlinked .peers made a save delete elsewhere).
+_GUARDED = {"safepoint.store.rootfs", "safepoint.store.guard", "safepoint.store.fsops"}
+_RAW_MODULE_CALLS = {
+    *(f"os.{n}" for n in ("open", "rename", "replace", "renames", "makedirs", "mkdir", "listdir", "scandir")),
+    *(f"os.{n}" for n in ("unlink", "remove", "rmdir", "removedirs")),
+    *(f"os.path.{n}" for n in ("exists", "isfile", "isdir", "getsize")),
+    *(f"shutil.{n}" for n in ("rmtree", "move", "copy", "copy2", "copyfile", "copytree")),
+}
+# Path's methods that follow symlinks or touch the disk. The check is by name (the AST has no types), so
+# RootDir names its own methods apart (isdir, lexists, makedirs, move, remove).
+_RAW_METHODS = {
+    "is_dir", "is_file", "exists", "read_text", "read_bytes", "write_text", "write_bytes", "iterdir", "mkdir",
+    "unlink", "rename", "rmdir", "touch", "glob", "rglob", "symlink_to",
+}  # fmt: skip
+# (module, call) that may stay, each because it is not a path under a checkpoint root. Keep it short.
+_ALLOWED: dict[tuple[str, str], str] = {
+    ("safepoint.store.heartbeat", "open"): "reads /proc/<pid>/stat (a process's start time), not a root",
+    ("safepoint.preempt.shield", "open"): "reads /proc/<pid>/status, not a root",
+    ("safepoint.preempt.shield", "os.listdir"): "lists /proc/self/task, not a root",
+    ("safepoint.preempt.notices", "os.remove"): "the user's preemption-notice file, not a root",
+    ("safepoint.remote.io", ".rename"): "the upload recorder's note of DCP's rename: no file is touched",
+    ("safepoint.store.storage", ".rename"): "the same note, for a local save: no file is touched",
+    ("safepoint.cli.bench", ".is_dir"): "finds the repository's benchmarks folder, not a root",
+    ("safepoint.cli.report", ".is_dir"): "checks the folder of the --plot file the user names, not a root",
+    ("safepoint.events", "open"): "JsonlSink's file: a path the user names for a log, not a root",
+}
+# Whole modules that are not in the checkpoint's path: the demo's own run directory (it plays the attacker
+# on purpose, flipping bytes in its checkpoints) and the CLI's export/import of user-named files.
+_ALLOWED_MODULES: dict[str, str] = {
+    "safepoint.demo": "the demo's run directory and its deliberate damage, never a user's root",
+    "safepoint.cli.convert": "writes an export to a path the user names, outside any root",
+    "safepoint.cli.tools_convert": "reads a user-named file to import and writes its export, outside any root",
+    # NOT YET MOVED (issue 23a, left): the commit protocol, DCP's writer, the lease file and the rank files
+    # run under the torture suite's fault layer (tests/torture/faults.py); moving them onto RootDir needs
+    # the crash/fault campaigns rerun with it. Their paths are guarded by store/guard.py's lstat/O_NOFOLLOW
+    # checks meanwhile. Remove each line once its module is moved.
+    "safepoint.store.posix_layout": "not yet moved (see above)",
+    "safepoint.store.storage": "not yet moved (see above)",
+    "safepoint.store.file_lease": "not yet moved (see above)",
+    "safepoint.store.rank_state": "not yet moved (see above)",
+}
+
+
+def raw_file_calls(source: str) -> list[tuple[int, str]]:
+    """(line, call) of every raw file-system call in ``source`` (see _RAW_MODULE_CALLS/_RAW_METHODS)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Name) and f.id == "open":
+            found.append((node.lineno, "open"))
+        elif isinstance(f, ast.Attribute):
+            dotted = ast.unparse(f)
+            if dotted in _RAW_MODULE_CALLS:
+                found.append((node.lineno, dotted))
+            elif f.attr in _RAW_METHODS:
+                found.append((node.lineno, f".{f.attr}"))
+    return sorted(found)
+
+
+def test_only_the_guarded_module_touches_files() -> None:
+    offenders = []
+    for path in sorted(SRC.rglob("*.py")):
+        module = ".".join(path.relative_to(SRC.parent).with_suffix("").parts)
+        if module in _GUARDED or any(module.startswith(m) for m in _ALLOWED_MODULES):
+            continue
+        for line, call in raw_file_calls(path.read_text()):
+            if (module, call) not in _ALLOWED:
+                offenders.append(f"{path.relative_to(SRC.parent)}:{line}: {call}")
+    assert offenders == [], "use safepoint.store.rootfs.RootDir (docs/architecture.md):\n" + "\n".join(
+        offenders
+    )
+
+
+def test_the_raw_call_finder_finds_raw_calls() -> None:
+    snippet = (
+        "import os, shutil\n"
+        "def f(p, fs):\n"
+        "    open(p)\n"
+        "    os.rename(p, p)\n"
+        "    shutil.rmtree(p)\n"
+        "    if p.is_dir() and os.path.isfile(p):\n"
+        "        p.read_text()\n"
+        "    fs.isdir('x'); fs.read('x', 1); os.fdopen(3); 'a'.replace('a', 'b')\n"
+    )
+    assert raw_file_calls(snippet) == [
+        (3, "open"), (4, "os.rename"), (5, "shutil.rmtree"), (6, ".is_dir"), (6, "os.path.isfile"),
+        (7, ".read_text"),
+    ]  # fmt: skip

@@ -29,6 +29,7 @@ def snippet(heading: str) -> str:
     "heading",
     [
         "### Your own Stateful objects",
+        "### Restoring without a template: `PlainState`, fresh optimizers",
         "### `torch.compile`d models",
         "### `save(N)` for a step that is already committed",
     ],

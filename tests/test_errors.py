@@ -61,7 +61,7 @@ def test_bad_call_arguments(root: Path, call: object, msg: str) -> None:
     ("kwargs", "msg"),
     [
         ({"model": "resnet"}, "model=...\\) must be an nn.Module"),
-        ({"optimizer": torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1)}, "needs model"),
+        ({"optimizer": torch.nn.Linear(1, 1)}, "must be an Optimizer"),
         ({"scheduler": object()}, "needs state_dict"),
         ({"extra": {"f": lambda: 1}}, "JSON-able"),
         ({"extra": {1: 2}}, "keys must be strings"),

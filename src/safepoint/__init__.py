@@ -1,6 +1,7 @@
 """safepoint: atomic, verified, resumable checkpoints for PyTorch training."""
 
 from safepoint._version import __version__
+from safepoint.data.plain import PlainState
 from safepoint.data.sampler import ResumableSampler
 from safepoint.dist import PeerTimeoutError, init_process_group
 from safepoint.errors import (
@@ -11,6 +12,7 @@ from safepoint.errors import (
     StateMismatchError,
     UnsafeCheckpointError,
 )
+from safepoint.events import CheckpointEvent, JsonlSink, TensorBoardSink, when_committed
 from safepoint.manager import CheckpointManager
 from safepoint.options import ClusterOptions, PreemptionOptions, WarmStart, WriterOptions
 from safepoint.policy.keep import Keep
@@ -36,6 +38,7 @@ from safepoint.tiers.base import DurabilityLag
 __all__ = [
     "AdaptiveInterval",
     "CheckpointError",
+    "CheckpointEvent",
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointWarning",
@@ -44,12 +47,14 @@ __all__ = [
     "DurabilityLag",
     "EveryNSeconds",
     "EveryNSteps",
+    "JsonlSink",
     "Keep",
     "KeepBest",
     "KeepEvery",
     "KeepLast",
     "LeaseError",
     "PeerTimeoutError",
+    "PlainState",
     "Preempted",
     "PreemptionOptions",
     "RemoteLayout",
@@ -59,6 +64,7 @@ __all__ = [
     "SaveError",
     "ShieldedWorkerInit",
     "StateMismatchError",
+    "TensorBoardSink",
     "TrainState",
     "TransferOptions",
     "UnsafeCheckpointError",
@@ -68,6 +74,7 @@ __all__ = [
     "__version__",
     "init_process_group",
     "shield_worker_init",
+    "when_committed",
 ]
 
 RENAMED = {"TransferConfig": "TransferOptions"}

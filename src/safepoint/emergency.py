@@ -8,6 +8,7 @@ import logging
 import time
 from typing import Any, NoReturn, Protocol
 
+from safepoint import events as ev
 from safepoint.errors import LeaseError, SaveError
 from safepoint.policy.history import RunHistory, outcome_of
 from safepoint.policy.retainer import Retainer
@@ -55,9 +56,16 @@ class EmergencySave:
     ) -> None:
         self.preemption, self._schedule, self._tiers, self._layout = preemption, schedule, tiers, layout
         self._writer, self._retainer, self._runs, self._save = writer, retainer, runs, save
+        self.events = tiers.events  # the manager's stream (events.py), wired into the tiers before this
 
     def run(self, step: int, state: TrainState, metrics: dict[str, Any] | None) -> NoReturn:
         """Every rank agreed on a notice: finish the save in flight, save this step synchronously, exit."""
+        notice = self.preemption.notice  # this rank's (another rank's notice: none here)
+        since = time.monotonic() - notice.at if notice.at is not None else None
+        self.events.emit(
+            ev.PREEMPTION, step, reason=notice.reason or "a notice on another rank", duration_secs=since
+        )
+        t_notice = time.perf_counter()
         # Old checkpoints can wait for the next owner: no delete competes with the emergency save for the
         # disk, and the exit (close) waits on one step's delete at most, not on every queued pass.
         self._retainer.abandon()
@@ -85,6 +93,9 @@ class EmergencySave:
                 except (SaveError, LeaseError) as e:  # LeaseError: a read-only root, or a lost lease
                     log.error("safepoint: emergency save of step %d failed: %s", step, e)
                     cause = e
+        why = f"{plan.action}" if plan is not None else "this step was saved already"
+        why, took = (why if cause is None else f"{why}; failed: {cause}"), time.perf_counter() - t_notice
+        self.events.emit(ev.EMERGENCY_SAVE, saved, duration_secs=took, reason=why, emergency=True)
         self._tiers.preempted(plan, self.preemption.end_of_grace())
         exc = self.preemption.exit(step, saved, self._resume_step(saved), plan)
         if self._runs is not None:

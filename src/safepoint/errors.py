@@ -115,3 +115,24 @@ def describe_exception(e: BaseException) -> str:
         ]
         return "; ".join(parts) or " ".join(str(e).split())
     return _one_line(_named_cause(e))
+
+
+_WEIGHTS_ONLY_BOILERPLATE = (
+    "Weights only load failed",
+    "Please file an issue",
+    "Check the documentation",
+    "In PyTorch 2.6",
+)
+
+
+def weights_only_reason(e: BaseException) -> str:
+    """torch's weights-only refusal in one line: its message is six lines of advice ("re-run with
+    weights_only=False", which we never do) around the one that says what was refused."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    kept = [
+        ln.removeprefix("WeightsUnpickler error: ")
+        for ln in lines
+        if not ln.startswith(_WEIGHTS_ONLY_BOILERPLATE)
+    ]
+    text = " ".join(kept) or type(e).__name__
+    return text if len(text) <= 300 else f"{text[:297]}..."

@@ -10,21 +10,14 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
 
+from safepoint import options as opts
 from safepoint.dist import Comm
 from safepoint.emergency import EmergencySave
-from safepoint.errors import CheckpointError, Preempted
-from safepoint.options import (
-    ClusterOptions,
-    PreemptionOptions,
-    WarmStart,
-    WriterOptions,
-    check_manager_arguments,
-    check_option_types,
-    check_step,
-    reject_moved,
-    writer_process_mode,
-)
+from safepoint.errors import CheckpointError, Preempted, SaveError
+from safepoint.events import Events, EventSink, SaveCall, subscribers, wire
+from safepoint.options import ClusterOptions, PreemptionOptions, WarmStart, WriterOptions
 from safepoint.policy.history import RunHistory, outcome_of
+from safepoint.policy.journal import open_records
 from safepoint.policy.keep import Keep
 from safepoint.policy.retainer import Retainer
 from safepoint.policy.rules import AdaptiveInterval, Retention, Verdicts
@@ -39,6 +32,8 @@ from safepoint.save.saver import SyncSaver
 from safepoint.save.staging import Stager, tensor_bytes
 from safepoint.save.writer_process import WriterProcess
 from safepoint.state import TrainState
+from safepoint.store.gc_pause import gc_paused
+from safepoint.store.incremental import History
 from safepoint.store.job import job_identity
 from safepoint.store.manifest import clean_metrics
 from safepoint.store.posix_layout import CheckpointInfo, Layout
@@ -76,6 +71,7 @@ class CheckpointManager:
         resume: "auto" (the newest intact checkpoint, else step 0), "required" (CheckpointError naming the
             root and what it holds if there is none), "never" (step 0; checkpoints kept, not loaded).
         init_from: a warm start (root, step-N directory or ``safepoint.WarmStart``) when ``root`` has none.
+        on_event: callable(s) given a ``safepoint.CheckpointEvent`` per save phase, restore, preemption.
 
     Keywords that moved into an option object fail with their new home named (``options.MOVED_KEYWORDS``).
     One process holds a root through one open manager: a second one on it raises ``LeaseError`` saying so.
@@ -97,23 +93,25 @@ class CheckpointManager:
         transfer: TransferOptions | None = None,
         resume: str = "auto",
         init_from: str | os.PathLike[str] | WarmStart | None = None,
+        on_event: EventSink | Iterable[EventSink] | None = None,
         **moved: Any,
     ) -> None:
-        reject_moved(moved)
-        check_option_types(writer=writer, preemption=preemption, cluster=cluster)
+        opts.reject_moved(moved)
+        self.events = Events(subscribers(on_event))  # events.py; ``events.subscribe`` adds a sink later
+        opts.check_option_types(writer=writer, preemption=preemption, cluster=cluster)
         writer, cluster, keep = writer or WriterOptions(), cluster or ClusterOptions(), Keep.of(keep)
         notices = preemption or PreemptionOptions()
         self.root, self.layout, durable = plan_tiers(
             root, local_root, storage_options, transfer or TransferOptions()
         )
         # Every argument is validated before the first process group exists (see options.py).
-        check_manager_arguments(writer, async_save, resume)
+        opts.check_manager_arguments(writer, async_save, resume)
         self._job = job_identity(cluster.job_id)  # SAFEPOINT_JOB_ID is checked here too
         warm = WarmStart.of(init_from)  # with tiering, the durable root says what a job has
         self._resume = Resume(resume, durable or self.layout, warm, storage_options)
         self.last_restore: RestoreReport | None = None  # what the last restore() loaded, and left
         local = isinstance(self.layout, Layout)
-        process_fallback = writer_process_mode(async_save, writer.async_writer, local)
+        process_fallback = opts.writer_process_mode(async_save, writer.async_writer, local)
         self._schedule = SaveSchedule(save_every_steps, save_every_seconds, local=local)
         self.saves = self._schedule.saves  # the same list: what the training loop's saves cost
         self._comms: list[Comm] = []  # every group this manager created, destroyed if __init__ fails
@@ -129,8 +127,9 @@ class CheckpointManager:
             self._preemption = Preemption.build(self.comm, notices)
             self._resume.before_create(self.comm)
             self._take_ownership(cluster.lease_stale_after_s)
+            self._runs, self._journal = open_records(self.layout, self.comm, self._read_only, self.events)
             if isinstance(self.layout, Layout):  # "auto" was refused above for a URL root alone
-                self._runs = self._schedule.add_adaptive(self.layout, self.comm)
+                self._schedule.add_adaptive(self.layout, self.comm, self._runs)
             if self._at_exit:
                 # A script that ends without close() must not kill the writer mid-file at interpreter
                 # shutdown (torch's C++ writer aborts the process then): let the save in flight finish.
@@ -157,6 +156,7 @@ class CheckpointManager:
             preemption.stop()  # previous signal handlers back, poller stopped
         if outcome is not None and self._runs is not None:
             self._runs.end(outcome)
+        self.events.close()  # the journal's too, under the lease like every write to the root
         if (process := getattr(self, "_process", None)) is not None:
             process.close()
         if (stager := getattr(self, "_stager", None)) is not None:
@@ -182,7 +182,10 @@ class CheckpointManager:
         verdicts = Verdicts()  # what restore verified, for retention (the newest intact step survives)
         # Retention on rank 0, on its deleter thread or after each save's verdict (policy/retainer.py).
         self._retainer = Retainer(self.layout, kept, verdicts, background=cluster.background_deletes)
-        self._saver = SyncSaver(self.layout, self.comm, self._retainer, writer_threads=writer_threads)
+        # One incremental history for both savers: a sync save links from an async one's step and back.
+        history = History(full_every=writer.full_every) if writer.incremental else None
+        self._retainer.keep_fallback = history is not None and writer.full_every > 0  # docs/reliability.md
+        self._saver = SyncSaver(self.layout, self.comm, self._retainer, writer_threads, history=history)
         self._restorer = Restorer(self.layout, self.comm, verdicts)
         self._if_busy = writer.if_busy
         # fallback: None for no writer process; else whether one that cannot start may be replaced by the
@@ -202,15 +205,16 @@ class CheckpointManager:
             wrap = None
             if self._process is not None:
                 wrap = process_writer_factory(self._process, lambda: self._stager.arena)
-            self._bg_saver = SyncSaver(
-                self.layout, self._bg_comm, self._retainer, writer_threads=writer_threads, wrap_writer=wrap
-            )
+            bg = (self.layout, self._bg_comm, self._retainer, writer_threads)
+            self._bg_saver = SyncSaver(*bg, wrap_writer=wrap, history=history, staged=True)
         self._at_exit = self._async or durable is not None or self._retainer.in_background  # its deletes
         # The uploader's collectives get their own group too (created here: same order on every rank).
         self._tiers = SingleTier(self.layout)
         if durable is not None and isinstance(self.layout, Layout):  # per-node ones on several nodes
             args = (self.layout, durable, retention, keep.local_last, self._new_comm(timeout), verdicts)
             self._tiers = build_tiers(self.comm, [self._saver, self._bg_saver], *args)
+        parts = (self._saver, self._bg_saver, self._restorer, self._retainer, self._tiers, self._resume)
+        wire(self.events, *parts, rank=self.comm.rank)  # events.py: each part emits its phases
 
     def _take_ownership(self, stale_after_s: float) -> None:
         self._lease, error, self._read_only = take_ownership(
@@ -225,8 +229,9 @@ class CheckpointManager:
     def maybe_save(self, step: int, state: TrainState, metrics: dict[str, Any] | None = None) -> bool:
         """Save if a policy says it is due. Returns whether a save happened: False also when
         ``if_busy="skip"`` skipped it (a time policy stays due; a step policy waits for its next step)."""
-        check_step(step)
+        opts.check_step(step)
         self._tiers.observe(step)  # durability_lag() counts steps trained since the last durable save
+        self._journal.progress(step)  # the report's "steps redone" after a kill
         if self._emergency is not None and self._emergency.preemption.agreed(step):
             self._emergency.run(step, state, metrics)
         if not self._schedule.due(step):
@@ -247,7 +252,7 @@ class CheckpointManager:
         ``async_save``). ``overwrite=True`` replaces it, with these metrics.
         """
         self._check_open()
-        check_step(step)
+        opts.check_step(step)
         if step == self._schedule.last_step and not overwrite:
             try:  # a background save of this step that failed was not committed: it is raised here
                 self._writer.raise_failure()
@@ -264,7 +269,7 @@ class CheckpointManager:
     ) -> tuple[bool, CheckpointInfo | None]:
         """(whether a save started, not skipped by ``if_busy="skip"``; the committed checkpoint if sync)."""
         self._check_open()
-        check_step(step)
+        opts.check_step(step)
         if not isinstance(state, TrainState):
             raise ValueError(f"state must be a safepoint.TrainState, got {type(state).__name__}")
         self._writer.raise_failure()
@@ -288,26 +293,29 @@ class CheckpointManager:
         upload: bool = True,
     ) -> CheckpointInfo:
         self._check_owner(step)  # here: the emergency save (emergency.py) calls this directly
-        with self._tiers.paused():  # uploads hold off while training waits for this save
-            t0 = time.perf_counter()
+        call = SaveCall(self.events, step, is_async=False, emergency=emergency is not None)
+        # Uploads hold off while training waits for this save; no cyclic GC during its per-item work.
+        with self._tiers.paused(), call.failing(SaveError), gc_paused():
+            t0 = call.begin()
             sd = state.capture(self.comm.rank)
             timings = {"capture_s": time.perf_counter() - t0}
             extra = {"emergency": emergency} if emergency is not None else None
             info = self._saver.write(step, sd, state.sections(), metrics, timings, extra)
         self._current = self._tiers.committed(info, upload=upload)  # queued for upload (tiering)
-        self._schedule.saved(step, time.perf_counter() - t0, info.bytes)
+        self._schedule.saved(step, call.returned(directory=str(info.path)), info.bytes)
         return info
 
     def _save_async(self, step: int, state: TrainState, metrics: dict[str, float]) -> bool:
         self._check_owner(step)
+        call = SaveCall(self.events, step, is_async=True)
         if not self._writer.make_room(step, self._if_busy, self.comm):
             return False
         assert self._bg_saver is not None
         saver = self._bg_saver
-        t0 = time.perf_counter()
-        with self._tiers.paused():
+        with self._tiers.paused(), call.failing(SaveError), gc_paused():
+            call.begin()
             staged = self._stager.stage(state.capture(self.comm.rank))
-        blocking = time.perf_counter() - t0
+        blocking = call.returned(bytes_written=tensor_bytes(staged))
         sections, tiers = state.sections(), self._tiers
         self._writer.submit(
             step, lambda: tiers.committed(saver.write(step, staged, sections, metrics, {"stage_s": blocking}))
@@ -332,13 +340,14 @@ class CheckpointManager:
         self._check_open()
         if not isinstance(state, TrainState):
             raise ValueError(f"state must be a safepoint.TrainState, got {type(state).__name__}")
-        check_step(step, optional=True)
+        opts.check_step(step, optional=True)
         self._writer.wait()
         self._writer.raise_failure()
         self._retainer.drain()  # no delete races the choice of what to load
-        manifest, self.last_restore = self._resume.restore(
-            self.comm, step, state, self._tiers, self._restorer, Selection.of(strict, ignore, remap)
-        )
+        with gc_paused():  # per-item work: no cyclic collections over it (store/gc_pause.py)
+            manifest, self.last_restore = self._resume.restore(
+                self.comm, step, state, self._tiers, self._restorer, Selection.of(strict, ignore, remap)
+            )
         if manifest is None:
             return 0
         self._schedule.at(manifest.step)

@@ -48,8 +48,22 @@ class WriterOptions:
     long) or "skip" (warns, saves nothing). Never two staged copies."""
     threads: int = 1
     """DCP writer threads per rank."""
+    incremental: bool = True
+    """Write only what changed (local roots and local_root): a tensor whose bytes equal the previous
+    committed save's (proven by a fingerprint of its bytes) is not written again; its file is hard-linked
+    from the previous step, so every step stays a complete DCP checkpoint. See docs/incremental.md."""
+    full_every: int = 10
+    """With ``incremental``: every ``full_every``-th save links nothing (a physical full copy), and retention
+    keeps the newest step sharing no file with the newest one, so a damaged shared file always leaves an
+    intact older step (docs/reliability.md). 0: never a full copy after a process's first save (least
+    space; one damaged shared file can damage every retained step)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.incremental, bool):
+            raise ValueError(f"WriterOptions.incremental must be a bool, got {self.incremental!r}")
+        full = self.full_every
+        if isinstance(full, bool) or not isinstance(full, int) or full < 0:
+            raise ValueError(f"WriterOptions.full_every must be a non-negative int, got {full!r}")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise ValueError(f"WriterOptions.threads must be a positive int, got {self.threads!r}")
         if self.if_busy not in ("wait", "skip"):

@@ -25,7 +25,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from safepoint.data import rng
-from safepoint.errors import SaveError
+from safepoint.data.optim_load import in_order
+from safepoint.data.plain import PlainState, load_own_optimizer_sd, load_stateful, own_optimizer_sd
+from safepoint.data.sharded import check_not_sharded
+from safepoint.errors import SaveError, weights_only_reason
 
 MODEL = "model"
 OPTIMIZER = "optimizer"
@@ -63,7 +66,8 @@ class TrainState:
     model: nn.Module | None = None
     """Any nn.Module: plain, DDP, FSDP2 (``fully_shard``) or FSDP1. Saved sharded, without gathering."""
     optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None
-    """One optimizer or a list (requires ``model``)."""
+    """One optimizer or a list. With ``model``: keyed by parameter names (sharded like the model); without:
+    its own ``state_dict()``, restored into a fresh optimizer too (template-free, see ``free_parts``)."""
     scheduler: Any = None
     """Any object with ``state_dict()``/``load_state_dict()`` (LR scheduler); replicated across ranks."""
     dataloader: Any = None
@@ -86,12 +90,8 @@ class TrainState:
         if self.model is not None and not isinstance(self.model, nn.Module):
             raise ValueError(f"TrainState(model=...) must be an nn.Module, got {type(self.model).__name__}")
         if self.optimizer is not None:
-            if self.model is None:
-                raise ValueError(
-                    "TrainState(optimizer=...) needs model=... too (optimizer state is keyed by "
-                    "parameter names)"
-                )
-            for opt in self._optimizers():
+            opts = self.optimizer if isinstance(self.optimizer, (list, tuple)) else [self.optimizer]
+            for opt in opts:
                 if not isinstance(opt, torch.optim.Optimizer):
                     raise ValueError(
                         f"TrainState(optimizer=...) must be an Optimizer or a list of them, got "
@@ -111,7 +111,7 @@ class TrainState:
                 if not isinstance(k, str):
                     raise ValueError(f"TrainState(extra=...) keys must be strings, got {k!r}")
                 _check_extra_value(k, v)
-                _check_not_sharded(k, v)
+                check_not_sharded(k, v)
 
     def _check_named(self) -> None:
         for field in NAMED_SECTIONS:
@@ -178,6 +178,8 @@ class TrainState:
             sd[MODEL] = model_sd
             if self.optimizer is not None:
                 sd[OPTIMIZER] = optim_sd
+        elif self.optimizer is not None:
+            sd[OPTIMIZER] = own_optimizer_sd(self.optimizer)
         if self.scheduler is not None:
             sd[SCHEDULER] = self.scheduler.state_dict()
         if self.dataloader is not None:
@@ -207,6 +209,8 @@ class TrainState:
                 sd[MODEL] = model_sd
             if OPTIMIZER in wanted and self.optimizer is not None:
                 sd[OPTIMIZER] = optim_sd
+        elif OPTIMIZER in wanted:
+            sd[OPTIMIZER] = {}  # template-free (free_parts): what was saved is loaded
         if SCHEDULER in wanted:
             sd[SCHEDULER] = self.scheduler.state_dict()
         if DATALOADER in wanted:
@@ -217,6 +221,20 @@ class TrainState:
             sd[EXTRA] = {rank_key(sources[EXTRA]): _capture_extra(self.extra)}
         sd.update(self._capture_named(wanted))
         return sd
+
+    def free_parts(self, sections: Iterable[str], sources: dict[str, int]) -> list[tuple[str, ...]]:
+        """Where in ``load_template``'s dict the saved keys, not the live object's, say what is loaded: a
+        PlainState, and an optimizer not keyed by a model (a fresh one has an empty ``state``)."""
+        free = (PlainState, torch.optim.Optimizer)
+        wanted, parts = set(sections), list[tuple[str, ...]]()
+        if OPTIMIZER in wanted and self.model is None:
+            parts.append((OPTIMIZER,))
+        parts += [(OBJECTS, n) for n, o in (self.objects or {}).items() if isinstance(o, free)]
+        parts = [p for p in parts if ".".join(p) in wanted or p == (OPTIMIZER,)]
+        if EXTRA in wanted:
+            parts += [(EXTRA, rank_key(sources[EXTRA]), k) for k, v in (self.extra or {}).items()
+                      if isinstance(v, free)]  # fmt: skip
+        return parts
 
     def _capture_named(self, wanted: Iterable[str]) -> dict[str, Any]:
         """``{"modules": {name: sd}, "optimizers": {name: sd}, "objects": {name: sd}}`` for the named sections
@@ -265,7 +283,9 @@ class TrainState:
                 loaded_optims.get(name, {}),
             )
         for name, obj_sd in sd.get(OBJECTS, {}).items():
-            (self.objects or {})[name].load_state_dict(obj_sd)
+            load_stateful((self.objects or {})[name], obj_sd)
+        if OPTIMIZER in sd and self.model is None and self.optimizer is not None:
+            load_own_optimizer_sd(self.optimizer, sd[OPTIMIZER])
         if SCHEDULER in sd:
             self.scheduler.load_state_dict(sd[SCHEDULER])
         if DATALOADER in sd:
@@ -275,7 +295,7 @@ class TrainState:
             for k, v in loaded.items():
                 current = self.extra.get(k)
                 if isinstance(current, Stateful):
-                    current.load_state_dict(v)
+                    load_stateful(current, v)
                 else:
                     self.extra[k] = v
         if RNG in sd:
@@ -287,9 +307,13 @@ class TrainState:
 def _set_state(
     module: nn.Module, optims: list[torch.optim.Optimizer], model_sd: dict[str, Any], optim_sd: Any
 ) -> None:
-    """``set_state_dict``; an empty ``model_sd`` (already in place) loads the optimizers alone, or nothing."""
+    """``set_state_dict`` (an empty ``model_sd``: in place); a plain optimizer after it, in linear time."""
+    load = in_order(module, optims, optim_sd) if optims else None
+    optims, optim_sd = ([], {}) if load is not None else (optims, optim_sd)
     if model_sd or optims:
         set_state_dict(module, optims, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    if load is not None:
+        load()
 
 
 def _check_extra_value(key: str, value: Any) -> None:
@@ -308,39 +332,6 @@ def _as_list(opt: Any) -> list[torch.optim.Optimizer]:
     if opt is None:
         return []
     return [opt] if isinstance(opt, torch.optim.Optimizer) else list(opt)
-
-
-def _check_not_sharded(key: str, value: Any) -> None:
-    """A sharded tensor in per-rank ``extra`` fails DCP's global plan only at the first save (``invalid
-    fill tensor-volume``), possibly long into the run: refuse it when the TrainState is built."""
-    found = _sharded_path(value.state_dict() if isinstance(value, Stateful) else value, key)
-    if found is not None:
-        raise ValueError(
-            f"TrainState(extra={{{key!r}: ...}}) holds a sharded tensor ({found}); extra is saved per rank "
-            "and cannot hold sharded state. Pass it as a named section instead: "
-            f"TrainState(modules={{{key!r}: module}}, optimizers={{{key!r}: optimizer}}) for a module, "
-            f"or objects={{{key!r}: obj}} for another Stateful object"
-        )
-
-
-def _sharded_path(value: Any, path: str) -> str | None:
-    if isinstance(value, torch.Tensor):
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(value, DTensor) or type(value).__name__ == "ShardedTensor":
-            return path
-        return None
-    if isinstance(value, dict):
-        items: Iterable[tuple[Any, Any]] = value.items()
-    elif isinstance(value, (list, tuple)):
-        items = enumerate(value)
-    else:
-        return None
-    for k, v in items:
-        found = _sharded_path(v, f"{path}.{k}")
-        if found is not None:
-            return found
-    return None
 
 
 def _capture_extra(extra: dict[str, Any]) -> dict[str, Any]:
@@ -407,7 +398,7 @@ def _check_weights_only(value: Any, path: str) -> None:
         buf.seek(0)
         torch.load(buf, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, TypeError, AttributeError, ValueError) as e:
-        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        why = weights_only_reason(e)
         raise SaveError(
             f"cannot save {path!r}: a {type(value).__name__} is not plain data, and restore (which loads "
             f"with torch.load(weights_only=True)) would refuse it ({why}). Store a tensor, a number, a "

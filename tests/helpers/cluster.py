@@ -37,12 +37,14 @@ class Cluster:
         self.plan.write_text(json.dumps({"out": str(out), **cfg}))
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
 
-    def node(self, name: str, local_root: Path) -> subprocess.Popen[bytes]:
+    def node(self, name: str, local_root: Path, addr: str = "127.0.0.1") -> subprocess.Popen[bytes]:
+        """``addr``: the agent's address (any of 127.0.0.0/8). The rendezvous numbers the nodes by address,
+        then pid: agents given ascending addresses get ascending ranks, in every launch."""
         torchrun = [
             PYTHON, "-m", "torch.distributed.run", f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc}",
             f"--max-restarts={self.max_restarts}", "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id=nodes-{self.port}",
-            "--rdzv-conf=last_call_timeout=1", "--local-addr=127.0.0.1", "--monitor-interval=0.1",
+            "--rdzv-conf=last_call_timeout=1", f"--local-addr={addr}", "--monitor-interval=0.1",
             str(WORKER), str(self.plan),
         ]  # fmt: skip
         # A fresh store per rendezvous round (docs/elastic.md, "torchrun restarts").

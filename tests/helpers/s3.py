@@ -136,6 +136,7 @@ class FaultProxy:
     port: int = 0
     rules: list[Rule] = field(default_factory=list)
     seen: list[tuple[str, str, str]] = field(default_factory=list)  # (method, path, what happened)
+    body_bytes: dict[str, int] = field(default_factory=dict)  # request body bytes per object path
     release: threading.Event = field(default_factory=threading.Event)
     held: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -263,6 +264,8 @@ def _handler(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:
                 return
             what = proxy.decide(self.command, self.path)
             proxy.seen.append((self.command, self.path, what))
+            key = self.path.split("?")[0]
+            proxy.body_bytes[key] = proxy.body_bytes.get(key, 0) + len(body)
             if what == "hold":
                 proxy.held.set()
                 proxy.release.wait()

@@ -193,13 +193,16 @@ def test_auto_interval_accepts_string_and_object(root: Path, interval: str | Ada
         assert _adaptive(mgr).choice.mtbf_source == "given"
 
 
-def test_attempts_file_only_with_a_learned_mtbf(root: Path, tmp_path: Path) -> None:
+def test_the_owner_always_records_its_attempts(root: Path, tmp_path: Path) -> None:
+    # The attempts file is the run's history for the learned MTBF and for `safepoint report` alike: every
+    # owner of a local root records its attempt, whatever its save interval.
     with safepoint.CheckpointManager(root, save_every_seconds="auto"):
         pass
     names = sorted(p.name for p in root.iterdir())
     assert ATTEMPTS_NAME in names and not [n for n in names if n.endswith(".tmp")]
-    for kw in ({"save_every_seconds": AdaptiveInterval(mtbf_s=HOUR)}, {"save_every_seconds": 60.0}):
-        other = tmp_path / f"other-{len(kw)}"
+    for kw in ({"save_every_seconds": AdaptiveInterval(mtbf_s=HOUR)}, {"save_every_seconds": 60.0}, {}):
+        other = tmp_path / f"other-{len(kw)}-{len(str(kw))}"
         with safepoint.CheckpointManager(other, **kw):
             pass
-        assert not (other / ATTEMPTS_NAME).exists()
+        outcomes = [a["outcome"] for a in json.loads((other / ATTEMPTS_NAME).read_text())["attempts"]]
+        assert outcomes == ["closed"]

@@ -5,8 +5,11 @@ one-rank NodeView reads a real checkpoint (saved by a real manager with a local 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
+
+import pytest
 
 import safepoint
 from safepoint.dist import Comm
@@ -15,7 +18,7 @@ from safepoint.store.node_map import NodeMap, node_id
 from safepoint.store.posix_layout import Layout
 from safepoint.tiers.node_tiers import _assign
 from safepoint.tiers.node_view import NodeView
-from safepoint.tiers.peers import PEERS_DIR, REPLICA_NAME, share
+from safepoint.tiers.peers import MAX_RECORD_BYTES, PEERS_DIR, REPLICA_NAME, share
 from tests.helpers.train import Setup
 
 
@@ -117,3 +120,59 @@ def test_a_node_is_named_by_env_else_host_and_torchrun_group(monkeypatch) -> Non
     import socket
 
     assert node_id() == f"{socket.gethostname()}/2"
+
+
+def test_a_replica_record_that_is_not_one_is_corrupt_and_not_used(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replica record that parses as something else (``[]``), is too large, or is a FIFO: "corrupt, not
+    used", one warning, and the file comes from the durable tier (the FIFO never blocks the read)."""
+    local, durable, data = _saved(tmp_path)
+    rep = _replica(local, [data], local.read_manifest(3).save_id)
+    (local.step_path(3) / data).unlink()
+    record = rep / REPLICA_NAME
+    for plant in ("[]", "huge", "fifo"):
+        record.unlink()
+        if plant == "fifo":
+            os.mkfifo(record)
+        else:
+            record.write_text("[]" if plant == "[]" else " " * (MAX_RECORD_BYTES + 1))
+        caplog.clear()
+        view = _view(local, durable)
+        view.paths([data])
+        assert view.sources == {data: "durable"}, plant
+        assert "is corrupt, not used" in caplog.text, plant
+
+
+def test_a_replica_file_that_became_a_fifo_is_not_read(tmp_path: Path) -> None:
+    """The replica file is swapped for a FIFO after the restore chose the replica (between its look and its
+    read): checksummed through a plain open, it blocked the restore forever."""
+    local, durable, data = _saved(tmp_path)
+    rep = _replica(local, [data], local.read_manifest(3).save_id)
+    (local.step_path(3) / data).unlink()
+    view = _view(local, durable)  # the replica is chosen here
+    (rep / data).unlink()
+    os.mkfifo(rep / data)
+    view.paths([data])
+    assert view.sources == {data: "durable"}
+
+
+def test_a_replica_record_that_lies_is_no_replica(tmp_path: Path) -> None:
+    """replica.json as ``[]`` (was AttributeError in start and restore), with NaN, nested 2,000 deep, or
+    with ``files`` of the wrong type: a warning, and the file comes from the durable tier."""
+    local, durable, data = _saved(tmp_path)
+    save_id = local.read_manifest(3).save_id
+    rep = _replica(local, [data], save_id)
+    (local.step_path(3) / data).unlink()
+    good = (rep / REPLICA_NAME).read_text()
+    for text in (
+        "[]",
+        good.replace('"step": 3', '"step": NaN'),
+        good.replace('"step": 3', '"step": ' + "[" * 2000 + "]" * 2000),
+        json.dumps({"step": 3, "save_id": save_id, "files": []}),
+        json.dumps({"step": 3, "save_id": 7, "files": {}}),
+    ):
+        (rep / REPLICA_NAME).write_text(text)
+        view = _view(local, durable)
+        view.paths([data])
+        assert view.sources == {data: "durable"}, text[:40]

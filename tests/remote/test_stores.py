@@ -19,6 +19,7 @@ import pytest
 
 import safepoint
 from safepoint.remote.object_layout import RemoteLayout
+from safepoint.store.heartbeat import namespace_identity
 from safepoint.store.posix_layout import Layout
 from tests.helpers.stores import Store
 from tests.helpers.tcpproxy import proxied_options
@@ -158,7 +159,9 @@ def test_stale_lease_is_taken_over_and_leftovers_cleaned(
         s.step()
         mgr.save(1, s.state())
     fs, base = store.fs(), url.split("://", 1)[1]
+    boot, pid_ns = namespace_identity()  # as every record safepoint writes: this pid can be asked here
     record = {"host": socket.gethostname(), "pid": _dead_pid(), "start_ticks": None, "token": "dead"}
+    record |= {"boot_id": boot, "pid_ns": pid_ns}
     fs.pipe_file(f"{base}/.lease", json.dumps({**record, "heartbeat": time.time()}).encode())
     fs.pipe_file(f"{base}/step-2/__0_0.distcp", b"half an upload")  # the killed save's leftovers
     with safepoint.CheckpointManager(url, storage_options=store.options) as mgr:

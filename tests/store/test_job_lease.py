@@ -6,10 +6,12 @@ rule can let anyone in."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -159,3 +161,30 @@ def test_a_shared_job_id_in_the_environment_is_refused_before_any_group(
     with pytest.raises(ValueError, match="SAFEPOINT_JOB_ID"):
         safepoint.CheckpointManager(root)
     assert not os.path.exists(root / ".lease")
+
+
+@pytest.mark.parametrize("copied", ["456", "100", "1", "123", "my_job", "$JOB_ID", "none"])
+def test_a_run_id_copied_from_the_examples_is_no_identity(
+    copied: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two unrelated jobs launched with the tutorial's ``--rdzv-id=456`` must not take each other's root:
+    the id is ignored (with a warning naming SAFEPOINT_JOB_ID), so neither job has an identity."""
+    with caplog.at_level(logging.WARNING, "safepoint"):
+        assert job_identity(None, {"TORCHELASTIC_RUN_ID": copied}) is None
+    if copied != "none":  # torchrun's own default says nothing: no warning for it
+        assert "SAFEPOINT_JOB_ID" in caplog.text and copied in caplog.text
+    assert job_identity(None, {"TORCHELASTIC_RUN_ID": "12345678"}) == "torchrun:12345678"
+
+
+def test_a_job_with_a_copied_run_id_does_not_take_a_live_holders_root(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A holder of job 'torchrun:456' on another host, beating: a new job with TORCHELASTIC_RUN_ID=456 used to
+    count as its restart and take the root at once."""
+    root.mkdir(parents=True)
+    rec = {"host": "elsewhere", "pid": 4242, "job": "torchrun:456", "token": "theirs"}
+    (root / ".lease").write_text(json.dumps({**rec, "heartbeat": time.time()}))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "456")
+    with pytest.raises(safepoint.LeaseError, match="is in use by"):
+        safepoint.CheckpointManager(root)
+    assert json.loads((root / ".lease").read_text())["token"] == "theirs"

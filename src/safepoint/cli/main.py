@@ -19,6 +19,7 @@ import sys
 from safepoint._version import __version__
 from safepoint.cli import convert as cli_convert
 from safepoint.cli import inspect as cli_inspect
+from safepoint.cli import report as cli_report
 from safepoint.cli import root as cli_root
 from safepoint.cli.common import EXIT_ERROR, EXIT_PROBLEMS, UsageError, console
 from safepoint.errors import CheckpointError, CorruptCheckpointError
@@ -44,6 +45,7 @@ _COMMANDS = (
     cli_convert.add_import,
     cli_root.add_prune,
     cli_inspect.add_diff,
+    cli_report.add_report,
 )
 
 

@@ -30,6 +30,7 @@ from safepoint.errors import CheckpointError, CorruptCheckpointError
 from safepoint.policy.keep import Keep
 from safepoint.policy.rules import KeepBest
 from safepoint.remote.object_layout import RemoteLayout
+from safepoint.store.incremental import steps_sharing
 from safepoint.store.posix_layout import Layout
 
 _STATUS_STYLE = {tools.OK: "green", tools.CORRUPT: "bold red", tools.PARTIAL: "yellow", tools.IGNORED: "red"}
@@ -97,6 +98,12 @@ def cmd_verify(args: argparse.Namespace, out: Console, err: Console) -> int:
             bad += 1
             for p in problems:
                 out.print(f"[bold red]CORRUPT[/] {escape(str(p))}")
+                if isinstance(layout, Layout) and p.file and (shared := steps_sharing(layout, s, p.file)):
+                    # Incremental saves hard-link unchanged files: the same bytes are those steps' too.
+                    names = ", ".join(f"step {x}" for x in shared)
+                    out.print(
+                        f"        {escape(p.file)} is the same file (a hard link) in {names}: also damaged"
+                    )
         else:
             size = decimal(manifest.total_bytes)
             out.print(f"[green]ok[/]      step {s}: {len(manifest.files)} files, {size}")
@@ -122,7 +129,7 @@ def cmd_prune(args: argparse.Namespace, out: Console, err: Console) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     layout = tools.open_root(args.root)
-    kept, deleted, corrupt = tools.prune(layout, retention, dry_run=args.dry_run)
+    kept, deleted, corrupt = tools.prune(layout, retention, dry_run=args.dry_run, force=args.force)
     verb = "would delete" if args.dry_run else "deleted"
     for s in deleted:
         out.print(f"{verb} step {s}")
@@ -184,7 +191,9 @@ def add_prune(subs: Any) -> None:
         "delete old checkpoints with the manager's retention policies",
         "  safepoint prune runs/ckpt --keep-last 3 --dry-run\n  safepoint prune runs/ckpt --keep-last 2\n"
         "  safepoint prune runs/ckpt --keep-last 1 --keep-best 2 --metric loss\n\n"
-        "The newest checkpoint is never deleted. Refuses while a live writer holds ROOT's lease.",
+        "The newest checkpoint is never deleted. Refuses while a live writer holds ROOT's lease (judged by\n"
+        "its heartbeat, or its pid where this process shares its boot and PID namespace); --force takes the\n"
+        "lease over instead: that writer can then no longer commit or delete, and its next save fails.",
     )
     add_root(p)
     count = at_least(1)
@@ -194,3 +203,4 @@ def add_prune(subs: Any) -> None:
     p.add_argument("--metric", help="metric name for --keep-best")
     p.add_argument("--mode", choices=("min", "max"), default="min", help="best = min (default) or max")
     add_flag(p, "--dry-run", "show what would be deleted; delete nothing")
+    add_flag(p, "--force", "take the lease over from a live writer (fencing it) instead of refusing")

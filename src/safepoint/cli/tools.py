@@ -20,7 +20,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from safepoint.errors import CheckpointError, CorruptCheckpointError
+from safepoint.errors import CheckpointError, CorruptCheckpointError, LeaseError
 from safepoint.policy.rules import Retention
 from safepoint.remote.object_layout import RemoteLayout, is_url
 from safepoint.remote.upload import UploadError
@@ -29,7 +29,7 @@ from safepoint.store.heartbeat import DEFAULT_STALE_AFTER_S
 from safepoint.store.item_check import items_problem, local_ranges
 from safepoint.store.manifest import MANIFEST_NAME, Manifest
 from safepoint.store.node_map import node_copy
-from safepoint.store.posix_layout import CheckpointInfo, Layout
+from safepoint.store.posix_layout import PENDING_DIR, CheckpointInfo, Layout, step_name
 from safepoint.store.storage import METADATA_NAME
 
 OK = "ok"
@@ -50,7 +50,7 @@ def open_root(root: str, *, must_exist: bool = True) -> Layout:
     if "://" in path:
         raise CheckpointError(f"{root}: this command reads local roots only (ls and verify also read URLs)")
     layout = Layout(path)
-    if must_exist and not layout.root.exists():
+    if must_exist and layout.fs.lstat("") is None:
         raise CheckpointError(f"checkpoint root {path} does not exist")
     layout.check_readable()
     return layout
@@ -112,20 +112,20 @@ def step_dirs(layout: Layout | RemoteLayout) -> dict[int, Path | str]:
     if isinstance(layout, RemoteLayout):
         return {step: url for step, (url, _, _) in _remote_steps(layout).items()}
     out: dict[int, Path | str] = {}
-    for entry in os.scandir(layout.root):
-        step = parse_step(entry.name)
-        if step is not None and entry.is_dir(follow_symlinks=False):
-            out[step] = Path(entry.path)
+    for name in layout.fs.listdir():
+        step = parse_step(name)
+        if step is not None and layout.fs.isdir(name):
+            out[step] = layout.root / name
     return dict(sorted(out.items()))
 
 
 def not_directories(layout: Layout) -> dict[int, str]:
     """step -> what it is, for every ``step-N`` entry that is not a real directory (never followed)."""
     out = {}
-    for entry in os.scandir(layout.root):
-        step = parse_step(entry.name)
-        if step is not None and (problem := real_dir_problem(Path(entry.path))):
-            out[step] = problem
+    for name in layout.fs.listdir():
+        step = parse_step(name)
+        if step is not None and (kind := layout.fs.kind(name)) not in (None, "a directory"):
+            out[step] = kind
     return out
 
 
@@ -141,7 +141,7 @@ def scan(layout: Layout | RemoteLayout, *, verify: bool = False) -> list[Entry]:
         # Absolute paths: a script reading `ls --json` may run from another directory than ours.
         tier = TIER_LOCAL
         found = {
-            s: (os.path.abspath(p), -1, (Path(p) / MANIFEST_NAME).exists())
+            s: (os.path.abspath(p), -1, layout.fs.lexists(f"{step_name(s)}/{MANIFEST_NAME}"))
             for s, p in step_dirs(layout).items()
         }
     if isinstance(layout, Layout):
@@ -203,8 +203,8 @@ def pending_saves(layout: Layout | RemoteLayout) -> list[str]:
     if real_dir_problem(layout.pending_root):
         return []
     try:
-        return sorted(p.name for p in layout.pending_root.iterdir())
-    except (FileNotFoundError, NotADirectoryError):
+        return layout.fs.listdir(PENDING_DIR)
+    except OSError:
         return []
 
 
@@ -217,7 +217,7 @@ def resolve_step(layout: Layout | RemoteLayout, step: int | None) -> int:
         return committed[-1]
     if step not in committed:
         why = ""
-        if isinstance(layout, Layout) and layout.step_path(step).is_dir():
+        if isinstance(layout, Layout) and layout.fs.isdir(step_name(step)):
             why = f" ({layout.step_path(step)} has no manifest: a save that never committed)"
         shown = committed[-10:] if committed else "none"
         raise CheckpointError(
@@ -336,15 +336,24 @@ def history(layout: Layout) -> list[CheckpointInfo]:
     return out
 
 
-def prune(layout: Layout, retention: Retention, *, dry_run: bool) -> tuple[list[int], list[int], list[int]]:
+def prune(
+    layout: Layout, retention: Retention, *, dry_run: bool, force: bool = False
+) -> tuple[list[int], list[int], list[int]]:
     """(kept, deleted, corrupt) steps. Deletes under the lease, so it never races a live writer.
 
     Checkpoints are verified newest first until one is intact: that one is the newest (it always
-    survives); the newer ones that failed are left alone, never counted as kept or deleted."""
+    survives); the newer ones that failed are left alone, never counted as kept or deleted. ``force``: a
+    live holder's lease is taken over (fencing it: it can no longer commit or delete) instead of refused;
+    the deletes are fenced by the lease taken, like every other delete."""
     if dry_run:
         return _prune_plan(layout, retention)
     lease = layout.lease(DEFAULT_STALE_AFTER_S)  # fences every delete/commit through layout
-    lease.acquire()
+    lease.forced = force
+    try:
+        lease.acquire()
+    except LeaseError as e:
+        hint = "" if force else "; `safepoint prune --force` takes the root over (that job's next save fails)"
+        raise LeaseError(f"not pruning: {e}{hint}") from None
     try:
         kept, doomed, corrupt = _prune_plan(layout, retention)  # under the lease: nobody else is adding
         for step in doomed:

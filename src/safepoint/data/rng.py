@@ -42,6 +42,54 @@ def capture_rng() -> RngState:
     return state
 
 
+_U32 = 2**32 - 1
+_MT_WORDS = 624  # the Mersenne Twister's state: 624 32-bit words, then a position in 0..624
+
+
+def _tensor_problem(state: object, key: str, dtype: torch.dtype, numel: int | None) -> str | None:
+    value = state.get(key) if isinstance(state, dict) else None
+    if not isinstance(value, torch.Tensor):
+        return f"{key} is a {type(value).__name__}, not a tensor"
+    if value.dtype != dtype or value.dim() != 1 or (numel is not None and value.numel() != numel):
+        return f"{key} is a {value.dtype} tensor of shape {tuple(value.shape)}, not {dtype} [{numel}]"
+    return None
+
+
+def rng_problem(state: object) -> str | None:
+    """Why ``state`` is not an RNG state :func:`capture_rng` writes (types, shapes, ranges), or None.
+
+    Checked when the rank file is read, before anything is loaded or applied: ``random.setstate`` of a
+    forged word (-1, 2**32) raises OverflowError, NumPy's a ValueError, torch's a RuntimeError, after the
+    tensors were already loaded in place; a state that fails here makes the checkpoint corrupt instead."""
+    problem = (
+        _tensor_problem(state, PY_STATE, torch.int64, _MT_WORDS + 1)
+        or _tensor_problem(state, PY_GAUSS, torch.float64, 1)
+        or _tensor_problem(state, NP_KEYS, torch.int64, _MT_WORDS)
+        or _tensor_problem(state, NP_POS, torch.int64, 2)
+        or _tensor_problem(state, NP_GAUSS, torch.float64, 1)
+        or _tensor_problem(state, TORCH_CPU, torch.uint8, torch.get_rng_state().numel())
+    )
+    if problem is not None:
+        return problem
+    assert isinstance(state, dict)
+    words, keys, pos = state[PY_STATE], state[NP_KEYS], state[NP_POS].tolist()
+    if not (bool(((words[:-1] >= 0) & (words[:-1] <= _U32)).all()) and 0 <= int(words[-1]) <= _MT_WORDS):
+        return f"{PY_STATE} holds words outside [0, 2**32) or a position outside [0, {_MT_WORDS}]"
+    if not bool(((keys >= 0) & (keys <= _U32)).all()) or not (0 <= pos[0] <= _MT_WORDS and pos[1] in (0, 1)):
+        return f"{NP_KEYS}/{NP_POS} hold words outside [0, 2**32) or a position outside [0, {_MT_WORDS}]"
+    gauss = float(state[PY_GAUSS][0])
+    if math.isinf(gauss) or not math.isfinite(float(state[NP_GAUSS][0])):
+        return f"{PY_GAUSS}/{NP_GAUSS} are not finite"
+    for key in state:
+        if key.startswith(CUDA_PREFIX):
+            suffix = key[len(CUDA_PREFIX) :]
+            if not suffix.isdigit() or (problem := _tensor_problem(state, key, torch.uint8, None)):
+                return problem or f"{key} is not a CUDA device's state"
+        elif key not in (PY_STATE, PY_GAUSS, NP_KEYS, NP_POS, NP_GAUSS, TORCH_CPU):
+            return f"unexpected entry {str(key)[:40]!r}"
+    return None
+
+
 def restore_rng(state: RngState) -> None:
     gauss = float(state[PY_GAUSS][0])
     random.setstate(

@@ -19,7 +19,9 @@ saves), which synchronous training guarantees. Two ways to count what was consum
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import torch
@@ -86,6 +88,7 @@ class ResumableSampler(Sampler[int]):
         self._use_advance = False
         self._advanced = 0
         self._generation = 0  # iterators of an earlier iteration no longer move the position
+        self._workers = 0  # worker processes of the DataLoader that iterates this sampler (0: none seen)
 
     # ---- the DistributedSampler interface -------------------------------------------------------------
 
@@ -108,6 +111,7 @@ class ResumableSampler(Sampler[int]):
         self._yielded = 0
         self._advanced = 0
         self._generation += 1
+        self._workers = _loader_workers()
         return self._generate(indices, self._generation)
 
     def __len__(self) -> int:
@@ -152,7 +156,18 @@ class ResumableSampler(Sampler[int]):
     # ---- Stateful ------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The same on every rank (in lockstep): safe to load at any world size."""
+        """The same on every rank (in lockstep): safe to load at any world size.
+
+        Raises ValueError if a multi-worker ``DataLoader`` iterates this sampler and the loop never called
+        :meth:`advance`: the workers draw indices ahead of training, so the position would skip samples
+        never trained on (a resume then silently diverges)."""
+        if self._workers and self._active and self._yielded and not self._use_advance:
+            raise ValueError(
+                f"ResumableSampler: a DataLoader with num_workers={self._workers} iterates this sampler, "
+                "and its workers draw indices batches ahead of training, but the training loop never "
+                "reported what it consumed: call sampler.advance(samples_in_batch) after every batch (or "
+                "use torchdata's StatefulDataLoader); the saved position would skip samples never trained on"
+            )
         return {
             "epoch": self.epoch,
             "position": self.position,
@@ -212,3 +227,20 @@ class ResumableSampler(Sampler[int]):
             if generation == self._generation:
                 self._yielded += 1
             yield i
+
+
+def _loader_workers() -> int:
+    """The ``num_workers`` of torch's multi-worker DataLoader iterator drawing from this sampler right now,
+    or 0. Its main process draws every index (``_next_index``) ahead of the batches it hands out; the
+    iterator is found on the call stack, as torch exposes no link from a sampler to its loader."""
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(12):  # __iter__ <- BatchSampler.__iter__ <- _next_index <- _try_put_index: a few frames
+        if frame is None:
+            return 0
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, _MultiProcessingDataLoaderIter):
+            return int(owner._num_workers)
+        frame = frame.f_back
+    return 0

@@ -226,6 +226,7 @@ def run(out: Path, sch: Schedule) -> int:
         saves=list(saves.values()),
         snapshots={k: Path(v) for k, v in snap.items()},
         wall_s=time.time() - t0,
+        run_root=run_root,
     )
     return demo_report.finish(report, out, console)
 

@@ -17,10 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from safepoint.demo import plot as demo_plot
 from safepoint.demo.launch import LaunchResult
+from safepoint.policy.goodput import RunReport, build_report, report_lines
 
 
 @dataclasses.dataclass
@@ -31,6 +33,7 @@ class Report:
     saves: list[dict[str, Any]]  # every committed manifest of the faulty run
     snapshots: dict[str, Path]
     wall_s: float
+    run_root: Path | None = None  # the faulty run's root: `safepoint report` of it ends the demo
 
 
 @dataclasses.dataclass
@@ -327,10 +330,26 @@ def _endings(r: Report, segs: list[Segment]) -> list[str]:
     return out
 
 
+def goodput(r: Report, segs: list[Segment], st: dict[str, Any]) -> tuple[RunReport | None, list[Check]]:
+    """`safepoint report` of the faulty run's root, checked against what the demo saw from outside."""
+    if r.run_root is None:
+        return None, []
+    rep = build_report(r.run_root)
+    ok = (len(rep.attempts), rep.steps_redone) == (len(segs), st["steps_lost"])
+    ok = ok and rep.emergency_saves == st["emergency_saves"] and rep.saves >= st["saves"]
+    detail = (
+        f"report: {len(rep.attempts)} attempts, {rep.saves} saves, {rep.steps_redone} steps redone; demo: "
+        f"{len(segs)} generations, {st['saves']} saves, {st['steps_lost']} steps lost"
+    )
+    return rep, [Check("`safepoint report` agrees with the demo", ok, detail)]
+
+
 def finish(r: Report, out: Path, console: Console) -> int:
     segs = segments([launch for launch in r.launches if launch.role == "run"])
     cks, facts = checks(r, segs)
     st = stats(r, segs)
+    run_report, agree = goodput(r, segs, st)
+    cks += agree
     for table in tables(r, segs, st, cks):
         console.print(table)
     ok = all(ck.ok for ck in cks)
@@ -355,6 +374,7 @@ def finish(r: Report, out: Path, console: Console) -> int:
         ],
         "saves": r.saves,
         "timeline": str(png) if skipped is None else None,
+        "goodput": run_report.to_json() if run_report is not None else None,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     with open(out / "events.jsonl", "w") as f:
@@ -366,6 +386,12 @@ def finish(r: Report, out: Path, console: Console) -> int:
             "[bold green]VERDICT: ok[/]: every fault survived; weights and optimizer state bitwise "
             "identical to the uninterrupted references"
         )
-        return 0
-    console.print("[bold red]VERDICT: FAILED[/]: " + "; ".join(ck.name for ck in cks if not ck.ok))
-    return 1
+    else:
+        console.print("[bold red]VERDICT: FAILED[/]: " + "; ".join(ck.name for ck in cks if not ck.ok))
+    if run_report is not None:  # what it all cost, as any job's `safepoint report ROOT` says it
+        console.print(
+            f"\nwhat checkpointing and the faults cost the faulty run (safepoint report {r.run_root}):"
+        )
+        for line in report_lines(run_report):
+            console.print(escape(line))
+    return 0 if ok else 1

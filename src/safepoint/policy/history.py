@@ -18,10 +18,10 @@ from typing import Any
 from safepoint.dist import Comm
 from safepoint.errors import CheckpointError, Preempted
 from safepoint.policy.rules import AdaptiveInterval, AdaptiveSeconds, learned_mtbf
-from safepoint.store.fsops import fsync_dir, write_file_durably
-from safepoint.store.guard import read_regular
 from safepoint.store.manifest import Manifest
 from safepoint.store.posix_layout import CheckpointStore, Layout
+from safepoint.store.records import CorruptRecordError, checked_float, list_field, parse_object
+from safepoint.store.rootfs import RootDir
 
 log = logging.getLogger("safepoint")
 ATTEMPTS_NAME = ".attempts.json"
@@ -64,7 +64,7 @@ def _timings(m: Manifest) -> dict[str, float]:
     raw = m.extra.get("timings")
     if not isinstance(raw, dict):
         return {}
-    return {k: float(v) for k, v in raw.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+    return {k: float(v) for k, v in raw.items() if _number(v) and v >= 0}  # 10**400 overflows isfinite
 
 
 def save_seconds(m: Manifest) -> float | None:
@@ -102,18 +102,19 @@ def save_estimate(name: str, layout: CheckpointStore) -> TierEstimate:
     )
 
 
-def write_json_atomically(path: Path, data: object) -> None:
+def write_json_atomically(fs: RootDir, name: str, data: object) -> None:
     """Temporary file, fsync, rename, fsync of the directory: a crash leaves the old file or the new one.
-    Advisory files only: a failure is logged, never raised (they must not fail training)."""
-    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    All through the guarded walk (store/rootfs.py): a symlink planted at the name is replaced, never written
+    through. Advisory files only: a failure is logged, never raised (they must not fail training)."""
+    tmp = f"{name}.{uuid.uuid4().hex[:8]}.tmp"
     try:
-        write_file_durably(tmp, json.dumps(data, indent=1).encode())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
+        fs.write(tmp, json.dumps(data, indent=1).encode())
+        fs.move(tmp, name)
+        fs.fsync_dir()
     except OSError as e:
         with contextlib.suppress(OSError):
-            tmp.unlink()
-        log.warning("safepoint: cannot record the run history in %s: %s", path, e)
+            fs.remove(tmp)
+        log.warning("safepoint: cannot record the run history in %s: %s", fs.full(name), e)
 
 
 class UploadHistory:
@@ -124,21 +125,29 @@ class UploadHistory:
     emergency save with its predecessor's measurements. Advisory: unreadable means no history."""
 
     def __init__(self, local_root: Path) -> None:
-        self.path = local_root / UPLOADS_NAME
+        self.fs, self.path = RootDir(local_root), local_root / UPLOADS_NAME
         self.seconds: list[float] = []
         try:
-            raw = json.loads(read_regular(self.path, _MAX_HISTORY_BYTES))["uploads"]
-            self.seconds = [float(u["seconds"]) for u in raw if math.isfinite(float(u["seconds"]))]
+            raw = list_field(
+                parse_object(self.fs.read(UPLOADS_NAME, _MAX_HISTORY_BYTES), str(self.path)),
+                "uploads",
+                str(self.path),
+            )
+            what = str(self.path)
+            self.seconds = [
+                checked_float(u.get("seconds") if isinstance(u, dict) else u, "seconds", what, lo=0, hi=1e9)
+                for u in raw
+            ]
         except FileNotFoundError:
             pass
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, CorruptRecordError) as e:
             log.warning("safepoint: ignoring unreadable %s (%s)", self.path, e)
 
     def record(self, seconds: float, *, persist: bool) -> None:
         self.seconds = [*self.seconds, seconds][-_KEEP_UPLOADS:]
         if persist:
             write_json_atomically(
-                self.path, {"version": 1, "uploads": [{"seconds": s} for s in self.seconds]}
+                self.fs, UPLOADS_NAME, {"version": 1, "uploads": [{"seconds": s} for s in self.seconds]}
             )
 
     def expected(self) -> float | None:
@@ -213,17 +222,21 @@ class RunHistory:
         self.path = layout.root / ATTEMPTS_NAME
         self.attempts: list[dict[str, Any]] = []
         self.current: dict[str, Any] | None = None
+        self.stats: RunStats | None = None  # what begin() found
 
     def _load(self) -> list[dict[str, Any]]:
         try:
-            data = json.loads(read_regular(self.path, _MAX_HISTORY_BYTES))
-            attempts = data["attempts"]
+            attempts = list_field(
+                parse_object(self.layout.fs.read(ATTEMPTS_NAME, _MAX_HISTORY_BYTES), str(self.path)),
+                "attempts",
+                str(self.path),
+            )
             if not isinstance(attempts, list) or not all(_well_formed(a) for a in attempts):
                 raise ValueError("malformed attempts list")
             return attempts
         except FileNotFoundError:
             return []
-        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        except (OSError, ValueError, CorruptRecordError) as e:
             log.warning(
                 "safepoint: ignoring unreadable %s (%s); the restart history starts over", self.path, e
             )
@@ -244,7 +257,7 @@ class RunHistory:
         return start
 
     def _write(self) -> None:
-        write_json_atomically(self.path, {"version": 1, "attempts": self.attempts})
+        write_json_atomically(self.layout.fs, ATTEMPTS_NAME, {"version": 1, "attempts": self.attempts})
 
     def begin(self) -> RunStats:
         """Rank 0: close out earlier attempts, record this one, return the stats."""
@@ -265,9 +278,9 @@ class RunHistory:
             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         }
         self.attempts = [*attempts, self.current][-MAX_ATTEMPTS:]
-        stats = summarize(self.attempts, now)
+        self.stats = summarize(self.attempts, now)
         self._write()
-        return stats
+        return self.stats
 
     def end(self, outcome: str) -> None:
         """Rank 0: record how this attempt ended (once)."""
@@ -295,27 +308,23 @@ def adaptive_policy(
     layout: Layout,
     comm: Comm,
     costs: Callable[[], list[float]],
-) -> tuple[AdaptiveSeconds, RunHistory | None]:
-    """The ``save_every_seconds="auto"`` policy for a manager, and (rank 0, learned M) its run history.
+    runs: RunHistory | None,
+) -> AdaptiveSeconds:
+    """The ``save_every_seconds="auto"`` policy for a manager.
 
     C: the blocking times ``costs()`` returns, after those recorded in the newest manifests (so a restarted
     job starts from the cost its predecessor measured). M: ``mtbf_seconds``, or learned from ROOT's
-    attempts file (rank 0 reads and writes it; the counts are broadcast, one collective at start-up).
+    attempts file (``runs``: rank 0 of the root's owner read and wrote it at the start; the counts are
+    broadcast, one collective at start-up; a manager that does not own the root learns from nothing).
     """
     recorded = recorded_blocking_cost(layout)
-    runs: RunHistory | None = None
     mtbf: Callable[[], tuple[float, str]]
     if mtbf_seconds is not None:
         given = float(mtbf_seconds)
         mtbf = lambda: (given, "given")  # noqa: E731
     else:
-        stats: RunStats | None = None
-        if comm.is_coordinator:
-            runs = RunHistory(layout)
-            stats = runs.begin()
-        stats = comm.broadcast(stats)
-        assert stats is not None
-        learned = stats
+        stats = comm.broadcast(runs.stats if runs is not None else None)
+        learned = stats if stats is not None else RunStats(0.0, 0, 0, time.time())
 
         def mtbf() -> tuple[float, str]:
             observed = learned.observed_s + max(0.0, time.time() - learned.started)
@@ -325,7 +334,7 @@ def adaptive_policy(
                 f"attempt(s), prior {config.prior_mtbf_s:.0f}s"
             )
 
-    return AdaptiveSeconds(config, lambda: [*recorded, *costs()], mtbf), runs
+    return AdaptiveSeconds(config, lambda: [*recorded, *costs()], mtbf)
 
 
 def _number(x: Any) -> bool:

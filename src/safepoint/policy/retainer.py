@@ -23,15 +23,20 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
+from safepoint import events as ev
 from safepoint.errors import CheckpointError, LeaseError
 from safepoint.policy.rules import Retention, Verdicts
-from safepoint.store.posix_layout import CheckpointInfo, CheckpointStore
+from safepoint.store.incremental import file_identities
+from safepoint.store.posix_layout import CheckpointInfo, CheckpointStore, Layout
 
 log = logging.getLogger("safepoint")
 
 
 class Retainer:
+    events: ev.Events = ev.NO_EVENTS  # the manager's stream (events.py): each step deleted
+
     def __init__(
         self, layout: CheckpointStore, retention: Retention, verdicts: Verdicts, *, background: bool = False
     ) -> None:
@@ -49,6 +54,9 @@ class Retainer:
         self._closed = False
         self._stopped = False  # the lease was lost, or a preemption notice came: no pass runs any more
         self._thread: threading.Thread | None = None
+        self.keep_fallback = False
+        """Incremental saves with full copies: also keep the newest step that shares no file (inode) with
+        the newest step, so one damaged shared file always leaves an intact step (docs/reliability.md)."""
 
     @property
     def in_background(self) -> bool:
@@ -150,8 +158,25 @@ class Retainer:
                 self._busy = False
                 self._cond.notify_all()
 
+    def _apart_from_newest(self, history: list[CheckpointInfo]) -> int | None:
+        """The newest step sharing no file with the newest one, if the newest shares files at all (None:
+        it shares none, so any other step is apart already, or there are no files to tell by)."""
+        if not isinstance(self.layout, Layout) or len(history) < 2:
+            return None  # only a local layout hard-links files between steps
+
+        def identities(step: int) -> set[tuple[int, int]]:
+            return file_identities(self.layout, step)
+
+        steps = sorted((c.step for c in history), reverse=True)
+        newest = identities(steps[0])
+        others = [(step, identities(step)) for step in steps[1:]]
+        if all(newest.isdisjoint(ids) for _, ids in others):
+            return None
+        return next((step for step, ids in others if newest.isdisjoint(ids)), None)
+
     def _pass(self, committed: int) -> None:
         """Apply the policies; ``committed`` (the last commit) and the newest verified step survive."""
+        t0 = time.perf_counter()
         try:
             steps = self.layout.committed_steps()
             for s in list(self._index):
@@ -169,7 +194,10 @@ class Retainer:
                 history.append(self._index[s])
             good = self.verdicts.newest_intact([c.step for c in history])
             protect = {committed} | ({good} if good is not None else set())
-            for step in self.retention.to_delete(history, protect):
+            if self.keep_fallback and (apart := self._apart_from_newest(history)) is not None:
+                protect.add(apart)
+            doomed, deciding = self.retention.to_delete(history, protect), time.perf_counter() - t0
+            for step in doomed:
                 with self._cond:
                     if self._stopped:
                         return  # abandoned: the next owner's first pass judges what is left
@@ -184,6 +212,7 @@ class Retainer:
                         self._cond.notify_all()
                 self._index.pop(step, None)
                 log.info("safepoint: retention removed step %d", step)
+                self.events.emit(ev.SAVE_DELETED, step, tier="root", get_old_steps_duration_secs=deciding)
         except LeaseError as e:
             # Another owner has the root: every later delete would be refused as well (and must be).
             with self._cond:

@@ -70,15 +70,11 @@ class SaveSchedule:
         self.agreement = Agreement(comm, target)
         return self.agreement
 
-    def add_adaptive(self, layout: Layout, comm: Comm) -> RunHistory | None:
-        """With ``"auto"``: the adaptive policy (C from the saves recorded here), and its run history."""
-        if self.auto is None:
-            return None
-        policy, runs = adaptive_policy(
-            self.auto, self.auto.mtbf_s, layout, comm, lambda: [s.blocking_s for s in self.saves]
-        )
-        self.policies.append(policy)
-        return runs
+    def add_adaptive(self, layout: Layout, comm: Comm, runs: RunHistory | None) -> None:
+        """With ``"auto"``: the adaptive policy (C from the saves recorded here, M from ``runs``)."""
+        if self.auto is not None:
+            costs = lambda: [s.blocking_s for s in self.saves]  # noqa: E731
+            self.policies.append(adaptive_policy(self.auto, self.auto.mtbf_s, layout, comm, costs, runs))
 
     def due(self, step: int) -> bool:
         """Collective when a time policy is configured (every rank calls it at every maybe_save)."""

@@ -10,15 +10,15 @@ where that is cheap), and only then is ``safepoint.json`` written. Deleting remo
 A reader trusts a step only if its manifest parses and every listed object matches it: the same rule and
 the same ``Manifest`` as on a local disk.
 
-Saving a step that is already committed cannot overwrite it in place (the committed copy would be broken
-before the new one exists). The new copy is written under ``.pending/step-N-<id>/`` with its own manifest;
-then the old manifest is deleted, the objects are copied server-side into ``step-N/``, and the new manifest
-is written. In that window step N is not listed (older steps are), but a complete copy always exists, and
-a new owner finishes the promotion (``clean_pending``). This is the best a store without rename allows.
+Re-saving a committed step cannot overwrite it in place. The new copy is written under
+``.pending/step-N-<id>/`` with its own manifest; then the old manifest is deleted, the objects are copied
+server-side into ``step-N/``, and the new manifest is written. In that window step N is not listed, but a
+complete copy always exists, and a new owner finishes the promotion (``clean_pending``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import posixpath
 import re
@@ -37,6 +37,7 @@ from safepoint.store.guard import STEP_PATTERN, STEP_PREFIX
 from safepoint.store.manifest import MANIFEST_NAME, Manifest, Parts
 from safepoint.store.metadata_check import load_checked_metadata
 from safepoint.store.posix_layout import PENDING_DIR, CheckpointInfo, step_name
+from safepoint.store.rootfs import RootDir
 from safepoint.store.storage import METADATA_NAME
 
 log = logging.getLogger("safepoint")
@@ -105,12 +106,8 @@ class RemoteLayout:
     def committed_steps(self) -> list[int]:
         """Steps whose manifest object exists, oldest first (manifest not yet parsed). One listing."""
         self._roll_forward()
-        steps = []
-        for rel in self.store.sizes(self.base):
-            m = _MANIFEST_KEY.match(rel)
-            if m:
-                steps.append(int(m.group(1).removeprefix(STEP_PREFIX)))
-        return sorted(steps)
+        found = (_MANIFEST_KEY.match(rel) for rel in self.store.sizes(self.base))
+        return sorted(int(m.group(1).removeprefix(STEP_PREFIX)) for m in found if m)
 
     def manifest_bytes(self, step: int) -> bytes:
         try:
@@ -214,6 +211,20 @@ class RemoteLayout:
         {name: parts} that the manifest must record (``Manifest.with_parts``)."""
         done = self.store.put_files([FileCopy(lp, posixpath.join(pending, n), s, c) for lp, n, s, c in files])
         return {posixpath.basename(path): parts for path, parts in done.items()}
+
+    def copy_files(self, step: int, pending: str, files: list[tuple[str, int, str]]) -> None:
+        """Copy committed ``step``'s objects (name, size, crc32c) into ``pending`` server-side (S3
+        CopyObject: no client bytes), each confirmed against its size and crc32c like an upload."""
+        source = self.step_key(step)
+
+        def one(item: tuple[str, int, str]) -> None:
+            name, size, crc = item
+            target = posixpath.join(pending, name)
+            self.store.copy(posixpath.join(source, name), target, size)
+            if (problem := self.store.check(target, size, crc, read=False)) is not None:
+                raise UploadError(f"server-side copy of {self.store.url(target)}: {problem}")
+
+        self.store._parallel(one, files)
 
     def commit(self, pending: str, manifest: Manifest, *, confirmed: bool = False) -> str:
         """Confirm every object against ``manifest``, then write the manifest (then promote if staged).
@@ -319,6 +330,11 @@ class RemoteLayout:
             self.store.delete(rest)
         except (UploadError, FileNotFoundError) as e:
             log.warning("safepoint: could not clean up %s: %s", self.store.url(pending), e)
+            return
+        if self.store.local:
+            # A directory as the durable tier: step-N/ left empty would be listed as a partial save forever.
+            with contextlib.suppress(OSError):  # only an empty real directory goes; anything else stays
+                RootDir(self.base).remove_empty_dir(posixpath.relpath(pending, self.base))
 
     def _still_owner(self, prefix: str) -> bool:
         """Whether this process may delete under an in-place save ``prefix``: it holds the root's lease
@@ -392,9 +408,9 @@ class RemoteLayout:
 
         if self.store.local:
             self.owner = Lease(Path(self.base), stale_after_s=stale_after_s, job=job)
-            return self.owner
-        self.owner = RemoteLease.for_layout(self, stale_after_s, job)
-        self.unguarded = self.owner is None
+        else:
+            self.owner = RemoteLease.for_layout(self, stale_after_s, job)
+            self.unguarded = self.owner is None
         return self.owner
 
     def object_key(self, step: int, name: str) -> str:

@@ -22,6 +22,7 @@ from safepoint.errors import LeaseError
 from safepoint.remote.conditional import CondObject, Conflict, conditional_object
 from safepoint.remote.retry import UploadError
 from safepoint.store.heartbeat import HeartbeatLease, Unreadable, describe_holder
+from safepoint.store.records import CorruptRecordError, parse_object
 
 LEASE_NAME = ".lease"
 log = logging.getLogger("safepoint")
@@ -80,10 +81,10 @@ class RemoteLease(HeartbeatLease):
             return None, None, 0.0
         data, version, age = got
         try:
-            rec = json.loads(data)
-        except ValueError:
-            return None, version, age
-        return (rec if isinstance(rec, dict) else None), version, age
+            rec = parse_object(data, self._where())
+        except CorruptRecordError:
+            return None, version, age  # unreadable: judged like one (see _holder and acquire)
+        return rec, version, age
 
     def acquire(self) -> None:
         for _ in range(20):

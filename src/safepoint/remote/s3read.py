@@ -17,7 +17,7 @@ import crc32c
 from fsspec.asyn import sync
 
 from safepoint.remote.retry import TransferOptions, UploadError, cause_code, lower_priority, next_delay
-from safepoint.remote.upload import ObjectStore, b64_crc, combine, hex_crc
+from safepoint.remote.upload import ObjectStore, b64_crc, combine, hex_crc, write_at
 from safepoint.store.checksum import crc_hex
 from safepoint.store.manifest import Parts
 
@@ -152,25 +152,23 @@ class S3Reader(ObjectStore):
 
         return combine(self.run(self._gather, [one(o, n) for o, n in self._ranges(size)]))
 
-    def download(self, path: str, local: str, size: int) -> str:
+    def download(self, path: str, fd: int, size: int) -> str:
+        """Ranged GETs in parallel into the new local file open as ``fd`` (the caller made it through the
+        guarded walk, store/rootfs.py, and closes it); fsync'd; the crc32c of the bytes written."""
         bucket, key = self._split(path)
         what = f"download of {self.url(path)}"
-        fd = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
 
-            def write_at(data: bytes, off: int) -> int:
-                os.pwrite(fd, data, off)
-                return int(crc32c.crc32c(data))
+        def put(data: bytes, off: int) -> int:
+            write_at(fd, data, off)
+            return int(crc32c.crc32c(data))
 
-            async def one(off: int, n: int) -> tuple[int, int]:
-                async with self.sem:
-                    data = await self.aretry(what, lambda: self._get_range(bucket, key, off, n))
-                    return await self._in_pool(write_at, data, off), n
+        async def one(off: int, n: int) -> tuple[int, int]:
+            async with self.sem:
+                data = await self.aretry(what, lambda: self._get_range(bucket, key, off, n))
+                return await self._in_pool(put, data, off), n
 
-            crc = combine(self.run(self._gather, [one(o, n) for o, n in self._ranges(size)]))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        crc = combine(self.run(self._gather, [one(o, n) for o, n in self._ranges(size)]))
+        os.fsync(fd)
         return crc
 
     @staticmethod

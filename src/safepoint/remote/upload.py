@@ -275,20 +275,22 @@ class ObjectStore:
 
         return combine(self._parallel(part, ranges)) if ranges else crc_hex(0)
 
-    def download(self, path: str, local: str, size: int) -> str:
-        """Copy an object to a local file (fsync'd); return the crc32c of the bytes written."""
+    def download(self, path: str, fd: int, size: int) -> str:
+        """Copy an object into the new local file open as ``fd`` (fsync'd); return the crc32c of the bytes
+        written. The caller made the file through the guarded walk (store/rootfs.py RootDir.create) and
+        closes it: this never opens a local path, so a symlink planted there is never written through."""
         value, got = 0, 0
 
         def fetch() -> None:
             nonlocal value, got
             value, got = 0, 0
-            with self.fs.open(path, "rb") as src, open(local, "wb") as dst:
+            os.ftruncate(fd, 0)  # a retry starts over
+            with self.fs.open(path, "rb") as src:
                 while chunk := src.read(self.cfg.part_size):
                     value = crc32c.crc32c(chunk, value)
-                    dst.write(chunk)
+                    write_at(fd, chunk, got)
                     got += len(chunk)
-                dst.flush()
-                os.fsync(dst.fileno())
+            os.fsync(fd)
 
         retry(f"download of {self.url(path)}", fetch, self.cfg)
         if got != size:
@@ -377,3 +379,11 @@ class _FsWriter(RawWriter):
         finally:
             with contextlib.suppress(OSError):
                 self._fs.rm(self._path)
+
+
+def write_at(fd: int, data: bytes, offset: int) -> None:
+    """All of ``data`` at ``offset`` of ``fd`` (pwrite may write less than asked)."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n

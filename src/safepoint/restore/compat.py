@@ -3,15 +3,24 @@ key that differs), and the report of what a restore loaded. Split from restorer.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from safepoint.errors import CheckpointError, StateMismatchError
+from safepoint.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    StateMismatchError,
+    describe_exception,
+)
 from safepoint.restore.partial import STRICT_HINT, Plan, RestoreReport
 from safepoint.state import KEYED_SECTIONS
+from safepoint.store.guard import open_regular
+from safepoint.store.item_check import FileRange, items_problem
+from safepoint.store.storage import METADATA_NAME
 
 _SHOW = 8
 
@@ -91,3 +100,44 @@ def section_prefixes(template: dict[str, Any]) -> list[str]:
 def _few(items: list[str]) -> str:
     shown = ", ".join(sorted(items)[:_SHOW])
     return shown + (f", ... (+{len(items) - _SHOW} more)" if len(items) > _SHOW else "")
+
+
+def damage_first(
+    layout: Any, step: int, metadata: Metadata | None, error: CheckpointError
+) -> CheckpointError:
+    """What a StateMismatchError really is: if ``.metadata``'s items are not what its data files hold (a
+    forged shape, re-pointed offsets: store/item_check.py, the check `verify` runs), the checkpoint is
+    corrupt ("warn, fall back"), not a model that does not fit; a mismatch against a checkpoint whose
+    items are whole is the user's to fix, as before. Checked only once a mismatch is found: the headers
+    are read then, never on a restore that fits."""
+    if metadata is None or not isinstance(error, StateMismatchError):
+        return error
+    try:
+        problem = items_problem(metadata, _ranges(layout, step))
+    except Exception as e:  # a store's own error type: the items cannot be read as listed
+        problem = (METADATA_NAME, f"cannot read the items it describes ({describe_exception(e)})")
+    if problem is None:
+        return error
+    return CorruptCheckpointError(step, problem[0], problem[1])
+
+
+def _ranges(layout: Any, step: int) -> FileRange:
+    """A FileRange over ``step``'s files on ``layout``: an object store's ranged reads, a per-node view's
+    resolved paths (its own disk, a peer replica, a download), else the local step directory."""
+    if hasattr(layout, "read_range"):
+        return lambda name, off, n: bytes(layout.read_range(step, name, off, n))
+    resolve = getattr(layout, "paths", None)
+    base = layout.step_path(step)
+
+    def read(name: str, offset: int, size: int) -> bytes:
+        path = resolve([name])[name] if resolve is not None else os.path.join(base, name)
+        fd = open_regular(path)
+        try:
+            data = os.pread(fd, size, offset)
+        finally:
+            os.close(fd)
+        if len(data) != size:
+            raise OSError(f"{name} ended at byte {offset + len(data)}")
+        return data
+
+    return read

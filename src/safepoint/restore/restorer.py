@@ -12,16 +12,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+from safepoint import errors
+from safepoint import events as ev
 from safepoint.data import rng
 from safepoint.dist import Comm
-from safepoint.errors import (
-    CheckpointError,
-    CorruptCheckpointError,
-    StateMismatchError,
-    UnsafeCheckpointError,
-)
+from safepoint.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from safepoint.policy.rules import Verdicts
-from safepoint.restore.compat import NotLoadable, check_compat, report, section_prefixes
+from safepoint.restore.compat import NotLoadable, check_compat, damage_first, report, section_prefixes
+from safepoint.restore.free import check_loads_something, fill_free
 from safepoint.restore.in_place import loaded_in_place
 from safepoint.restore.leftover import Leftover, written_keys
 from safepoint.restore.partial import Plan, RestoreReport, Selection, plan
@@ -54,6 +52,8 @@ class CheckpointWarning(UserWarning):
 
 
 class Restorer:
+    events: ev.Events = ev.NO_EVENTS  # the manager's stream (events.py): each fallback
+
     def __init__(self, layout: CheckpointStore, comm: Comm, verdicts: Verdicts | None = None) -> None:
         self.layout = layout
         self.comm = comm
@@ -125,7 +125,7 @@ class Restorer:
                 if problems or manifest is None:
                     self._raise_problems(candidate, problems)
                 self.load(manifest, state)
-            except UnsafeCheckpointError:
+            except errors.UnsafeCheckpointError:
                 raise
             except CorruptCheckpointError as e:
                 self.verdicts.record(candidate, False)
@@ -186,6 +186,7 @@ class Restorer:
         return candidate, manifest, None
 
     def skipping(self, e: CorruptCheckpointError) -> None:
+        self.events.emit(ev.RESTORE_FALLBACK, e.step, reason=str(e))
         if self.comm.is_coordinator:
             msg = f"safepoint: skipping corrupt checkpoint: {e}; falling back to an older one"
             warnings.warn(msg, CheckpointWarning, stacklevel=5)
@@ -213,7 +214,7 @@ class Restorer:
                 self.load(manifest, state)
                 leftover.check(manifest.step, self.writing)
                 return manifest
-            except UnsafeCheckpointError:
+            except errors.UnsafeCheckpointError:
                 raise  # a crafted checkpoint that tried to run code: stop and say so, never skip quietly
             except CorruptCheckpointError as e:
                 self.verdicts.record(manifest.step, False)  # verified, then found damaged while read
@@ -274,8 +275,8 @@ class Restorer:
         """Raise, on every rank alike, what the ranks found in DCP's planning step (``found``: the same
         list on every rank, from DCP's CheckpointException)."""
         for _, error in found:
-            if isinstance(error, UnsafeCheckpointError):
-                raise UnsafeCheckpointError(step, error.file, error.reason)
+            if isinstance(error, errors.UnsafeCheckpointError):
+                raise errors.UnsafeCheckpointError(step, error.file, error.reason)
         for _, error in found:
             if isinstance(error, StateMismatchError):
                 raise StateMismatchError(str(error))
@@ -336,17 +337,19 @@ class Restorer:
         ranks = RankSections(self.layout, manifest, sections, sources[RNG])
         to_dcp = ranks.dcp_part(template)
         matched: Plan | None = None
-        if sel.default:
+        free = state.free_parts(sections, sources)  # need .metadata before the plan: the partial path
+        if sel.default and not free:
 
             def prepare() -> Metadata:
                 # Inside DCP's planning step, on every rank: a failure here reaches every rank through
                 # DCP's plan collective before anything is loaded (no collective of our own).
+                md: Metadata | None = None
                 try:
-                    metadata = self.layout.read_metadata(step, manifest)
-                    check_compat(step, template, ranks.read(metadata))
+                    md = self.layout.read_metadata(step, manifest)
+                    check_compat(step, template, ranks.read(md))
                 except (CorruptCheckpointError, StateMismatchError) as e:
-                    raise NotLoadable(e) from None
-                return metadata
+                    raise NotLoadable(damage_first(self.layout, step, md, e)) from None
+                return md
 
             reader = self.layout.make_reader(step, None, manifest)
             reader.prepare = prepare
@@ -356,10 +359,13 @@ class Restorer:
             try:
                 metadata = self.layout.read_metadata(step, manifest)
                 checked = ranks.read(metadata)
+                fill_free(template, free, checked, ranks.values)
                 matched = plan(step, template, checked, tuple(section_prefixes(template)), sel)
+                if not sel.strict:
+                    check_loads_something(step, matched)
                 to_dcp = ranks.split(matched.to_load)
             except (CorruptCheckpointError, StateMismatchError) as e:
-                error = e
+                error = damage_first(self.layout, step, metadata, e)
             # Shards differ per rank: if any rank cannot load (or read .metadata), none may enter DCP's
             # collective load, and every rank decides alike from what all found, as on the default path.
             found = [(r, e) for r, e in enumerate(self.comm.all_gather(error)) if e is not None]
@@ -389,7 +395,9 @@ class Restorer:
             # DCP's exception is a BaseException; hand the caller our own error (the first rank's cause).
             # Metadata and shapes were checked above, so what fails now is the checkpoint's bytes.
             error = as_corruption(step, e)
-            if isinstance(error, CorruptCheckpointError) and not isinstance(error, UnsafeCheckpointError):
+            if isinstance(error, CorruptCheckpointError) and not isinstance(
+                error, errors.UnsafeCheckpointError
+            ):
                 error = _DamagedWhileLoading(error.step, error.file, error.reason)
             raise error from None
         if matched is not None:

@@ -17,30 +17,45 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from safepoint import events as ev
 from safepoint.dist import Comm, PeerTimeoutError
 from safepoint.errors import CheckpointError, SaveError, describe_exception
 from safepoint.policy.retainer import Retainer
 from safepoint.policy.rules import Retention, Verdicts
+from safepoint.save.plan_reuse import PlanRecord, ReusingSavePlanner
 from safepoint.store import rank_state
 from safepoint.store.file_report import with_files
+from safepoint.store.gc_pause import gc_paused
+from safepoint.store.incremental import INCREMENTAL_KEY, History
 from safepoint.store.manifest import FileEntry, Manifest
 from safepoint.store.node_map import NODES_KEY, NodeMap
-from safepoint.store.posix_layout import CheckpointInfo, CheckpointStore
+from safepoint.store.posix_layout import CheckpointInfo, CheckpointStore, Layout
+from safepoint.store.storage import SafepointWriter
 
 log = logging.getLogger("safepoint")
 
 
 class SyncSaver:
+    events: ev.Events = ev.NO_EVENTS  # the manager's stream (events.py): written, committed, failed
+
     def __init__(
         self,
         layout: CheckpointStore,
         comm: Comm,
         retention: Retention | Retainer,
-        *,
         writer_threads: int = 1,
+        *,
         wrap_writer: Callable[[Any], Any] | None = None,
+        history: History | None = None,
+        staged: bool = False,
     ) -> None:
         self.layout = layout
+        # Incremental saves (store/incremental.py): what this rank's last committed save wrote, shared with
+        # the manager's other saver (sync and async saves link from whichever committed last). Local roots
+        # only: an object store's writer has no files to link.
+        self.history = history if isinstance(layout, Layout) else None
+        self.staged = staged
+        """Saves staged copies (async): their version counters say nothing about the live tensors."""
         # The manager shares one Retainer (one deleter thread, and what restore verified: retention keeps
         # the newest intact step) between its savers, and drains it on close(); a bare Retention gets one.
         if not isinstance(retention, Retainer):
@@ -58,6 +73,7 @@ class SyncSaver:
         # loop, a notebook) would keep every one's plans for good (the soak test saw RSS grow 28 KB per
         # manager for a 4-tensor model; a plan of 10,000 items is MBs). They go with this saver.
         weakref.finalize(self, _forget_plans, self._plan_key)
+        self._plan_record = PlanRecord()  # the structure of the local plan cached under that key
         self._session: str | None = None
         self._saves = 0
         self.nodes: NodeMap | None = None
@@ -94,6 +110,9 @@ class SyncSaver:
         writer = self.layout.make_writer(pending, thread_count=self.writer_threads)
         if self.wrap_writer is not None:
             writer = self.wrap_writer(writer)
+        round_ = None
+        if self.history is not None and isinstance(writer, SafepointWriter):
+            round_ = writer.incremental = self.history.begin(versions=not self.staged)
         error: str | None = None
         own: dict[str, tuple[int, str]] = {}
         try:
@@ -104,15 +123,21 @@ class SyncSaver:
                 own = _write_rank_file_too(writer, self.layout, pending, self.comm.rank, sections_of_rank)
             # DCP's write collective also carries each rank's file list to rank 0 (store/file_report.py),
             # and raises the same error on every rank when any rank failed.
-            dcp_save(
-                state_dict,
-                storage_writer=writer,
-                planner=self._planner(),
-                process_group=self.comm.group,
-                no_dist=not self.comm.distributed,
-            )
+            with gc_paused():  # DCP's per-item work, without cyclic collections (store/gc_pause.py)
+                dcp_save(
+                    state_dict,
+                    storage_writer=writer,
+                    planner=self._planner(),
+                    process_group=self.comm.group,
+                    no_dist=not self.comm.distributed,
+                )
         except (CheckpointException, OSError, RuntimeError, ValueError) as e:
             error = describe_exception(e)
+        else:
+            mine = sum(size for size, _ in {**writer.written_files(), **own}.values())
+            self.events.emit(
+                ev.SAVE_WRITTEN, step, bytes_written=mine, duration_secs=time.perf_counter() - t0
+            )
         errors = [error] if error else []
         info: CheckpointInfo | None = None
         if self.comm.is_coordinator:
@@ -122,6 +147,10 @@ class SyncSaver:
                     per_rank = list(writer.rank_files or [{}])
                     # With the .metadata finish wrote, and this rank's own file.
                     per_rank[self.comm.rank] = {**writer.written_files(), **own}
+                    extra = dict(manifest_extra or {})
+                    if round_ is not None:
+                        # This rank's share: bytes linked from the previous step, written into stable groups.
+                        extra[INCREMENTAL_KEY] = dict(round_.stats, full=round_.full)
                     info = self._commit(
                         step,
                         pending,
@@ -129,7 +158,7 @@ class SyncSaver:
                         per_rank,
                         sections,
                         metrics,
-                        manifest_extra or {},
+                        extra,
                         dict(timings, write_s=time.perf_counter() - t0),
                     )
                 except (OSError, CheckpointError) as e:
@@ -146,6 +175,9 @@ class SyncSaver:
         try:
             info, verdict, manifest = self.comm.broadcast((info, errors, self._manifest if multi else None))
         except PeerTimeoutError as e:
+            self.events.emit(
+                ev.SAVE_FAILED, step, reason=f"{e}" + (f" (this rank: {error})" if error else "")
+            )
             if error is None:
                 raise
             # DCP's own collective usually timed out first (same group); its message names the cause.
@@ -159,11 +191,16 @@ class SyncSaver:
                 self._commit_node(pending, manifest)
             else:  # not committed: this node's share goes, as rank 0's did
                 self.layout.discard(pending)
+        if round_ is not None and self.history is not None and info is not None and not errors:
+            self.history.committed(round_, Path(self.layout.step_path(step)))
         if errors or info is None:
+            why = "; ".join(dict.fromkeys(errors))
+            self.events.emit(ev.SAVE_FAILED, step, reason=why)
             raise SaveError(
-                f"save of step {step} failed and was not committed ({'; '.join(dict.fromkeys(errors))}). "
-                "Older checkpoints are intact."
+                f"save of step {step} failed and was not committed ({why}). Older checkpoints are intact."
             )
+        seconds, done = time.perf_counter() - t0, {"bytes_written": info.bytes, "bytes_skipped": 0}
+        self.events.emit(ev.SAVE_COMMITTED, step, duration_secs=seconds, directory=str(info.path), **done)
         if self.comm.is_coordinator:
             self.retainer.settle()  # inline mode: the pass runs now, after every rank has its verdict
         return info
@@ -182,11 +219,10 @@ class SyncSaver:
 
     def _planner(self) -> DefaultSavePlanner:
         # With the same state (every save of a training run) DCP reuses the global plan and metadata of
-        # the previous save instead of rebuilding them item by item (~0.1 ms per item); a changed local
-        # plan is detected (compared item by item) and planned afresh.
-        planner = DefaultSavePlanner(enable_plan_caching=True)
-        planner._cached_plans_key = self._plan_key
-        return planner
+        # the previous save instead of rebuilding them item by item (~0.1 ms per item), and the local plan
+        # is not even built when its structure is provably unchanged (plan_reuse.py); a changed one is
+        # planned afresh.
+        return ReusingSavePlanner(self._plan_key, self._plan_record)
 
     def _commit(
         self,

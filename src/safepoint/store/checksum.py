@@ -40,7 +40,7 @@ def crc_hex(value: int) -> str:
 
 def file_crc32c(path: str | os.PathLike[str]) -> tuple[int, str]:
     """Return (size, crc32c hex) of a local file, reading it in chunks (bounded memory)."""
-    with open(path, "rb", buffering=0) as f:
+    with os.fdopen(open_regular(path), "rb", buffering=0) as f:  # no symlink, no FIFO (guard)
         return stream_crc32c(f, chunk_size=_READ_CHUNK)
 
 

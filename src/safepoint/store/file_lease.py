@@ -32,6 +32,7 @@ from safepoint.store.heartbeat import (
     describe_holder,
     heartbeat_age,
 )
+from safepoint.store.records import CorruptRecordError, parse_object
 
 log = logging.getLogger("safepoint")
 LEASE_NAME = ".lease"
@@ -215,11 +216,11 @@ class Lease(HeartbeatLease):
             raw = os.read(fd, MAX_LEASE_BYTES + 1)  # a regular file (open_regular): reads it whole
             if len(raw) > MAX_LEASE_BYTES:
                 raise ValueError(f"larger than {MAX_LEASE_BYTES} bytes")
-            data = json.loads(raw)
+            data = parse_object(raw, str(path))
+        except CorruptRecordError as e:
+            raise Unreadable(str(e)) from None
         except (OSError, ValueError) as e:
             raise Unreadable(f"{path}: {e}") from e
-        if not isinstance(data, dict):
-            raise Unreadable(f"{path}: not a lease record: {data!r}")
         return data
 
     def _open(self) -> int | None:

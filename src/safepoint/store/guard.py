@@ -15,6 +15,7 @@ import re
 import shutil
 import stat
 from pathlib import Path
+from typing import BinaryIO
 
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -78,13 +79,27 @@ def read_regular(path: str | os.PathLike[str], limit: int) -> bytes:
     try:
         chunks: list[bytes] = []
         size = 0
-        while size <= limit and (chunk := os.read(fd, limit + 1 - size)):
+        # In chunks: os.read(fd, n) allocates n bytes first, whatever the file holds (a limit taken from a
+        # forged manifest, 2**62, would raise MemoryError before a byte is read).
+        while size <= limit and (chunk := os.read(fd, min(limit + 1 - size, _CHUNK))):
             chunks.append(chunk)
             size += len(chunk)
     finally:
         os.close(fd)
     if size > limit:
         raise OSError(f"{os.fspath(path)} is larger than {limit} bytes")
+    return b"".join(chunks)
+
+
+_CHUNK = 1 << 20
+
+
+def read_up_to(f: BinaryIO, limit: int) -> bytes:
+    """At most ``limit`` bytes of ``f``, read in chunks: never an allocation of ``limit`` bytes up front."""
+    chunks: list[bytes] = []
+    while limit > 0 and (chunk := f.read(min(limit, _CHUNK))):
+        chunks.append(chunk)
+        limit -= len(chunk)
     return b"".join(chunks)
 
 

@@ -10,6 +10,7 @@ here is the same for both. Fencing: the owner's token is checked against the lea
 from __future__ import annotations
 
 import abc
+import functools
 import logging
 import math
 import os
@@ -20,6 +21,7 @@ import uuid
 from typing import Any
 
 from safepoint.errors import LeaseError
+from safepoint.store.guard import read_regular
 
 DEFAULT_STALE_AFTER_S = 120.0
 HEARTBEAT_S = 15.0
@@ -88,6 +90,7 @@ def _proc_start_ticks(pid: int) -> int | None:
 
 
 def _pid_alive(pid: int, start_ticks: int | None) -> bool:
+    """Whether ``pid`` (a process of this PID namespace: see :func:`askable_pid`) still runs."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -96,6 +99,47 @@ def _pid_alive(pid: int, start_ticks: int | None) -> bool:
         return True
     current = _proc_start_ticks(pid)
     return start_ticks is None or current is None or current == start_ticks
+
+
+PID_MAX = 1 << 22
+"""Linux's largest pid (PID_MAX_LIMIT): a lease pid outside [1, PID_MAX] is no process (``kill(-1, 0)``
+reaches every process and would call the holder alive forever; ``10**30`` overflows ``kill``)."""
+
+
+def _read_ident(path: str) -> str | None:
+    try:
+        return read_regular(path, 256).decode().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+@functools.cache
+def namespace_identity() -> tuple[str | None, int | None]:
+    """(boot id, PID namespace inode) of this process; None where /proc cannot say (not Linux).
+
+    Two processes can ask each other's pids with ``kill(pid, 0)`` only when both are equal: the same host
+    name proves nothing (containers with host networking, SageMaker's ``algo-1`` on every instance, a
+    sidecar in its own PID namespace), and a pid of another namespace names another process here, or none.
+    """
+    try:
+        pid_ns: int | None = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        pid_ns = None
+    return _read_ident("/proc/sys/kernel/random/boot_id"), pid_ns
+
+
+def askable_pid(holder: dict[str, Any]) -> int | None:
+    """The pid of ``holder`` if this process can ask whether it lives: same host name, same boot, same PID
+    namespace (:func:`namespace_identity`), and a pid that can be a process. None otherwise: then only the
+    heartbeat's age says whether the holder lives (a record without the identity, written by an older
+    safepoint or by hand, is judged that way too)."""
+    pid = holder.get("pid")
+    if holder.get("host") != socket.gethostname() or type(pid) is not int or not 1 <= pid <= PID_MAX:
+        return None
+    boot, pid_ns = namespace_identity()
+    if holder.get("boot_id") != boot or holder.get("pid_ns") != pid_ns:
+        return None
+    return pid
 
 
 class HeartbeatLease(abc.ABC):
@@ -113,6 +157,10 @@ class HeartbeatLease(abc.ABC):
         self.heartbeat_s = heartbeat_s
         self.token = uuid.uuid4().hex
         self.job = job  # store/job.py: a holder of the same job is taken over at once, on any host
+        # `safepoint prune --force`: any readable holder counts as stale. Taking it over is what fences it
+        # (its token is gone from the store: its next commit or delete refuses); an unreadable lease or one
+        # that is no lease file is still refused.
+        self.forced = False
         self.lost: str | None = None
         self.beats = 0  # heartbeat attempts so far (lets tests wait for beats instead of sleeping)
         self._stop = threading.Event()
@@ -122,38 +170,52 @@ class HeartbeatLease(abc.ABC):
     def _owner(self) -> dict[str, Any]:
         """Who holds the lease: host and pid, plus the process start time against pid reuse, and the job
         (None: no job identity, see store/job.py)."""
+        boot, pid_ns = namespace_identity()
         return {
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "start_ticks": _proc_start_ticks(os.getpid()),
+            "boot_id": boot,
+            "pid_ns": pid_ns,
             "job": self.job,
         }
 
     def _same_process(self, holder: dict[str, Any]) -> bool:
-        return holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid()
+        return askable_pid(holder) == os.getpid()
 
     def _same_job(self, holder: dict[str, Any]) -> bool:
         """A holder of this very job, other than this process (which is alive by definition)."""
         return self.job is not None and holder.get("job") == self.job and not self._same_process(holder)
 
     def _is_stale(self, holder: dict[str, Any], age: float) -> bool:
-        """Whether ``holder`` may be taken over: on this host exactly when its process is gone, same job or
-        not (a live process with the same job id is another part of this job: an evaluation in the same
-        allocation must not take the trainer's root); on another host, a previous attempt of this job at
-        once (a restart: that host cannot be asked whether its process lives, and a job id names one run
-        of one job, see store/job.py), any other holder when ``age``, the time since its last heartbeat,
-        exceeds ``stale_after_s``."""
-        if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
-            if holder["pid"] == os.getpid() and holder.get("token") != self.token:
+        """Whether ``holder`` may be taken over: when its process can be asked (same host, boot and PID
+        namespace: :func:`askable_pid`) exactly when it is gone, same job or not (a live process with the
+        same job id is another part of this job: an evaluation in the same allocation must not take the
+        trainer's root); otherwise (another host, another container or PID namespace with the same host
+        name) a previous attempt of this job at once (a restart: its process cannot be asked, and a job id
+        names one run of one job, see store/job.py), any other holder when ``age``, the time since its
+        last heartbeat, exceeds ``stale_after_s``. Never ``kill(pid, 0)`` across namespaces: there the pid
+        names another process, or none, and a live holder would be taken over at once."""
+        if self.forced:
+            return True
+        pid = askable_pid(holder)
+        if pid is not None:
+            if pid == os.getpid() and holder.get("token") != self.token:
                 return False  # another manager in this very process: alive by definition
-            return not _pid_alive(holder["pid"], holder.get("start_ticks"))
+            ticks = holder.get("start_ticks")
+            return not _pid_alive(pid, ticks if type(ticks) is int else None)
         if self._same_job(holder):
             return True
         return age > self.stale_after_s
 
     def _took_over(self, holder: dict[str, Any] | None) -> None:
         who = describe_holder(holder) if holder else "an unreadable lease file"
-        if holder and self._same_job(holder):
+        if holder and self.forced:
+            log.warning(
+                "safepoint: took over the lease of %s by force: that job can no longer commit or delete "
+                "(its next save fails with LeaseError)", who,
+            )  # fmt: skip
+        elif holder and self._same_job(holder):
             log.warning(
                 "safepoint: took over the lease of %s: a previous attempt of this job (%s)", who, self.job
             )

@@ -8,7 +8,8 @@ older step; verification must reach the same verdict, or ``prune --keep-last 1``
 deletes the one restore would use. So every item's byte range must hold what DCP wrote there: one
 ``torch.save`` zip, whole (it starts with a record and ends with its directory), whose ``data.pkl``
 describes, for a tensor item, a tensor of the dtype and chunk shape ``.metadata`` promises, over storages
-whose records are in the zip; and no two items may share bytes.
+whose records are in the zip; and no two items may share bytes, unless they are the very same item (two
+keys of one tensor, e.g. tied weights, which incremental saves write once).
 
 Cheap: per item, the local header, the zip directory at its end and ``data.pkl`` (a few hundred bytes),
 one read for items up to 1 MiB. ``data.pkl`` is unpickled by torch's weights-only unpickler onto storages
@@ -67,6 +68,8 @@ def items_problem(
     for name, items in sorted(per_file.items()):
         items.sort(key=lambda x: (x[1].offset, x[1].length))
         for (a, prev), (b, info) in itertools.pairwise(items):
+            if (prev.offset, prev.length) == (info.offset, info.length):
+                continue  # two keys, one stored item (tied weights, written once): each checked below
             if prev.offset + prev.length > info.offset:
                 return name, (
                     f"items {a.fqn!r} (bytes {prev.offset}..{prev.offset + prev.length}) and {b.fqn!r} "

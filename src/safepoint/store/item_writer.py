@@ -26,6 +26,7 @@ import zipfile
 from typing import IO, Any
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
@@ -215,6 +216,7 @@ def write_items(
     )
     ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
     ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
+    flat = _default_lookup(planner)
     for item in ordered:
         offset = out.pos
         if item.type == WriteItemType.BYTE_IO:
@@ -223,7 +225,7 @@ def write_items(
                 raise TypeError(f"item {item.index.fqn!r}: DCP byte items must be io.BytesIO")
             out.write(data.getbuffer())
         else:
-            _write_tensor(out, _resolve_tensor(planner, item), alignment)
+            _write_tensor(out, _resolve_tensor(planner, item, flat), alignment)
         length = out.pos - offset
         info = _StorageInfo(file_name, offset, length)
         results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
@@ -231,9 +233,30 @@ def write_items(
     return results
 
 
-def _resolve_tensor(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
+def _default_lookup(planner: SavePlanner) -> dict[str, Any] | None:
+    """The planner's flattened state dict if it resolves items as DefaultSavePlanner does, else None."""
+    if not isinstance(planner, DefaultSavePlanner):
+        return None
+    kind = type(planner)
+    if (
+        kind.resolve_data is DefaultSavePlanner.resolve_data
+        and kind.lookup_object is DefaultSavePlanner.lookup_object
+        and kind.transform_object is DefaultSavePlanner.transform_object
+    ):
+        return planner.state_dict
+    return None
+
+
+def _resolve_tensor(
+    planner: SavePlanner, item: WriteItem, flat: dict[str, Any] | None = None
+) -> torch.Tensor:
     # What DCP's _SerialCpuLoader hands to torch.save: detached, on the CPU, with a minimal storage.
-    tensor = planner.resolve_data(item)
+    # A whole plain tensor is what DefaultSavePlanner.resolve_data returns for it (find_tensor_shard: the
+    # tensor itself when the item's offset is all zeros), found here without its per-item checks.
+    tensor = flat.get(item.index.fqn) if flat is not None else None
+    offset = item.index.offset
+    if type(tensor) is not torch.Tensor or offset is None or len(offset) != tensor.dim() or any(offset):
+        tensor = planner.resolve_data(item)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"item {item.index.fqn!r}: expected a tensor, got {type(tensor).__name__}")
     tensor = tensor.detach().cpu()

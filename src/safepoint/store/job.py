@@ -16,7 +16,10 @@ The identity is, first match wins:
 3. ``TORCHELASTIC_RUN_ID`` (``torchrun:<id>``): torchrun's ``--rdzv-id``, the same on every node and
    every restart of one launch. torchrun's default is the literal ``none`` (no identity: ignored);
    ``--standalone`` and single-node launches get a random uuid per launch, so only torchrun's own
-   restarts share it.
+   restarts share it. Values copied from tutorials (``--rdzv-id=456``, ``100``, ``my_job``...) are the
+   same for unrelated jobs, so such a run id (:func:`run_id_problem`: a number of fewer than 8 digits, a
+   word from the examples, an unexpanded ``$VAR``) is ignored with a warning, once, and the job has no
+   identity (a lease is then taken over only when its holder is gone or stale: never by mistake).
 
 The rule: an id must name one job, never two. Two jobs given the same id would take one root from each
 other (the one that lost it then fails its next save with LeaseError; nothing is corrupted, but work is
@@ -25,8 +28,11 @@ lost), so ids that are obviously shared (``none``, ``default``, ``0``...) are re
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
+
+log = logging.getLogger("safepoint")
 
 JOB_ENV = "SAFEPOINT_JOB_ID"
 MAX_JOB_ID = 256
@@ -64,6 +70,30 @@ def job_id_problem(job_id: object) -> str | None:
     return None
 
 
+MIN_NUMERIC_RUN_ID = 8
+"""Fewest digits of an all-digit ``TORCHELASTIC_RUN_ID`` taken as a job identity: the examples use
+``--rdzv-id=456``, ``100``, ``123``; a scheduler's job number (a Slurm job id passed along) is longer."""
+EXAMPLE_RUN_IDS = frozenset(
+    {"job", "myjob", "my_job", "my-job", "jobid", "job_id", "rdzv", "rdzv_id", "foo", "bar", "abc", "xyz"}
+    | {"demo", "example", "exp", "experiment", "mnist", "ddp", "elastic", "torchrun", "test_job"}
+)
+"""Run ids the torchrun and cluster examples use, shared by every job that copied them."""
+_warned: set[str] = set()
+
+
+def run_id_problem(run_id: str) -> str | None:
+    """Why ``TORCHELASTIC_RUN_ID`` cannot be trusted to name one job (None: it can)."""
+    if (why := job_id_problem(run_id)) is not None:
+        return why
+    if run_id.isdigit() and len(run_id) < MIN_NUMERIC_RUN_ID:
+        return f"{run_id!r} is a number of fewer than {MIN_NUMERIC_RUN_ID} digits (copied from an example?)"
+    if run_id.lower() in EXAMPLE_RUN_IDS:
+        return f"{run_id!r} is an id from the examples, shared by every job that copied it"
+    if "$" in run_id or "{" in run_id:
+        return f"{run_id!r} holds an unexpanded shell variable"
+    return None
+
+
 def check_job_id(job_id: object, name: str = "ClusterOptions.job_id") -> None:
     """ValueError, in one line, unless ``job_id`` can name one job."""
     if (why := job_id_problem(job_id)) is not None:
@@ -83,6 +113,15 @@ def job_identity(explicit: str | None, env: Mapping[str, str] | None = None) -> 
     if slurm.isdigit():  # Slurm's ids are numbers, unique per cluster (job 1 is a real job there)
         return f"slurm:{env.get('SLURM_CLUSTER_NAME', '')}/{slurm}"
     run_id = env.get("TORCHELASTIC_RUN_ID", "")
-    if job_id_problem(run_id) is None:
+    why = run_id_problem(run_id)
+    if why is None:
         return f"torchrun:{run_id}"
+    if run_id.lower() not in ("", "none") and run_id not in _warned:  # "none": torchrun's default
+        _warned.add(run_id)
+        log.warning(
+            "safepoint: TORCHELASTIC_RUN_ID %s: not used as this job's identity, since unrelated jobs would "
+            "share it and take one root from each other; set SAFEPOINT_JOB_ID (or ClusterOptions.job_id) "
+            "to something unique to this job",
+            why,
+        )
     return None

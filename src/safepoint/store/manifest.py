@@ -22,6 +22,18 @@ from safepoint._version import __version__
 from safepoint.errors import CorruptCheckpointError
 from safepoint.store.checksum import crc_hex
 from safepoint.store.guard import bare_name_problem
+from safepoint.store.records import (
+    MAX_INT,
+    CorruptRecordError,
+    checked_float,
+    dict_field,
+    float_field,
+    int_field,
+    list_field,
+    parse_object,
+    shown,
+    str_field,
+)
 from safepoint.store.storage import METADATA_NAME
 
 MANIFEST_NAME = "safepoint.json"
@@ -33,6 +45,9 @@ _SELF_CRC_KEY = "manifest_crc32c"
 ORIGIN_KEY = "origin"
 ORIGIN_IMPORT = "import"
 _SAVE_ID = re.compile(r"[0-9A-Za-z_-]{0,64}")
+MAX_TIME = 1e11
+"""Latest manifest ``time`` accepted (the year 5138): 2**63 would overflow ``datetime`` in ``ls``."""
+MAX_WORLD_SIZE = 2**24
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -125,39 +140,46 @@ class Manifest:
         def bad(reason: str) -> CorruptCheckpointError:
             return CorruptCheckpointError(step_hint, MANIFEST_NAME, reason)
 
+        what = f"step {step_hint} manifest" if step_hint is not None else "manifest"
         try:
-            body = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise bad(f"manifest is not valid JSON ({e})") from None
-        if not isinstance(body, dict):
-            raise bad("manifest is not a JSON object")
+            body = parse_object(data, what)
+        except CorruptRecordError as e:
+            raise bad(e.reason) from None
         if body.get("format") != FORMAT_NAME:
-            raise bad(f"not a safepoint manifest (format={body.get('format')!r})")
+            raise bad(f"not a safepoint manifest (format={shown(body.get('format'))})")
         version = body.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION:
+        if type(version) is not int or version > FORMAT_VERSION:
             raise bad(
-                f"manifest format_version {version!r} is newer than this safepoint understands "
+                f"manifest format_version {shown(version)} is newer than this safepoint understands "
                 f"({FORMAT_VERSION}); upgrade safepoint"
             )
         stored = body.pop(_SELF_CRC_KEY, None)
         if stored != _body_crc(body):
             raise bad("manifest checksum mismatch (the manifest itself is damaged)")
         try:
-            files = _parse_files(body["files"])
+            files = _parse_files(dict_field(body, "files", what))
             manifest = cls(
-                step=int(body["step"]),
+                step=int_field(body, "step", what),
                 files=files,
-                world_size=int(body["world_size"]),
-                time=float(body["time"]),
-                metrics={str(k): float(v) for k, v in body.get("metrics", {}).items()},
-                keys=[str(k) for k in body.get("keys", [])],
-                save_id=str(body.get("save_id", "")),
-                host=str(body.get("host", "")),
-                versions={str(k): str(v) for k, v in body.get("versions", {}).items()},
-                extra=dict(body.get("extra", {})),
+                world_size=int_field(body, "world_size", what, lo=1, hi=MAX_WORLD_SIZE),
+                time=float_field(body, "time", what, lo=0.0, hi=MAX_TIME),
+                metrics={
+                    str(k): checked_float(v, f"metrics[{shown(k)}]", what, lo=-math.inf, hi=math.inf)
+                    for k, v in dict_field(body, "metrics", what, default={}).items()
+                },
+                keys=[_plain(k, "keys") for k in list_field(body, "keys", what, default=[])],
+                save_id=str_field(body, "save_id", what, default=""),
+                host=str_field(body, "host", what, default=""),
+                versions={
+                    str(k): _plain(v, "versions")
+                    for k, v in dict_field(body, "versions", what, default={}).items()
+                },
+                extra=dict(dict_field(body, "extra", what, default={})),
             )
+        except CorruptRecordError as e:
+            raise bad(f"manifest has a malformed field ({e.reason})") from None
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise bad(f"manifest is missing or has a malformed field ({e!r})") from None
+            raise bad(f"manifest is missing or has a malformed field ({shown(e)})") from None
         if problem := _listing_problem(files):
             raise bad(problem)
         if not _SAVE_ID.fullmatch(manifest.save_id):
@@ -169,15 +191,21 @@ class Manifest:
         return manifest
 
 
-def _parse_files(listed: Any) -> dict[str, FileEntry]:
+def _plain(value: object, field: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{field} holds {shown(value)}, not a string")
+    return value
+
+
+def _parse_files(listed: dict[str, Any]) -> dict[str, FileEntry]:
     """The manifest's {name: FileEntry}; raises TypeError/ValueError for malformed entries."""
-    if not isinstance(listed, dict):
-        raise TypeError(f"files is a {type(listed).__name__}, not an object")
     files = {}
     for name, e in listed.items():
+        if not isinstance(e, dict):
+            raise ValueError(f"file {shown(name)}: entry {shown(e)} is not an object")
         size = e["size"]
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise ValueError(f"file {name!r}: size {size!r} is not a non-negative integer")
+        if type(size) is not int or not 0 <= size <= MAX_INT:
+            raise ValueError(f"file {shown(name)}: size {shown(size)} is not an integer in [0, {MAX_INT}]")
         files[name] = FileEntry(size=size, crc32c=str(e["crc32c"]), parts=_parse_parts(name, size, e))
     return files
 
@@ -185,9 +213,10 @@ def _parse_files(listed: Any) -> dict[str, FileEntry]:
 def _parse_parts(name: str, size: int, entry: dict[str, Any]) -> Parts | None:
     if "parts" not in entry:
         return None
-    psize, crcs = entry["parts"]["size"], entry["parts"]["crc32c"]
-    if not isinstance(psize, int) or isinstance(psize, bool) or psize < 1 or not isinstance(crcs, list):
-        raise ValueError(f"file {name!r}: malformed parts {entry['parts']!r}")
+    parts = entry["parts"]
+    psize, crcs = (parts.get("size"), parts.get("crc32c")) if isinstance(parts, dict) else (None, None)
+    if type(psize) is not int or not 1 <= psize <= MAX_INT or not isinstance(crcs, list):
+        raise ValueError(f"file {shown(name)}: malformed parts {shown(parts)}")
     if len(crcs) != max(1, -(-size // psize)) or not all(_HEX8.fullmatch(str(c)) for c in crcs):
         raise ValueError(f"file {name!r}: {len(crcs)} part checksums do not fit {size} bytes in {psize}")
     return Parts(size=psize, crc32c=tuple(str(c) for c in crcs))

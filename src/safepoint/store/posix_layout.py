@@ -37,6 +37,7 @@ from safepoint.store.guard import (
     open_regular,
     parked_step_name,
     parse_step,
+    read_up_to,
     real_dir_problem,
     remove_tree,
     remove_tree_from,
@@ -47,6 +48,7 @@ from safepoint.store.metadata_check import load_checked_metadata
 from safepoint.store.protocol import CheckpointInfo as CheckpointInfo  # re-exported: its old home
 from safepoint.store.protocol import CheckpointStore as CheckpointStore
 from safepoint.store.reader import SafeReader
+from safepoint.store.rootfs import RootDir
 from safepoint.store.storage import METADATA_NAME, SafepointWriter
 
 log = logging.getLogger("safepoint")
@@ -77,6 +79,11 @@ class Layout:
         """LeaseError unless this process still owns ROOT (a no-op without a lease; see lease.fence)."""
         if self.owner is not None:
             self.owner.fence(action)
+
+    @property
+    def fs(self) -> RootDir:
+        """ROOT, touched only through the guarded walk: no symlink below it followed (store/rootfs.py)."""
+        return RootDir(self.root)
 
     @property
     def pending_root(self) -> Path:
@@ -313,7 +320,7 @@ class Layout:
         size = manifest.files[METADATA_NAME].size if METADATA_NAME in manifest.files else 0
         try:
             with open(open_regular(self.step_path(step) / METADATA_NAME), "rb") as f:
-                data = f.read(size + 1)  # never more than the manifest allows, whatever the file holds
+                data = read_up_to(f, size + 1)  # never more than the manifest allows, whatever the file holds
         except OSError as e:
             raise CorruptCheckpointError(step, METADATA_NAME, f"cannot read ({e.strerror or e})") from None
         return load_checked_metadata(step, data, manifest.expected())

@@ -23,10 +23,11 @@ from typing import Any
 import crc32c
 import torch
 
-from safepoint.errors import CorruptCheckpointError, UnsafeCheckpointError
-from safepoint.state import PER_RANK_SECTIONS, rank_key
+from safepoint.data.rng import rng_problem
+from safepoint.errors import CorruptCheckpointError, UnsafeCheckpointError, weights_only_reason
+from safepoint.state import PER_RANK_SECTIONS, RNG, rank_key
 from safepoint.store.checksum import crc_hex
-from safepoint.store.guard import open_regular
+from safepoint.store.guard import open_regular, read_up_to
 from safepoint.store.manifest import Manifest
 
 
@@ -78,7 +79,7 @@ def read(layout: Any, manifest: Manifest, source: int, sections: list[str]) -> d
         if resolve is not None or isinstance(base, Path):
             path = Path(resolve([name])[name]) if resolve is not None else base / name
             with open(open_regular(path), "rb") as f:
-                data = f.read(entry.size + 1)
+                data = read_up_to(f, entry.size + 1)
         else:
             data = layout.store.get_bytes(posixpath.join(layout.step_key(step), name))
     except Exception as e:  # OSError, or the store's error: the file cannot be read as listed
@@ -90,8 +91,14 @@ def read(layout: Any, manifest: Manifest, source: int, sections: list[str]) -> d
     try:
         loaded = torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:  # UnpicklingError for anything outside the allowlist
-        raise UnsafeCheckpointError(step, name, f"not loadable weights-only ({e})") from None
+        raise UnsafeCheckpointError(
+            step, name, f"not loadable weights-only ({weights_only_reason(e)})"
+        ) from None
     missing = [s for s in sections if not isinstance(loaded, dict) or s not in loaded]
     if missing:
         raise CorruptCheckpointError(step, name, f"holds no {missing[0]!r} section")
+    # Checked here, before DCP loads a byte in place: a forged RNG state (-1 as a word) would otherwise
+    # raise OverflowError from random.setstate after the model was overwritten, with no fallback.
+    if RNG in sections and (problem := rng_problem(loaded[RNG])) is not None:
+        raise CorruptCheckpointError(step, name, f"not an RNG state safepoint writes ({problem})")
     return {s: {rank_key(source): loaded[s]} for s in sections}

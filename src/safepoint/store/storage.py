@@ -40,6 +40,7 @@ from safepoint.errors import CorruptCheckpointError, UnsafeCheckpointError, os_e
 from safepoint.store.checksum import ChecksummingWriter, ChecksumRecorder
 from safepoint.store.file_report import Files, split_files, with_files
 from safepoint.store.guard import real_dir_problem
+from safepoint.store.incremental import Round
 from safepoint.store.item_writer import write_queue
 
 METADATA_NAME = ".metadata"
@@ -181,6 +182,9 @@ class SafepointWriter(FileSystemWriter):
 
     rank_files: list[Files] | None = None
     """Every rank's files, in rank order: set on the coordinator by :meth:`finish`."""
+    incremental: Round | None = None
+    """Set by the saver: this save's incremental arrangement (store/incremental.py); None writes all."""
+    _prefix = ""
 
     def __init__(self, path: str | os.PathLike[str], *, thread_count: int = 1) -> None:
         super().__init__(
@@ -190,6 +194,7 @@ class SafepointWriter(FileSystemWriter):
         self.fs = _ChecksummingFileSystem(self.recorder)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self._prefix = plan.storage_data.prefix  # "__<rank>_": the incremental layer names files with it
         # DCP's own writer threads (thread_count > 1) start and are joined inside this call: covered too.
         with torch_crc32_off():
             fut = super().write_data(plan, planner)
@@ -218,8 +223,31 @@ class SafepointWriter(FileSystemWriter):
         if self.transforms.extensions or self.serialization_format != SerializationFormat.TORCH_SAVE:
             return super()._write_data(planner, file_queue)
         fut: Future[list[WriteResult]] = Future()
-        fut.set_result(write_queue(self, planner, file_queue))
+        if self.incremental is None:
+            fut.set_result(write_queue(self, planner, file_queue))
+        else:
+            fut.set_result(self._write_incremental(self.incremental, planner, file_queue))
         return fut
+
+    def _write_incremental(
+        self, round_: Round, planner: SavePlanner, file_queue: queue.Queue[Any]
+    ) -> list[WriteResult]:
+        """Link the unchanged stable groups from the previous step, write the rest (store/incremental.py)."""
+        entries = []
+        while not file_queue.empty():
+            entries.append(file_queue.get_nowait())
+        directory = Path(self.path)
+        out, linked = round_.arrange(directory, self._prefix, entries, planner, self.thread_count)
+        if round_.record is not None:
+            for name, stored in round_.record.files.items():
+                self.recorder.record(name, stored.size, stored.crc32c)
+        todo: queue.Queue[Any] = queue.Queue()
+        for entry in out:
+            todo.put(entry)
+        results = write_queue(self, planner, todo)
+        round_.written(directory, results, self.recorder.snapshot())
+        results += linked
+        return results + round_.alias_results(results)
 
     def written_files(self) -> dict[str, tuple[int, str]]:
         return self.recorder.snapshot()

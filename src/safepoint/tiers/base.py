@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from safepoint import events as ev
 from safepoint.dist import Comm
 from safepoint.errors import CheckpointError, LeaseError
 from safepoint.policy.emergency_plan import EmergencyPlan
@@ -27,7 +28,7 @@ from safepoint.restore.restorer import Restorer
 from safepoint.state import TrainState
 from safepoint.store.heartbeat import HeldByThisJob
 from safepoint.store.manifest import Manifest
-from safepoint.store.posix_layout import CheckpointInfo, CheckpointStore, Layout
+from safepoint.store.posix_layout import CheckpointInfo, CheckpointStore, Layout, step_name
 
 log = logging.getLogger("safepoint")
 
@@ -79,6 +80,8 @@ def plan_tiers(
 class SingleTier:
     """One tier (a local root, or a URL root written directly): the tier saves commit to is durable."""
 
+    events: ev.Events = ev.NO_EVENTS  # the manager's stream (events.py): durable, deleted
+
     def __init__(self, layout: CheckpointStore) -> None:
         self.layout = layout
         self._seen = 0
@@ -102,6 +105,7 @@ class SingleTier:
         """A save committed ``info`` (called on every rank, in the same order); returns it. ``upload``:
         False for an emergency save whose upload does not fit in the grace (tiering only)."""
         self.observe(info.step)
+        self.events.emit(ev.SAVE_DURABLE, info.step, tier="root", directory=str(info.path), lag_secs=0.0)
         return info
 
     def estimates(self) -> list[TierEstimate]:
@@ -177,9 +181,9 @@ def drop_node_shares(local: Layout, durable: dict[int, tuple[str, CheckpointInfo
             manifest = local.read_manifest(step)
         except CheckpointError:
             continue
-        base = local.step_path(step)
+        base = step_name(step)
         if durable.get(step, ("",))[0] == manifest.save_id and not all(
-            (base / name).is_file() for name in manifest.files
+            local.fs.isfile(f"{base}/{name}") for name in manifest.files
         ):
             local.remove(step)
             done.append(f"removed local step {step}: one node's share of a durable checkpoint")
@@ -187,7 +191,11 @@ def drop_node_shares(local: Layout, durable: dict[int, tuple[str, CheckpointInfo
 
 
 def prune_local(
-    local: Layout, keep_local_last: int, waiting: Callable[[], set[int | None]], done: set[tuple[int, str]]
+    local: Layout,
+    keep_local_last: int,
+    waiting: Callable[[], set[int | None]],
+    done: set[tuple[int, str]],
+    events: ev.Events = ev.NO_EVENTS,
 ) -> None:
     """keep_local_last, removing only copies that need no upload (``done``) and are not ``waiting()``
     (the uploader's queue and the upload in flight, taken after listing the local steps)."""
@@ -201,6 +209,7 @@ def prune_local(
                 continue
             if step not in in_flight and (step, save_id) in done:
                 local.remove(step)
+                events.emit(ev.SAVE_DELETED, step, tier="local")
                 log.info(
                     "safepoint: removed local step %d (durable, keep_local_last=%d)", step, keep_local_last
                 )
@@ -257,7 +266,7 @@ def take_ownership(
             log.warning(msg)
         except (CheckpointError, OSError) as e:
             cause = _cannot_write(e)
-            if cause is not None and isinstance(layout, Layout) and layout.root.is_dir():
+            if cause is not None and isinstance(layout, Layout) and layout.fs.isdir(""):
                 if lease is not None:
                     lease.release()
                 lease, layout.owner = None, None

@@ -36,6 +36,8 @@ from safepoint.restore.restorer import Restorer
 from safepoint.state import TrainState
 from safepoint.store.manifest import Manifest, Parts
 from safepoint.store.node_map import NODES_KEY, NodeMap, file_rank, node_id
+from safepoint.store.posix_layout import step_name
+from safepoint.store.rootfs import RootDir
 from safepoint.store.storage import METADATA_NAME
 from safepoint.tiers import peers
 from safepoint.tiers.node_view import DURABLE, LOCAL, PEER, NodeView
@@ -111,8 +113,8 @@ class NodeTiering(Tiering):
 
     def _sources(self, manifest: Manifest) -> dict[str, Path]:
         """name -> path of the files of ``manifest``'s save on this node's disk: its own, then its replica."""
-        base = self.local.step_path(manifest.step)
-        own = {n: base / n for n in manifest.files if (base / n).is_file()}
+        fs, base = self.local.fs, step_name(manifest.step)
+        own = {n: fs.full(f"{base}/{n}") for n in manifest.files if fs.isfile(f"{base}/{n}")}
         return {**peers.held(self.local, manifest), **own}
 
     # ---- upload: each file from a node that holds it -------------------------------------------------
@@ -164,19 +166,26 @@ class NodeTiering(Tiering):
         """A copy of ``.metadata`` in this node's step (rank 0 wrote it on its own node): a restore here
         then reads nothing from the durable tier when the node's own files verify."""
         entry = manifest.files.get(METADATA_NAME)
-        target = self.local.step_path(step) / METADATA_NAME
-        if entry is None or target.exists():
+        fs, target = self.local.fs, f"{step_name(step)}/{METADATA_NAME}"
+        if entry is None or fs.lexists(target):
             return
-        part = target.with_name(METADATA_NAME + ".part")
+        part = f"{target}.part"
         try:
-            crc = self.durable.store.download(
-                self.durable.object_key(step, METADATA_NAME), str(part), entry.size
-            )
+            # Made through the guarded walk: a symlink planted at the .part (or on the way) is unlinked or
+            # refused, never written through.
+            fd = fs.create(part)
+            try:
+                crc = self.durable.store.download(
+                    self.durable.object_key(step, METADATA_NAME), fd, entry.size
+                )
+            finally:
+                os.close(fd)
             if crc != entry.crc32c:
                 raise CheckpointError(f"crc32c {crc} != {entry.crc32c}")
-            os.replace(part, target)
+            fs.move(part, target)
         except (CheckpointError, OSError) as e:
-            part.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                fs.remove(part)
             log.warning("safepoint: no local copy of step %d's %s on this node (%s)", step, METADATA_NAME, e)
 
     # ---- restore -------------------------------------------------------------------------------------
@@ -234,7 +243,7 @@ def build_tiers(comm: Comm, savers: list[Any], *args: Any) -> Tiering:
     nodes and now runs on fewer: the replicas are still of use). One all_gather on ``comm`` at the start."""
     if not comm.distributed:
         return Tiering(*args)
-    seen = comm.all_gather((node_id(), (args[0].root / peers.PEERS_DIR).is_dir()))
+    seen = comm.all_gather((node_id(), RootDir(args[0].root).isdir(peers.PEERS_DIR)))
     nodes = NodeMap(rank=comm.rank, nodes=tuple(n for n, _ in seen))
     if not nodes.multi and not any(has for _, has in seen):
         return Tiering(*args)

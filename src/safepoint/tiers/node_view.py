@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
 from safepoint.dist import Comm
 from safepoint.errors import CheckpointError, CorruptCheckpointError
 from safepoint.remote.object_layout import RemoteLayout
-from safepoint.store.checksum import file_crc32c
-from safepoint.store.guard import open_regular, remove_tree
+from safepoint.store.guard import read_up_to
 from safepoint.store.manifest import Manifest
 from safepoint.store.metadata_check import load_checked_metadata
 from safepoint.store.node_map import NodeMap
-from safepoint.store.posix_layout import Layout
+from safepoint.store.posix_layout import PENDING_DIR, Layout, step_name
 from safepoint.store.reader import SafeReader
 from safepoint.store.storage import METADATA_NAME
 from safepoint.tiers import peers
@@ -37,12 +38,12 @@ class NodeView(Layout):
         self.local, self.durable, self.nodes, self.rank = local, durable, nodes, nodes.rank
         self._peer: dict[str, Path] = {}
         self._replica: dict[str, Path] = {}
-        self._received: Path | None = None
+        self._received: str | None = None  # names under the local root (store/rootfs.py)
         self.sources: dict[str, str] = {}
         self._manifest: Manifest | None = None
         self._local: Manifest | None = None
         self._paths: dict[str, str] = {}
-        self._scratch: Path | None = None
+        self._scratch: str | None = None  # self.fs (Layout's): this node's disk, through the guarded walk
 
     def choose(self, comm: Comm, step: int | None, below: int | None) -> Manifest | None:
         """Collective: the newest durable checkpoint (or ``step``) before ``below``, from rank 0's listing."""
@@ -67,21 +68,26 @@ class NodeView(Layout):
         """Collective: the files of this node's share it cannot take from its own disk, from a peer's
         replica when one holds them (tiers/peers.py)."""
         lacking = []
+        fs, base = self.fs, step_name(manifest.step)
         for name in peers.share(self.nodes, manifest):
             mine = self._local.files.get(name) if self._local is not None else None
-            path = self.local.step_path(manifest.step) / name
-            if mine != manifest.files[name] or not path.is_file() or path.stat().st_size != mine.size:
+            st = fs.lstat(f"{base}/{name}")  # None through a symlink on the way; a FIFO is not "a file"
+            if (
+                mine != manifest.files[name]
+                or st is None
+                or not stat.S_ISREG(st.st_mode)
+                or st.st_size != mine.size
+            ):
                 lacking.append(name)
         self._replica = replica = peers.held(self.local, manifest)
-        self._received = self.local.pending_root / f"peer-restore-step-{manifest.step}-{manifest.save_id}"
+        self._received = f"{PENDING_DIR}/peer-restore-step-{manifest.step}-{manifest.save_id}"
         offer: dict[str, Path] = {}
         if self.nodes.is_leader:  # what this node's disk holds of the save: its own files and its replica
             if self._local is not None:
-                base = self.local.step_path(manifest.step)
-                own = {n: base / n for n, e in self._local.files.items() if manifest.files.get(n) == e}
-                offer = {n: p for n, p in own.items() if p.is_file()}
+                own = [n for n, e in self._local.files.items() if manifest.files.get(n) == e]
+                offer = {n: fs.full(f"{base}/{n}") for n in own if fs.isfile(f"{base}/{n}")}
             offer = {**offer, **replica}
-        self._peer = peers.restore_from_peers(comm, self.nodes, manifest, lacking, offer, self._received)
+        self._peer = peers.restore_from_peers(comm, self.nodes, manifest, lacking, offer, fs, self._received)
 
     def _newest(self, step: int | None, below: int | None) -> tuple[int, bytes] | str | None:
         steps = [s for s in self.durable.committed_steps() if below is None or s < below]
@@ -106,16 +112,16 @@ class NodeView(Layout):
             copy = self.local.read_manifest(manifest.step)
             if copy.save_id == manifest.save_id:
                 self._local = copy
-        self._scratch = (
-            self.local.pending_root / f"restore-step-{manifest.step}-{manifest.save_id}-r{self.rank}"
-        )
+        self._scratch = f"{PENDING_DIR}/restore-step-{manifest.step}-{manifest.save_id}-r{self.rank}"
 
     def cleanup(self) -> None:
         """Remove what this rank downloaded (once loaded, or when another candidate is tried)."""
+        # Through the guarded walk: under a symlinked .pending these name nothing of ours, and nothing
+        # outside the root (a directory there with the same name) is removed.
         if self._scratch is not None:
-            remove_tree(self._scratch)
+            self.fs.remove_tree(self._scratch)
         if self._received is not None and self.nodes.is_leader:
-            remove_tree(self._received)
+            self.fs.remove_tree(self._received)
         self._peer = {}
 
     def paths(self, names: list[str]) -> dict[str, str]:
@@ -133,7 +139,7 @@ class NodeView(Layout):
             raise CorruptCheckpointError(manifest.step, name, "not listed in the durable manifest")
         if self._local is not None and self._local.files.get(name) == entry:
             path = self.local.step_path(manifest.step) / name
-            if path.exists():
+            if self.fs.lexists(f"{step_name(manifest.step)}/{name}"):
                 try:
                     self.local.verify(manifest.step, files=[name])
                     return str(path), LOCAL
@@ -144,30 +150,31 @@ class NodeView(Layout):
         kept = self._replica.get(name)  # a peer's file this node keeps a replica of
         if kept is not None:
             try:
-                if file_crc32c(kept) == (entry.size, entry.crc32c):
+                if self.fs.crc32c(kept) == (entry.size, entry.crc32c):  # no symlink, no FIFO
                     return str(kept), PEER
                 log.warning("safepoint: the peer replica of %s does not verify; trying elsewhere", name)
             except OSError as e:
                 log.warning("safepoint: cannot read the peer replica of %s (%s)", name, e)
         if name in self._peer:  # sent by a peer: checked when it arrived, and again as it is read
             return str(self._peer[name]), PEER
-        self._scratch.mkdir(parents=True, exist_ok=True)
-        target = self._scratch / name
-        crc = self.durable.store.download(
-            self.durable.object_key(manifest.step, name), str(target), entry.size
-        )
+        target = f"{self._scratch}/{name}"
+        fd = self.fs.create(target, parents=True)  # a symlinked .pending is refused, never written through
+        try:
+            crc = self.durable.store.download(self.durable.object_key(manifest.step, name), fd, entry.size)
+        finally:
+            os.close(fd)
         if crc != entry.crc32c:
             raise CorruptCheckpointError(
                 manifest.step, name, f"crc32c {crc} != {entry.crc32c} (durable copy)"
             )
-        return str(target), DURABLE
+        return str(self.fs.full(target)), DURABLE
 
     def read_metadata(self, step: int, manifest: Manifest) -> Any:
         size = manifest.files[METADATA_NAME].size if METADATA_NAME in manifest.files else 0
         try:
             path = self.paths([METADATA_NAME])[METADATA_NAME]
-            with open(open_regular(path), "rb") as f:
-                data = f.read(size + 1)
+            with os.fdopen(self.fs.open_read(Path(path)), "rb") as f:
+                data = read_up_to(f, size + 1)  # chunked: a forged size is never allocated
         except OSError as e:
             raise CorruptCheckpointError(step, METADATA_NAME, f"cannot read ({e.strerror or e})") from None
         return load_checked_metadata(step, data, manifest.expected())

@@ -22,9 +22,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import crc32c
 import torch
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from safepoint.dist import Comm
 from safepoint.store.checksum import crc_hex
-from safepoint.store.guard import open_regular
+from safepoint.store.rootfs import Rel, RootDir
 
 log = logging.getLogger("safepoint")
 CHUNK_BYTES = 64 << 20
@@ -46,11 +46,13 @@ Step = tuple[str, torch.Tensor]
 
 
 def exchange(
-    comm: Comm, plan: Plan, read: dict[str, Path], into: Path, chunk: int = CHUNK_BYTES
+    comm: Comm, plan: Plan, fs: RootDir, read: Mapping[str, Rel], into: str, chunk: int = CHUNK_BYTES
 ) -> dict[str, Path]:
-    """Run ``plan``: this rank sends the files it is the sender of (from ``read``) and writes those it
-    receives under ``into`` (created if needed); returns name -> path of the received files whose size and
-    crc32c match their entry. Collective over the ranks named in ``plan``; others return at once."""
+    """Run ``plan``: this rank sends the files it is the sender of (from ``read``, under ``fs``) and writes
+    those it receives under ``into`` (a name under ``fs``, created if needed); returns name -> path of the
+    received files whose size and crc32c match their entry. Collective over the ranks named in ``plan``;
+    others return at once. Every file is opened through the guarded walk (store/rootfs.py): a symlink on
+    the way (a symlinked ``.pending``) fails that file, in step with its peer, and is never followed."""
     pairs: dict[tuple[int, int], list[Entry]] = {}
     for src, dst, entry in plan:
         if comm.rank in (src, dst) and src != dst:
@@ -59,11 +61,11 @@ def exchange(
     streams: list[tuple[int, Iterator[Step]]] = []
     for (src, dst), entries in pairs.items():
         if comm.rank == src:
-            streams.append((dst, _outgoing(entries, read, chunk)))
+            streams.append((dst, _outgoing(entries, fs, read, chunk)))
         else:
             with contextlib.suppress(OSError):  # if it cannot be made, each file fails alone (in step)
-                into.mkdir(parents=True, exist_ok=True)
-            streams.append((src, _incoming(entries, into, chunk, received)))
+                fs.makedirs(into)
+            streams.append((src, _incoming(entries, fs, into, chunk, received)))
     live = [(peer, stream, next(stream, None)) for peer, stream in streams]
     while live := [item for item in live if item[2] is not None]:
         works = []
@@ -87,14 +89,14 @@ def _wait_all(works: list[Any]) -> None:
         w.wait()
 
 
-def _outgoing(entries: list[Entry], read: dict[str, Path], chunk: int) -> Iterator[Step]:
+def _outgoing(entries: list[Entry], fs: RootDir, read: Mapping[str, Rel], chunk: int) -> Iterator[Step]:
     buf = torch.empty(min(chunk, max((size for _, size, _ in entries), default=0)), dtype=torch.uint8)
     view = _bytes_of(buf)
     for name, size, _ in entries:
         fd, path = -1, read.get(name)
         if path is not None:
             with contextlib.suppress(OSError):
-                fd = open_regular(path)
+                fd = fs.open_read(path)
         try:
             for off in range(0, size, chunk):
                 n = min(chunk, size - off)
@@ -113,15 +115,19 @@ def _outgoing(entries: list[Entry], read: dict[str, Path], chunk: int) -> Iterat
                 os.close(fd)
 
 
-def _incoming(entries: list[Entry], into: Path, chunk: int, received: dict[str, Path]) -> Iterator[Step]:
+def _incoming(
+    entries: list[Entry], fs: RootDir, into: str, chunk: int, received: dict[str, Path]
+) -> Iterator[Step]:
     """Receive ``entries`` in order. Every chunk is received even when it cannot be written here (a full
-    disk): the wave stays in step with the sender, and the file is left out of ``received``."""
+    disk, a symlinked directory): the wave stays in step with the sender, and the file is left out of
+    ``received``. Each ``<name>.part`` is made by RootDir.create: a symlink planted there is unlinked,
+    never written through."""
     buf = torch.empty(min(chunk, max((size for _, size, _ in entries), default=0)), dtype=torch.uint8)
     for name, size, crc in entries:
-        part = into / f"{name}.part"
+        part = f"{into}/{name}.part"
         value, problem = 0, None
         try:
-            f: BinaryIO | None = _create(part)
+            f = os.fdopen(fs.create(part), "wb")
         except OSError as e:
             f, problem = None, str(e)
         for off in range(0, size, chunk):
@@ -147,20 +153,11 @@ def _incoming(entries: list[Entry], into: Path, chunk: int, received: dict[str, 
             problem = f"crc32c {crc_hex(value)} != {crc}"
         if problem is None:
             try:  # an OSError here (a directory in the way) must not end this rank's waves early
-                os.replace(part, into / name)
-                received[name] = into / name
+                fs.move(part, f"{into}/{name}")
+                received[name] = fs.full(f"{into}/{name}")
             except OSError as e:
                 problem = str(e)
         if problem is not None:
             with contextlib.suppress(OSError):
-                part.unlink()
+                fs.remove(part)
             log.warning("safepoint: %s from a peer not kept: %s", name, problem)
-
-
-def _create(part: Path) -> BinaryIO:
-    """A new ``part`` to write: whatever stands there (a symlink a hostile root planted, a stale file) is
-    unlinked, never followed, and O_EXCL|O_NOFOLLOW refuses anything put there meanwhile."""
-    with contextlib.suppress(FileNotFoundError):
-        part.unlink()
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    return os.fdopen(os.open(part, flags, 0o644), "wb")

@@ -22,9 +22,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
+from safepoint import events as ev
 from safepoint.dist import Comm
 from safepoint.errors import CheckpointError
 from safepoint.options import WarmStart
@@ -35,6 +37,7 @@ from safepoint.state import TrainState
 from safepoint.store.guard import parse_step
 from safepoint.store.manifest import MANIFEST_NAME, Manifest
 from safepoint.store.posix_layout import Layout
+from safepoint.store.rootfs import RootDir
 from safepoint.tiers.base import SingleTier
 
 log = logging.getLogger("safepoint")
@@ -45,16 +48,15 @@ _SHOWN = 10  # entries of a root named in an error
 def _entries(root: Layout | RemoteLayout) -> list[str] | None:
     """What ``root`` holds (names, sorted), or None if it does not exist."""
     if isinstance(root, Layout):
-        try:
-            return sorted(os.listdir(root.root))
-        except FileNotFoundError:
-            return None
+        return root.fs.listdir("") if root.fs.lexists("") else None
     return sorted(root.store.sizes(root.base)) or None  # a prefix with no object does not exist
 
 
 class Resume:
     """One manager's ``resume`` mode and the root it resumes from (the durable one, with tiering: a new
     node's local disk is always empty)."""
+
+    events: ev.Events = ev.NO_EVENTS  # the manager's stream (events.py): restore_begin, restore
 
     def __init__(
         self,
@@ -101,7 +103,12 @@ class Resume:
         one is configured). The report says what was loaded and what was left."""
         self.report = None
         restorer.selection, restorer.last_report = selection, None
+        self.events.emit(ev.RESTORE_BEGIN, step)
+        t0 = time.perf_counter()
         manifest = self._own(comm, step, lambda: tiers.restore(restorer, state, step))
+        where = str(self.root.step_path(manifest.step)) if manifest is not None else None
+        took = time.perf_counter() - t0
+        self.events.emit(ev.RESTORE, manifest.step if manifest else 0, duration_secs=took, directory=where)
         if manifest is None:
             if self.init_from is not None and step is None:
                 self.warm_start(comm, state, self.init_from)
@@ -156,7 +163,7 @@ class Resume:
             return f"unreadable: {e}"
         if entries is None:
             return "it does not exist"
-        own = {".pending", ".lease", ".attempts.json"}  # safepoint's own files, not checkpoints
+        own = {".pending", ".lease", ".attempts.json", ".journal.jsonl", ".progress"}  # safepoint's own files
         others = [e for e in entries if e not in own]
         if not others:
             return "empty, created just now" if self.created else "empty"
@@ -201,8 +208,8 @@ def _open_source(spec: WarmStart, storage_options: dict[str, Any] | None) -> tup
             return RemoteLayout(parent, storage_options), step, path
         return RemoteLayout(path, storage_options), spec.step, path
     local = path.removeprefix("file://")
-    if step is not None and os.path.isfile(os.path.join(local, MANIFEST_NAME)):
+    if step is not None and RootDir(local).isfile(MANIFEST_NAME):
         return Layout(os.path.dirname(os.path.abspath(local))), step, local
-    if not os.path.isdir(local):
+    if not RootDir(local).isdir(""):
         raise CheckpointError(f"init_from={local!r} does not exist (a checkpoint root or a step-N directory)")
     return Layout(local), spec.step, local

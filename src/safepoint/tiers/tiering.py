@@ -29,6 +29,7 @@ from typing import Any
 
 from safepoint.dist import Comm
 from safepoint.errors import CheckpointError
+from safepoint.events import SAVE_DELETED, SAVE_DURABLE, durable
 from safepoint.options import check_keep_local_last
 from safepoint.policy.emergency_plan import EmergencyPlan
 from safepoint.policy.history import TierEstimate, UploadHistory, save_estimate
@@ -308,6 +309,7 @@ class Tiering(SingleTier):
             manifest.total_bytes / 1e6,
             time.perf_counter() - t0,
         )
+        self.events.emit(SAVE_DURABLE, step, tier="durable", **durable(info, t0, manifest.time))
         if self.comm.is_coordinator:
             self._retain_durable(step)
         if self._prunes:
@@ -353,6 +355,7 @@ class Tiering(SingleTier):
             history = [info for _, info in self._durable.values() if not self.verdicts.corrupt(info.step)]
             for step in self.retention.to_delete(history, self._protected(history, uploaded)):
                 self.durable.remove(step)
+                self.events.emit(SAVE_DELETED, step, tier="durable")
                 with self._cv:
                     self._durable.pop(step, None)
                 log.info("safepoint: durable retention removed step %d", step)
@@ -364,7 +367,7 @@ class Tiering(SingleTier):
         if not self._no_prune.acquire(blocking=False):
             return
         try:
-            prune_local(self.local, self.keep_local_last, self._waiting, self._done)
+            prune_local(self.local, self.keep_local_last, self._waiting, self._done, self.events)
         finally:
             self._no_prune.release()
 

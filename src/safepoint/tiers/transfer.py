@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import re
 import time
 import warnings
@@ -25,9 +26,11 @@ from typing import Any
 
 from safepoint.dist import Comm
 from safepoint.errors import CheckpointError, CorruptCheckpointError
+from safepoint.events import RESTORE_FALLBACK
 from safepoint.remote.object_layout import RemoteLayout
 from safepoint.remote.retry import UploadError
 from safepoint.restore.restorer import CheckpointWarning, Restorer
+from safepoint.store.incremental import is_stable_group
 from safepoint.store.manifest import Manifest, Parts
 from safepoint.store.posix_layout import Layout
 
@@ -107,9 +110,22 @@ def upload_checkpoint(
         manifest = local.read_manifest(step)
         base = local.step_path(step)
         mine = [n for n in sorted(manifest.files) if _owner(n, comm.world_size) == comm.rank]
-        return durable.put_files(
-            pending, [(str(base / n), n, manifest.files[n].size, manifest.files[n].crc32c) for n in mine]
-        )
+        files = manifest.files
+        # Incremental saves: a stable group the durable tier already holds (same name, size and crc32c in
+        # its newest step below this one) is copied there server-side, no byte sent (store/incremental.py).
+        before = _durable_before(durable, step) if any(map(is_stable_group, mine)) else None
+        same = [
+            n
+            for n in mine
+            if before is not None
+            and is_stable_group(n)
+            and n in before[1].files
+            and (before[1].files[n].size, before[1].files[n].crc32c) == (files[n].size, files[n].crc32c)
+        ]
+        if before is not None and same:
+            durable.copy_files(before[0], pending, [(n, files[n].size, files[n].crc32c) for n in same])
+        rest = [n for n in mine if n not in same]
+        return durable.put_files(pending, [(str(base / n), n, files[n].size, files[n].crc32c) for n in rest])
 
     def commit(parts: list[dict[str, Parts]]) -> None:
         with committing() if committing is not None else contextlib.nullcontext(True) as allowed:
@@ -132,6 +148,17 @@ def with_parts(manifest: Manifest, parts: Sequence[dict[str, Parts] | None]) -> 
     """``manifest`` recording the parts every rank's uploads went up in (``RemoteLayout.put_files``)."""
     merged = {name: p for rank in parts for name, p in (rank or {}).items()}
     return manifest.with_parts(merged)
+
+
+def _durable_before(durable: RemoteLayout, step: int) -> tuple[int, Manifest] | None:
+    """The durable tier's newest committed step below ``step``, with its manifest (None: none readable)."""
+    older = [s for s in durable.committed_steps() if s < step]
+    if not older:
+        return None
+    try:
+        return older[-1], durable.read_manifest(older[-1])
+    except CheckpointError:
+        return None
 
 
 def _owner(name: str, world_size: int) -> int:
@@ -170,6 +197,7 @@ def choose_across_tiers(
         if isinstance(got, Manifest):
             fetched(got)
             return restorer.choose(s)
+        restorer.events.emit(RESTORE_FALLBACK, s, tier="durable", reason=f"unusable: {got}")
         if comm.is_coordinator:
             msg = f"safepoint: durable checkpoint step {s} is unusable ({got}); trying an older one"
             # manager.restore -> Tiering.restore -> here: the warning points at the caller's line.
@@ -192,7 +220,7 @@ def fetch_durable(comm: Comm, local: Layout, durable: RemoteLayout, step: int) -
             raw = durable.manifest_bytes(step)
             manifest = Manifest.from_json(raw, step_hint=step)
             pending = local.new_pending(step, manifest.save_id)
-            pending.mkdir(parents=True)
+            local.fs.makedirs(pending)  # through the guarded walk: a symlinked .pending is refused
             plan = (raw, str(pending))
         except (CheckpointError, OSError) as e:
             plan = str(e)
@@ -204,7 +232,11 @@ def fetch_durable(comm: Comm, local: Layout, durable: RemoteLayout, step: int) -
     def get(name: str) -> None:
         entry = manifest.files[name]
         key = durable.object_key(step, name)
-        crc = durable.store.download(key, str(pending / name), entry.size)
+        fd = local.fs.create(pending / name)  # a planted symlink is unlinked, never written through
+        try:
+            crc = durable.store.download(key, fd, entry.size)
+        finally:
+            os.close(fd)
         if crc != entry.crc32c:
             raise CorruptCheckpointError(step, name, f"crc32c {crc} != {entry.crc32c} (contents altered)")
 

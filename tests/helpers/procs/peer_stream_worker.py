@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from safepoint.dist import Comm
 from safepoint.store.checksum import crc_hex
+from safepoint.store.rootfs import RootDir
 from safepoint.tiers import peer_stream
 from tests.helpers.procs.exiting import run_then_exit
 
@@ -75,9 +76,9 @@ def main() -> None:
         (work / "in1" / "exact").mkdir(parents=True)
         (work / "outside").write_bytes(b"precious")
         (work / "in1" / "below.part").symlink_to(work / "outside")
-    read = {entry[0]: mine / entry[0] for src, _, entry in plan if src == rank}
+    read = {entry[0]: f"disk{rank}/{entry[0]}" for src, _, entry in plan if src == rank}
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    got = peer_stream.exchange(comm, plan, read, work / f"in{rank}", chunk=CHUNK)
+    got = peer_stream.exchange(comm, plan, RootDir(work), read, f"in{rank}", chunk=CHUNK)
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     same = {}
     for name, path in got.items():

@@ -1,0 +1,224 @@
+#!/usr/bin/env python
+"""Issue 27: the per-parameter cost of a save and a restore of many small tensors, against torch and DCP.
+
+The state: ``nn.ParameterList`` of N x (64, 64) fp32 parameters + Adam, one step taken (4 DCP items per
+parameter: the weight, exp_avg, exp_avg_sq, step). For each N, on a tmpfs by default:
+
+  steady save   a manager's 3rd and later sync ``save()`` (plans cached)     vs torch.save + fsync, dcp.save
+  first save    a new process: ``CheckpointManager(...)`` + its first save  vs torch.save + fsync there
+  restore       ``restore()`` (verifies every crc32c, loads, applies)      vs torch.load + load_state_dict
+                                                                             (model and optimizer), dcp.load
+
+Variants of a phase run interleaved, their order rotating each round; the figure is CPU time (process +
+children: the steadier figure on a shared machine) per parameter in µs, with wall time beside it, the
+median over rounds, and the paired ratio against the torch baseline. The 1-minute load average is printed
+with every round. ``--profile PHASE`` prints a cProfile of one safepoint run of that phase instead.
+
+    python benchmarks/bench_many_tensors.py --n 1000,5000,10000 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from _common import cpu_time, load_1m
+from torch import nn
+
+import safepoint
+
+
+def make_state(n: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.ParameterList([nn.Parameter(torch.randn(64, 64)) for _ in range(n)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for p in model:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return model, opt
+
+
+def torch_save(model: nn.Module, opt: torch.optim.Optimizer, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, float]:
+    c0, t0 = cpu_time(), time.perf_counter()
+    fn()
+    return cpu_time() - c0, time.perf_counter() - t0
+
+
+def child(args: argparse.Namespace) -> None:
+    """One first save in this fresh process; prints {"cpu": s, "wall": s}."""
+    torch.set_num_threads(1)
+    model, opt = make_state(args.n)
+    root = Path(args.child_root)
+    if args.child == "safepoint":
+        state = safepoint.TrainState(model=model, optimizer=opt)
+
+        def first() -> None:
+            mgr = safepoint.CheckpointManager(root, keep_last=1)
+            mgr.save(1, state)
+            first.mgr = mgr  # type: ignore[attr-defined]
+
+        cpu, wall = timed(first)
+        first.mgr.close()  # type: ignore[attr-defined]
+    else:
+        root.mkdir(parents=True, exist_ok=True)
+        cpu, wall = timed(lambda: torch_save(model, opt, root / "ck.pt"))
+    print(json.dumps({"cpu": cpu, "wall": wall}))
+
+
+def first_save(n: int, what: str, root: Path) -> tuple[float, float]:
+    shutil.rmtree(root, ignore_errors=True)
+    cmd = [sys.executable, __file__, "--child", what, "--n", str(n), "--child-root", str(root)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    shutil.rmtree(root, ignore_errors=True)
+    got = json.loads(out.strip().splitlines()[-1])
+    return got["cpu"], got["wall"]
+
+
+class Bench:
+    def __init__(self, n: int, base: Path) -> None:
+        self.n, self.base = n, base
+        self.model, self.opt = make_state(n)
+        self.state = safepoint.TrainState(model=self.model, optimizer=self.opt)
+        self.mgr = safepoint.CheckpointManager(base / "sp", keep_last=1)
+        self.step = 0
+        for _ in range(2):  # the plans are cached from the second save on
+            self.sp_save()
+        self.plain = base / "ck.pt"
+        torch_save(self.model, self.opt, self.plain)
+        self.dcp_dir = base / "dcp"
+        self.dcp_save()
+
+    def sp_save(self) -> None:
+        self.step += 1
+        self.mgr.save(self.step, self.state)
+
+    def torch_save(self) -> None:
+        torch_save(self.model, self.opt, self.base / "ck-steady.pt")
+
+    def dcp_save(self) -> None:
+        shutil.rmtree(self.dcp_dir, ignore_errors=True)
+        sd = {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(self.dcp_dir, sync_files=True), no_dist=True)
+
+    def sp_restore(self) -> None:
+        self.mgr.restore(self.state)
+
+    def torch_load(self) -> None:
+        sd = torch.load(self.plain, weights_only=True)
+        self.model.load_state_dict(sd["model"])
+        self.opt.load_state_dict(sd["optim"])
+
+    def dcp_load(self) -> None:
+        sd = {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
+        dcp.load(sd, checkpoint_id=self.dcp_dir, no_dist=True)
+        self.model.load_state_dict(sd["model"])
+        self.opt.load_state_dict(sd["optim"])
+
+    def first(self, what: str) -> Callable[[], tuple[float, float]]:
+        return lambda: first_save(self.n, what, self.base / f"first-{what}")
+
+    def phases(self) -> dict[str, dict[str, Callable[[], Any]]]:
+        return {
+            "steady save": {"safepoint": self.sp_save, "torch": self.torch_save, "dcp": self.dcp_save},
+            "first save": {"safepoint": self.first("safepoint"), "torch": self.first("torch")},
+            "restore": {"safepoint": self.sp_restore, "torch": self.torch_load, "dcp": self.dcp_load},
+        }
+
+
+def run_phase(variants: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[tuple[float, float]]]:
+    got: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
+    names = list(variants)
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            res = variants[name]()
+            got[name].append(res if isinstance(res, tuple) else (0.0, 0.0))
+    return got
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", default="1000,5000,10000")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--phases", default="steady save,first save,restore")
+    p.add_argument("--base", default="/dev/shm/safepoint-many-tensors")
+    p.add_argument("--profile", default=None, help="a phase: profile one safepoint run of it")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-root", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        args.n = int(args.n)
+        child(args)
+        return
+    torch.set_num_threads(1)
+    rows = []
+    for n in (int(x) for x in args.n.split(",")):
+        base = Path(args.base) / str(n)
+        shutil.rmtree(base, ignore_errors=True)
+        base.mkdir(parents=True)
+        bench = Bench(n, base)
+        try:
+            phases = bench.phases()
+            if args.profile:
+                fn = phases[args.profile]["safepoint"]
+                prof = cProfile.Profile()
+                prof.enable()
+                fn()
+                prof.disable()
+                stats = pstats.Stats(prof)
+                stats.sort_stats("cumulative").print_stats(45)
+                stats.sort_stats("tottime").print_stats(30)
+                continue
+            for phase in args.phases.split(","):
+                load = load_1m()
+                variants = {
+                    k: (lambda f=f: timed(f)) if phase != "first save" else f
+                    for k, f in phases[phase].items()
+                }
+                got = run_phase(variants, args.rounds)
+                ratios = [a[0] / b[0] for a, b in zip(got["safepoint"], got["torch"], strict=True)]
+                row = {
+                    "n": n,
+                    "phase": phase,
+                    "load": [load, load_1m()],
+                    "ratio_cpu": statistics.median(ratios),
+                    "ratios": [round(x, 3) for x in ratios],
+                }
+                for k, v in got.items():
+                    row[f"{k}_us_cpu"] = statistics.median(c for c, _ in v) / n * 1e6
+                    row[f"{k}_us_wall"] = statistics.median(w for _, w in v) / n * 1e6
+                rows.append(row)
+                cells = "  ".join(f"{k} {row[f'{k}_us_cpu']:.0f} ({row[f'{k}_us_wall']:.0f})" for k in got)
+                print(
+                    f"N={n:<6} {phase:12s} µs/param cpu (wall): {cells}  | safepoint/torch cpu "
+                    f"{row['ratio_cpu']:.2f} {row['ratios']}  load {row['load']}",
+                    flush=True,
+                )
+        finally:
+            bench.mgr.close()
+            shutil.rmtree(base, ignore_errors=True)
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()

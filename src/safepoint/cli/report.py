@@ -1,0 +1,63 @@
+"""``safepoint report ROOT [--json] [--plot FILE.png]``: what checkpointing and failures cost a run.
+
+Reads ROOT's attempts file (``.attempts.json``), run journal (``.journal.jsonl``) and progress file
+(``.progress``), each as hostile input (regular files only, bounded, every record validated; a bad line is
+skipped and counted). Read-only: it takes no lease and writes nothing under ROOT. The numbers are explained
+in policy/goodput.py and docs/goodput.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+
+from safepoint.cli.common import EXIT_OK, UsageError, add_flag, add_root, command
+from safepoint.policy.goodput import build_report, report_lines
+
+
+def cmd_report(args: argparse.Namespace, out: Console, err: Console) -> int:
+    report = build_report(args.root)
+    if args.plot is not None:
+        if not args.plot.parent.is_dir():
+            raise UsageError(f"--plot: no directory {args.plot.parent}")
+        from safepoint.cli.report_plot import plot  # matplotlib: imported only when asked for
+
+        plot(report, args.plot)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        for line in report_lines(report):
+            out.print(escape(line))
+        if args.plot is not None:
+            out.print(f"  timeline: {escape(os.fspath(args.plot))}")
+    return EXIT_OK
+
+
+def _plot_path(value: str) -> Path:
+    path = Path(value)
+    if path.suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise argparse.ArgumentTypeError(f"--plot writes a .png, .svg or .pdf file, got {value!r}")
+    return path
+
+
+def add_report(subs: Any) -> None:
+    p = command(
+        subs,
+        "report",
+        cmd_report,
+        "what checkpointing and failures cost the run in ROOT: saves, blocking, restarts, goodput",
+        "  safepoint report runs/ckpt\n  safepoint report runs/ckpt --json | jq .goodput\n"
+        "  safepoint report runs/ckpt --plot timeline.png\n"
+        "\nFrom ROOT's attempts file and run journal (rank 0 of the job records them); see docs/goodput.md.",
+    )
+    add_root(p)
+    add_flag(
+        p, "--json", "print the numbers as JSON (saves, blocking_s, restarts, steps_redone, goodput, ...)"
+    )
+    p.add_argument("--plot", type=_plot_path, metavar="FILE.png", help="draw the run's timeline (matplotlib)")

@@ -1,0 +1,379 @@
+"""Incremental saves: write only the tensors that changed, and keep every ``step-N/`` complete.
+
+A layer over the DCP writer (storage.py): before a rank's items are written, each tensor gets a content
+fingerprint (xxh3-128 of its bytes, dtype, shape and strides, computed where the bytes are). Items are then
+laid out in files by how they behave, so that unchanged bytes land apart from changing ones:
+
+- *stable groups* (``__<rank>_<n>.distcp``, n >= 10**18): tensors whose fingerprint equalled the previous
+  committed save's. A stable group whose every item is still unchanged is hard-linked from the previous
+  step into the new one (same inode: no byte written), after the file was opened without following a link
+  and found to be the very inode this process wrote (st_dev, st_ino, size). Where a link cannot be made
+  (another file system, a link limit, the old step already deleted by retention) the group is written
+  again from memory: the new step never depends on the old one still being there.
+- the *changing* files (DCP's own ``__<rank>_<i>.distcp``): every tensor that changed or is new, and the
+  non-tensor items.
+
+Each step stays a plain DCP checkpoint: its ``.metadata`` maps each key to (file, offset, length) inside
+the step's own directory, and its manifest lists every file with size and crc32c as before (a linked file
+has the bytes, and so the checksum, it had), so verify, restore and ``cp -r step-N`` see no difference.
+
+"Unchanged" is proven by the fingerprint, never assumed: ``requires_grad``, the optimizer and the autograd
+version counter are not consulted, so a write through ``.data``, ``.numpy()``, DLPack, a collective or a
+custom kernel (which the version counter misses) still changes the fingerprint and the tensor is written.
+
+A tensor that is the very same view of the same memory as another item of the save (tied weights) is
+written once; both keys map to the same bytes in ``.metadata``.
+
+Bounded blast radius: a linked file is one inode shared by several steps, so damage to it damages all of
+them. Every ``full_every`` saves, nothing is linked (a physical full copy), and retention keeps the newest
+step that shares no file with the newest one (policy/retainer.py), so one damaged file always leaves an
+older intact step. docs/reliability.md has the trade-off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import secrets
+import stat
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+from torch.distributed.checkpoint.filesystem import _split_by_size_and_type, _StorageInfo
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from safepoint.errors import CheckpointError
+from safepoint.store.item_writer import tensor_bytes
+from safepoint.store.rootfs import RootDir
+
+Key = tuple[str, tuple[int, ...]]  # (fqn, chunk offsets): one item of a rank's plan
+Entry = tuple[str, str, list[WriteItem]]  # DCP's file queue entry: (path, file name, items)
+
+# Stable groups are numbered <9-digit tag of this process><6-digit save><4-digit group>: DCP numbers a
+# rank's own files 0..threads-1, every file name stays ``__<rank>_<n>.distcp`` (what tiers/transfer.py and
+# the node map recognise as a rank's file), and the random tag keeps a name from meaning other bytes in
+# another process's steps (an upload copies a stable group server-side by its name, size and crc32c).
+STABLE_MIN = 10**18
+# A stable group holds at most this many bytes: one tensor that starts changing again costs the rewrite of
+# its group's other tensors, at most this much.
+GROUP_BYTES = 128 * 1024 * 1024
+DEFAULT_FULL_EVERY = 10
+# manifest.extra[INCREMENTAL_KEY]: what rank 0's share of a save linked and wrote (for humans and benchmarks).
+INCREMENTAL_KEY = "incremental"
+
+
+_STABLE_NAME = re.compile(r"^__\d+_(\d{19,})\.distcp$")
+
+
+def is_stable_group(name: str) -> bool:
+    """Whether ``name`` is a stable group's file (a name no other bytes ever had, see STABLE_MIN)."""
+    m = _STABLE_NAME.match(name)
+    return m is not None and int(m.group(1)) >= STABLE_MIN
+
+
+def item_key(item: WriteItem) -> Key:
+    offset = item.index.offset
+    return item.index.fqn, tuple(offset) if offset is not None else ()
+
+
+def fingerprint(t: torch.Tensor) -> bytes | None:
+    """xxh3-128 of a CPU tensor's bytes and of what else ``torch.save`` records of it (dtype, shape,
+    strides); None for anything whose saved form may depend on more (subclasses, quantized, conj/neg
+    bits, a view into a bigger storage): such a tensor counts as changed, always."""
+    if (
+        type(t) is not torch.Tensor
+        or not t.is_cpu
+        or t.layout != torch.strided
+        or t.is_quantized
+        or t.is_conj()
+        or t.is_neg()
+        or t.storage_offset() != 0
+        or t.untyped_storage().nbytes() != t.numel() * t.element_size()
+    ):
+        return None
+    h = xxhash.xxh3_128(repr((str(t.dtype), tuple(t.shape), t.stride())).encode())
+    if t.numel():
+        h.update(tensor_bytes(t))
+    return h.digest()
+
+
+def resolve(planner: SavePlanner, item: WriteItem) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the planner's tensor, the tensor as written: detached, on the CPU, a minimal storage)."""
+    raw = planner.resolve_data(item)
+    if not isinstance(raw, torch.Tensor):
+        raise TypeError(f"item {item.index.fqn!r}: expected a tensor, got {type(raw).__name__}")
+    t = raw.detach().cpu()
+    if t.untyped_storage().nbytes() != t.nbytes:
+        t = t.clone()
+    return raw, t
+
+
+def _alias_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two items the very same bytes: same memory, dtype and view (tied weights)."""
+    if type(t) is not torch.Tensor or t.layout != torch.strided or not t.numel():
+        return None
+    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoredFile:
+    """A stable group as it lies in a committed step."""
+
+    name: str
+    infos: dict[Key, tuple[int, int]]
+    """Where each of its items lies: (offset, length)."""
+    size: int
+    crc32c: str
+    identity: tuple[int, int, int, int]
+    """(st_dev, st_ino, size, mtime ns) as written: only this inode is ever linked into a new step."""
+
+
+@dataclasses.dataclass(slots=True)
+class Record:
+    """What one save of this rank left: every item's fingerprint and its stable groups."""
+
+    fingerprints: dict[Key, bytes]
+    files: dict[str, StoredFile]
+    versions: dict[Key, tuple[int, int]]
+    """(data_ptr, autograd version counter) of each tensor as the save saw it: a hint (see ``arrange``)."""
+    directory: Path | None = None
+    """The committed step directory the files lie in (set on commit)."""
+
+
+class History:
+    """One rank's memory of its last committed save; owned by the saver, one save at a time."""
+
+    def __init__(self, *, full_every: int = DEFAULT_FULL_EVERY) -> None:
+        self.full_every = full_every
+        self.last: Record | None = None
+        self._since_full = 0
+        self._seq = 0
+        self.tag = secrets.randbelow(9 * 10**8) + 10**8
+        self.stats: dict[str, int] = {}
+        """Of the last save: bytes ``linked`` and ``written`` in stable groups, items ``aliased``."""
+
+    def begin(self, *, versions: bool = True) -> Round:
+        """A new save's round. ``versions``: the tensors are the live ones (not staged copies, whose
+        counters move at every copy), so a moved version counter may spare a changed tensor's fingerprint."""
+        self._seq += 1
+        full = self.last is None or (self.full_every > 0 and self._since_full + 1 >= self.full_every)
+        return Round(self, self.last, self._seq, full=full, versions=versions)
+
+    def committed(self, round_: Round, directory: Path) -> None:
+        """``round_``'s save was committed into ``directory``: the next save compares against it."""
+        if round_.record is None:
+            self.last = None  # written without this layer (the writer process): nothing to link from
+            return
+        round_.record.directory = directory
+        self.last = round_.record
+        self._since_full = 0 if round_.full else self._since_full + 1
+        self.stats = dict(round_.stats)
+
+
+class Round:
+    """One save's arrangement: which items are linked, which written where."""
+
+    def __init__(
+        self, history: History, previous: Record | None, seq: int, *, full: bool, versions: bool
+    ) -> None:
+        self.history, self.previous, self.seq = history, previous, seq
+        self.full, self.versions = full, versions
+        """A physical full copy: unchanged tensors still go to stable groups, but nothing is linked."""
+        self.record: Record | None = None
+        self.stats = {"linked": 0, "written": 0, "aliased": 0}
+        self._aliases: dict[Key, tuple[Key, WriteItem]] = {}
+        self._stable: set[str] = set()
+
+    def arrange(
+        self, directory: Path, prefix: str, entries: list[Entry], planner: SavePlanner, threads: int
+    ) -> tuple[list[Entry], list[WriteResult]]:
+        """The files to write (DCP's queue entries) and the results of the items already in place (linked
+        groups). Fingerprints every tensor item once."""
+        items = [item for _, _, its in entries for item in its]
+        fingerprints: dict[Key, bytes] = {}
+        versions: dict[Key, tuple[int, int]] = {}
+        sizes: dict[Key, int] = {}
+        primaries: dict[tuple[Any, ...], Key] = {}
+        changing: list[WriteItem] = []
+        unchanged: list[WriteItem] = []
+        prev = self.previous
+        for item in items:
+            if item.type == WriteItemType.BYTE_IO:
+                changing.append(item)
+                continue
+            key = item_key(item)
+            raw, t = resolve(planner, item)
+            if (alias := _alias_key(raw)) is not None:
+                if alias in primaries:
+                    self._aliases[key] = (primaries[alias], item)
+                    continue
+                primaries[alias] = key
+            sizes[key] = t.nbytes
+            version = (raw.data_ptr(), raw._version)
+            versions[key] = version
+            seen = prev.versions.get(key) if prev is not None and self.versions else None
+            if seen is not None and seen[0] == version[0] and seen[1] != version[1]:
+                # The version counter moved: written (a hint only ever spares the fingerprint of a tensor
+                # that is written anyway; "unchanged" always needs the fingerprint).
+                changing.append(item)
+                continue
+            fp = fingerprint(t)
+            if fp is not None:
+                fingerprints[key] = fp
+            if fp is not None and prev is not None and prev.fingerprints.get(key) == fp:
+                unchanged.append(item)
+            else:
+                changing.append(item)
+        self.record = Record(fingerprints, {}, versions)
+        results: list[WriteResult] = []
+        placed: set[Key] = set()
+        still = {item_key(i) for i in unchanged}
+        if prev is not None and prev.directory is not None and not self.full:
+            for stored in prev.files.values():
+                if not set(stored.infos) <= still:
+                    continue
+                if link_into(prev.directory / stored.name, directory / stored.name, stored):
+                    placed |= set(stored.infos)
+                    self.record.files[stored.name] = stored
+                    self.stats["linked"] += stored.size
+                    results += _results_of(stored, items)
+        used = {Path(path).name for path, _, _ in entries} | set(self.record.files)
+        out: list[Entry] = []
+        for i, bucket in enumerate(_split_by_size_and_type(threads, changing) if changing else []):
+            out.append((str(directory / f"{prefix}{i}.distcp"), f"{prefix}{i}.distcp", bucket))
+        groups: list[tuple[list[WriteItem], int]] = []
+        for item in unchanged:
+            if item_key(item) in placed:
+                continue
+            size = sizes[item_key(item)]
+            if not groups or groups[-1][1] + size > GROUP_BYTES:
+                groups.append(([], 0))
+            groups[-1][0].append(item)
+            groups[-1] = (groups[-1][0], groups[-1][1] + size)
+        n = 0
+        for group, group_bytes in groups:
+            while (name := f"{prefix}{self.history.tag}{self.seq % 10**6:06d}{n:04d}.distcp") in used:
+                n += 1
+            used.add(name)
+            self._stable.add(name)
+            out.append((str(directory / name), name, group))
+            self.stats["written"] += group_bytes
+        return out, results
+
+    def written(self, directory: Path, results: list[WriteResult], files: dict[str, tuple[int, str]]) -> None:
+        """Record the stable groups just written (``files``: the writer's {name: (size, crc32c)})."""
+        if self.record is None:
+            return
+        by_file: dict[str, dict[Key, tuple[int, int]]] = {}
+        for r in results:
+            info = r.storage_data
+            if isinstance(info, _StorageInfo) and info.relative_path in self._stable:
+                key = (r.index.fqn, tuple(r.index.offset) if r.index.offset is not None else ())
+                by_file.setdefault(info.relative_path, {})[key] = (info.offset, info.length)
+        for name, infos in by_file.items():
+            if name not in files:
+                continue
+            st = os.stat(directory / name, follow_symlinks=False)
+            size, crc = files[name]
+            if st.st_size == size:
+                self.record.files[name] = StoredFile(name, infos, size, crc, _identity(st))
+
+    def alias_results(self, results: list[WriteResult]) -> list[WriteResult]:
+        """The results of the items that alias another item: the same bytes as their primary's."""
+        if not self._aliases:
+            return []
+        where = {(r.index.fqn, tuple(r.index.offset or ())): r for r in results}
+        out = []
+        for primary, item in self._aliases.values():
+            base = where.get(primary)
+            if base is None:
+                continue  # its write failed: the writer counts the missing results and raises
+            out.append(
+                WriteResult(
+                    index=item.index, size_in_bytes=base.size_in_bytes, storage_data=base.storage_data
+                )
+            )
+        self.stats["aliased"] = len(out)
+        return out
+
+
+def _results_of(stored: StoredFile, items: list[WriteItem]) -> list[WriteResult]:
+    out = []
+    for item in items:
+        key = item_key(item)
+        if key in stored.infos:
+            offset, length = stored.infos[key]
+            info = _StorageInfo(stored.name, offset, length)
+            out.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
+    return out
+
+
+def link_into(source: Path, target: Path, stored: StoredFile) -> bool:
+    """Hard-link the committed file ``source`` as ``target`` if it is still the file this process wrote;
+    False where it cannot be done (the caller then writes the file instead).
+
+    The source is opened as RootDir.open_read does (no symlink, regular file) and must be the recorded
+    inode (st_dev, st_ino, size, mtime). ``linkat`` (without AT_SYMLINK_FOLLOW: it never follows a link)
+    then names whatever ``source`` is at that moment, so the new name is checked again and removed unless
+    it is that same regular inode: a file swapped in meanwhile is never kept, and nothing outside the root
+    can become part of a step (it would have to be the very inode we wrote inside it)."""
+    # Both walked from their common directory (the root) by descriptors: no symlinked component followed.
+    fs = RootDir(os.path.commonpath([source, target]))
+    src, dst = fs.name(source), fs.name(target)
+    try:
+        fd = fs.open_read(src)
+    except OSError:
+        return False
+    try:
+        if _identity(os.fstat(fd)) != stored.identity:
+            return False
+    finally:
+        os.close(fd)
+    try:
+        fs.link(src, dst)
+        made = fs.lstat(dst)
+    except OSError:
+        return False
+    if made is None or not stat.S_ISREG(made.st_mode) or _identity(made) != stored.identity:
+        with contextlib.suppress(OSError):
+            fs.remove(dst)
+        return False
+    return True
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def file_identities(layout: Any, step: int) -> set[tuple[int, int]]:
+    """(st_dev, st_ino) of every file ``step``'s manifest lists in a local ``layout``; files missing or not
+    regular are left out; empty if the manifest is unreadable."""
+    try:
+        names = layout.read_manifest(step).files
+    except CheckpointError:
+        return set()
+    base, found = Path(layout.step_path(step)), set()
+    for name in names:
+        with contextlib.suppress(OSError):
+            st = os.stat(base / name, follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode):
+                found.add((st.st_dev, st.st_ino))
+    return found
+
+
+def steps_sharing(layout: Any, step: int, name: str) -> list[int]:
+    """The other committed steps of a local ``layout`` holding ``step``'s file ``name`` itself (a hard link
+    to the same inode): damage to it is damage to them (``safepoint verify`` names them)."""
+    try:
+        st = os.stat(Path(layout.step_path(step)) / name, follow_symlinks=False)
+    except (OSError, ValueError):
+        return []
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink < 2:
+        return []
+    mine = (st.st_dev, st.st_ino)
+    return [s for s in layout.committed_steps() if s != step and mine in file_identities(layout, s)]

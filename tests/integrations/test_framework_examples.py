@@ -1,0 +1,87 @@
+"""examples/accelerate_train.py and examples/hf_trainer_train.py keep the examples' contract, run as real
+processes stopped by real signals sent to the whole process group (DataLoader workers included):
+
+- SIGTERM: the job saves the step it printed last and exits 143; no printed step is lost;
+- kill -9: the restart's first step is the newest committed step + 1;
+- every loss of the interrupted runs equals the uninterrupted run's, bit for bit (dropout on, two
+  DataLoader workers drawing a random augmentation, the run crossing epoch boundaries);
+- every root passes ``safepoint verify``.
+
+The default suite runs one sequence per framework (SIGTERM mid-epoch, then kill -9, then the end); the slow
+ones stop the runs at other moments (an epoch's last batch, the first step after a resume).
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from safepoint.cli.main import main as safepoint_cli
+from tests.helpers.example_runs import Run, committed_steps, run_example
+
+STEPS, SAVE_EVERY = 20, 4  # 12 batches an epoch: the runs cross one epoch boundary
+ACCELERATE = pytest.param("accelerate_train.py", (), id="accelerate")
+TRAINER_LORA = pytest.param("hf_trainer_train.py", ("--lora",), id="hf_trainer-peft_lora")
+TRAINER = pytest.param("hf_trainer_train.py", (), id="hf_trainer", marks=pytest.mark.slow)
+
+
+def _check_losses(run: Run, reference: dict[int, str]) -> None:
+    different = [(step, loss, reference[step]) for step, loss in run.losses if reference[step] != loss]
+    assert different == [], f"(step, loss, uninterrupted loss): {different[:5]}"
+
+
+def interrupted_sequence(
+    script: str, flags: tuple[str, ...], tmp_path: Path, stops: list[tuple[int, int]], rerun: bool = False
+) -> None:
+    args = ("--steps", str(STEPS), "--save-every", str(SAVE_EVERY), *flags)
+    ref = run_example(script, tmp_path / "reference", *args)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert [step for step, _ in ref.losses] == list(range(1, STEPS + 1))
+    reference = dict(ref.losses)
+
+    root = tmp_path / "ckpt"
+    resume_at = 0
+    for stop, sig in stops:
+        run = run_example(script, root, *args, stop_at=stop, sig=sig, step_sleep=0.2)
+        assert run.first == resume_at + 1, run.stderr[-3000:]
+        _check_losses(run, reference)
+        newest = committed_steps(root)[-1]
+        if sig == signal.SIGTERM:
+            assert run.returncode == 143, run.stderr[-3000:]
+            assert newest == run.last, "a step printed before the SIGTERM was not saved"
+        else:
+            assert run.returncode == -signal.SIGKILL
+        resume_at = newest
+    final = run_example(script, root, *args)
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert (final.first, final.last) == (resume_at + 1, STEPS)
+    _check_losses(final, reference)
+    assert committed_steps(root)[-1] == STEPS
+    for checked in (root, tmp_path / "reference"):
+        assert safepoint_cli(["verify", str(checked), "--all"]) == 0
+    if not rerun:
+        return
+    # Run again on a finished root: nothing left to train, nothing printed.
+    again = run_example(script, root, *args)
+    assert (again.returncode, again.losses) == (0, []), again.stderr[-3000:]
+
+
+# Five real runs of a job that imports torch and its framework: minutes on a loaded 2-core machine.
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize(("script", "flags"), [ACCELERATE, TRAINER_LORA, TRAINER])
+def test_sigterm_then_kill9_resume_bit_for_bit(script: str, flags: tuple[str, ...], tmp_path: Path) -> None:
+    interrupted_sequence(script, flags, tmp_path, [(7, signal.SIGTERM), (15, signal.SIGKILL)])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize(("script", "flags"), [ACCELERATE, TRAINER_LORA, TRAINER])
+def test_stops_at_an_epoch_end_and_right_after_a_resume(
+    script: str, flags: tuple[str, ...], tmp_path: Path
+) -> None:
+    # 12: the last batch of epoch 0 (a SIGTERM save there resumes at the start of epoch 1); 13: the first
+    # step after that resume; 17: mid-epoch, killed; 18: the first step after, stopped by SIGTERM.
+    stops = [(12, signal.SIGTERM), (13, signal.SIGKILL), (17, signal.SIGKILL), (18, signal.SIGTERM)]
+    interrupted_sequence(script, flags, tmp_path, stops, rerun=True)

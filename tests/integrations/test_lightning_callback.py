@@ -1,0 +1,198 @@
+"""SafepointCallback inside a real Lightning Trainer, in this process: the SIGTERM race of Lightning 2.6
+(a signal after this batch's save ended the job with code 0 and nothing saved), loggers hearing of a
+checkpoint only once it is committed (Lightning #17915), sharded strategies refused with a clear error, the
+``pytorch_lightning`` import path, and a DataLoader whose position nothing reports being named."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import safepoint
+from safepoint.integrations.lightning import SafepointCallback
+
+N = 40
+
+
+def _net_class(base: Any) -> Any:
+    """The same tiny module on ``lightning``'s or ``pytorch_lightning``'s LightningModule."""
+
+    class Net(base):  # type: ignore[misc,valid-type]
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.Linear(8, 1))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    return Net
+
+
+Net = _net_class(L.LightningModule)
+
+
+def _loader(sampler: bool = True) -> DataLoader[Any]:
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(N, 4, generator=g), torch.randn(N, 1, generator=g))
+    if sampler:
+        return DataLoader(data, batch_size=4, sampler=safepoint.ResumableSampler(N, seed=0))
+    return DataLoader(data, batch_size=4, shuffle=True)
+
+
+def _trainer(callbacks: list[Any], steps: int = 6, **kw: Any) -> L.Trainer:
+    options: dict[str, Any] = dict(
+        max_steps=steps, accelerator="cpu", devices=1, enable_checkpointing=False, logger=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    return L.Trainer(callbacks=callbacks, **(options | kw))
+
+
+def _committed(root: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in root.glob("step-*") if (p / "safepoint.json").exists())
+
+
+class SigtermAt(L.Callback):
+    """Sends SIGTERM to this process in ``hook`` at ``step`` (after the callbacks before it ran)."""
+
+    def __init__(self, hook: str, step: int = 0) -> None:
+        self.hook, self.step = hook, step
+        setattr(self, hook, self._fire)
+
+    def _fire(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_sigterm_after_the_batchs_save_still_saves_and_exits_143(root: Path) -> None:
+    # Lightning 2.6 alone: its handler flags the signal and raises SIGTERMException (exit code 0) at the
+    # end of this batch, after the save of this batch was decided: nothing saved, the job "succeeded".
+    killer = SigtermAt("on_train_batch_end", step=3)  # after SafepointCallback's maybe_save of step 3
+    trainer = _trainer([SafepointCallback(str(root), save_every_steps=100), killer], steps=50)
+    with pytest.raises(safepoint.Preempted) as caught:
+        trainer.fit(Net(), _loader())
+    assert caught.value.code == 143
+    assert caught.value.saved_step == 4 and _committed(root) == [4]  # the next batch's end: nothing lost
+    resumed = _trainer([SafepointCallback(str(root), save_every_steps=100)], steps=4)
+    resumed.fit(Net(), _loader())
+    assert resumed.global_step == 4  # resumed at step 4: nothing left to do
+
+
+def test_a_sigterm_while_lightnings_own_handler_is_installed_exits_143(root: Path) -> None:
+    # Sent from on_train_start before SafepointCallback's: Lightning's handler (notifier + safepoint's) is the
+    # one installed then; the notice still ends in an emergency save at the first batch's end.
+    killer = SigtermAt("on_train_start")
+    trainer = _trainer([killer, SafepointCallback(str(root), save_every_steps=100)], steps=50)
+    with pytest.raises(safepoint.Preempted) as caught:
+        trainer.fit(Net(), _loader())
+    assert caught.value.code == 143 and _committed(root) == [1]
+
+
+class Recorder(Logger):
+    """Records, at each after_save_checkpoint, the checkpoint it is told of and whether it is committed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, bool]] = []
+
+    @property
+    def name(self) -> str:
+        return "recorder"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        path = Path(checkpoint_callback.last_model_path)
+        self.seen.append((path.name, (path / "safepoint.json").is_file()))
+
+
+def test_loggers_hear_of_a_checkpoint_only_once_it_is_committed(root: Path) -> None:
+    recorder = Recorder()
+    cb = SafepointCallback(str(root), save_every_steps=2, async_save=True)
+    trainer = _trainer([cb], steps=7, logger=recorder)
+    trainer.fit(Net(), _loader())
+    assert recorder.seen == [(f"step-{s}", True) for s in (2, 4, 6, 7)]
+    assert _committed(root) == [2, 4, 6, 7]
+
+
+def test_sharded_strategies_are_refused_with_the_way_out_named(root: Path) -> None:
+    trainer = _trainer([], strategy=ModelParallelStrategy())
+    with pytest.raises(
+        ValueError, match=r"ModelParallelStrategy saves sharded state.*state_dict_type='full'"
+    ):
+        SafepointCallback(str(root)).setup(trainer, Net(), "fit")
+    assert not root.exists()  # refused before the root is touched
+
+
+def test_a_loader_without_a_reported_position_is_named(root: Path) -> None:
+    trainer = _trainer([SafepointCallback(str(root), save_every_steps=100)], steps=2)
+    with pytest.warns(
+        UserWarning, match=r"sampler \(RandomSampler, num_workers=0\) does not report its position"
+    ):
+        trainer.fit(Net(), _loader(sampler=False))
+
+
+@pytest.mark.slow  # a second framework import; the example's slow test covers this path too
+def test_the_pytorch_lightning_package_resumes_the_whole_state(root: Path) -> None:
+    import pytorch_lightning as pl
+
+    from safepoint.integrations.lightning_pl import SafepointCallback as PLCallback
+
+    def fit(steps: int) -> tuple[pl.Trainer, Any]:
+        model = _net_class(pl.LightningModule)()
+        trainer = pl.Trainer(
+            max_steps=steps, accelerator="cpu", devices=1, enable_checkpointing=False, logger=False,
+            enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[PLCallback(str(root), save_every_steps=3)],
+        )  # fmt: skip
+        trainer.fit(model, _loader())
+        return trainer, model
+
+    first, _ = fit(5)
+    second, model = fit(9)
+    assert first.global_step == 5 and second.global_step == 9
+    assert model.trainer.optimizers[0].state_dict()["state"]  # the optimizer came back with its moments
+    assert _committed(root) == [3, 5, 6, 9]
+    assert second.callbacks[-1].restored_step == 5  # type: ignore[attr-defined]
+
+
+def test_an_object_store_root_with_a_local_tier(tmp_path: Path, moto_endpoint: str, bucket: str) -> None:
+    """The callback's keywords are the manager's: an S3 root (moto) with a local tier; a restart on a node
+    whose local disk is empty resumes from the durable copy."""
+    from safepoint.remote.object_layout import RemoteLayout
+    from tests.helpers.s3 import storage_options
+
+    url, opts = f"s3://{bucket}/run", storage_options(moto_endpoint)
+
+    def fit(steps: int, local: Path) -> L.Trainer:
+        cb = SafepointCallback(url, local_root=str(local), storage_options=opts, save_every_steps=2)
+        trainer = _trainer([cb], steps=steps)
+        trainer.fit(Net(), _loader())
+        return trainer
+
+    fit(4, tmp_path / "node-a")
+    assert RemoteLayout(url, opts).committed_steps() == [2, 4]
+    resumed = fit(6, tmp_path / "node-b")  # another node: nothing local
+    assert resumed.callbacks[-1].restored_step == 4  # type: ignore[attr-defined]
+    assert RemoteLayout(url, opts).committed_steps() == [2, 4, 6]

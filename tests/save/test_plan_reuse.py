@@ -1,0 +1,134 @@
+"""A save whose state keeps its structure does not rebuild DCP's local plan (save/plan_reuse.py); any change
+of a key, shape or dtype between saves is planned afresh, and every checkpoint restores exactly and stays
+readable by plain ``dcp.load``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import default_planner
+
+import safepoint
+from safepoint.save.plan_reuse import structure_of
+
+
+@pytest.fixture
+def plans_built(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many local plans DCP built (one entry, the item count, per build)."""
+    built: list[int] = []
+    real = default_planner.create_default_local_save_plan
+
+    def counting(state_dict: dict[str, Any], is_coordinator: bool) -> Any:
+        plan = real(state_dict, is_coordinator)
+        built.append(len(plan.items))
+        return plan
+
+    monkeypatch.setattr(default_planner, "create_default_local_save_plan", counting)
+    return built
+
+
+class Params(nn.Module):
+    def __init__(self, **tensors: torch.Tensor) -> None:
+        super().__init__()
+        for name, t in tensors.items():
+            self.register_parameter(name, nn.Parameter(t))
+
+
+def _restored(root: Path, step: int, like: Params) -> dict[str, torch.Tensor]:
+    target = Params(**{k: torch.zeros_like(v) for k, v in like.state_dict().items()})
+    with safepoint.CheckpointManager(root) as mgr:
+        assert mgr.restore(safepoint.TrainState(model=target, rng=False), step=step) == step
+    return target.state_dict()
+
+
+def test_an_unchanged_state_is_not_replanned(root: Path, plans_built: list[int]) -> None:
+    model = Params(**{f"p{i}": torch.randn(4, 4) for i in range(20)})
+    opt = torch.optim.Adam(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    state = safepoint.TrainState(model=model, optimizer=opt, rng=False)
+    with safepoint.CheckpointManager(root) as mgr:
+        for step in (1, 2, 3, 4):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+            mgr.save(step, state)
+    # The first save builds the plan (and DCP caches it); the later ones are proven unchanged without it.
+    assert len(plans_built) == 1
+    got = _restored(root, 4, model)
+    for k, v in model.state_dict().items():
+        assert torch.equal(got[k], v)
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["shape", "dtype", "key", "tensor_to_value"],
+)
+def test_a_changed_structure_is_planned_afresh_and_restores_exactly(
+    root: Path, plans_built: list[int], change: str
+) -> None:
+    model = Params(a=torch.randn(3, 4), b=torch.randn(5))
+    state = safepoint.TrainState(model=model, rng=False, objects={"o": _Obj(torch.ones(2))})
+    with safepoint.CheckpointManager(root) as mgr:
+        mgr.save(1, state)
+        mgr.save(2, state)
+        mgr.save(3, state)
+        before = len(plans_built)
+        if change == "shape":
+            model.a = nn.Parameter(torch.randn(4, 3))  # same number of elements, another shape
+        elif change == "dtype":
+            model.a = nn.Parameter(torch.randn(3, 4, dtype=torch.float64))
+        elif change == "key":
+            del model.a
+            model.c = nn.Parameter(torch.randn(3, 4))
+        else:
+            state.objects["o"].value = 7  # type: ignore[index]  # a tensor item becomes a byte item
+        mgr.save(4, state)
+        assert len(plans_built) == before + 1
+        mgr.save(5, state)
+    got = _restored(root, 5, model)
+    assert got.keys() == model.state_dict().keys()
+    for k, v in model.state_dict().items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v)
+    # The files are DCP's own: plain dcp.load reads the model back bitwise.
+    plain = {f"model.{k}": torch.zeros_like(v) for k, v in model.state_dict().items()}
+    dcp.load(plain, checkpoint_id=str(root / "step-5"), no_dist=True)
+    for k, v in model.state_dict().items():
+        assert torch.equal(plain[f"model.{k}"], v)
+
+
+class _Obj:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"v": self.value}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.value = sd["v"]
+
+
+def test_the_structure_covers_what_a_write_item_holds() -> None:
+    base = {"a": torch.zeros(2, 3), "b": 1}
+    paths = {"a": ("a",), "b": ("b",)}
+    s = structure_of(base, paths, True)
+    assert s is not None and s == structure_of(dict(base), dict(paths), True)
+    variants: list[tuple[dict[str, Any], dict[str, Any], bool]] = [
+        ({"a": torch.zeros(3, 2), "b": 1}, paths, True),
+        ({"a": torch.zeros(2, 3, dtype=torch.int32), "b": 1}, paths, True),
+        ({"a": torch.zeros(2, 3, requires_grad=True), "b": 1}, paths, True),
+        ({"b": 1, "a": torch.zeros(2, 3)}, paths, True),  # the order of the items
+        ({"a": torch.zeros(2, 3), "b": torch.zeros(1)}, paths, True),
+        (base, {"a": ("x", "a"), "b": ("b",)}, True),  # the same key from another nesting
+        (base, paths, False),
+    ]
+    for sd, p, coordinator in variants:
+        assert structure_of(sd, p, coordinator) != s
+    # A subclass (a Parameter here; a DTensor alike) cannot be proven: DCP plans.
+    assert structure_of({"a": nn.Parameter(torch.zeros(2))}, {"a": ("a",)}, True) is None
