@@ -110,12 +110,12 @@ class Journal:
         """At the manager's close: the last step reached is journaled now (the next start finds none)."""
         if self._step is not None:
             self._append({"event_type": PROGRESS, "step": self._step, "wall_time": round(time.time(), 3)})
-            with contextlib.suppress(OSError):
-                self.fs.remove(PROGRESS_NAME)
         if self._fd is not None:
             os.close(self._fd)
-        if self._progress is not None:
+        if self._progress is not None:  # opened by this manager: journaled above, or no step was reached
             self._progress.close()
+            with contextlib.suppress(OSError):
+                self.fs.remove(PROGRESS_NAME)
         self._fd, self._progress = None, None
 
     def _guarded(self, write: Any) -> None:
