@@ -184,7 +184,9 @@ def test_demo_refuses_an_out_that_is_a_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="death signals: Linux prctl")
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+@pytest.mark.parametrize(
+    "sig", [pytest.param(signal.SIGKILL, marks=pytest.mark.slow), signal.SIGTERM], ids=["SIGKILL", "SIGTERM"]
+)
 @pytest.mark.timeout(300)
 def test_demo_killed_mid_run_leaves_no_process_behind(tmp_path: Path, sig: signal.Signals) -> None:
     out = tmp_path / "out"

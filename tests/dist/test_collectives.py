@@ -35,7 +35,7 @@ def test_save_and_restore_run_at_most_one_collective_more_than_plain_dcp(tmp_pat
     assert counts["safepoint_save"].get("all_gather_object", 0) == 0, counts
 
 
-@pytest.mark.parametrize("what", ["manifest", "data"])
+@pytest.mark.parametrize("what", ["manifest", pytest.param("data", marks=pytest.mark.slow)])
 def test_a_checkpoint_damaged_for_every_rank_is_corrupt_not_a_root_that_is_not_shared(
     tmp_path: Path, what: str
 ) -> None:

@@ -129,6 +129,7 @@ def test_a_fifo_as_replica_record_neither_blocks_nor_stops_the_job(saved: Path, 
     assert "not a regular file" in logs and "Traceback" not in logs
 
 
+@pytest.mark.slow  # a medium finding; the critical and high ones run by default
 def test_a_symlinked_pending_is_neither_written_through_nor_emptied(saved: Path, tmp_path: Path) -> None:
     """Medium: a restore writes the files a peer sends into ``.pending/peer-restore-step-N-<save id>`` and
     removes that directory afterwards; through a symlinked ``.pending`` both happened outside the root."""
@@ -153,6 +154,7 @@ def test_a_symlinked_pending_is_neither_written_through_nor_emptied(saved: Path,
     assert ".metadata from a peer not kept" in logs
 
 
+@pytest.mark.slow  # a medium finding; the critical and high ones run by default
 def test_replica_files_that_are_symlinks_out_of_the_root_are_not_read(saved: Path, tmp_path: Path) -> None:
     """Medium: a replica file that is a symlink to a file outside the root (here a copy with the right
     bytes, so only the link itself is wrong) was read as the peer's copy."""

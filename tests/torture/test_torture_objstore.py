@@ -267,6 +267,10 @@ def test_other_stores_lost_answers_short(other_direct: tuple[Campaign, Ops]) -> 
     _fail_clean(c, ops, targets, f"objstore-{c.store.scheme}-direct-lost-short")
 
 
+# Behind -m slow (with test_other_stores_faults_every_k) to keep the default suite under its time bar:
+# S3's test_direct_faults_short runs the same commit-point and re-save-window paths by default.
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_other_stores_faults_short(other_direct: tuple[Campaign, Ops]) -> None:
     """Error replies in gs://'s and az://'s own words (tests/helpers/store_errors.py): one 503 at the commit
     point (the manifest's write) is retried and the save succeeds; a 403 that persists until the save gives
