@@ -99,6 +99,7 @@ def test_a_symlinked_peers_directory_deletes_nothing_outside_the_root(tmp_path: 
     assert sorted(json.loads((durable / "step-2" / "safepoint.json").read_text())["files"]) == FILES
 
 
+@pytest.mark.slow  # a high finding; the critical one and the FIFO run by default (time bar)
 def test_a_planted_metadata_part_symlink_is_not_written_through(saved: Path, tmp_path: Path) -> None:
     """High: a node that keeps a copy of ``.metadata`` (after an upload) downloads it to
     ``step-N/.metadata.part``; a symlink planted there was written through (outside the root)."""

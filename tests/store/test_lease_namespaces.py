@@ -107,6 +107,7 @@ def test_a_live_holder_in_another_pid_namespace_is_never_taken_over(root: Path, 
         holder.wait(timeout=60)
 
 
+@pytest.mark.slow  # the same judgement as the holder-in-namespace case, waited out to its end
 def test_a_manager_in_another_namespace_waits_for_the_heartbeat(root: Path) -> None:
     """A second job started in its own PID namespace on the same host is refused while the holder beats."""
     holder = _holder(root, in_ns=False)
