@@ -1,0 +1,105 @@
+"""A training job shaped like torchtitan 0.3's ``Trainer.train`` (trainer.py), on torchtitan's own parts.
+
+torchtitan's ``Trainer`` itself imports triton (its kernels and overrides), which this CPU environment does
+not install; everything the checkpointer touches is torchtitan's real code: the ``OptimizersContainer`` and
+``LRSchedulersContainer`` built from their configs, a ``ParallelAwareDataloader`` (a ``StatefulDataLoader``)
+and the checkpointer built by ``config.build(...)`` with the trainer's arguments, called where the trainer
+calls it: ``load`` before the loop, ``maybe_wait_for_staging`` before ``optimizers.step``, ``save`` after
+each step, ``close`` at the end. Dropout is on, so a resume is bitwise only if the RNG comes back too.
+
+    python torchtitan_job.py --root DIR --steps N --save-every K [--step-sleep S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import IterableDataset
+from torchtitan.components.dataloader import ParallelAwareDataloader
+from torchtitan.components.optimizer import LRSchedulersContainer
+from torchtitan.components.optimizer.optimizer import default_adamw
+
+from safepoint.integrations.torchtitan import SafepointCheckpointManager
+
+
+class Tokens(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
+    """An endless stream of (input, label) rows, each drawn from its own index (so a skip lands exactly)."""
+
+    def __iter__(self) -> Any:
+        i = 0
+        while True:
+            g = torch.Generator().manual_seed(i)
+            x = torch.randn(8, generator=g)
+            yield x, x.sum(dim=0, keepdim=True)
+            i += 1
+
+
+class TrainState:
+    """The trainer's own counters: what ``states={"train_state": trainer}`` saves."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.ntokens_seen = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "ntokens_seen": self.ntokens_seen}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = state_dict["step"]
+        self.ntokens_seen = state_dict["ntokens_seen"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--root", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--save-every", type=int, required=True)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--sync", action="store_true")
+    args = p.parse_args()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+    parts = [model]
+    optimizers = default_adamw(lr=1e-2, implementation="for-loop").build(model_parts=parts)
+    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=3).build(
+        optimizers=optimizers, training_steps=args.steps
+    )
+    dataloader = ParallelAwareDataloader(Tokens(), dp_rank=0, dp_world_size=1, batch_size=4)
+    train_state = TrainState()
+    config = SafepointCheckpointManager.Config(
+        enable=True, folder="checkpoint", interval=args.save_every, async_save=not args.sync
+    )
+    checkpointer = config.build(
+        dataloader=dataloader,
+        model_parts=parts,
+        optimizers=optimizers,
+        lr_schedulers=lr_schedulers,
+        states={"train_state": train_state},
+        sd_adapter=None,
+        base_folder=args.root,
+    )
+    checkpointer.load(step=config.load_step)
+    data = iter(dataloader)
+    while train_state.step < args.steps:
+        train_state.step += 1
+        x, y = next(data)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        checkpointer.maybe_wait_for_staging()
+        optimizers.step()
+        lr_schedulers.step()
+        optimizers.zero_grad()
+        train_state.ntokens_seen += x.numel()
+        print(f"step {train_state.step} loss {loss.item()!r}", flush=True)
+        checkpointer.save(train_state.step, last_step=train_state.step == args.steps)
+        time.sleep(args.step_sleep)
+    checkpointer.close()
+
+
+if __name__ == "__main__":
+    main()
