@@ -53,6 +53,14 @@ class TrainState:
         self.ntokens_seen = state_dict["ntokens_seen"]
 
 
+def build_loader() -> ParallelAwareDataloader:
+    # A generator of its own: a DataLoader without one draws its base seed from the global RNG each time
+    # an iterator is made, which a resumed run does after the RNG is restored (the uninterrupted run did it
+    # before step 1): with dropout on, that one draw would shift every later mask.
+    gen = torch.Generator().manual_seed(0)
+    return ParallelAwareDataloader(Tokens(), dp_rank=0, dp_world_size=1, batch_size=4, generator=gen)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--root", required=True)
@@ -69,7 +77,7 @@ def main() -> None:
     lr_schedulers = LRSchedulersContainer.Config(warmup_steps=3).build(
         optimizers=optimizers, training_steps=args.steps
     )
-    dataloader = ParallelAwareDataloader(Tokens(), dp_rank=0, dp_world_size=1, batch_size=4)
+    dataloader = build_loader()
     train_state = TrainState()
     config = SafepointCheckpointManager.Config(
         enable=True, folder="checkpoint", interval=args.save_every, async_save=not args.sync

@@ -1,0 +1,154 @@
+"""safepoint.integrations.torchtitan: torchtitan 0.3's checkpointer contract kept by safepoint.
+
+torchtitan's ``Trainer`` imports triton, which is not installed here: tests/integrations/torchtitan_job.py
+runs the trainer's loop on torchtitan's real optimizer, scheduler and dataloader containers, with the
+checkpointer built from its ``Config`` as the trainer builds it. Checked:
+
+- kill -9 of the job mid-run: the restart's first step is the newest committed step + 1 and every loss
+  equals the uninterrupted run's, bit for bit (dropout on: the RNG comes back too);
+- a fresh set of torchtitan objects loads the saved state bit for bit (model, optimizer, scheduler,
+  dataloader position, train state);
+- the config is a ``BaseCheckpointManager.Config`` that builds this class; retention follows
+  ``keep_latest_k``; ``exclude_from_loading`` leaves that part as it is; unsupported options are refused.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torchtitan.components.checkpointer.base")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torchtitan.components.checkpointer.base import BaseCheckpointManager  # noqa: E402
+from torchtitan.components.optimizer import LRSchedulersContainer  # noqa: E402
+from torchtitan.components.optimizer.optimizer import default_adamw  # noqa: E402
+
+from safepoint.integrations.torchtitan import SafepointCheckpointManager  # noqa: E402
+from tests.helpers.example_runs import committed_steps, run_example  # noqa: E402
+from tests.integrations.torchtitan_job import TrainState, build_loader  # noqa: E402
+
+JOB = "../tests/integrations/torchtitan_job.py"  # run_example runs examples/<script>
+STEPS, SAVE_EVERY = 12, 3
+
+
+def test_kill9_mid_run_resumes_bit_for_bit(tmp_path: Path) -> None:
+    args = ("--steps", str(STEPS), "--save-every", str(SAVE_EVERY))
+    ref = run_example(JOB, tmp_path / "reference", *args)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert [s for s, _ in ref.losses] == list(range(1, STEPS + 1))
+    reference = dict(ref.losses)
+
+    root = tmp_path / "run"
+    killed = run_example(JOB, root, *args, stop_at=8, sig=signal.SIGKILL, step_sleep=0.2)
+    assert killed.returncode == -signal.SIGKILL
+    newest = committed_steps(root / "checkpoint")[-1]
+    assert newest in (3, 6), newest  # step 6's async write may or may not have committed before the kill
+    final = run_example(JOB, root, *args)
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert (final.first, final.last) == (newest + 1, STEPS)
+    for run in (killed, final):
+        different = [(s, loss, reference[s]) for s, loss in run.losses if loss != reference[s]]
+        assert different == [], different[:5]
+    assert committed_steps(root / "checkpoint")[-1] == STEPS  # the last step is saved (and written) too
+
+
+def _objects(seed: int) -> dict[str, Any]:
+    """What torchtitan's trainer builds and hands its checkpointer, from ``seed``."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+    optimizers = default_adamw(lr=1e-2, implementation="for-loop").build(model_parts=[model])
+    return {
+        "model_parts": [model],
+        "optimizers": optimizers,
+        "lr_schedulers": LRSchedulersContainer.Config(warmup_steps=3).build(
+            optimizers=optimizers, training_steps=10
+        ),
+        "dataloader": build_loader(),
+        "states": {"train_state": TrainState()},
+        "sd_adapter": None,
+    }
+
+
+def _train(objs: dict[str, Any], ckpt: Any, steps: int) -> None:
+    data = objs.setdefault("iterator", iter(objs["dataloader"]))
+    model, state = objs["model_parts"][0], objs["states"]["train_state"]
+    for _ in range(steps):
+        state.step += 1
+        x, y = next(data)
+        nn.functional.mse_loss(model(x), y).backward()
+        ckpt.maybe_wait_for_staging()
+        objs["optimizers"].step()
+        objs["lr_schedulers"].step()
+        objs["optimizers"].zero_grad()
+        state.ntokens_seen += x.numel()
+        ckpt.save(state.step)
+
+
+def _assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    sd_a, sd_b = a["model_parts"][0].state_dict(), b["model_parts"][0].state_dict()
+    assert all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)
+    oa, ob = a["optimizers"].state_dict(), b["optimizers"].state_dict()
+    assert oa.keys() == ob.keys()
+    for k in oa:
+        assert torch.equal(oa[k], ob[k]) if isinstance(oa[k], torch.Tensor) else oa[k] == ob[k], k
+    assert a["lr_schedulers"].state_dict() == b["lr_schedulers"].state_dict()
+    # the data position: the next batch of the trained run's iterator is the fresh loader's first
+    assert all(
+        torch.equal(u, v) for u, v in zip(next(a["iterator"]), next(iter(b["dataloader"])), strict=True)
+    )
+    assert a["states"]["train_state"].state_dict() == b["states"]["train_state"].state_dict()
+
+
+def test_fresh_objects_load_the_state_bit_for_bit(tmp_path: Path) -> None:
+    config = SafepointCheckpointManager.Config(enable=True, interval=2, keep_latest_k=2)
+    assert isinstance(config, BaseCheckpointManager.Config)
+    trained = _objects(0)
+    ckpt = config.build(**trained, base_folder=str(tmp_path))
+    assert isinstance(ckpt, SafepointCheckpointManager)
+    assert ckpt.load() is False  # a fresh start
+    _train(trained, ckpt, 6)
+    ckpt.close()
+    assert committed_steps(tmp_path / "checkpoint") == [4, 6]  # keep_latest_k=2
+
+    fresh = _objects(1)  # other weights, an empty optimizer state, step 0
+    loader = config.build(**fresh, base_folder=str(tmp_path))
+    try:
+        assert loader.load() is True
+        _assert_same(trained, fresh)
+    finally:
+        loader.close()
+
+
+def test_exclude_from_loading_leaves_that_part(tmp_path: Path) -> None:
+    trained = _objects(0)
+    ckpt = SafepointCheckpointManager.Config(enable=True, interval=2).build(
+        **trained, base_folder=str(tmp_path)
+    )
+    _train(trained, ckpt, 2)
+    ckpt.close()
+    config = SafepointCheckpointManager.Config(enable=True, exclude_from_loading=["lr_scheduler"])
+    fresh = _objects(1)
+    before = fresh["lr_schedulers"].state_dict()
+    loader = config.build(**fresh, base_folder=str(tmp_path))
+    try:
+        assert loader.load() is True
+        assert fresh["lr_schedulers"].state_dict() == before
+        assert fresh["states"]["train_state"].step == 2
+    finally:
+        loader.close()
+
+
+def test_disabled_and_refused_options(tmp_path: Path) -> None:
+    off = SafepointCheckpointManager.Config().build(**_objects(0), base_folder=str(tmp_path))
+    assert off.save(10) is False and off.load() is False
+    off.close()
+    assert not (tmp_path / "checkpoint").exists()
+    with pytest.raises(ValueError, match="last_save_in_hf"):
+        SafepointCheckpointManager.Config(enable=True, last_save_in_hf=True)
+    with pytest.raises(ValueError, match="train_state"):
+        SafepointCheckpointManager.Config(enable=True, exclude_from_loading=["train_state"])
