@@ -22,15 +22,15 @@ import pytest
 
 pytest.importorskip("torchtitan.components.checkpointer.base")
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torchtitan.components.checkpointer.base import BaseCheckpointManager  # noqa: E402
-from torchtitan.components.optimizer import LRSchedulersContainer  # noqa: E402
-from torchtitan.components.optimizer.optimizer import default_adamw  # noqa: E402
+import torch
+from torch import nn
+from torchtitan.components.checkpointer.base import BaseCheckpointManager
+from torchtitan.components.optimizer import LRSchedulersContainer
+from torchtitan.components.optimizer.optimizer import default_adamw
 
-from safepoint.integrations.torchtitan import SafepointCheckpointManager  # noqa: E402
-from tests.helpers.example_runs import committed_steps, run_example  # noqa: E402
-from tests.integrations.torchtitan_job import TrainState, build_loader  # noqa: E402
+from safepoint.integrations.torchtitan import SafepointCheckpointManager
+from tests.helpers.example_runs import committed_steps, run_example
+from tests.integrations.torchtitan_job import TrainState, build_loader
 
 JOB = "../tests/integrations/torchtitan_job.py"  # run_example runs examples/<script>
 STEPS, SAVE_EVERY = 12, 3

@@ -57,7 +57,7 @@ class _PlainLoader:
         raw = self.loader.state_dict()
         plain: dict[str, Any] = {}
         for key, value in raw.items():
-            plain[key] = pickle.loads(value) if isinstance(value, bytes) else value  # noqa: S301 (ours)
+            plain[key] = pickle.loads(value) if isinstance(value, bytes) else value
         return plain
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
