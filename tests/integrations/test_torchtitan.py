@@ -112,6 +112,9 @@ def test_fresh_objects_load_the_state_bit_for_bit(tmp_path: Path) -> None:
     assert isinstance(ckpt, SafepointCheckpointManager)
     assert ckpt.load() is False  # a fresh start
     _train(trained, ckpt, 6)
+    assert ckpt.save_future is not None  # step 6 is being written in the background
+    ckpt.maybe_wait_for_saving()
+    assert ckpt.save_future is None
     ckpt.close()
     assert committed_steps(tmp_path / "checkpoint") == [4, 6]  # keep_latest_k=2
 
@@ -141,6 +144,13 @@ def test_exclude_from_loading_leaves_that_part(tmp_path: Path) -> None:
         assert fresh["states"]["train_state"].step == 2
     finally:
         loader.close()
+
+
+def test_torchtitans_command_line_sets_the_config() -> None:
+    tyro = pytest.importorskip("tyro")
+    args = ["--enable", "--interval", "7", "--no-async-save", "--keep-latest-k", "3"]
+    config = tyro.cli(SafepointCheckpointManager.Config, args=args)
+    assert (config.enable, config.interval, config.async_save, config.keep_latest_k) == (True, 7, False, 3)
 
 
 def test_disabled_and_refused_options(tmp_path: Path) -> None:

@@ -99,9 +99,6 @@ class SafepointCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  
         rng: bool = True
         """Save and restore every rank's Python, NumPy, torch CPU and CUDA RNG (torchtitan's own does not)."""
 
-        storage_options: dict[str, Any] | None = None
-        """fsspec options for an object-store ``folder`` (``s3://``, ``gs://``, ``az://``)."""
-
         def __post_init__(self) -> None:
             BaseCheckpointManager.Config.__post_init__(self)
             refused = {
@@ -153,7 +150,6 @@ class SafepointCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  
             self.folder,
             async_save=config.async_save,
             keep=keep,
-            storage_options=config.storage_options,
         )
 
     def __del__(self) -> None:
