@@ -8,13 +8,19 @@ checkpointer built from its ``Config`` as the trainer builds it. Checked:
   equals the uninterrupted run's, bit for bit (dropout on: the RNG comes back too);
 - a fresh set of torchtitan objects loads the saved state bit for bit (model, optimizer, scheduler,
   dataloader position, train state);
+- (slow) two ranks on gloo with FSDP2, as torchtitan shards data parallelism: a new torchrun resumes bit
+  for bit;
 - the config is a ``BaseCheckpointManager.Config`` that builds this class; retention follows
   ``keep_latest_k``; ``exclude_from_loading`` leaves that part as it is; unsupported options are refused.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +35,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer
 from torchtitan.components.optimizer.optimizer import default_adamw
 
 from safepoint.integrations.torchtitan import SafepointCheckpointManager
+from tests.conftest import REPO
 from tests.helpers.example_runs import committed_steps, run_example
 from tests.integrations.torchtitan_job import TrainState, build_loader
 
@@ -162,3 +169,27 @@ def test_disabled_and_refused_options(tmp_path: Path) -> None:
         SafepointCheckpointManager.Config(enable=True, last_save_in_hf=True)
     with pytest.raises(ValueError, match="train_state"):
         SafepointCheckpointManager.Config(enable=True, exclude_from_loading=["train_state"])
+
+
+def _torchrun(root: Path, *args: str) -> list[tuple[int, str]]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += [str(Path(__file__).with_name("torchtitan_job.py")), "--root", str(root), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO / "src"))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [(int(m[1]), m[2]) for m in re.finditer(r"^step (\d+) loss (\S+)$", done.stdout, re.M)]
+
+
+@pytest.mark.slow  # three 2-rank torchrun jobs (~30 s on the 2-core VM)
+def test_fsdp2_two_ranks_resume_bit_for_bit(tmp_path: Path) -> None:
+    """torchtitan's data parallelism (FSDP2 ``fully_shard``, a data shard per rank) on gloo: a job that ends
+    after step 5 resumes in a new torchrun from step 3, its losses the uninterrupted run's."""
+    args = ("--steps", "8", "--save-every", "3")
+    reference = dict(_torchrun(tmp_path / "reference", *args))
+    assert sorted(reference) == list(range(1, 9))
+    first = _torchrun(tmp_path / "run", *args, "--stop-after", "5")
+    assert committed_steps(tmp_path / "run" / "checkpoint") == [3]
+    second = _torchrun(tmp_path / "run", *args)
+    assert [s for s, _ in second] == list(range(4, 9))
+    different = [(s, loss, reference[s]) for s, loss in first + second if loss != reference[s]]
+    assert different == [], different[:5]
