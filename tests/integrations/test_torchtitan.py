@@ -4,6 +4,8 @@ torchtitan's ``Trainer`` imports triton, which is not installed here: tests/inte
 runs the trainer's loop on torchtitan's real optimizer, scheduler and dataloader containers, with the
 checkpointer built from its ``Config`` as the trainer builds it. Checked:
 
+- SIGTERM to the job's process group (``save_on_sigterm``): it saves the step it printed last and exits 143;
+  the restart continues from the next one, every loss the uninterrupted run's;
 - kill -9 of the job mid-run: the restart's first step is the newest committed step + 1 and every loss
   equals the uninterrupted run's, bit for bit (dropout on: the RNG comes back too);
 - a fresh set of torchtitan objects loads the saved state bit for bit (model, optimizer, scheduler,
@@ -36,32 +38,46 @@ from torchtitan.components.optimizer.optimizer import default_adamw
 
 from safepoint.integrations.torchtitan import SafepointCheckpointManager
 from tests.conftest import REPO
-from tests.helpers.example_runs import committed_steps, run_example
+from tests.helpers.example_runs import Run, committed_steps, run_example
 from tests.integrations.torchtitan_job import TrainState, build_loader
 
 JOB = "../tests/integrations/torchtitan_job.py"  # run_example runs examples/<script>
 STEPS, SAVE_EVERY = 12, 3
 
 
-def test_kill9_mid_run_resumes_bit_for_bit(tmp_path: Path) -> None:
-    args = ("--steps", str(STEPS), "--save-every", str(SAVE_EVERY))
+def _check(run: Run, reference: dict[int, str]) -> None:
+    different = [(s, loss, reference[s]) for s, loss in run.losses if loss != reference[s]]
+    assert different == [], f"(step, loss, uninterrupted loss): {different[:5]}"
+
+
+def test_sigterm_then_kill9_resume_bit_for_bit(tmp_path: Path) -> None:
+    args = ("--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--save-on-sigterm")
     ref = run_example(JOB, tmp_path / "reference", *args)
     assert ref.returncode == 0, ref.stderr[-3000:]
     assert [s for s, _ in ref.losses] == list(range(1, STEPS + 1))
     reference = dict(ref.losses)
-
     root = tmp_path / "run"
-    killed = run_example(JOB, root, *args, stop_at=8, sig=signal.SIGKILL, step_sleep=0.2)
+    ckpts = root / "checkpoint"
+
+    stopped = run_example(JOB, root, *args, stop_at=4, sig=signal.SIGTERM, step_sleep=0.2)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert stopped.last is not None and committed_steps(ckpts)[-1] == stopped.last  # no printed step lost
+    _check(stopped, reference)
+
+    killed = run_example(JOB, root, *args, stop_at=9, sig=signal.SIGKILL, step_sleep=0.2)
     assert killed.returncode == -signal.SIGKILL
-    newest = committed_steps(root / "checkpoint")[-1]
-    assert newest in (3, 6), newest  # step 6's async write may or may not have committed before the kill
+    assert killed.first == stopped.last + 1
+    _check(killed, reference)
+    # step 9's async write may not have committed before the kill (nor step 12's started, if very slow)
+    newest = committed_steps(ckpts)[-1]
+    assert newest in (6, 9, 12) and newest <= (killed.last or 0), newest
+
     final = run_example(JOB, root, *args)
     assert final.returncode == 0, final.stderr[-3000:]
-    assert (final.first, final.last) == (newest + 1, STEPS)
-    for run in (killed, final):
-        different = [(s, loss, reference[s]) for s, loss in run.losses if loss != reference[s]]
-        assert different == [], different[:5]
-    assert committed_steps(root / "checkpoint")[-1] == STEPS  # the last step is saved (and written) too
+    if newest < STEPS:
+        assert (final.first, final.last) == (newest + 1, STEPS)
+    _check(final, reference)
+    assert committed_steps(ckpts)[-1] == STEPS  # the last step is saved (and written) too
 
 
 def _objects(seed: int) -> dict[str, Any]:

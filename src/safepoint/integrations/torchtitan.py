@@ -20,6 +20,7 @@ picks the highest ``step-N`` folder that has a ``.metadata`` file, whatever else
 from __future__ import annotations
 
 import pickle
+import signal
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ from torchtitan.components.checkpointer.base import BaseCheckpointManager
 from torchtitan.tools import filesystem
 
 from safepoint.manager import CheckpointManager
+from safepoint.options import PreemptionOptions
 from safepoint.policy.keep import Keep
 from safepoint.state import TrainState
 
@@ -99,6 +101,9 @@ class SafepointCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  
         rng: bool = True
         """Save and restore every rank's Python, NumPy, torch CPU and CUDA RNG (torchtitan's own does not)."""
 
+        save_on_sigterm: bool = False
+        """On SIGTERM (a preemption notice), save the step the trainer finishes next and exit 143."""
+
         def __post_init__(self) -> None:
             BaseCheckpointManager.Config.__post_init__(self)
             refused = {
@@ -146,11 +151,15 @@ class SafepointCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  
         self.states = states
         self.rng, self.async_save = config.rng, config.async_save
         keep = Keep(last=config.keep_latest_k) if config.keep_latest_k > 0 else None
+        notices = PreemptionOptions(signals=(signal.SIGTERM,)) if config.save_on_sigterm else None
         self._manager = CheckpointManager(
             self.folder,
+            save_every_steps=self.interval,
             async_save=config.async_save,
             keep=keep,
+            preemption=notices,
         )
+        self._state = self.train_state()  # it reads the live objects at each save: built once
 
     def __del__(self) -> None:
         self.close()
@@ -179,16 +188,15 @@ class SafepointCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  
             ),
         )
 
-    def _should_save(self, curr_step: int, last_step: bool) -> bool:
-        """torchtitan's rule (dcp.py ``_should_save``): the first step if asked, the last, every interval."""
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        # torchtitan's rule (dcp.py ``_should_save``): the first step if asked, the last, every ``interval``
+        # steps; the manager's maybe_save owns the interval (and the save on a preemption notice).
         if self.load_only:
             return False
-        return (curr_step == 1 and self.first_step) or last_step or curr_step % self.interval == 0
-
-    def _save(self, curr_step: int, last_step: bool = False) -> bool:
-        if not self._should_save(curr_step, last_step):
+        if last_step or (curr_step == 1 and self.first_step):
+            self._manager.save(curr_step, self._state)
+        elif not self._manager.maybe_save(curr_step, self._state):
             return False
-        self._manager.save(curr_step, self.train_state())
         if last_step:
             # The trainer closes right after its last step: that checkpoint is written before save returns.
             self._manager.wait()
