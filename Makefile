@@ -13,10 +13,12 @@ AZURITE_STAMP := $(TOOLS)/.azurite-3.37.0
 
 .PHONY: test demo lint typecheck docs bench slow clean tools
 
-$(STAMP): pyproject.toml constraints-dev.txt requirements-dev.lock
+$(STAMP): pyproject.toml constraints-dev.txt requirements-dev.lock requirements-torchtitan.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints-dev.txt torch==2.13.0
 	$(PY) -m pip install -q -c constraints-dev.txt -r requirements-dev.lock
+	# --no-deps: torchtitan's declared deps (datasets, wandb, ...) are not used here (requirements-torchtitan.lock).
+	$(PY) -m pip install -q -c constraints-dev.txt --no-deps -r requirements-torchtitan.lock
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 

@@ -10,7 +10,7 @@ from tests.conftest import PYTHON, SUBPROCESS_ENV
 CHECK = """
 import sys
 import safepoint, safepoint.integrations, safepoint.data.replay
-loaded = sorted(m for m in ("accelerate", "transformers", "peft") if m in sys.modules)
+loaded = sorted(m for m in ("accelerate", "transformers", "peft", "torchtitan") if m in sys.modules)
 assert not loaded, loaded
 import safepoint.integrations.accelerate
 assert "accelerate" not in sys.modules  # it reads the accelerator's attributes: no import needed
