@@ -48,7 +48,13 @@ def run_example(
     cmd = [sys.executable, str(EXAMPLES / script), "--root", str(root), *args]
     if step_sleep:
         cmd += ["--step-sleep", str(step_sleep)]
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    # REPO too: the suite's own jobs (tests/integrations/torchtitan_job.py) end through tests/helpers/procs.
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}",
+        OMP_NUM_THREADS="1",
+        CUDA_VISIBLE_DEVICES="",
+    )
     err_path = root.parent / f"{root.name}-{time.monotonic_ns()}.stderr"
     losses: list[tuple[int, str]] = []
     with open(err_path, "w") as err:

@@ -190,7 +190,12 @@ def test_disabled_and_refused_options(tmp_path: Path) -> None:
 def _torchrun(root: Path, *args: str) -> list[tuple[int, str]]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += [str(Path(__file__).with_name("torchtitan_job.py")), "--root", str(root), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO / "src"))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        CUDA_VISIBLE_DEVICES="",
+        PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}",
+    )
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
     assert done.returncode == 0, done.stderr[-4000:]
     return [(int(m[1]), m[2]) for m in re.finditer(r"^step (\d+) loss (\S+)$", done.stdout, re.M)]

@@ -30,6 +30,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer
 from torchtitan.components.optimizer.optimizer import default_adamw
 
 from safepoint.integrations.torchtitan import SafepointCheckpointManager
+from tests.helpers.procs.exiting import run_then_exit
 
 
 class Tokens(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -148,4 +149,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)  # never through the teardown: tests/helpers/procs/exiting.py
