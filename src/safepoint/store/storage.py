@@ -241,13 +241,18 @@ class SafepointWriter(FileSystemWriter):
         if round_.record is not None:
             for name, stored in round_.record.files.items():
                 self.recorder.record(name, stored.size, stored.crc32c)
-        todo: queue.Queue[Any] = queue.Queue()
-        for entry in out:
-            todo.put(entry)
-        results = write_queue(self, planner, todo)
+        results = self._write_entries(planner, out)
         round_.written(directory, results, self.recorder.snapshot())
         results += linked
         return results + round_.alias_results(results)
+
+    def _write_entries(self, planner: SavePlanner, entries: list[Any]) -> list[WriteResult]:
+        """Write the arranged files (DCP queue entries: path, name, items) and record them; the writer
+        process's proxy (save/process_writer.py) has its process write them instead."""
+        todo: queue.Queue[Any] = queue.Queue()
+        for entry in entries:
+            todo.put(entry)
+        return write_queue(self, planner, todo)
 
     def written_files(self) -> dict[str, tuple[int, str]]:
         return self.recorder.snapshot()
