@@ -330,7 +330,7 @@ def report_lines(r: RunReport) -> list[str]:
         ("run", f"{_when(first)} -> {_when(last)}  ({_seconds(r.wall_s)} wall, {_seconds(r.run_s)} running)"),
         ("attempts", f"{len(r.attempts)} ({r.restarts} restart(s))"),
         ("saves", f"{r.saves} committed, {r.failed_saves} failed, {r.emergency_saves} emergency"),
-        ("bytes", f"{r.bytes_saved / 1e6:.1f} MB written, {r.bytes_skipped / 1e6:.1f} MB linked (not written)"),
+        ("bytes", f"{r.bytes_saved / 1e6:.1f} MB written, {r.bytes_skipped / 1e6:.1f} MB linked instead"),
         ("loop blocked by saves", f"{_seconds(r.blocking_s)} ({r.overhead_pct:.2f}% of the running time)"),
         ("restores", _seconds(r.restore_s)),
         ("lost to restarts", lost),
