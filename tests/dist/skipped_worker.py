@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import safepoint
+from tests.helpers.procs.exiting import run_then_exit
 
 
 def main() -> None:
@@ -40,4 +41,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)  # never through the interpreter's teardown (tests/helpers/procs/exiting.py)
