@@ -87,7 +87,9 @@ def _one_step_bytes(root: Path) -> int:
     return sum(p.lstat().st_size for p in newest.iterdir())
 
 
-def run(kind: str, incremental: bool, saves: int, base: Path) -> dict[str, Any]:
+def run(kind: str, incremental: bool, saves: int, base: Path, process: bool = False) -> dict[str, Any]:
+    """``process``: async saves written by the writer process (each waited for: wall is save + wait, and
+    bytes written are the committed event's ``bytes_written``: the process's writes are not this one's)."""
     torch.manual_seed(0)
     model = MODELS[kind]()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
@@ -105,10 +107,21 @@ def run(kind: str, incremental: bool, saves: int, base: Path) -> dict[str, Any]:
     inc.fingerprint = timed  # type: ignore[assignment]
     root = Path(tempfile.mkdtemp(dir=base)) / "root"
     state = safepoint.TrainState(model=model, optimizer=opt)
-    writer = safepoint.WriterOptions(incremental=incremental, full_every=0)
+    mode = "process" if process else "auto"
+    writer = safepoint.WriterOptions(incremental=incremental, full_every=0, async_writer=mode)
     wall, cpu, wrote, fps = [], [], [], []
+    committed: list[int] = []
+
+    def on_event(e: safepoint.CheckpointEvent) -> None:
+        if e.event_type == "save_committed":
+            committed.append(e.bytes_written or 0)
+
     try:
-        with safepoint.CheckpointManager(root, keep=safepoint.Keep(last=3), writer=writer) as mgr:
+        with safepoint.CheckpointManager(
+            root, keep=safepoint.Keep(last=3), writer=writer, async_save=process, on_event=on_event
+        ) as mgr:
+            if mgr._process is not None:
+                mgr._process.wait_ready()
             for step in range(1, saves + 1):
                 model.loss().backward()
                 opt.step()
@@ -116,9 +129,10 @@ def run(kind: str, incremental: bool, saves: int, base: Path) -> dict[str, Any]:
                 fp_cpu[0] = 0.0
                 w0, t0, c0 = _wchar(), time.perf_counter(), time.process_time()
                 mgr.save(step, state)
+                mgr.wait()
                 wall.append(time.perf_counter() - t0)
                 cpu.append(time.process_time() - c0)
-                wrote.append(_wchar() - w0)
+                wrote.append(committed[-1] if process else _wchar() - w0)
                 fps.append(fp_cpu[0])
         fresh = MODELS[kind]()
         fopt = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-3)
@@ -150,6 +164,7 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=8)
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--models", default="lora,embedding,dense")
+    ap.add_argument("--process", action="store_true", help="async saves through the writer process")
     args = ap.parse_args()
     for kind in args.models.split(","):
         results: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
@@ -157,7 +172,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for incremental in (False, True):  # interleaved: full, incremental, full, ...
                 loads.append(os.getloadavg()[0])
-                results[incremental].append(run(kind, incremental, args.saves, Path(args.dir)))
+                results[incremental].append(run(kind, incremental, args.saves, Path(args.dir), args.process))
 
         report(kind, results, loads)
 

@@ -16,6 +16,7 @@ import torch
 
 import safepoint
 from safepoint import events as ev
+from safepoint.policy.goodput import build_report
 
 
 class Recorder:
@@ -243,3 +244,39 @@ def test_tiering_reports_each_tier_and_the_report_its_durability_lag(
     report = build_report(local)
     assert report.saves == 3 and report.last_durable_step == 3
     assert report.durable_lag_max_s == pytest.approx(max(e.lag_secs for e in durable), abs=1e-3)  # type: ignore[type-var]
+
+
+@pytest.mark.parametrize("async_writer", [None, "process"])
+def test_bytes_skipped_are_the_bytes_an_incremental_save_linked(root: Path, async_writer: str | None) -> None:
+    """A frozen base is linked from the third save on: the events say how many bytes that spared (sync, and
+    async with the writer process), written + skipped is the checkpoint's size, and the run report sums it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 32)
+    frozen = torch.nn.Embedding(4096, 16)
+    frozen.weight.requires_grad_(False)
+    state = safepoint.TrainState(model=torch.nn.ModuleDict({"head": model, "emb": frozen}), rng=False)
+    rec = Recorder()
+    writer = safepoint.WriterOptions(async_writer=async_writer or "auto")
+    with safepoint.CheckpointManager(
+        root, async_save=async_writer is not None, writer=writer, on_event=rec
+    ) as mgr:
+        if mgr._process is not None:
+            mgr._process.wait_ready()
+        for step in (1, 2, 3):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            mgr.save(step, state)
+            mgr.wait()
+    for step in (1, 2, 3):
+        manifest = json.loads((root / f"step-{step}/safepoint.json").read_text())
+        linked = manifest["extra"]["incremental"]["linked"]
+        committed = rec.one(ev.SAVE_COMMITTED, step)
+        assert committed.bytes_skipped == linked == rec.one(ev.SAVE_WRITTEN, step).bytes_skipped
+        total = sum(f["size"] for f in manifest["files"].values())
+        assert committed.bytes_written + linked == total  # type: ignore[operator]
+    assert rec.one(ev.SAVE_COMMITTED, 2).bytes_skipped == 0
+    skipped = rec.one(ev.SAVE_COMMITTED, 3).bytes_skipped
+    assert skipped is not None and skipped >= 4096 * 16 * 4
+    report = build_report(str(root))
+    assert report.bytes_skipped == skipped
+    assert report.bytes_saved == sum(rec.one(ev.SAVE_COMMITTED, s).bytes_written or 0 for s in (1, 2, 3))

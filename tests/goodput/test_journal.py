@@ -113,7 +113,11 @@ def test_the_journal_is_bounded_and_keeps_its_totals(tmp_path: Path) -> None:
                 ev.SAVE, step, wall_time=float(step), checkpoint_manager_blocking_duration_secs=0.25
             )
         )
-        journal(ev.CheckpointEvent(ev.SAVE_COMMITTED, step, wall_time=float(step) + 0.5, bytes_written=10))
+        journal(
+            ev.CheckpointEvent(
+                ev.SAVE_COMMITTED, step, wall_time=float(step) + 0.5, bytes_written=10, bytes_skipped=7
+            )
+        )
     journal(ev.CheckpointEvent(ev.SAVE_BEGIN, 301, wall_time=400.0))  # not a journaled kind
     journal(ev.CheckpointEvent(ev.SAVE, 302, rank=1, wall_time=400.0))  # another rank's: not journaled
     journal.close()
@@ -122,6 +126,8 @@ def test_the_journal_is_bounded_and_keeps_its_totals(tmp_path: Path) -> None:
     assert skipped == 0 and records[0]["event_type"] == CARRY and records[-1]["step"] == 300
     report = build_report(tmp_path)
     assert report.saves == 300 and report.blocking_s == pytest.approx(75.0) and report.bytes_saved == 3000
+    assert report.bytes_skipped == 2100  # incremental saves' linked bytes: summed through the carry too
+    assert report.to_json()["bytes_skipped"] == 2100
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 

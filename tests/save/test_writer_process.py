@@ -31,12 +31,13 @@ from tests.helpers.train import Setup, assert_bitwise_equal, big_state
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the process writer is Linux-only")
 
 
-def _manager(root: Path, *, ready: bool = True, **kw: object) -> safepoint.CheckpointManager:
+def _manager(
+    root: Path, *, ready: bool = True, incremental: bool = True, **kw: object
+) -> safepoint.CheckpointManager:
     """A manager with the process writer; ``ready``: once its process is ready (saves that come before
     are written by the writer thread, and these tests are about the process)."""
-    mgr = safepoint.CheckpointManager(
-        root, async_save=True, writer=safepoint.WriterOptions(async_writer="process"), **kw
-    )  # type: ignore[arg-type]
+    writer = safepoint.WriterOptions(async_writer="process", incremental=incremental)
+    mgr = safepoint.CheckpointManager(root, async_save=True, writer=writer, **kw)  # type: ignore[arg-type]
     if ready:
         assert mgr._process is not None
         mgr._process.wait_ready()
@@ -112,7 +113,9 @@ class _Noted(torch.nn.Module):
 def test_a_new_staging_segment_when_the_state_changes_shape(root: Path) -> None:
     m = _Noted()
     m.a = torch.nn.Parameter(torch.full((1000,), 1.0))
-    with _manager(root) as mgr:
+    # Not incremental: every save writes every item, into DCP's own file (compared with a sync save's
+    # below); tests/save/test_incremental_process.py has the incremental saves.
+    with _manager(root, incremental=False) as mgr:
         mgr.save(1, safepoint.TrainState(model=m, rng=False))
         mgr.wait()
         first = mgr._stager.arena
@@ -170,6 +173,8 @@ def test_writer_process_killed_mid_write_fails_that_save_only(root: Path) -> Non
         assert mgr._process is not None
         pid = mgr._process.pid
         assert pid is not None
+        with torch.no_grad():
+            m.w.fill_(2.0)  # changed: written (an unchanged state would go to a stable group, not __0_0)
         mgr.save(2, st)
         _wait_for_shard(root, 2)
         os.kill(pid, signal.SIGKILL)

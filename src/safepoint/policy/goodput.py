@@ -71,6 +71,9 @@ class RunReport:
     restore_s: float = 0.0
     deleted: int = 0
     bytes_saved: int = 0
+    """Bytes the committed saves wrote."""
+    bytes_skipped: int = 0
+    """Bytes the committed saves linked from an older step instead of writing them (incremental saves)."""
     durable_lag_max_s: float | None = None
     durable_lag_mean_s: float | None = None
     last_durable_step: int | None = None
@@ -134,6 +137,7 @@ class RunReport:
             "durability_lag_mean_s": _round(self.durable_lag_mean_s),
             "deleted": self.deleted,
             "bytes_saved": self.bytes_saved,
+            "bytes_skipped": self.bytes_skipped,
             "goodput": round(self.goodput, 4),
             "skipped_lines": self.skipped_lines,
             "attempt_list": [
@@ -246,9 +250,11 @@ def _totals(report: RunReport, records: list[dict[str, Any]]) -> None:
             report.restore_s += float(r.get("restore_s", 0.0))
             report.deleted += int(r.get("deleted", 0))
             report.bytes_saved += int(r.get("bytes", 0))
+            report.bytes_skipped += int(r.get("skipped", 0))
         elif kind == ev.SAVE_COMMITTED:
             report.saves += 1
             report.bytes_saved += int(r.get("bytes_written", 0))
+            report.bytes_skipped += int(r.get("bytes_skipped", 0))
         elif kind == ev.SAVE:
             report.blocking_s += float(r.get("checkpoint_manager_blocking_duration_secs", 0.0))
         elif kind == ev.SAVE_FAILED:
@@ -324,6 +330,7 @@ def report_lines(r: RunReport) -> list[str]:
         ("run", f"{_when(first)} -> {_when(last)}  ({_seconds(r.wall_s)} wall, {_seconds(r.run_s)} running)"),
         ("attempts", f"{len(r.attempts)} ({r.restarts} restart(s))"),
         ("saves", f"{r.saves} committed, {r.failed_saves} failed, {r.emergency_saves} emergency"),
+        ("bytes", f"{r.bytes_saved / 1e6:.1f} MB written, {r.bytes_skipped / 1e6:.1f} MB linked instead"),
         ("loop blocked by saves", f"{_seconds(r.blocking_s)} ({r.overhead_pct:.2f}% of the running time)"),
         ("restores", _seconds(r.restore_s)),
         ("lost to restarts", lost),

@@ -57,7 +57,9 @@ _NUMBERS = frozenset(
 _TEXTS = frozenset({"tier", "directory", "reason", "event_type"})
 _FLAGS = frozenset({"is_async", "emergency"})
 # carry: the sums the report needs of the records folded away.
-_CARRIED = ("saves", "failures", "blocking_s", "restores", "restore_s", "deleted", "bytes", "first_time")
+_CARRIED = (
+    "saves", "failures", "blocking_s", "restores", "restore_s", "deleted", "bytes", "skipped", "first_time"
+)  # fmt: skip
 
 
 class Journal:
@@ -190,6 +192,7 @@ def fold_carry(records: list[dict[str, Any]]) -> dict[str, Any]:
         elif kind == ev.SAVE_COMMITTED:
             out["saves"] += 1
             out["bytes"] += r.get("bytes_written", 0)
+            out["skipped"] += r.get("bytes_skipped", 0)
         elif kind == ev.SAVE:
             out["blocking_s"] += r.get("checkpoint_manager_blocking_duration_secs", 0.0)
         elif kind == ev.SAVE_FAILED:

@@ -40,6 +40,9 @@ Place = tuple[Any, ...] | None
 """Where an item lies in the staging segment: ("arena", offset, nbytes, dtype, storage_offset, size,
 stride); None for an item sent by value."""
 
+Arranged = list[tuple[str, list[int]]]
+"""An incremental save's files for the writer process: (file name, positions of its items in the plan)."""
+
 
 class HandoffError(OSError):
     """An item the writer process cannot be handed (neither in the segment nor a tensor or bytes)."""

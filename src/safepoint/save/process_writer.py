@@ -1,6 +1,13 @@
 """The storage writer of async saves with a writer process: DCP's planning and ``finish`` run in the rank's
 background thread as for any save; ``write_data`` hands the rank's items to the writer process
 (writer_process.py) and turns its answer back into DCP's write results and safepoint's file report.
+
+Incremental saves (store/incremental.py) are arranged here, in the rank's background thread: the staged
+copies are fingerprinted, unchanged stable groups hard-linked from the previous step (through RootDir), and
+only the files left to write go to the process, each with its name and items. Why the rank and not the
+process: the history of committed saves lives with the rank (a writer process killed and restarted loses
+nothing of it), the links need the rank's guarded walk of the root, and the fingerprints read the same
+shared staging memory the process would (the writer thread pays the same cost).
 """
 
 from __future__ import annotations
@@ -8,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from typing import Any
 
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
@@ -40,8 +48,13 @@ class ProcessWriter(SafepointWriter):
     ) -> None:
         super().__init__(path, thread_count=thread_count)
         self._process, self._arena = process, arena
+        self._plan: SavePlan | None = None  # this save's plan (incremental: the arranged files refer to it)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if self.incremental is not None:
+            # Arranged by SafepointWriter (fingerprints, links); the files left go through _write_entries.
+            self._plan = plan
+            return super().write_data(plan, planner)
         # Byte items are torch.save'd as they are resolved, here: with torch's CRC-32 off, as the thread
         # writer resolves them, so both write the same bytes (crc32c covers them either way).
         with torch_crc32_off():
@@ -64,6 +77,35 @@ class ProcessWriter(SafepointWriter):
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return with_files(fut, self.written_files())
+
+    def _write_entries(self, planner: SavePlanner, entries: list[Any]) -> list[WriteResult]:
+        """The process writes the arranged files (names and items as ``entries`` say); the rank keeps the
+        whole plan's description (handoff.py: an unchanged state sends only its values) and names, per
+        file, the positions of its items in the plan."""
+        plan = self._plan
+        assert plan is not None
+        places, values = describe(plan, planner, self._arena)
+        position = {item.index: i for i, item in enumerate(plan.items)}
+        files = [(name, [position[item.index] for item in items]) for _, name, items in entries]
+        try:
+            results, written = self._process.write(
+                self._arena, str(self.path), self.thread_count, plan, places, values, files
+            )
+        except WriterStarting:
+            log.info("safepoint: %s written by the thread: the writer process is still starting", self.path)
+            return super()._write_entries(planner, entries)
+        except WriterUnavailable:
+            return super()._write_entries(planner, entries)
+        wanted = {item.index for _, _, items in entries for item in items}
+        if len(results) != len(wanted) or {r.index for r in results} != wanted:
+            raise WriterProcessError(
+                f"the writer process answered for {len(results)} items, not the {len(wanted)} arranged"
+            )
+        for name, (size, crc) in written.items():
+            self.recorder.record(name, size, crc)
+        # A copy: the list may be the one the rank keeps for the process's "same" answers (handoff.Sent),
+        # and the caller adds the linked and aliased items to what it gets.
+        return list(results)
 
 
 def process_writer_factory(

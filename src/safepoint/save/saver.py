@@ -115,6 +115,7 @@ class SyncSaver:
             round_ = writer.incremental = self.history.begin(versions=not self.staged)
         error: str | None = None
         own: dict[str, tuple[int, str]] = {}
+        skipped = 0  # the checkpoint's bytes linked rather than written (every rank's; rank 0 sums them)
         try:
             # Per-rank sections go to this rank's own file, not into the global .metadata (rank_state.py);
             # the file's entry rides to rank 0 with DCP's file list.
@@ -134,9 +135,11 @@ class SyncSaver:
         except (CheckpointException, OSError, RuntimeError, ValueError) as e:
             error = describe_exception(e)
         else:
-            mine = sum(size for size, _ in {**writer.written_files(), **own}.values())
+            linked = writer.linked_bytes() if isinstance(writer, SafepointWriter) else 0
+            mine = sum(size for size, _ in {**writer.written_files(), **own}.values()) - linked
+            took = time.perf_counter() - t0
             self.events.emit(
-                ev.SAVE_WRITTEN, step, bytes_written=mine, duration_secs=time.perf_counter() - t0
+                ev.SAVE_WRITTEN, step, bytes_written=mine, bytes_skipped=linked, duration_secs=took
             )
         errors = [error] if error else []
         info: CheckpointInfo | None = None
@@ -145,6 +148,7 @@ class SyncSaver:
                 self.retainer.claim(step)  # no retention pass deletes this step number from now on
                 try:
                     per_rank = list(writer.rank_files or [{}])
+                    skipped = sum(getattr(writer, "rank_skipped", None) or [])
                     # With the .metadata finish wrote, and this rank's own file.
                     per_rank[self.comm.rank] = {**writer.written_files(), **own}
                     extra = dict(manifest_extra or {})
@@ -173,7 +177,9 @@ class SyncSaver:
         # per-node local tiers it carries the manifest to the other nodes' leaders.
         multi = self.nodes is not None and self.nodes.multi
         try:
-            info, verdict, manifest = self.comm.broadcast((info, errors, self._manifest if multi else None))
+            info, verdict, manifest, skipped = self.comm.broadcast(
+                (info, errors, self._manifest if multi else None, skipped)
+            )
         except PeerTimeoutError as e:
             self.events.emit(
                 ev.SAVE_FAILED, step, reason=f"{e}" + (f" (this rank: {error})" if error else "")
@@ -199,7 +205,9 @@ class SyncSaver:
             raise SaveError(
                 f"save of step {step} failed and was not committed ({why}). Older checkpoints are intact."
             )
-        seconds, done = time.perf_counter() - t0, {"bytes_written": info.bytes, "bytes_skipped": 0}
+        # What this save wrote and what it linked from an older step: together, the checkpoint's size.
+        done = {"bytes_written": info.bytes - skipped, "bytes_skipped": skipped}
+        seconds = time.perf_counter() - t0
         self.events.emit(ev.SAVE_COMMITTED, step, duration_secs=seconds, directory=str(info.path), **done)
         if self.comm.is_coordinator:
             self.retainer.settle()  # inline mode: the pass runs now, after every rank has its verdict

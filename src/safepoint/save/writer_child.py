@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -27,10 +28,10 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from safepoint.errors import os_error_in_chain
 from safepoint.save import ipc
-from safepoint.save.handoff import Held
+from safepoint.save.handoff import Arranged, Held
 from safepoint.save.shared_buffers import SharedArena
 from safepoint.store.file_report import split_files
-from safepoint.store.storage import SafepointWriter
+from safepoint.store.storage import SafepointWriter, torch_crc32_off
 
 log = logging.getLogger("safepoint")
 
@@ -45,13 +46,42 @@ class _Resolved:
         return self._data[item.index]
 
 
+# A file the rank may name (an incremental save's arrangement): a rank's data file, in the save's directory.
+_FILE_NAME = re.compile(r"^__\d+_\d+\.distcp$")
+
+
 def _write(
-    path: str, thread_count: int, plan: SavePlan, data: dict[MetadataIndex, Any]
+    path: str,
+    thread_count: int,
+    plan: SavePlan,
+    data: dict[MetadataIndex, Any],
+    files: Arranged | None = None,
 ) -> tuple[list[WriteResult], dict[str, tuple[int, str]]]:
     writer = SafepointWriter(path, thread_count=thread_count)
+    if files is not None:
+        return _write_arranged(writer, plan, data, files), writer.written_files()
     results = writer.write_data(plan, _Resolved(data)).wait()  # type: ignore[arg-type]
     # The file list goes back on its own; the parent's ProcessWriter adds it to its results for DCP.
     return split_files([results])[1][0], writer.written_files()
+
+
+def _write_arranged(
+    writer: SafepointWriter, plan: SavePlan, data: dict[MetadataIndex, Any], files: Arranged
+) -> list[WriteResult]:
+    """An incremental save: only the files the rank arranged (the rest it linked), each with its items."""
+    entries = []
+    for name, positions in files:
+        if not _FILE_NAME.match(name):
+            raise ValueError(f"not a data file name: {name!r}")
+        entries.append((os.path.join(writer.path, name), name, [plan.items[i] for i in positions]))
+    wanted = sum(len(items) for _, _, items in entries)
+    with torch_crc32_off():
+        results = writer._write_entries(_Resolved(data), entries)  # type: ignore[arg-type]
+    if len(results) != wanted:  # an extra writer thread failed (write_queue logs and drops its items)
+        failure = writer.recorder.first_failure()
+        what = f"writer threads wrote {len(results)} of {wanted} items"
+        raise OSError(f"{what} ({failure[0]}: {failure[1]})" if failure else what)
+    return results
 
 
 def _failure(e: BaseException) -> tuple[Any, ...]:
@@ -100,19 +130,19 @@ def serve(sock: socket.socket) -> None:
         values: list[Any] | None = None
         try:
             if msg[0] == "write":
-                _, key, arena_id, path, thread_count, plan, places, values = msg
+                _, key, arena_id, path, thread_count, plan, places, values, files = msg
                 held = None
                 if arena_id is not None and (arena is None or arena.id != arena_id):
                     raise RuntimeError(f"staging segment {arena_id} was never sent to the writer process")
                 held = Held.build(key, arena, plan, places)
             else:
-                _, _key, _arena_id, path, thread_count, values = msg
+                _, _key, _arena_id, path, thread_count, values, files = msg
             assert held is not None
             data = held.data(values)
-            results, files = _write(path, thread_count, held.plan, data)
-            reply: tuple[Any, ...] = ("done", results, files)
+            results, written = _write(path, thread_count, held.plan, data, files)
+            reply: tuple[Any, ...] = ("done", results, written)
             if msg[0] == "again" and results == held.results:
-                reply = ("same", files)  # the rank reuses the last save's results (no 5,000 to pickle)
+                reply = ("same", written)  # the rank reuses the last save's results (no 5,000 to pickle)
             held.results = results
         except Exception as e:  # reported to the rank, which logs it and fails the save
             reply = _failure(e)

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from safepoint.save import background, ipc
-from safepoint.save.handoff import Place, Sent
+from safepoint.save.handoff import Arranged, Place, Sent
 from safepoint.save.shared_buffers import SharedArena
 
 log = logging.getLogger("safepoint")
@@ -184,9 +184,12 @@ class WriterProcess:
         plan: SavePlan,
         places: list[Place],
         values: list[Any],
+        files: Arranged | None = None,
     ) -> tuple[list[WriteResult], dict[str, tuple[int, str]]]:
         """Have the process write one rank's items (``places`` and ``values`` from handoff.describe);
-        returns DCP's write results and {file: (size, crc)}.
+        returns DCP's write results and {file: (size, crc)}. ``files``: an incremental save's arrangement,
+        [(file name, positions of its items in ``plan``)]: only those are written, into those files (None:
+        every item, in DCP's own files).
 
         Raises WriterStarting while the process is still starting (never waits for it), and
         WriterUnavailable (with ``fallback``) if no process could be started for it.
@@ -210,13 +213,13 @@ class WriterProcess:
             reply: tuple[Any, ...] | None = None
             held = self._held
             if held is not None and held.matches(plan, places, arena_id):
-                reply = self._request(("again", held.key, arena_id, path, thread_count, values))
+                reply = self._request(("again", held.key, arena_id, path, thread_count, values, files))
                 if reply[0] == "stale":  # the process does not hold it after all: describe it again
                     self.stale += 1
                     reply = None
             if reply is None:  # nothing held, or a changed state (another plan, places or segment)
                 self._held, self._keys = None, self._keys + 1
-                msg = ("write", self._keys, arena_id, path, thread_count, plan, places, values)
+                msg = ("write", self._keys, arena_id, path, thread_count, plan, places, values, files)
                 reply = self._request(msg)
                 self.descriptions += 1
                 if reply[0] == "done":  # the process holds it now (on failure, the next save resends)

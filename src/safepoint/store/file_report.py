@@ -20,12 +20,19 @@ paths of the state dict, and safepoint's sections never start with an underscore
 Files = dict[str, tuple[int, str]]
 
 
-def with_files(fut: Future[list[WriteResult]], files: Files) -> Future[list[WriteResult]]:
-    """``fut``'s results (a finished write) plus this rank's file list."""
-    report = WriteResult(index=FILES_INDEX, size_in_bytes=0, storage_data=dict(files))
+def with_files(fut: Future[list[WriteResult]], files: Files, skipped: int = 0) -> Future[list[WriteResult]]:
+    """``fut``'s results (a finished write) plus this rank's file list; ``skipped``: the bytes of those
+    files that were linked from an older step rather than written (incremental saves), in the report's
+    ``size_in_bytes``."""
+    report = WriteResult(index=FILES_INDEX, size_in_bytes=skipped, storage_data=dict(files))
     out: Future[list[WriteResult]] = Future()
     out.set_result([*fut.wait(), report])
     return out
+
+
+def skipped_per_rank(results: list[list[WriteResult]]) -> list[int]:
+    """Each rank's bytes linked rather than written (``with_files``' ``skipped``), in rank order."""
+    return [sum(wr.size_in_bytes for wr in rank if wr.index == FILES_INDEX) for rank in results]
 
 
 def split_files(results: list[list[WriteResult]]) -> tuple[list[Files], list[list[WriteResult]]]:

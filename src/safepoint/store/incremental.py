@@ -167,7 +167,7 @@ class History:
     def committed(self, round_: Round, directory: Path) -> None:
         """``round_``'s save was committed into ``directory``: the next save compares against it."""
         if round_.record is None:
-            self.last = None  # written without this layer (the writer process): nothing to link from
+            self.last = None  # written without this layer (an extension writer): nothing to link from
             return
         round_.record.directory = directory
         self.last = round_.record

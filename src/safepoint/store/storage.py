@@ -38,7 +38,7 @@ from torch.futures import Future
 
 from safepoint.errors import CorruptCheckpointError, UnsafeCheckpointError, os_error_in_chain
 from safepoint.store.checksum import ChecksummingWriter, ChecksumRecorder
-from safepoint.store.file_report import Files, split_files, with_files
+from safepoint.store.file_report import Files, skipped_per_rank, split_files, with_files
 from safepoint.store.guard import real_dir_problem
 from safepoint.store.incremental import Round
 from safepoint.store.item_writer import write_queue
@@ -182,6 +182,8 @@ class SafepointWriter(FileSystemWriter):
 
     rank_files: list[Files] | None = None
     """Every rank's files, in rank order: set on the coordinator by :meth:`finish`."""
+    rank_skipped: list[int] | None = None
+    """Every rank's bytes linked rather than written, in rank order: set on the coordinator by finish."""
     incremental: Round | None = None
     """Set by the saver: this save's incremental arrangement (store/incremental.py); None writes all."""
     _prefix = ""
@@ -210,9 +212,14 @@ class SafepointWriter(FileSystemWriter):
             name, error = failure
             cause = os_error_in_chain(error)
             raise OSError(f"{what} writing {name}: {type(cause).__name__}: {cause}") from error
-        return with_files(fut, self.written_files())
+        return with_files(fut, self.written_files(), self.linked_bytes())
+
+    def linked_bytes(self) -> int:
+        """Bytes of this rank's files linked from the previous step rather than written (this save)."""
+        return self.incremental.stats["linked"] if self.incremental is not None else 0
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        self.rank_skipped = skipped_per_rank(results)
         self.rank_files, results = split_files(results)
         super().finish(metadata, results)
 
@@ -241,13 +248,18 @@ class SafepointWriter(FileSystemWriter):
         if round_.record is not None:
             for name, stored in round_.record.files.items():
                 self.recorder.record(name, stored.size, stored.crc32c)
-        todo: queue.Queue[Any] = queue.Queue()
-        for entry in out:
-            todo.put(entry)
-        results = write_queue(self, planner, todo)
+        results = self._write_entries(planner, out)
         round_.written(directory, results, self.recorder.snapshot())
         results += linked
         return results + round_.alias_results(results)
+
+    def _write_entries(self, planner: SavePlanner, entries: list[Any]) -> list[WriteResult]:
+        """Write the arranged files (DCP queue entries: path, name, items) and record them; the writer
+        process's proxy (save/process_writer.py) has its process write them instead."""
+        todo: queue.Queue[Any] = queue.Queue()
+        for entry in entries:
+            todo.put(entry)
+        return write_queue(self, planner, todo)
 
     def written_files(self) -> dict[str, tuple[int, str]]:
         return self.recorder.snapshot()
