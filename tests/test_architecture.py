@@ -173,7 +173,6 @@ _ALLOWED_MODULES: dict[str, str] = {
     "safepoint.store.posix_layout": "not yet moved (see above)",
     "safepoint.store.storage": "not yet moved (see above)",
     "safepoint.store.file_lease": "not yet moved (see above)",
-    "safepoint.store.rank_state": "not yet moved (see above)",
 }
 
 

@@ -86,6 +86,14 @@ class RootDir:
         """The path ``rel`` stands for (for messages and for readers that take paths)."""
         return self.path.joinpath(*self.parts(rel))
 
+    def holds(self, path: Path) -> bool:
+        """Whether ``path`` lies under the root (by its path: nothing is opened)."""
+        try:
+            self.parts(path)
+        except OutsideRootError:
+            return False
+        return True
+
     def name(self, rel: Rel) -> str:
         """``rel`` as a name relative to the root (the ``str`` form of :data:`Rel`)."""
         return "/".join(self.parts(rel))
@@ -321,3 +329,10 @@ class RootDir:
                 return f"{self.full(rel)}: a symlink or file on the way ({e.strerror}); left alone"
             raise
         return None
+
+
+def around(path: Path, fs: RootDir | None = None) -> RootDir:
+    """``fs`` if ``path`` lies under it (walked from its root), else a RootDir of ``path``'s own directory:
+    that directory's path is the caller's, like a root's (a step directory a layout named), and the name in
+    it is still opened with O_NOFOLLOW, regular files only."""
+    return fs if fs is not None and fs.holds(path) else RootDir(path.parent)
