@@ -172,7 +172,6 @@ _ALLOWED_MODULES: dict[str, str] = {
     # checks meanwhile. Remove each line once its module is moved.
     "safepoint.store.posix_layout": "not yet moved (see above)",
     "safepoint.store.storage": "not yet moved (see above)",
-    "safepoint.store.file_lease": "not yet moved (see above)",
 }
 
 
