@@ -170,7 +170,6 @@ _ALLOWED_MODULES: dict[str, str] = {
     # run under the torture suite's fault layer (tests/torture/faults.py); moving them onto RootDir needs
     # the crash/fault campaigns rerun with it. Their paths are guarded by store/guard.py's lstat/O_NOFOLLOW
     # checks meanwhile. Remove each line once its module is moved.
-    "safepoint.store.posix_layout": "not yet moved (see above)",
     "safepoint.store.storage": "not yet moved (see above)",
 }
 
