@@ -298,7 +298,7 @@ class Layout:
     # ---- the seam SyncSaver/Restorer use (RemoteLayout has the same methods) ---------------------------
 
     def make_writer(self, pending: Path, *, thread_count: int = 1) -> SafepointWriter:
-        return SafepointWriter(pending, thread_count=thread_count)
+        return SafepointWriter(pending, thread_count=thread_count, root=self.fs)
 
     def written_sizes(self, pending: Path) -> dict[str, int]:
         """{name: size} of the files a save left in ``pending`` (what rank 0 can see)."""
