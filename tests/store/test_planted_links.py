@@ -17,6 +17,8 @@ from safepoint.state import rank_key
 from safepoint.store import rank_state
 from safepoint.store.manifest import MANIFEST_NAME
 from safepoint.store.posix_layout import Layout
+from safepoint.store.reader import SafeReader
+from safepoint.store.rootfs import RootDir
 from safepoint.store.storage import SafepointWriter
 
 PRECIOUS = b"someone else's file\n"
@@ -89,3 +91,19 @@ def test_a_link_planted_at_a_rank_file_name_is_not_written_through(tmp_path: Pat
     assert victim.read_bytes() == PRECIOUS
     assert not (pending / rank_state.file_name(0)).is_symlink()
     assert written[rank_state.file_name(0)][0] == (pending / rank_state.file_name(0)).stat().st_size
+
+
+def test_the_reader_never_reads_through_a_step_directory_swapped_for_a_symlink(tmp_path: Path) -> None:
+    """SafeReader opens every file (and ``.metadata``) walking from the root: a step directory swapped
+    for a link to a copy elsewhere after it was listed is refused (O_NOFOLLOW|O_DIRECTORY: ENOTDIR), not read from there."""
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    dcp.save({"t": torch.arange(8.0)}, storage_writer=SafepointWriter(root / "step-1"), no_dist=True)
+    shutil.move(root / "step-1", elsewhere)
+    (root / "step-1").symlink_to(elsewhere)
+    out = {"t": torch.zeros(8)}
+    with pytest.raises(BaseException, match="Not a directory: .step-1."):
+        dcp.load(out, storage_reader=SafeReader(root / "step-1", root=RootDir(root)), no_dist=True)
+    assert torch.equal(out["t"], torch.zeros(8))
+    ok = {"t": torch.zeros(8)}  # the same files, reached without a link: read
+    dcp.load(ok, storage_reader=SafeReader(elsewhere, root=RootDir(tmp_path)), no_dist=True)
+    assert torch.equal(ok["t"], torch.arange(8.0))

@@ -331,7 +331,8 @@ class Layout:
         return load_checked_metadata(step, data, manifest.expected())
 
     def make_reader(self, step: int, metadata: Metadata | None, manifest: Manifest) -> SafeReader:
-        return SafeReader(self.step_path(step), metadata=metadata, expected=manifest.expected(), step=step)
+        expected = manifest.expected()
+        return SafeReader(self.step_path(step), metadata=metadata, expected=expected, step=step, root=self.fs)
 
     def lease(self, stale_after_s: float, job: str | None = None) -> Lease:
         """A lease on ROOT (held for ``job``: store/job.py); once acquired, it fences commits and deletes."""

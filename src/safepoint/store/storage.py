@@ -176,6 +176,7 @@ class _ChecksummingFileSystem(FileSystem):
         parent = Path(path).parent
         if (problem := self.root.kind(parent)) not in (None, "a directory"):
             raise OSError(f"{parent} is {problem}, not a directory; not saving through it")
+        self.root.make()  # the root's own path (and its parents) as given, as DCP's mkdir(parents=True) did
         self.root.makedirs(Path(path))  # walked from the root: a symlink on the way is ELOOP, not followed
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
