@@ -45,8 +45,13 @@ def write_file_durably(path: Path, data: bytes) -> None:
 
 def remove_tree(path: Path) -> str | None:
     """Delete ``path`` and everything in it, never leaving ROOT (RootDir.remove_tree); what was left
-    alone and why, or None."""
-    return root_of(path).remove_tree(path)
+    alone and why, or None. A tree that cannot be reached now (no descriptors left: the walk needs them
+    too) is left as rmtree(ignore_errors=True) left it before the walk: its owner retries (saver._discard,
+    clean_pending)."""
+    try:
+        return root_of(path).remove_tree(path)
+    except OSError as e:
+        return f"{path}: not deleted now ({e.strerror or e}); left for the next cleanup"
 
 
 def remove_manifest_first(path: Path, expected: tuple[int, int] | None) -> bool:
