@@ -166,14 +166,9 @@ _ALLOWED_MODULES: dict[str, str] = {
     "safepoint.demo": "the demo's run directory and its deliberate damage, never a user's root",
     "safepoint.cli.convert": "writes an export to a path the user names, outside any root",
     "safepoint.cli.tools_convert": "reads a user-named file to import and writes its export, outside any root",
-    # NOT YET MOVED (issue 23a, left): the commit protocol, DCP's writer, the lease file and the rank files
-    # run under the torture suite's fault layer (tests/torture/faults.py); moving them onto RootDir needs
-    # the crash/fault campaigns rerun with it. Their paths are guarded by store/guard.py's lstat/O_NOFOLLOW
-    # checks meanwhile. Remove each line once its module is moved.
-    "safepoint.store.posix_layout": "not yet moved (see above)",
-    "safepoint.store.storage": "not yet moved (see above)",
-    "safepoint.store.file_lease": "not yet moved (see above)",
-    "safepoint.store.rank_state": "not yet moved (see above)",
+    # The commit protocol (store/posix_layout.py, root_ops.py), DCP's writer (store/storage.py: DCP's
+    # FileSystemWriter does every file access through its FileSystem object, which safepoint's subclass
+    # routes through RootDir), the lease and the rank files are all on RootDir (issue 23); nothing is left.
 }
 
 

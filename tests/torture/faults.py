@@ -331,6 +331,8 @@ class Layer:
         if not flags & _WRITE_FLAGS:
             return int(_os["open"](path, flags, mode, dir_fd=dir_fd))
         p = _path(path, dir_fd)
+        if self.in_thread and p.endswith(".distcp") and threading.current_thread() is threading.main_thread():
+            self._other_wrote.wait(5)  # as in open(): safepoint creates DCP's files with os.open (rootfs)
         with self._lock:
             existed = self.in_scope(p) and os.path.lexists(p)
             fd = int(self.run("open", p, lambda: _os["open"](path, flags, mode, dir_fd=dir_fd)))

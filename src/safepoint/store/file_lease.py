@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from safepoint.errors import LeaseError
-from safepoint.store.guard import NotRegularFileError, open_regular
+from safepoint.store.guard import NotRegularFileError
 from safepoint.store.heartbeat import (
     DEFAULT_STALE_AFTER_S,
     UNREADABLE_WAIT_S,
@@ -33,6 +33,7 @@ from safepoint.store.heartbeat import (
     heartbeat_age,
 )
 from safepoint.store.records import CorruptRecordError, parse_object
+from safepoint.store.rootfs import RootDir
 
 log = logging.getLogger("safepoint")
 LEASE_NAME = ".lease"
@@ -68,6 +69,9 @@ class Lease(HeartbeatLease):
     ) -> None:
         super().__init__(stale_after_s, heartbeat_s, job)
         self.path = root / LEASE_NAME
+        # Every file of the lease through the guarded walk (store/rootfs.py): ROOT opened as given, each
+        # name in it with O_NOFOLLOW, regular files only, renames and links between descriptors.
+        self._fs = RootDir(root)
 
     def _where(self) -> str:
         return str(self.path)
@@ -136,53 +140,48 @@ class Lease(HeartbeatLease):
         atomic and exclusive like O_EXCL, but a crash (or a power loss) can never leave a torn or empty
         ``.lease`` that would lock the next owner out until it goes stale. File systems without hard
         links fall back to O_EXCL + write."""
-        tmp = self.path.with_name(f"{LEASE_NAME}.{self.token}.tmp")
+        tmp = f"{LEASE_NAME}.{self.token}.tmp"
         record = json.dumps(self._record())
-        with open(tmp, "w") as f:
-            f.write(record)
-            f.flush()
-            os.fsync(f.fileno())
+        self._fs.write(tmp, record.encode())  # fsync'd; a link planted at the name is unlinked, not followed
         try:
-            os.link(tmp, self.path)
+            self._fs.link(tmp, LEASE_NAME)
         except FileExistsError:
             raise
         except OSError:  # no hard links here (EPERM/ENOTSUP/EOPNOTSUPP on some FUSE and object mounts)
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            with os.fdopen(fd, "w") as f:
+            with os.fdopen(self._fs.create(LEASE_NAME, exclusive=True), "w") as f:
                 f.write(record)
                 f.flush()
                 os.fsync(f.fileno())
         finally:
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                self._fs.remove(tmp)
 
     def _take_aside(self, holder: dict[str, Any], judged: os.stat_result) -> None:
         """Move the lease judged stale out of the way, and only that one. Rename moves whatever is at
         ``.lease`` now: another contender may have taken the same stale lease over since this one read it
         and linked its fresh lease in. So the moved file must be the very inode judged stale; any other
         is put back (link: over nothing) and this contender loses at its next look."""
-        aside = self.path.with_name(f"{LEASE_NAME}.stale-{self.token}")
+        aside = f"{LEASE_NAME}.stale-{self.token}"
         try:
-            os.rename(self.path, aside)
+            self._fs.move(LEASE_NAME, aside)
         except FileNotFoundError:
             return
         if self._is_file(aside, judged, holder.get("token")):
-            os.unlink(aside)
+            self._fs.remove(aside)
             self._took_over(holder)
             return
         with contextlib.suppress(OSError):  # someone else's lease: back in place, over nothing
-            os.link(aside, self.path)
-        os.unlink(aside)
+            self._fs.link(aside, LEASE_NAME)
+        self._fs.remove(aside)
 
-    @staticmethod
-    def _is_file(aside: Path, seen: os.stat_result, token: object) -> bool:
+    def _is_file(self, aside: str, seen: os.stat_result, token: object) -> bool:
         """Whether the file moved to ``aside`` is the one ``seen`` (carrying ``token``, if not None).
 
         The inode alone is not enough: the file judged stale is unlinked by whoever moved it first, and
         its inode number is then free for that contender's fresh lease (it was, in the test). So the
         modification time and size must match too, and the record's token."""
         try:
-            fd = open_regular(aside)
+            fd = self._fs.open_read(aside)
         except OSError:
             return False
         try:
@@ -195,7 +194,7 @@ class Lease(HeartbeatLease):
             )
             if same and token is not None:
                 try:
-                    same = Lease._parse(aside, fd).get("token") == token
+                    same = Lease._parse(self._fs.full(aside), fd).get("token") == token
                 except Unreadable:
                     same = False
             return same
@@ -205,7 +204,7 @@ class Lease(HeartbeatLease):
     def _lstat(self) -> os.stat_result | None:
         """The lease file's own status (lstat: a symlink's target is never looked at); None if gone."""
         try:
-            return os.lstat(self.path)
+            return self._fs.lstat(LEASE_NAME)
         except OSError:
             return None
 
@@ -226,7 +225,7 @@ class Lease(HeartbeatLease):
     def _open(self) -> int | None:
         """A descriptor on the current lease file; None if there is none. Unreadable on other errors."""
         try:
-            return open_regular(self.path)  # never a symlink, FIFO, directory or device
+            return self._fs.open_read(LEASE_NAME)  # never a symlink, FIFO, directory or device
         except FileNotFoundError:
             return None
         except NotRegularFileError as e:
@@ -291,14 +290,14 @@ class Lease(HeartbeatLease):
             return
         if not ours:
             return
-        aside = self.path.with_name(f"{LEASE_NAME}.release-{self.token}")
+        aside = f"{LEASE_NAME}.release-{self.token}"
         try:
-            os.rename(self.path, aside)
+            self._fs.move(LEASE_NAME, aside)
         except FileNotFoundError:
             return
         if self._is_file(aside, ident, self.token):
-            os.unlink(aside)
+            self._fs.remove(aside)
             return
         with contextlib.suppress(OSError):  # a taker's lease: back in place, over nothing
-            os.link(aside, self.path)
-        os.unlink(aside)
+            self._fs.link(aside, LEASE_NAME)
+        self._fs.remove(aside)

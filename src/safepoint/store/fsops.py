@@ -13,10 +13,14 @@ _AT_FDCWD = -100
 
 
 def rename_exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths with Linux renameat2(RENAME_EXCHANGE); False where unsupported.
+    """Atomically swap two paths with Linux renameat2(RENAME_EXCHANGE); False where unsupported."""
+    return rename_exchange_at(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), str(b))
 
-    The stdlib has no binding for renameat2, hence ctypes.
-    """
+
+def rename_exchange_at(a_dir: int, a: str | bytes, b_dir: int, b: str | bytes, what: str) -> bool:
+    """renameat2(a_dir, a, b_dir, b, RENAME_EXCHANGE) (names relative to directory descriptors, as
+    store/rootfs.py walks them); False where unsupported. The stdlib has no binding for renameat2, hence
+    ctypes."""
     libc_name = ctypes.util.find_library("c")
     if not libc_name:
         return False
@@ -24,13 +28,13 @@ def rename_exchange(a: Path, b: Path) -> bool:
     fn = getattr(libc, "renameat2", None)
     if fn is None:
         return False
-    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    rc = fn(a_dir, os.fsencode(a), b_dir, os.fsencode(b), _RENAME_EXCHANGE)
     if rc == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
         return False
-    raise OSError(err, os.strerror(err), str(b))
+    raise OSError(err, os.strerror(err), what)
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:

@@ -26,21 +26,17 @@ from typing import NoReturn
 from torch.distributed.checkpoint.metadata import Metadata
 
 from safepoint.errors import CheckpointError, CorruptCheckpointError
-from safepoint.store.checksum import crc32c_combine, crc_hex, crc_ranges, range_crc32c
+from safepoint.store import root_ops
+from safepoint.store.checksum import crc32c_combine, crc_hex, crc_ranges
 from safepoint.store.file_lease import Lease
-from safepoint.store.fsops import fsync_dir, write_file_durably  # tests/torture patches them here
-from safepoint.store.fsops import rename_exchange as _rename_exchange
+from safepoint.store.fsops import fsync_dir  # tests/torture patches it here
 from safepoint.store.guard import (
     MISSING,
     STEP_PREFIX,
-    file_problem,
-    open_regular,
+    describe_mode,
     parked_step_name,
     parse_step,
     read_up_to,
-    real_dir_problem,
-    remove_tree,
-    remove_tree_from,
 )
 from safepoint.store.heartbeat import HeartbeatLease
 from safepoint.store.manifest import MANIFEST_NAME, Manifest
@@ -48,7 +44,11 @@ from safepoint.store.metadata_check import load_checked_metadata
 from safepoint.store.protocol import CheckpointInfo as CheckpointInfo  # re-exported: its old home
 from safepoint.store.protocol import CheckpointStore as CheckpointStore
 from safepoint.store.reader import SafeReader
-from safepoint.store.rootfs import RootDir
+from safepoint.store.root_ops import identity as _identity  # the seams tests patch here (root_ops' docstring)
+from safepoint.store.root_ops import remove_manifest_first as _remove_manifest_first
+from safepoint.store.root_ops import remove_tree, write_file_durably
+from safepoint.store.root_ops import rename_exchange as _rename_exchange
+from safepoint.store.rootfs import RootDir, around
 from safepoint.store.storage import METADATA_NAME, SafepointWriter
 
 log = logging.getLogger("safepoint")
@@ -95,21 +95,24 @@ class Layout:
     def ensure_root(self) -> None:
         # Every directory created here gets its parent fsynced: otherwise a power loss after the first
         # commits could lose ROOT's own directory entry, and every checkpoint with it.
-        missing = [p for p in (self.pending_root, self.root, *self.root.parents) if not p.exists()]
+        # ROOT and its parents are the user's path (followed as given); .pending is walked, never followed.
+        missing = [p for p in (self.root, *self.root.parents) if RootDir(p).lstat("") is None]
+        if self.fs.lstat(PENDING_DIR) is None:
+            missing.insert(0, self.pending_root)
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.fs.make()
             # A .pending that is not a real directory is left alone, reported by clean_pending (saves refuse).
-            if real_dir_problem(self.pending_root) is None:
-                self.pending_root.mkdir(exist_ok=True)
+            if self.fs.kind(PENDING_DIR) in (None, "a directory"):
+                self.fs.makedirs(PENDING_DIR, parents=False)
             for created in reversed(missing):
                 fsync_dir(created.parent)
         except OSError as e:
             raise CheckpointError(f"cannot create checkpoint root {self.root}: {e.strerror or e}") from e
 
     def check_readable(self) -> None:
-        if not self.root.exists():
+        if (st := self.fs.lstat("")) is None:  # the root's own path is the user's: followed (rootfs)
             return
-        if not self.root.is_dir():
+        if describe_mode(st.st_mode) != "a directory":
             raise CheckpointError(f"checkpoint root {self.root} exists but is not a directory")
         if not os.access(self.root, os.R_OK | os.X_OK):
             raise CheckpointError(f"checkpoint root {self.root} is not readable (permission denied)")
@@ -120,15 +123,10 @@ class Layout:
         """Steps whose directory holds a manifest, oldest first (manifest not yet parsed)."""
         self.check_readable()
         steps = []
-        try:
-            entries = list(os.scandir(self.root))
-        except FileNotFoundError:
-            return []
-        for entry in entries:
+        for name in self.fs.listdir():
             # A symlinked step-N is never a checkpoint (it would read, and retention delete, elsewhere).
-            step = parse_step(entry.name)
-            is_dir = step is not None and entry.is_dir(follow_symlinks=False)
-            if is_dir and step is not None and file_problem(Path(entry.path) / MANIFEST_NAME) is None:
+            step = parse_step(name)
+            if step is not None and self.fs.isdir(name) and self.fs.isfile(f"{name}/{MANIFEST_NAME}"):
                 steps.append(step)
         return sorted(steps)
 
@@ -158,15 +156,15 @@ class Layout:
         disk: it is read whole (loading reads it again from the page cache)."""
         manifest = self.read_manifest(step)
         names = sorted(manifest.files) if files is None else files
-        base = self.step_path(step)
+        base, fs = step_name(step), self.fs
         problems: dict[str, str] = {}
         ranges: dict[str, list[tuple[int, int]]] = {}
         for name in names:
             entry = manifest.files[name]
-            if problem := file_problem(base / name):
+            if problem := root_ops.file_problem(fs, f"{base}/{name}"):
                 problems[name] = problem
                 continue
-            actual = (base / name).lstat().st_size
+            actual = root_ops.lstat_size(fs, f"{base}/{name}")
             if actual != entry.size:
                 problems[name] = f"size {actual} != {entry.size} (truncated or extended)"
                 continue
@@ -177,7 +175,10 @@ class Layout:
         workers = min(_VERIFY_THREADS, max(1, sum(len(parts) for parts in ranges.values())))
         with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as ex:
             futures = {
-                name: [(length, ex.submit(range_crc32c, base / name, off, length)) for off, length in parts]
+                name: [
+                    (length, ex.submit(root_ops.range_crc32c, fs, f"{base}/{name}", off, length))
+                    for off, length in parts
+                ]
                 for name, parts in ranges.items()
             }
         for name, parts in futures.items():
@@ -222,7 +223,9 @@ class Layout:
             self._replace(pending, final, replacing)
         else:
             try:
-                os.rename(pending, final)  # refuses a non-empty step-N (ENOTEMPTY/EEXIST): never replaces one
+                self.fs.move(
+                    pending, final
+                )  # refuses a non-empty step-N (ENOTEMPTY/EEXIST): never replaces one
             except OSError as e:
                 # ENOENT: a new owner's clean_pending removed this save as abandoned.
                 if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.ENOENT):
@@ -236,7 +239,7 @@ class Layout:
                 fsync_dir(self.root)
             except OSError:
                 # Not durable, so not committed: take it back out of sight before reporting the failure.
-                os.rename(final, pending)
+                self.fs.move(final, pending)
                 raise
         # Housekeeping only: .pending's entries are never listed, so this cannot un-commit anything.
         with contextlib.suppress(OSError):
@@ -266,27 +269,27 @@ class Layout:
             return
         # No atomic exchange (e.g. NFS): park the old copy where recovery puts it back if we crash before
         # the new one lands.
-        parked = self.pending_root / f"{_REPLACED_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
-        os.rename(final, parked)
+        parked, fs = self.pending_root / f"{_REPLACED_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}", self.fs
+        fs.move(final, parked)
         if _identity(parked) != expected:
-            os.rename(parked, final)
+            fs.move(parked, final)
             self._lost(f"replacing {final.name}", f"{final} was replaced meanwhile")
         try:
-            os.rename(pending, final)
+            fs.move(pending, final)
         except OSError:
-            os.rename(parked, final)  # the old copy back in place before reporting "not committed"
+            fs.move(parked, final)  # the old copy back in place before reporting "not committed"
             raise
         try:
             fsync_dir(self.root)
         except OSError:
-            os.rename(final, pending)
-            os.rename(parked, final)
+            fs.move(final, pending)
+            fs.move(parked, final)
             raise
         # The replacement is done: first make the parked copy unrecoverable (recovery puts back only
         # "replaced-" copies), so a failed delete can never resurrect it later.
         doomed = self.pending_root / f"{_DELETING_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
         try:
-            os.rename(parked, doomed)
+            fs.move(parked, doomed)
         except OSError:
             _remove_manifest_first(parked, expected)
             return
@@ -295,12 +298,14 @@ class Layout:
     # ---- the seam SyncSaver/Restorer use (RemoteLayout has the same methods) ---------------------------
 
     def make_writer(self, pending: Path, *, thread_count: int = 1) -> SafepointWriter:
-        return SafepointWriter(pending, thread_count=thread_count)
+        return SafepointWriter(pending, thread_count=thread_count, root=self.fs)
 
     def written_sizes(self, pending: Path) -> dict[str, int]:
         """{name: size} of the files a save left in ``pending`` (what rank 0 can see)."""
+        fs = around(pending / MANIFEST_NAME, self.fs)  # walked from ROOT when under it
         with contextlib.suppress(FileNotFoundError):
-            return {e.name: e.stat().st_size for e in os.scandir(pending) if e.is_file()}
+            stats = {n: fs.lstat(pending / n) for n in fs.listdir(pending)}
+            return {n: st.st_size for n, st in stats.items() if st is not None and root_ops.is_regular(st)}
         return {}
 
     def discard(self, pending: Path) -> None:
@@ -309,8 +314,8 @@ class Layout:
     def manifest_bytes(self, step: int) -> bytes:
         """The manifest's bytes: a regular file reached without a symlink, at most MAX_MANIFEST_BYTES (one
         linked to /dev/zero or a FIFO would be read forever, one linked elsewhere read from there)."""
-        with open(open_regular(self.step_path(step) / MANIFEST_NAME), "rb") as f:
-            data = f.read(MAX_MANIFEST_BYTES + 1)
+        with os.fdopen(self.fs.open_read(f"{step_name(step)}/{MANIFEST_NAME}"), "rb") as f:
+            data = read_up_to(f, MAX_MANIFEST_BYTES + 1)
         if len(data) > MAX_MANIFEST_BYTES:
             raise OSError(errno.EFBIG, f"larger than {MAX_MANIFEST_BYTES >> 20} MiB, not a manifest")
         return data
@@ -319,14 +324,15 @@ class Layout:
         """``.metadata``, its bytes checked against ``manifest`` and its structure checked (guard)."""
         size = manifest.files[METADATA_NAME].size if METADATA_NAME in manifest.files else 0
         try:
-            with open(open_regular(self.step_path(step) / METADATA_NAME), "rb") as f:
+            with os.fdopen(self.fs.open_read(f"{step_name(step)}/{METADATA_NAME}"), "rb") as f:
                 data = read_up_to(f, size + 1)  # never more than the manifest allows, whatever the file holds
         except OSError as e:
             raise CorruptCheckpointError(step, METADATA_NAME, f"cannot read ({e.strerror or e})") from None
         return load_checked_metadata(step, data, manifest.expected())
 
     def make_reader(self, step: int, metadata: Metadata | None, manifest: Manifest) -> SafeReader:
-        return SafeReader(self.step_path(step), metadata=metadata, expected=manifest.expected(), step=step)
+        expected = manifest.expected()
+        return SafeReader(self.step_path(step), metadata=metadata, expected=expected, step=step, root=self.fs)
 
     def lease(self, stale_after_s: float, job: str | None = None) -> Lease:
         """A lease on ROOT (held for ``job``: store/job.py); once acquired, it fences commits and deletes."""
@@ -337,20 +343,20 @@ class Layout:
 
     def remove(self, step: int) -> None:
         """Delete a committed checkpoint; crash-safe (it is listed intact, or not at all)."""
-        src = self.step_path(step)
-        if problem := real_dir_problem(src):
+        src, fs = self.step_path(step), self.fs
+        if (problem := fs.kind(src)) not in (None, "a directory"):
             raise OSError(f"not deleting {src}: it is {problem}, not a checkpoint directory")
         expected = _identity(src)  # before the fence: what this owner decided to delete
         self.fence(f"deleting step {step}")
-        if real_dir_problem(self.pending_root) or not self.pending_root.exists():
+        if not fs.isdir(PENDING_DIR):
             # In place: through a symlinked .pending it would go outside ROOT.
             if not _remove_manifest_first(src, expected):
                 self._lost(f"deleting step {step}", f"{src} was replaced meanwhile")
             return
         doomed = self.pending_root / f"{_DELETING_PREFIX}{src.name}-{uuid.uuid4().hex[:8]}"
-        os.rename(src, doomed)
+        fs.move(src, doomed)
         if _identity(doomed) != expected:  # a step-N committed since the fence (a new owner's): put back
-            os.rename(doomed, src)
+            fs.move(doomed, src)
             self._lost(f"deleting step {step}", f"{src} was replaced meanwhile")
         fsync_dir(self.root)
         remove_tree(doomed)
@@ -358,7 +364,8 @@ class Layout:
     def clean_pending(self) -> list[str]:
         """Run by a new owner: recover parked replacements, delete abandoned saves. Returns what it did."""
         done: list[str] = []
-        if problem := real_dir_problem(self.pending_root):
+        fs = self.fs
+        if (problem := fs.kind(PENDING_DIR)) not in (None, "a directory"):
             msg = f"safepoint: {self.pending_root} is {problem}, not a directory; left alone (remove it)"
             warnings.warn(msg, UserWarning, stacklevel=2)
             log.warning(msg)
@@ -370,20 +377,20 @@ class Layout:
             if (original := parked_step_name(entry.name)) is not None:  # anything else is abandoned
                 target = self.root / original
                 if (
-                    real_dir_problem(entry) is None
-                    and real_dir_problem(target) is None
-                    and file_problem(target / MANIFEST_NAME) is not None
-                    and file_problem(entry / MANIFEST_NAME) is None
+                    fs.kind(entry) == "a directory"
+                    and fs.kind(target) in (None, "a directory")
+                    and not fs.isfile(target / MANIFEST_NAME)
+                    and fs.isfile(entry / MANIFEST_NAME)
                 ):
                     remove_tree(target)
-                    os.rename(entry, target)
+                    fs.move(entry, target)
                     fsync_dir(self.root)
                     done.append(f"recovered {original} from an interrupted replacement")
                     continue
                 if (
-                    real_dir_problem(entry) is None
-                    and (odd := real_dir_problem(target)) is not None
-                    and file_problem(entry / MANIFEST_NAME) is None
+                    fs.kind(entry) == "a directory"
+                    and (odd := fs.kind(target)) not in (None, "a directory")
+                    and fs.isfile(entry / MANIFEST_NAME)
                 ):
                     # The parked copy may be the only good one of that step; whatever stands in its place
                     # (a symlink, a file) is not ours to follow or replace. Keep both and say so.
@@ -399,21 +406,4 @@ class Layout:
         return done
 
     def _pending_entries(self) -> Iterator[Path]:
-        with contextlib.suppress(FileNotFoundError):
-            yield from sorted(self.pending_root.iterdir())
-
-
-def _identity(path: Path) -> tuple[int, int] | None:
-    """(device, inode) of ``path`` itself (a symlink is not followed), or None if nothing is there."""
-    try:
-        st = path.lstat()
-    except FileNotFoundError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _remove_manifest_first(path: Path, expected: tuple[int, int] | None) -> bool:
-    """Delete a checkpoint directory so it never looks whole while half-deleted: the manifest goes first,
-    and if that fails the directory is left intact (recovery may then put back only complete copies).
-    False, having deleted nothing, if ``path`` is no longer the directory ``expected`` (guard)."""
-    return remove_tree_from(path, MANIFEST_NAME, expected)
+        yield from (self.pending_root / name for name in self.fs.listdir(PENDING_DIR))

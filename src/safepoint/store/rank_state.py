@@ -27,8 +27,9 @@ from safepoint.data.rng import rng_problem
 from safepoint.errors import CorruptCheckpointError, UnsafeCheckpointError, weights_only_reason
 from safepoint.state import PER_RANK_SECTIONS, RNG, rank_key
 from safepoint.store.checksum import crc_hex
-from safepoint.store.guard import open_regular, read_up_to
+from safepoint.store.guard import read_up_to
 from safepoint.store.manifest import Manifest
+from safepoint.store.rootfs import around
 
 
 def file_name(rank: int) -> str:
@@ -50,10 +51,10 @@ def write(layout: Any, pending: Any, rank: int, sections: dict[str, Any]) -> dic
     torch.save({s: v[rank_key(rank)] for s, v in sections.items()}, buf)
     data, name = buf.getvalue(), file_name(rank)
     if isinstance(pending, Path):
-        with open(pending / name, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())  # committed with the rest: DCP fsyncs its files, the commit the directory
+        # Through the guarded walk (store/rootfs.py): a link planted at the name is unlinked, never written
+        # through. fsync'd: committed with the rest (DCP fsyncs its files, the commit the directory).
+        target = pending / name
+        around(target, getattr(layout, "fs", None)).write(target, data)
     else:
         layout.store.put_bytes(posixpath.join(pending, name), data)
     return {name: (len(data), crc_hex(crc32c.crc32c(data)))}
@@ -78,7 +79,8 @@ def read(layout: Any, manifest: Manifest, source: int, sections: list[str]) -> d
         resolve = getattr(layout, "paths", None)
         if resolve is not None or isinstance(base, Path):
             path = Path(resolve([name])[name]) if resolve is not None else base / name
-            with open(open_regular(path), "rb") as f:
+            # No symlink on the way from the layout's root, no FIFO or device (store/rootfs.py).
+            with os.fdopen(around(path, getattr(layout, "fs", None)).open_read(path), "rb") as f:
                 data = read_up_to(f, entry.size + 1)
         else:
             data = layout.store.get_bytes(posixpath.join(layout.step_key(step), name))

@@ -10,6 +10,7 @@ import io
 import os
 import pickle
 from collections.abc import Callable
+from pathlib import Path
 from typing import IO, Any, NoReturn
 
 import crc32c
@@ -34,7 +35,7 @@ from torch.futures import Future
 from safepoint.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from safepoint.store.checksum import ReadCoverage, fd_range_crc32c
 from safepoint.store.direct_read import DescriptionCache, read_in_place
-from safepoint.store.guard import open_regular
+from safepoint.store.rootfs import RootDir, around
 from safepoint.store.storage import safe_load_metadata
 from safepoint.store.whole_plan import whole_item_plan
 
@@ -63,8 +64,12 @@ class SafeReader(FileSystemReader):
         metadata: Metadata | None = None,
         expected: dict[str, tuple[int, str]] | None = None,
         step: int | None = None,
+        root: RootDir | None = None,
     ) -> None:
         super().__init__(path)
+        self.root = root
+        """The checkpoint root ``path`` lies in: every file is opened walking from it (store/rootfs.py);
+        a file elsewhere (another tier's, ``paths``) through a RootDir of its own directory."""
         self._checked_metadata = metadata
         self._expected = expected
         self._step = step
@@ -105,7 +110,7 @@ class SafeReader(FileSystemReader):
         cache: DescriptionCache,
         path: str | None = None,
     ) -> None:
-        fd = open_regular(path or self.fs.concat_path(self.path, name))
+        fd = self._open(Path(path) if path else Path(self.path) / name)
         try:
             coverage = None
             if self._expected is not None:
@@ -188,6 +193,10 @@ class SafeReader(FileSystemReader):
         planner.commit_tensor(req, target)
         return crc
 
+    def _open(self, path: Path) -> int:
+        """A descriptor of the regular file ``path``: no symlink on the way from the root, no FIFO."""
+        return around(path, self.root).open_read(path)
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self.prepare is not None:
             prepare, self.prepare = self.prepare, None
@@ -201,8 +210,8 @@ class SafeReader(FileSystemReader):
         if self._checked_metadata is not None:
             metadata = self._checked_metadata
         else:
-            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
-                metadata = safe_load_metadata(f)  # type: ignore[arg-type]
+            with os.fdopen(self._open(Path(self._get_metadata_path(kwargs.get("rank")))), "rb") as f:
+                metadata = safe_load_metadata(f)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         assert metadata.storage_meta is not None

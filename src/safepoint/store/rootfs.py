@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
 from safepoint.store.checksum import stream_crc32c
+from safepoint.store.fsops import rename_exchange_at
 from safepoint.store.guard import NotRegularFileError, describe_mode
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -85,6 +86,14 @@ class RootDir:
     def full(self, rel: Rel) -> Path:
         """The path ``rel`` stands for (for messages and for readers that take paths)."""
         return self.path.joinpath(*self.parts(rel))
+
+    def holds(self, path: Path) -> bool:
+        """Whether ``path`` lies under the root (by its path: nothing is opened)."""
+        try:
+            self.parts(path)
+        except OutsideRootError:
+            return False
+        return True
 
     def name(self, rel: Rel) -> str:
         """``rel`` as a name relative to the root (the ``str`` form of :data:`Rel`)."""
@@ -274,6 +283,12 @@ class RootDir:
                     raise FileExistsError(errno.EEXIST, f"{self.full(dst)} exists")
             os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
 
+    def exchange(self, a: Rel, b: Rel) -> bool:
+        """Swap ``a`` and ``b`` atomically (renameat2 RENAME_EXCHANGE between their walked parents); False
+        where the file system has no such call (NFS)."""
+        with self.parent(a) as (afd, aname), self.parent(b) as (bfd, bname):
+            return rename_exchange_at(afd, aname, bfd, bname, str(self.full(b)))
+
     def link(self, src: Rel, dst: Rel) -> None:
         """Hard-link ``src`` (itself, never a symlink's target) as ``dst``: atomic and exclusive like
         O_EXCL (FileExistsError if ``dst`` exists), both under the root."""
@@ -295,6 +310,29 @@ class RootDir:
         """Remove the directory ``rel`` if it is empty (never a symlink, never contents); else OSError."""
         with self.parent(rel) as (dfd, name):
             os.rmdir(name, dir_fd=dfd)
+
+    def remove_tree_from(self, rel: Rel, first: str, expected: tuple[int, int] | None) -> bool:
+        """Unlink ``rel``/``first`` through a descriptor of the directory ``rel`` checked to be ``expected``
+        (device, inode), then (only if that worked) :meth:`remove_tree` it. False, having deleted nothing,
+        if ``rel`` is no longer that directory; True otherwise (also when unlinking ``first`` failed and the
+        directory was left intact)."""
+        try:
+            with self.dir(rel) as fd:
+                st = os.fstat(fd)
+                if expected is not None and (st.st_dev, st.st_ino) != expected:
+                    return False
+                try:
+                    os.unlink(first, dir_fd=fd)
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    return True
+        except OSError:
+            return False
+        now = self.lstat(rel)
+        if now is not None and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):  # else not ours now
+            self.remove_tree(rel)
+        return True
 
     def remove_tree(self, rel: Rel) -> str | None:
         """Delete ``rel`` and everything in it, never leaving the root: a symlink (at ``rel`` or inside) is
@@ -321,3 +359,10 @@ class RootDir:
                 return f"{self.full(rel)}: a symlink or file on the way ({e.strerror}); left alone"
             raise
         return None
+
+
+def around(path: Path, fs: RootDir | None = None) -> RootDir:
+    """``fs`` if ``path`` lies under it (walked from its root), else a RootDir of ``path``'s own directory:
+    that directory's path is the caller's, like a root's (a step directory a layout named), and the name in
+    it is still opened with O_NOFOLLOW, regular files only."""
+    return fs if fs is not None and fs.holds(path) else RootDir(path.parent)

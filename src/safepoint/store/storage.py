@@ -39,11 +39,12 @@ from torch.futures import Future
 from safepoint.errors import CorruptCheckpointError, UnsafeCheckpointError, os_error_in_chain
 from safepoint.store.checksum import ChecksummingWriter, ChecksumRecorder
 from safepoint.store.file_report import Files, skipped_per_rank, split_files, with_files
-from safepoint.store.guard import real_dir_problem
 from safepoint.store.incremental import Round
 from safepoint.store.item_writer import write_queue
+from safepoint.store.rootfs import RootDir
 
 METADATA_NAME = ".metadata"
+_PENDING = ".pending"  # posix_layout.PENDING_DIR (which imports this module)
 
 # Single-process use is a supported mode, not an accident: DCP warns on every call without this.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized")
@@ -139,25 +140,30 @@ def safe_load_metadata(data: IO[bytes]) -> Metadata:
 
 
 def read_metadata_file(path: str | os.PathLike[str]) -> Metadata:
-    with open(path, "rb") as f:
+    """A ``.metadata`` file's DCP Metadata (tests and tools): a regular file, not read through a symlink."""
+    with os.fdopen(RootDir(Path(path).parent).open_read(Path(path).name), "rb") as f:
         return safe_load_metadata(f)
 
 
 class _ChecksummingFileSystem(FileSystem):
-    """DCP's local FileSystem, but every write stream records its size and crc32c."""
+    """DCP's local FileSystem, but every write stream records its size and crc32c, and every file DCP's
+    writer touches (its data files, ``.metadata.tmp``, the rename to ``.metadata``, the save's directory)
+    goes through the guarded walk (store/rootfs.py): DCP's FileSystemWriter does all its file access
+    through these methods, so none of it is by path."""
 
-    def __init__(self, recorder: ChecksumRecorder) -> None:
+    def __init__(self, recorder: ChecksumRecorder, root: RootDir) -> None:
         super().__init__()
-        self.recorder = recorder
+        self.recorder, self.root = recorder, root
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
         if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
+            with os.fdopen(self.root.open_read(Path(path)), mode) as stream:
+                yield stream  # type: ignore[misc]
             return
         try:
-            with open(path, mode) as raw:  # noqa: SIM117 - the wrapper takes ownership of raw
+            # A new file (a link planted at the name is unlinked, never written through; O_EXCL|O_NOFOLLOW).
+            with os.fdopen(self.root.create(Path(path)), mode) as raw:  # noqa: SIM117 - owned by the wrapper
                 with ChecksummingWriter(raw, Path(path).name, self.recorder) as stream:
                     yield stream  # type: ignore[misc]
         except Exception as e:
@@ -167,13 +173,25 @@ class _ChecksummingFileSystem(FileSystem):
     def mkdir(self, path: str | os.PathLike[str]) -> None:
         # The save's directory is created in ROOT/.pending: if that is a symlink, the save would be written
         # outside ROOT. Raised here, inside DCP's collective save, so every rank fails the save together.
-        if problem := real_dir_problem(Path(path).parent):
-            raise OSError(f"{Path(path).parent} is {problem}, not a directory; not saving through it")
-        super().mkdir(path)
+        parent = Path(path).parent
+        if (problem := self.root.kind(parent)) not in (None, "a directory"):
+            raise OSError(f"{parent} is {problem}, not a directory; not saving through it")
+        self.root.make()  # the root's own path (and its parents) as given, as DCP's mkdir(parents=True) did
+        self.root.makedirs(Path(path))  # walked from the root: a symlink on the way is ELOOP, not followed
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
-        super().rename(path, new_path)
+        # DCP's .metadata.tmp -> .metadata, inside the save's directory (OutsideRootError otherwise).
+        self.root.move(Path(path), Path(new_path))
         self.recorder.rename(Path(path).name, Path(new_path).name)
+
+    def exists(self, path: str | os.PathLike[str]) -> bool:
+        return self.root.lexists(Path(path))
+
+    def rm_file(self, path: str | os.PathLike[str]) -> None:
+        self.root.remove(Path(path))
+
+    def ls(self, path: str | os.PathLike[str]) -> list[str]:
+        return [str(Path(path) / name) for name in self.root.listdir(Path(path))]
 
 
 class SafepointWriter(FileSystemWriter):
@@ -188,12 +206,18 @@ class SafepointWriter(FileSystemWriter):
     """Set by the saver: this save's incremental arrangement (store/incremental.py); None writes all."""
     _prefix = ""
 
-    def __init__(self, path: str | os.PathLike[str], *, thread_count: int = 1) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, thread_count: int = 1, root: RootDir | None = None
+    ) -> None:
+        """``root``: the checkpoint root the save's directory ``path`` lies in (every file is walked from
+        it); by default ROOT for ROOT/.pending/<save>, else ``path``'s parent."""
         super().__init__(
             path, single_file_per_rank=True, sync_files=True, thread_count=thread_count, overwrite=True
         )
         self.recorder = ChecksumRecorder()
-        self.fs = _ChecksummingFileSystem(self.recorder)
+        where = Path(path).parent
+        root = root or RootDir(where.parent if where.name == _PENDING else where)
+        self.fs = _ChecksummingFileSystem(self.recorder, root)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self._prefix = plan.storage_data.prefix  # "__<rank>_": the incremental layer names files with it
