@@ -150,6 +150,12 @@ class Events:
         with self._lock:
             self._sinks.append(sink)
 
+    def unsubscribe(self, sink: EventSink) -> None:
+        """Remove a sink added by :meth:`subscribe` (an integration's, when its training ends); no-op if absent."""
+        with self._lock:
+            if sink in self._sinks:
+                self._sinks.remove(sink)
+
     def emit(self, event_type: str, step: int | None, **fields: Any) -> CheckpointEvent | None:
         """Build the event and deliver it. Never raises (a broken sink or log handler is logged)."""
         if not self._sinks and not log.isEnabledFor(logging.WARNING):
