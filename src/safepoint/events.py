@@ -151,7 +151,7 @@ class Events:
             self._sinks.append(sink)
 
     def unsubscribe(self, sink: EventSink) -> None:
-        """Remove a sink added by :meth:`subscribe` (an integration's, when its training ends); no-op if absent."""
+        """Remove a sink added by :meth:`subscribe` (when an integration's training ends); no-op if absent."""
         with self._lock:
             if sink in self._sinks:
                 self._sinks.remove(sink)

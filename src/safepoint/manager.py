@@ -17,7 +17,6 @@ from safepoint.errors import CheckpointError, Preempted, SaveError
 from safepoint.events import Events, EventSink, SaveCall, subscribers, wire
 from safepoint.options import ClusterOptions, PreemptionOptions, WarmStart, WriterOptions
 from safepoint.policy.history import RunHistory, outcome_of
-from safepoint.policy.journal import open_records
 from safepoint.policy.keep import Keep
 from safepoint.policy.retainer import Retainer
 from safepoint.policy.rules import AdaptiveInterval, Retention, Verdicts
@@ -39,6 +38,7 @@ from safepoint.store.manifest import clean_metrics
 from safepoint.store.posix_layout import CheckpointInfo, Layout
 from safepoint.tiers.base import DurabilityLag, SingleTier, check_owner, plan_tiers, take_ownership
 from safepoint.tiers.held import HeldRoots
+from safepoint.tiers.journal_mirror import open_runs
 from safepoint.tiers.node_tiers import build_tiers
 from safepoint.tiers.resume import Resume
 
@@ -64,8 +64,7 @@ class CheckpointManager:
         storage_options: passed to fsspec (endpoint, credentials). See docs/storage.md.
         preemption: ``safepoint.PreemptionOptions(signals=[signal.SIGTERM], grace_seconds=30)``: on a
             notice, the next ``maybe_save`` saves the current step and raises ``safepoint.Preempted``.
-        writer: ``safepoint.WriterOptions``: the async writer (process or thread), what a save does while
-            the previous one writes, DCP writer threads.
+        writer: ``safepoint.WriterOptions``: async writer (process or thread), if busy, DCP writer threads.
         cluster: ``safepoint.ClusterOptions``: collective timeout, lease staleness, the job's identity.
         transfer: ``safepoint.TransferOptions``: retries, concurrency, part sizes of object-store transfers.
         resume: "auto" (the newest intact checkpoint, else step 0), "required" (CheckpointError naming the
@@ -127,7 +126,9 @@ class CheckpointManager:
             self._preemption = Preemption.build(self.comm, notices)
             self._resume.before_create(self.comm)
             self._take_ownership(cluster.lease_stale_after_s)
-            self._runs, self._journal = open_records(self.layout, self.comm, self._read_only, self.events)
+            self._runs, self._journal = open_runs(
+                self.layout, durable, self.comm, self._read_only, self.events
+            )
             if isinstance(self.layout, Layout):  # "auto" was refused above for a URL root alone
                 self._schedule.add_adaptive(self.layout, self.comm, self._runs)
             if self._at_exit:
@@ -246,10 +247,9 @@ class CheckpointManager:
         Returns the committed checkpoint; with ``async_save`` returns None once the state is staged (a
         failure in the background is raised by the next save/maybe_save/wait/close).
 
-        A ``step`` whose checkpoint the state already is (``maybe_save`` just saved it, or ``restore``
-        loaded it) is not written again: a warning says so (and that ``metrics`` given here are not
-        recorded), and the committed checkpoint is returned as it is, its metrics kept (None with
-        ``async_save``). ``overwrite=True`` replaces it, with these metrics.
+        A ``step`` whose checkpoint the state already is (just saved by ``maybe_save``, or restored) is not
+        written again: a warning says so (and that ``metrics`` given here are not recorded), and the committed
+        checkpoint is returned, its metrics kept (None with ``async_save``). ``overwrite=True`` replaces it.
         """
         self._check_open()
         opts.check_step(step)

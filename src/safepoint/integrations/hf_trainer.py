@@ -240,7 +240,8 @@ class SafepointCallback(TrainerCallback):
             step, directory = self._committed.popleft()
             seen = copy.copy(state)  # the committed step's number, not the step the loop is at now
             seen.global_step = step
-            self.trainer.callback_handler.call_event("on_save", args, seen, control, checkpoint_dir=directory)
+            handler = self.trainer.callback_handler
+            handler.call_event("on_save", args, seen, control, checkpoint_dir=directory)  # type: ignore[no-untyped-call]
 
     # ---- what is saved -----------------------------------------------------------------------------------
 
