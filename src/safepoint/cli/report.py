@@ -4,8 +4,8 @@ Reads ROOT's attempts file (``.attempts.json``), run journal (``.journal.jsonl``
 (``.progress``), each as hostile input (regular files only, bounded, every record validated; a bad line is
 skipped and counted). For a URL root (``s3://...``) they are the objects ``ROOT/.run/`` that rank 0 of the job
 copies there (tiers/journal_mirror.py), downloaded into a temporary directory (each refused above its size
-cap) and read the same way. Read-only: it takes no lease and writes nothing under ROOT. The numbers are explained
-in policy/goodput.py and docs/goodput.md.
+cap) and read the same way. Read-only: it takes no lease and writes nothing under ROOT. The numbers are
+explained in policy/goodput.py and docs/goodput.md.
 """
 
 from __future__ import annotations

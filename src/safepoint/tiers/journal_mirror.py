@@ -32,6 +32,7 @@ from pathlib import Path
 
 from safepoint import events as ev
 from safepoint.dist import Comm
+from safepoint.errors import LeaseError
 from safepoint.policy.history import ATTEMPTS_NAME, RunHistory
 from safepoint.policy.journal import JOURNAL_NAME, MAX_JOURNAL_BYTES, PROGRESS_NAME, Journal, open_records
 from safepoint.remote.object_layout import RemoteLayout
@@ -149,6 +150,8 @@ class JournalMirror:
         """Put each run file as one object (atomic); at the end, the progress object goes as the file did."""
         self._last = time.monotonic()
         try:
+            # Under the root's lease, like every write to it: a job that lost the root copies nothing.
+            self.remote.fence(f"not copying the run journal to {self.remote.root}")
             for name, cap in CAPS.items():
                 try:
                     data = self.fs.read(name, cap)
@@ -159,7 +162,11 @@ class JournalMirror:
                 if self._copied.get(name) != data:  # unchanged files are not put again
                     self.remote.store.put_bytes(_key(self.remote, name), data)
                     self._copied[name] = data
-        except (OSError, UploadError) as e:  # advisory, like the journal: the next copy tries again
+        except (
+            OSError,
+            UploadError,
+            LeaseError,
+        ) as e:  # advisory, like the journal: the next copy tries again
             if not self._warned:
                 self._warned = True
                 log.warning("safepoint: copying the run journal to %s/%s failed (%s); will retry",
