@@ -143,6 +143,7 @@ class Events:
         self.rank = 0  # set by the manager once its process group exists
         self._sinks = list(sinks)
         self._failed: set[int] = set()
+        self._closed: set[int] = set()
         self._lock = threading.RLock()
 
     def subscribe(self, sink: EventSink) -> None:
@@ -191,7 +192,8 @@ class Events:
         with self._lock:
             for sink in self._sinks:
                 closer = getattr(sink, "close", None)
-                if callable(closer):
+                if callable(closer) and id(sink) not in self._closed:  # once (the manager may call it twice)
+                    self._closed.add(id(sink))
                     try:
                         closer()
                     except Exception as e:

@@ -54,9 +54,8 @@ class CheckpointManager:
         save_every_seconds: ``maybe_save`` saves when this many seconds passed since the last save (ranks
             agree); ``"auto"`` or a ``safepoint.AdaptiveInterval``: Daly's interval from the measured save
             cost and the MTBF (docs/preemption.md).
-        keep: ``safepoint.Keep(last=3, every_steps=1000, best=safepoint.KeepBest(2, metric="loss"),
-            local_last=1)``: retention; the union of what each rule keeps survives, and the newest checkpoint
-            always does. None: keep all.
+        keep: ``safepoint.Keep(last=3, every_steps=1000, best=safepoint.KeepBest(2, metric="loss"))``:
+            retention; the union of what each rule keeps survives, the newest always does. None: keep all.
         async_save: ``save``/``maybe_save`` block only while the state is copied into reused host buffers;
             writing, checksums, commit and retention run in the background (``writer=`` says where).
         local_root: with a URL ``root``: saves commit here first (fast local disk), and a background
@@ -148,22 +147,24 @@ class CheckpointManager:
         return self._comms[-1]
 
     def _destroy_parts(self, outcome: str | None = None) -> None:
-        """Give back whatever was built (close(), or a failed start: then only what exists), in close()'s
-        order; ``outcome``: how the attempt ended, for the run history (None: a start that failed)."""
+        """Give back what was built (only what exists after a failed start: ``outcome`` None), in order."""
         atexit.unregister(self._finish_at_exit)  # a no-op if it was not registered
-        if (tiers := getattr(self, "_tiers", None)) is not None:
-            tiers.close(raise_failure=False)  # uploads in flight or queued finish first
+
+        def records() -> None:  # the attempt's end, then the sinks' close (the journal's last copy to a URL
+            if outcome is not None and self._runs is not None:  # root): under the lease, like every write
+                self._runs.end(outcome)
+            self.events.close()
+
+        if (tiers := getattr(self, "_tiers", None)) is not None:  # uploads in flight or queued finish first
+            tiers.close(raise_failure=False, before_release=records)
         if (preemption := getattr(self, "_preemption", None)) is not None:
             preemption.stop()  # previous signal handlers back, poller stopped
-        if outcome is not None and self._runs is not None:
-            self._runs.end(outcome)
-        self.events.close()  # the journal's too, under the lease like every write to the root
+        records()  # (both idempotent)
         if (process := getattr(self, "_process", None)) is not None:
             process.close()
         if (stager := getattr(self, "_stager", None)) is not None:
             stager.release()
-        # The layout holds the lease from the moment it exists: take_ownership may not have returned it.
-        lease, self._lease = self._lease or self.layout.owner, None
+        lease, self._lease = self._lease or self.layout.owner, None  # the layout's, if take_ownership failed
         if lease is not None:
             lease.release()
         for comm in self._comms:
@@ -244,8 +245,7 @@ class CheckpointManager:
     ) -> CheckpointInfo | None:
         """Save now (collective under torchrun). Raises SaveError if it failed; nothing is then committed.
 
-        Returns the committed checkpoint; with ``async_save`` returns None once the state is staged (a
-        failure in the background is raised by the next save/maybe_save/wait/close).
+        Returns the committed checkpoint (``async_save``: None once staged; failures raise in a later call).
 
         A ``step`` whose checkpoint the state already is (just saved by ``maybe_save``, or restored) is not
         written again: a warning says so (and that ``metrics`` given here are not recorded), and the committed

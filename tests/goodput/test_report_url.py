@@ -10,13 +10,17 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import boto3
 import pytest
+import torch
 
+import safepoint
 from safepoint.cli.main import main as cli
-from safepoint.policy.journal import MAX_JOURNAL_BYTES
+from safepoint.policy.journal import MAX_JOURNAL_BYTES, read_journal
 from tests.conftest import REPO, SUBPROCESS_ENV
+from tests.helpers.s3 import storage_options
 
 WORKER = [sys.executable, "-m", "tests.helpers.procs.goodput_worker"]
 
@@ -104,3 +108,24 @@ def test_the_report_reads_the_store_as_hostile_input(
     assert cli(["report", url]) == 2
     err = capsys.readouterr().err
     assert "over the" in err and "cap" in err and "Traceback" not in err
+
+
+def test_a_new_node_with_an_empty_local_root_appends_to_the_roots_journal(
+    tmp_path: Path, moto_endpoint: str, bucket: str, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    url, opts = f"s3://{bucket}/run", storage_options(moto_endpoint)
+    state = safepoint.TrainState(model=torch.nn.Linear(4, 4), rng=False)
+    with safepoint.CheckpointManager(url, local_root=tmp_path / "a", storage_options=opts) as mgr:
+        mgr.save(1, state)
+        mgr.save(2, state)
+    # Another node: its local disk holds nothing; the journal and attempts come down from the root first.
+    with safepoint.CheckpointManager(url, local_root=tmp_path / "b", storage_options=opts) as mgr:
+        assert mgr.restore(state) == 2
+        mgr.save(3, state)
+    local, _ = read_journal(tmp_path / "b")
+    assert [r["step"] for r in local if r["event_type"] == "save_committed"] == [1, 2, 3]
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_endpoint)
+    assert cli(["report", url, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["attempts"] == 2 and report["saves"] == 3 and report["last_step"] == 3

@@ -151,7 +151,7 @@ class JournalMirror:
         self._last = time.monotonic()
         try:
             # Under the root's lease, like every write to it: a job that lost the root copies nothing.
-            self.remote.fence(f"not copying the run journal to {self.remote.root}")
+            self.remote.fence(f"copying the run journal to {self.remote.root}")
             for name, cap in CAPS.items():
                 try:
                     data = self.fs.read(name, cap)
