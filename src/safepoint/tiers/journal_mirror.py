@@ -6,7 +6,7 @@ directory (``local_root`` with tiering; otherwise a private temporary directory)
 copies them to the store as whole objects (one PUT each: an object write is atomic, a reader sees the old
 copy or the new one, never half of one):
 
-- after the events the report counts (a commit, a durable upload, a restore, a failure, a preemption),
+- after the events the report counts (a commit, a durable upload, a restore, a failure),
   and every ``interval_s`` otherwise (the loop's progress; unchanged files are not put again), throttled
   to one copy per ``interval_s``, on the mirror's own thread: never on the training thread, and
   a slow or failing store delays the copy, never a save (a failed copy is logged once; the next one retries);
@@ -16,9 +16,11 @@ copy or the new one, never half of one):
   directory, a new node's empty local disk) is seeded from the store, so each restart appends to the same
   journal and finds the progress a killed attempt left in its last copy.
 
-A kill -9 loses what happened since the last copy (at most ``interval_s`` of events, and the steps reached
-since): the report undercounts, never invents. Reading (``fetch_run_files``) treats the objects as hostile:
-each is listed first and refused above its cap, then parsed by the same validating readers as a local root.
+After a preemption notice nothing more is copied (the grace is the emergency save's): the report of a
+preempted attempt ends at the copy before the notice. A kill -9 loses what happened since the last copy
+(at most ``interval_s`` of events, and the steps reached since): the report undercounts, never invents.
+Reading (``fetch_run_files``) treats the objects as hostile: each is listed first and refused above its
+cap, then parsed by the same validating readers as a local root.
 """
 
 from __future__ import annotations
@@ -44,9 +46,7 @@ log = logging.getLogger("safepoint")
 RUN_PREFIX = ".run"
 # Each copied file and the largest object of that name a reader accepts (a planted huge object is refused).
 CAPS = {JOURNAL_NAME: 2 * MAX_JOURNAL_BYTES, ATTEMPTS_NAME: 4 << 20, PROGRESS_NAME: 4096}
-TRIGGERS = frozenset({
-    ev.SAVE_COMMITTED, ev.SAVE_DURABLE, ev.SAVE_FAILED, ev.RESTORE, ev.PREEMPTION, ev.EMERGENCY_SAVE,
-})  # fmt: skip
+TRIGGERS = frozenset({ev.SAVE_COMMITTED, ev.SAVE_DURABLE, ev.SAVE_FAILED, ev.RESTORE})
 DEFAULT_INTERVAL_S = 30.0
 
 
@@ -97,6 +97,7 @@ class JournalMirror:
         self._wake, self._stop = threading.Event(), threading.Event()
         self._last = 0.0
         self._warned = False
+        self._preempted = False
         self._copied: dict[str, bytes] = {}  # what the store holds of each file (as this mirror put it)
         self._thread: threading.Thread | None = None
 
@@ -130,6 +131,10 @@ class JournalMirror:
         self._thread.start()
 
     def __call__(self, event: ev.CheckpointEvent) -> None:
+        if event.rank == 0 and event.event_type in (ev.PREEMPTION, ev.EMERGENCY_SAVE):
+            # The grace is for the emergency save and its upload: no copy from here on, not even the final
+            # one (a slow or unreachable store would eat the grace); the last copy stands.
+            self._preempted = True
         if event.rank == 0 and event.event_type in TRIGGERS:
             self._wake.set()
 
@@ -144,6 +149,8 @@ class JournalMirror:
             if self._stop.wait(max(0.0, self._last + self.interval_s - time.monotonic())):
                 return
             self._wake.clear()
+            if self._preempted:
+                return
             self.copy()
 
     def copy(self, *, final: bool = False) -> None:
@@ -178,7 +185,8 @@ class JournalMirror:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=60)
-        self.copy(final=True)
+        if not self._preempted:
+            self.copy(final=True)
         if self.temporary is not None:
             self.temporary.cleanup()
 
