@@ -124,7 +124,10 @@ class JournalMirror:
             src = RootDir(tmp)
             for name in found:
                 if name in missing:
-                    self.fs.write(name, src.read(name, CAPS[name]))
+                    try:
+                        self.fs.write(name, src.read(name, CAPS[name]))
+                    except OSError as e:  # advisory: this attempt's journal starts without it
+                        log.warning("safepoint: cannot seed %s from %s (%s)", name, self.remote.root, e)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="safepoint-journal-mirror", daemon=True)
