@@ -143,12 +143,19 @@ class Events:
         self.rank = 0  # set by the manager once its process group exists
         self._sinks = list(sinks)
         self._failed: set[int] = set()
+        self._closed: set[int] = set()
         self._lock = threading.RLock()
 
     def subscribe(self, sink: EventSink) -> None:
         """Add a sink (an integration's logger hook, say) to a manager that exists already."""
         with self._lock:
             self._sinks.append(sink)
+
+    def unsubscribe(self, sink: EventSink) -> None:
+        """Remove a sink added by :meth:`subscribe` (when an integration's training ends); no-op if absent."""
+        with self._lock:
+            if sink in self._sinks:
+                self._sinks.remove(sink)
 
     def emit(self, event_type: str, step: int | None, **fields: Any) -> CheckpointEvent | None:
         """Build the event and deliver it. Never raises (a broken sink or log handler is logged)."""
@@ -185,7 +192,8 @@ class Events:
         with self._lock:
             for sink in self._sinks:
                 closer = getattr(sink, "close", None)
-                if callable(closer):
+                if callable(closer) and id(sink) not in self._closed:  # once (the manager may call it twice)
+                    self._closed.add(id(sink))
                     try:
                         closer()
                     except Exception as e:

@@ -17,7 +17,6 @@ from safepoint.errors import CheckpointError, Preempted, SaveError
 from safepoint.events import Events, EventSink, SaveCall, subscribers, wire
 from safepoint.options import ClusterOptions, PreemptionOptions, WarmStart, WriterOptions
 from safepoint.policy.history import RunHistory, outcome_of
-from safepoint.policy.journal import open_records
 from safepoint.policy.keep import Keep
 from safepoint.policy.retainer import Retainer
 from safepoint.policy.rules import AdaptiveInterval, Retention, Verdicts
@@ -39,6 +38,7 @@ from safepoint.store.manifest import clean_metrics
 from safepoint.store.posix_layout import CheckpointInfo, Layout
 from safepoint.tiers.base import DurabilityLag, SingleTier, check_owner, plan_tiers, take_ownership
 from safepoint.tiers.held import HeldRoots
+from safepoint.tiers.journal_mirror import open_runs
 from safepoint.tiers.node_tiers import build_tiers
 from safepoint.tiers.resume import Resume
 
@@ -54,9 +54,8 @@ class CheckpointManager:
         save_every_seconds: ``maybe_save`` saves when this many seconds passed since the last save (ranks
             agree); ``"auto"`` or a ``safepoint.AdaptiveInterval``: Daly's interval from the measured save
             cost and the MTBF (docs/preemption.md).
-        keep: ``safepoint.Keep(last=3, every_steps=1000, best=safepoint.KeepBest(2, metric="loss"),
-            local_last=1)``: retention; the union of what each rule keeps survives, and the newest checkpoint
-            always does. None: keep all.
+        keep: ``safepoint.Keep(last=3, every_steps=1000, best=safepoint.KeepBest(2, metric="loss"))``:
+            retention; the union of what each rule keeps survives, the newest always does. None: keep all.
         async_save: ``save``/``maybe_save`` block only while the state is copied into reused host buffers;
             writing, checksums, commit and retention run in the background (``writer=`` says where).
         local_root: with a URL ``root``: saves commit here first (fast local disk), and a background
@@ -64,8 +63,7 @@ class CheckpointManager:
         storage_options: passed to fsspec (endpoint, credentials). See docs/storage.md.
         preemption: ``safepoint.PreemptionOptions(signals=[signal.SIGTERM], grace_seconds=30)``: on a
             notice, the next ``maybe_save`` saves the current step and raises ``safepoint.Preempted``.
-        writer: ``safepoint.WriterOptions``: the async writer (process or thread), what a save does while
-            the previous one writes, DCP writer threads.
+        writer: ``safepoint.WriterOptions``: async writer (process or thread), if busy, DCP writer threads.
         cluster: ``safepoint.ClusterOptions``: collective timeout, lease staleness, the job's identity.
         transfer: ``safepoint.TransferOptions``: retries, concurrency, part sizes of object-store transfers.
         resume: "auto" (the newest intact checkpoint, else step 0), "required" (CheckpointError naming the
@@ -127,7 +125,9 @@ class CheckpointManager:
             self._preemption = Preemption.build(self.comm, notices)
             self._resume.before_create(self.comm)
             self._take_ownership(cluster.lease_stale_after_s)
-            self._runs, self._journal = open_records(self.layout, self.comm, self._read_only, self.events)
+            self._runs, self._journal = open_runs(
+                self.layout, durable, self.comm, self._read_only, self.events
+            )
             if isinstance(self.layout, Layout):  # "auto" was refused above for a URL root alone
                 self._schedule.add_adaptive(self.layout, self.comm, self._runs)
             if self._at_exit:
@@ -147,22 +147,24 @@ class CheckpointManager:
         return self._comms[-1]
 
     def _destroy_parts(self, outcome: str | None = None) -> None:
-        """Give back whatever was built (close(), or a failed start: then only what exists), in close()'s
-        order; ``outcome``: how the attempt ended, for the run history (None: a start that failed)."""
+        """Give back what was built (only what exists after a failed start: ``outcome`` None), in order."""
         atexit.unregister(self._finish_at_exit)  # a no-op if it was not registered
-        if (tiers := getattr(self, "_tiers", None)) is not None:
-            tiers.close(raise_failure=False)  # uploads in flight or queued finish first
+
+        def records() -> None:  # the attempt's end, then the sinks' close (the journal's last copy to a URL
+            if outcome is not None and self._runs is not None:  # root): under the lease, like every write
+                self._runs.end(outcome)
+            self.events.close()
+
+        if (tiers := getattr(self, "_tiers", None)) is not None:  # uploads in flight or queued finish first
+            tiers.close(raise_failure=False, before_release=records)
         if (preemption := getattr(self, "_preemption", None)) is not None:
             preemption.stop()  # previous signal handlers back, poller stopped
-        if outcome is not None and self._runs is not None:
-            self._runs.end(outcome)
-        self.events.close()  # the journal's too, under the lease like every write to the root
+        records()  # (both idempotent)
         if (process := getattr(self, "_process", None)) is not None:
             process.close()
         if (stager := getattr(self, "_stager", None)) is not None:
             stager.release()
-        # The layout holds the lease from the moment it exists: take_ownership may not have returned it.
-        lease, self._lease = self._lease or self.layout.owner, None
+        lease, self._lease = self._lease or self.layout.owner, None  # the layout's, if take_ownership failed
         if lease is not None:
             lease.release()
         for comm in self._comms:
@@ -243,13 +245,11 @@ class CheckpointManager:
     ) -> CheckpointInfo | None:
         """Save now (collective under torchrun). Raises SaveError if it failed; nothing is then committed.
 
-        Returns the committed checkpoint; with ``async_save`` returns None once the state is staged (a
-        failure in the background is raised by the next save/maybe_save/wait/close).
+        Returns the committed checkpoint (``async_save``: None once staged; failures raise in a later call).
 
-        A ``step`` whose checkpoint the state already is (``maybe_save`` just saved it, or ``restore``
-        loaded it) is not written again: a warning says so (and that ``metrics`` given here are not
-        recorded), and the committed checkpoint is returned as it is, its metrics kept (None with
-        ``async_save``). ``overwrite=True`` replaces it, with these metrics.
+        A ``step`` whose checkpoint the state already is (just saved by ``maybe_save``, or restored) is not
+        written again: a warning says so (and that ``metrics`` given here are not recorded), and the committed
+        checkpoint is returned, its metrics kept (None with ``async_save``). ``overwrite=True`` replaces it.
         """
         self._check_open()
         opts.check_step(step)

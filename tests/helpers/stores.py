@@ -70,7 +70,8 @@ class Store:
         prefix = url.split("://", 1)[1].rstrip("/")
         fs.invalidate_cache()
         try:
-            return sorted(p[len(prefix) + 1 :] for p in fs.find(prefix))
+            keys = (p[len(prefix) + 1 :] for p in fs.find(prefix))
+            return sorted(k for k in keys if not k.startswith(".run/"))  # the run journal (journal_mirror.py)
         except FileNotFoundError:
             return []
 

@@ -83,3 +83,20 @@ def test_refuses_an_accelerator_with_nothing_prepared() -> None:
     acc, prepared, _ = build()
     with pytest.raises(ValueError, match="must be a ReplayLoader"):
         accelerate_state(acc, prepared[5])
+
+
+def test_the_documented_logger_hook_hears_of_an_async_save_only_once_it_is_committed(tmp_path: Path) -> None:
+    """docs/frameworks/accelerate.md, 'Loggers': ``when_committed`` gives the committed step's directory."""
+    acc, prepared, _ = build()
+    state = accelerate_state(acc, ReplayLoader(prepared[5]))
+    seen: list[tuple[int, str, bool]] = []
+
+    def log_artifact(step: int, directory: str) -> None:  # a tracker's upload, in a real job
+        seen.append((step, Path(directory).name, (Path(directory) / "safepoint.json").is_file()))
+
+    with safepoint.CheckpointManager(tmp_path / "ckpt", save_every_steps=2, async_save=True) as mgr:
+        mgr.events.subscribe(safepoint.when_committed(log_artifact))
+        for n in range(1, 6):
+            step(prepared)
+            mgr.maybe_save(n, state)
+    assert seen == [(s, f"step-{s}", True) for s in (2, 4)]

@@ -81,3 +81,25 @@ def test_attach_checks_its_inputs(tmp_path: Path) -> None:
             SafepointCallback.attach(object(), mgr)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="needs a CheckpointManager"):
             SafepointCallback.attach(trainer(tmp_path, 1), object())  # type: ignore[arg-type]
+
+
+class SaveRecorder(TrainerCallback):
+    """Records each on_save: the step it is told of, the directory, and whether that one is committed."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, str, bool]] = []
+
+    def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        directory = Path(kw["checkpoint_dir"])
+        self.seen.append((state.global_step, directory.name, (directory / "safepoint.json").is_file()))
+
+
+def test_callbacks_hear_of_an_async_save_only_once_it_is_committed(tmp_path: Path) -> None:
+    recorder = SaveRecorder()
+    with safepoint.CheckpointManager(tmp_path / "ckpt", save_every_steps=2, async_save=True) as mgr:
+        t = trainer(tmp_path, steps=5)
+        SafepointCallback.attach(t, mgr)
+        t.add_callback(recorder)
+        t.train()
+        assert [c.step for c in mgr.list()] == [2, 4, 5]
+    assert recorder.seen == [(s, f"step-{s}", True) for s in (2, 4, 5)]

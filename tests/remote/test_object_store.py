@@ -36,7 +36,8 @@ def _fs(endpoint: str) -> Any:
 def _keys(endpoint: str, prefix: str) -> list[str]:
     fs = _fs(endpoint)
     try:
-        return sorted(p[len(prefix) + 1 :] for p in fs.find(prefix))
+        keys = (p[len(prefix) + 1 :] for p in fs.find(prefix))
+        return sorted(k for k in keys if not k.startswith(".run/"))  # the run journal: test_report_url.py
     except FileNotFoundError:
         return []
 

@@ -387,7 +387,8 @@ class FsStore(Store):
         base = f"{self.bucket}/{prefix}"
         self.fs.invalidate_cache()
         try:
-            return sorted(p[len(base) + 1 :] for p in self.fs.find(base))
+            keys = (p[len(base) + 1 :] for p in self.fs.find(base))
+            return sorted(k for k in keys if not k.startswith(".run/"))  # the run journal (journal_mirror.py)
         except FileNotFoundError:
             return []
 

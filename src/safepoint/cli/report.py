@@ -2,8 +2,10 @@
 
 Reads ROOT's attempts file (``.attempts.json``), run journal (``.journal.jsonl``) and progress file
 (``.progress``), each as hostile input (regular files only, bounded, every record validated; a bad line is
-skipped and counted). Read-only: it takes no lease and writes nothing under ROOT. The numbers are explained
-in policy/goodput.py and docs/goodput.md.
+skipped and counted). For a URL root (``s3://...``) they are the objects ``ROOT/.run/`` that rank 0 of the job
+copies there (tiers/journal_mirror.py), downloaded into a temporary directory (each refused above its size
+cap) and read the same way. Read-only: it takes no lease and writes nothing under ROOT. The numbers are
+explained in policy/goodput.py and docs/goodput.md.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +21,37 @@ from rich.console import Console
 from rich.markup import escape
 
 from safepoint.cli.common import EXIT_OK, UsageError, add_flag, add_root, command
-from safepoint.policy.goodput import build_report, report_lines
+from safepoint.errors import CheckpointError
+from safepoint.policy.goodput import RunReport, build_report, report_lines
+from safepoint.remote.object_layout import RemoteLayout, is_url
+from safepoint.tiers.journal_mirror import RUN_PREFIX, fetch_run_files
+
+
+def url_report(url: str) -> RunReport:
+    """The report of a URL root, from its ``.run/`` objects (endpoint and credentials from the environment,
+    as for ``ls``/``verify``)."""
+    try:
+        remote = RemoteLayout(url)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    with tempfile.TemporaryDirectory(prefix="safepoint-report-") as tmp:
+        try:
+            found = fetch_run_files(remote, Path(tmp))
+        except OSError as e:
+            raise CheckpointError(f"cannot read the run journal of {remote.root}: {e}") from None
+        if not found:
+            raise CheckpointError(
+                f"{remote.root} has no run journal ({RUN_PREFIX}/): no job has saved there since safepoint "
+                "began copying it"
+            )
+        report = build_report(tmp)
+    report.root = remote.root
+    return report
 
 
 def cmd_report(args: argparse.Namespace, out: Console, err: Console) -> int:
-    report = build_report(args.root)
+    where = os.fspath(args.root)
+    report = url_report(where) if is_url(where) and not where.startswith("file://") else build_report(where)
     if args.plot is not None:
         if not args.plot.parent.is_dir():
             raise UsageError(f"--plot: no directory {args.plot.parent}")

@@ -20,10 +20,18 @@ Restored besides the weights, optimizer, scheduler, scaler and every rank's RNG:
 progress (``global_step``, ``epoch``, ``log_history``, best metric, tokens seen, stateful callbacks) and
 the Trainer's running loss bookkeeping (``_tr_loss``, ``_globalstep_last_logged``), so logged losses after a
 resume are the ones an uninterrupted run logs.
+
+The Trainer's other callbacks hear of a checkpoint through ``on_save`` only once it is committed (an async
+save is written on a thread; a logger that uploads it earlier would upload half a checkpoint, Lightning
+#17915): a ``when_committed`` sink queues each committed step, and the next ``on_step_end`` (or the end of
+training, after the manager waited) calls ``on_save`` on the training thread with ``state.global_step`` set
+to the committed step and ``checkpoint_dir=`` its committed directory (on rank 0, where commits are known).
 """
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
 import json
 import logging
@@ -36,6 +44,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_callback import ExportableState
 
 from safepoint.data.replay import ReplayLoader
+from safepoint.events import when_committed
 from safepoint.manager import CheckpointManager
 from safepoint.state import TrainState
 
@@ -152,6 +161,9 @@ class SafepointCallback(TrainerCallback):
         self.restored_step = 0
         self._saved_at = 0
         self._progress = _Progress(trainer)
+        # (step, directory) committed on the writer thread, told to the other callbacks on the training thread
+        self._committed: collections.deque[tuple[int, str]] = collections.deque()
+        self._sink = when_committed(lambda step, directory: self._committed.append((step, directory)))
 
     @classmethod
     def attach(cls, trainer: Trainer, manager: CheckpointManager) -> SafepointCallback:
@@ -167,6 +179,7 @@ class SafepointCallback(TrainerCallback):
 
         trainer.get_train_dataloader = get_train_dataloader  # type: ignore[method-assign,assignment]
         trainer.add_callback(callback)
+        manager.events.subscribe(callback._sink)
         if trainer.args.save_strategy != "no":
             log.warning(
                 "safepoint: TrainingArguments(save_strategy=%r) also writes the Trainer's own checkpoints; "
@@ -209,6 +222,7 @@ class SafepointCallback(TrainerCallback):
                 self._saved_at = state.global_step
         finally:
             self._progress.control = None
+        self._tell_saved(args, state, control)
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -217,6 +231,17 @@ class SafepointCallback(TrainerCallback):
             self.manager.save(state.global_step, self.state)  # so a rerun has nothing left to do
             self._saved_at = state.global_step
         self.manager.wait()
+        self._tell_saved(args, state, control)
+        self.manager.events.unsubscribe(self._sink)
+
+    def _tell_saved(self, args: TrainingArguments, state: TrainerState, control: TrainerControl) -> None:
+        """``on_save`` to the Trainer's callbacks for each checkpoint committed since the last call."""
+        while self._committed:
+            step, directory = self._committed.popleft()
+            seen = copy.copy(state)  # the committed step's number, not the step the loop is at now
+            seen.global_step = step
+            handler = self.trainer.callback_handler
+            handler.call_event("on_save", args, seen, control, checkpoint_dir=directory)  # type: ignore[no-untyped-call]
 
     # ---- what is saved -----------------------------------------------------------------------------------
 

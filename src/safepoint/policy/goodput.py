@@ -283,8 +283,8 @@ def build_report(root: str | os.PathLike[str]) -> RunReport:
     where = os.fspath(root)
     if "://" in where and not where.startswith("file://"):
         raise CheckpointError(
-            f"{where}: the run journal is kept on the local disk of the job (ROOT, or local_root with a URL "
-            "root): run `safepoint report LOCAL_ROOT`"
+            f"{where}: a URL root's run journal is read by the CLI, from its .run/ objects: run "
+            "`safepoint report URL`"
         )
     path = Path(where.removeprefix("file://"))
     if not RootDir(path).isdir("") or path.is_symlink():

@@ -122,8 +122,9 @@ class SingleTier:
     def wait(self) -> None:
         pass
 
-    def close(self, *, raise_failure: bool = True) -> None:
-        pass
+    def close(self, *, raise_failure: bool = True, before_release: Callable[[], None] | None = None) -> None:
+        if before_release is not None:  # one tier: the root's lease is the manager's, released after this
+            before_release()
 
     def restore(self, restorer: Restorer, state: TrainState, step: int | None) -> Manifest | None:
         manifest = restorer.restore_newest(state, step)

@@ -24,7 +24,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from safepoint.dist import Comm
@@ -215,9 +215,9 @@ class Tiering(SingleTier):
         if self._lease is not None:
             self._lease.check()
 
-    def close(self, *, raise_failure: bool = True) -> None:
-        """Let queued and running uploads finish (after a notice: until the grace ends), release the durable
-        root (after a notice: only within the grace), raise a failure if asked."""
+    def close(self, *, raise_failure: bool = True, before_release: Callable[[], None] | None = None) -> None:
+        """Let queued and running uploads finish (after a notice: until the grace ends), ``before_release``
+        (last writes under the lease), release the durable root (after a notice: in the grace), raise."""
         with self._cv:
             self._closing = True
             self._cv.notify_all()
@@ -232,6 +232,8 @@ class Tiering(SingleTier):
                     self._grace.abandon(self._stop_uploads)
                 else:  # idle, woken by _closing and on its way out: no upload to abandon
                     thread.join(IDLE_JOIN_S)
+        if before_release is not None:
+            before_release()
         lease, self._lease = self._lease, None
         self._grace.release_lease(lease)
         # An abandoned uploader may still be inside one of this group's collectives: never destroy it then.

@@ -1,0 +1,131 @@
+"""``safepoint report s3://...``: the run journal of a bucket root (no local_root) is copied to ``ROOT/.run/``
+by rank 0 (tiers/journal_mirror.py) and read back from the store as hostile input. Against a real S3
+endpoint (moto server) and a real kill -9 of the job, checked against what was measured outside the job."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import boto3
+import pytest
+import torch
+
+import safepoint
+from safepoint.cli.main import main as cli
+from safepoint.policy.journal import MAX_JOURNAL_BYTES, read_journal
+from tests.conftest import REPO, SUBPROCESS_ENV
+from tests.helpers.s3 import storage_options
+
+WORKER = [sys.executable, "-m", "tests.helpers.procs.goodput_worker"]
+
+
+def _run(args: list[str], endpoint: str, *, hang: bool) -> tuple[list[str], int]:
+    env = dict(os.environ, PYTHONPATH=SUBPROCESS_ENV["PYTHONPATH"], GOODPUT_S3_ENDPOINT=endpoint)
+    proc = subprocess.Popen(
+        WORKER + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    try:
+        for line in proc.stdout:
+            lines.append(line.strip())
+            if hang and line.startswith("REACHED"):
+                time.sleep(1.0)  # the journal is copied every 0.1 s in this job: step 13's progress is up
+                proc.send_signal(signal.SIGKILL)  # a real kill -9: no close(), no atexit, no final copy
+                break
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if not hang:
+        assert rc == 0, proc.stderr.read() if proc.stderr else ""
+    return lines, rc
+
+
+def _saves(lines: list[str]) -> list[int]:
+    return [int(line.split()[1]) for line in lines if line.startswith("SAVE ")]
+
+
+def _keys(endpoint: str, bucket: str) -> list[str]:
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    return sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="run/.run/").get("Contents", []))
+
+
+def test_report_of_a_bucket_root_after_a_kill(
+    moto_endpoint: str, bucket: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"s3://{bucket}/run"
+    first, rc = _run([url, "30", "5", "13"], moto_endpoint, hang=True)
+    assert rc == -signal.SIGKILL
+    reached = int(next(line for line in first if line.startswith("REACHED")).split()[1])
+    assert reached == 13
+    second, _ = _run([url, "30", "5"], moto_endpoint, hang=False)
+    restored = int(next(line for line in second if line.startswith("RESTORED")).split()[1])
+    assert restored == 10
+    saves = _saves(first) + _saves(second)
+    assert saves == [5, 10, 15, 20, 25, 30]
+    # The journal and the attempts file are objects of the root; the progress object went at the close.
+    assert _keys(moto_endpoint, bucket) == ["run/.run/.attempts.json", "run/.run/.journal.jsonl"]
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_endpoint)  # the CLI's endpoint, as a user sets it
+    assert cli(["report", url, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["root"] == url
+    assert report["attempts"] == 2 and report["restarts"] == 1
+    assert report["saves"] == len(saves)
+    assert report["steps_redone"] == reached - restored  # the killed job's progress came from its copy
+    assert report["last_step"] == 30
+    assert report["attempt_list"][1]["restored"] == restored
+    assert 0 < report["goodput"] < 1
+
+
+def test_the_report_reads_the_store_as_hostile_input(
+    moto_endpoint: str, bucket: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"s3://{bucket}/run"
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_endpoint)
+    assert cli(["report", url]) == 2  # nothing there: one line, no traceback
+    assert "has no run journal" in capsys.readouterr().err
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
+    lines = [
+        {"event_type": "save_committed", "step": 5, "rank": 0, "wall_time": 1000.0, "bytes_written": 10},
+        {"event_type": "save_committed", "step": "six", "wall_time": 1001.0},  # wrong type: skipped
+    ]
+    body = "\n".join(json.dumps(r) for r in lines) + "\nnot json\n"
+    s3.put_object(Bucket=bucket, Key="run/.run/.journal.jsonl", Body=body.encode())
+    assert cli(["report", url, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["saves"] == 1 and report["skipped_lines"] == 2
+    # An object over the cap is refused before it is downloaded.
+    s3.put_object(Bucket=bucket, Key="run/.run/.journal.jsonl", Body=b"x" * (2 * MAX_JOURNAL_BYTES + 1))
+    assert cli(["report", url]) == 2
+    err = capsys.readouterr().err
+    assert "over the" in err and "cap" in err and "Traceback" not in err
+
+
+def test_a_new_node_with_an_empty_local_root_appends_to_the_roots_journal(
+    tmp_path: Path, moto_endpoint: str, bucket: str, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    url, opts = f"s3://{bucket}/run", storage_options(moto_endpoint)
+    state = safepoint.TrainState(model=torch.nn.Linear(4, 4), rng=False)
+    with safepoint.CheckpointManager(url, local_root=tmp_path / "a", storage_options=opts) as mgr:
+        mgr.save(1, state)
+        mgr.save(2, state)
+    # Another node: its local disk holds nothing; the journal and attempts come down from the root first.
+    with safepoint.CheckpointManager(url, local_root=tmp_path / "b", storage_options=opts) as mgr:
+        assert mgr.restore(state) == 2
+        mgr.save(3, state)
+    local, _ = read_journal(tmp_path / "b")
+    assert [r["step"] for r in local if r["event_type"] == "save_committed"] == [1, 2, 3]
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_endpoint)
+    assert cli(["report", url, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["attempts"] == 2 and report["saves"] == 3 and report["last_step"] == 3
