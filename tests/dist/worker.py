@@ -43,8 +43,11 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
     """Acts when this rank opens its own data file of the save named in _FAULT (a real mid-save fault)."""
     if event != "open" or not _FAULT or not isinstance(args[0], str):
         return
-    path = args[0]
-    if _FAULT["pending"] in path and path.endswith(_FAULT["suffix"]):
+    path, flags = args[0], args[2] if len(args) > 2 else None
+    # The data file is created by a walk from the root (store/rootfs.py): os.open of its bare name in the
+    # save's directory (dir_fd), O_CREAT; only the save armed in _FAULT creates this rank's file by that name.
+    created_here = os.sep not in path and isinstance(flags, int) and flags & os.O_CREAT
+    if path.endswith(_FAULT["suffix"]) and (_FAULT["pending"] in path or created_here):
         if _FAULT["action"] == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(600)  # a hung file system: the others must give up after the collective timeout

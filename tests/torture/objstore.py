@@ -539,7 +539,8 @@ def _garbage(store: Store, prefix: str, layout: RemoteLayout, listing: dict[int,
     allowed = set()
     for s in listing:
         allowed |= {f"step-{s}/{n}" for n in layout.read_manifest(s).files} | {f"step-{s}/safepoint.json"}
-    extra = [k for k in store.keys(prefix) if k not in allowed]
+    # ROOT/.run/ is the run journal's copy (tiers/journal_mirror.py): the run's record, never garbage.
+    extra = [k for k in store.keys(prefix) if k not in allowed and not k.startswith(".run/")]
     problems = [f"left behind after the next owner's cleanup: {extra}"] if extra else []
     if n := store.open_uploads(prefix):
         problems.append(f"{n} multipart upload(s) left open after the next owner's cleanup")
