@@ -150,6 +150,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow  # time bar of the default suite: torchrun; the in-process compile/wrapper cases run by default
 def test_compile_wrapped_with_ddp_or_fsdp2_either_way_restores_into_a_plain_module(tmp_path: Path) -> None:
     """concepts.md: the order of torch.compile and DDP/fully_shard does not change the saved keys."""
     script = tmp_path / "wrapped.py"

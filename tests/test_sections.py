@@ -122,6 +122,7 @@ def test_bad_named_sections_are_refused_when_built(kw: dict[str, Any], message: 
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow  # time bar of the default suite: torchrun at two world sizes; named sections run in-process by default
 def test_fsdp2_ema_as_a_named_section_reshards_2_to_1_bitwise(tmp_path: Path) -> None:
     root = tmp_path / "root"
     rc, log = finish(

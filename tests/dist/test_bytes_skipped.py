@@ -6,10 +6,13 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from safepoint.store.incremental import is_stable_group
 from tests.conftest import PYTHON, REPO, SUBPROCESS_ENV
 
 
+@pytest.mark.slow  # time bar of the default suite: two torchrun ranks; bytes_skipped is checked in-process by default (tests/goodput/test_events.py)
 def test_every_rank_reports_the_bytes_every_rank_linked(tmp_path: Path) -> None:
     root, out = tmp_path / "root", tmp_path / "events"
     cmd = [

@@ -280,6 +280,7 @@ def test_reshard_2_3_1_2_exact_state_and_every_sample_once(resharded: Path) -> N
     assert len(epoch1) == len(set(epoch1)) == 12
 
 
+@pytest.mark.slow  # time bar of the default suite: three more torchrun phases; resharding runs by default in test_examples (fsdp2 at another world size)
 def test_rng_of_surviving_and_new_ranks_after_reshard(resharded: Path) -> None:
     out = resharded
     for (phase, ws, _), (_, old_ws, step) in zip(RESHARD[1:], RESHARD[:-1], strict=True):

@@ -58,6 +58,7 @@ def _keys(endpoint: str, bucket: str) -> list[str]:
     return sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="run/.run/").get("Contents", []))
 
 
+@pytest.mark.slow  # time bar of the default suite: the kill is tests/goodput/test_report_after_kill.py's by default; the URL copy's other tests run by default
 def test_report_of_a_bucket_root_after_a_kill(
     moto_endpoint: str, bucket: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -50,6 +50,7 @@ def _check(run: Run, reference: dict[int, str]) -> None:
     assert different == [], f"(step, loss, uninterrupted loss): {different[:5]}"
 
 
+@pytest.mark.slow  # time bar of the default suite: four real runs; torchtitan's interface, save and load run in-process by default
 def test_sigterm_then_kill9_resume_bit_for_bit(tmp_path: Path) -> None:
     args = ("--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--save-on-sigterm")
     ref = run_example(JOB, tmp_path / "reference", *args)

@@ -379,6 +379,7 @@ def _staging_maps(pid: int) -> int:
         return sum("safepoint-staging" in line for line in f)
 
 
+@pytest.mark.slow  # time bar of the default suite: another staging segment per shape change is covered by test_a_new_staging_segment_when_the_state_changes_shape
 def test_the_writer_process_unmaps_the_old_segment_before_a_new_one_is_allocated(root: Path) -> None:
     m = torch.nn.Module()
     m.a = torch.nn.Parameter(torch.full((1 << 20,), 1.0))
@@ -548,6 +549,7 @@ def test_saves_never_wait_for_the_writer_process_to_start(
         assert torch.all(fresh.w == float(step))
 
 
+@pytest.mark.slow  # time bar of the default suite: a rare environment; the descriptor passing itself runs in every async test
 def test_async_saves_work_with_descriptors_numbered_above_1024(root: Path) -> None:
     """select() refuses descriptors >= 1024 (FD_SETSIZE): with many files already open when the manager
     starts, its channel to the writer process gets such a number, and every async save used to fail."""
