@@ -121,7 +121,7 @@ class AzureStore(ObjectStore):
         if item.size <= psize:
             async with self.sem:
                 await self._in_pool(self.pass_gate)
-                data, crc = await self._in_pool(read_range, item.local, 0, item.size)
+                data, crc = await self._in_pool(read_range, item.local, 0, item.size, item.root)
                 check_local(item, crc_hex(crc))
                 await self.put_blob(item.remote, data, what)
             return
@@ -131,7 +131,7 @@ class AzureStore(ObjectStore):
             length = min(psize, item.size - off)
             async with self.sem:
                 await self._in_pool(self.pass_gate)
-                data, crc = await self._in_pool(read_range, item.local, off, length)
+                data, crc = await self._in_pool(read_range, item.local, off, length, item.root)
                 await self.stage(item.remote, _block_id(n, upload), data, f"{what} (block {n})")
             return _block_id(n, upload), crc, length
 

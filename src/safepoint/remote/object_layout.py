@@ -206,10 +206,13 @@ class RemoteLayout:
     def written_sizes(self, pending: str) -> dict[str, int]:
         return {k: v for k, v in self.store.sizes(pending).items() if "/" not in k}
 
-    def put_files(self, pending: str, files: list[tuple[str, str, int, str]]) -> dict[str, Parts]:
-        """Upload local files (path, name, size, crc32c) into ``pending``, each verified by the store;
-        {name: parts} that the manifest must record (``Manifest.with_parts``)."""
-        done = self.store.put_files([FileCopy(lp, posixpath.join(pending, n), s, c) for lp, n, s, c in files])
+    def put_files(
+        self, pending: str, files: list[tuple[str, str, int, str]], *, root: str | None = None
+    ) -> dict[str, Parts]:
+        """Upload local files (path, name, size, crc32c; opened walking from ``root``, the local root) into
+        ``pending``, each verified by the store; {name: parts} for the manifest (``Manifest.with_parts``)."""
+        copies = [FileCopy(lp, posixpath.join(pending, n), s, c, root) for lp, n, s, c in files]
+        done = self.store.put_files(copies)
         return {posixpath.basename(path): parts for path, parts in done.items()}
 
     def copy_files(self, step: int, pending: str, files: list[tuple[str, int, str]]) -> None:

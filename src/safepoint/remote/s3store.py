@@ -191,7 +191,7 @@ class S3Store(S3Reader):
         if item.size <= psize:
             async with self.sem:
                 await self._gate()
-                data, crc = await self._in_pool(read_range, item.local, 0, item.size)
+                data, crc = await self._in_pool(read_range, item.local, 0, item.size, item.root)
                 check_local(item, crc_hex(crc))
                 answer = await self.aretry(what, lambda: self._put(bucket, key, data, item.crc32c, {}))
             sent.set()
@@ -203,7 +203,7 @@ class S3Store(S3Reader):
                     length = min(psize, item.size - off)
                     async with self.sem:
                         await self._gate()
-                        data, crc = await self._in_pool(read_range, item.local, off, length)
+                        data, crc = await self._in_pool(read_range, item.local, off, length, item.root)
                         return await self.send_part(bucket, key, upload_id, n, data, crc, what), crc, length
 
                 done = await self._gather(

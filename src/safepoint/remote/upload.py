@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import IO, Any, TypeVar
 
 import crc32c
@@ -33,6 +34,7 @@ from safepoint.remote.retry import (
 from safepoint.store.checksum import crc32c_combine, crc_hex
 from safepoint.store.guard import open_regular
 from safepoint.store.manifest import Parts
+from safepoint.store.rootfs import RootDir
 
 __all__ = ["FileCopy", "MiB", "ObjectStore", "RawWriter", "TransferOptions", "UploadError"]
 log = logging.getLogger("safepoint")
@@ -55,9 +57,18 @@ def hex_crc(b64: str) -> str | None:
     return raw.hex() if len(raw) == 4 else None
 
 
-def read_range(path: str | os.PathLike[str], offset: int, length: int) -> tuple[bytes, int]:
+def open_local(path: str | os.PathLike[str], root: str | None) -> int:
+    """A read-only descriptor of the local file ``path`` to upload: walked from ``root`` (the node's local
+    root, which holds it) so no component below the root is followed as a symlink (store/rootfs.py), or,
+    without one, opened by its path (the last component never a symlink, FIFO or device)."""
+    return RootDir(root).open_read(Path(path)) if root is not None else open_regular(path)
+
+
+def read_range(
+    path: str | os.PathLike[str], offset: int, length: int, root: str | None = None
+) -> tuple[bytes, int]:
     """``length`` bytes of a local file at ``offset`` and their crc32c. Raises EOFError if it ends early."""
-    with os.fdopen(open_regular(path), "rb", buffering=0) as f:  # no symlink, FIFO or device
+    with os.fdopen(open_local(path, root), "rb", buffering=0) as f:
         data = os.pread(f.fileno(), length, offset)
     if len(data) != length:
         raise EOFError(f"{os.fspath(path)} ends before byte {offset + length} (changed while uploading?)")
@@ -89,6 +100,8 @@ class FileCopy:
     remote: str
     size: int
     crc32c: str
+    root: str | None = None
+    """The local root ``local`` lies under: the file is opened by walking from it (:func:`open_local`)."""
 
 
 class ObjectStore:
@@ -193,7 +206,10 @@ class ObjectStore:
         value, sent = 0, 0
         if self.local:
             self.fs.makedirs(self.fs._parent(item.remote), exist_ok=True)
-        with os.fdopen(open_regular(item.local), "rb") as src, self.fs.open(item.remote, "wb") as dst:
+        with (
+            os.fdopen(open_local(item.local, item.root), "rb") as src,
+            self.fs.open(item.remote, "wb") as dst,
+        ):
             while chunk := src.read(self.cfg.part_size):
                 self.pass_gate()
                 value = crc32c.crc32c(chunk, value)

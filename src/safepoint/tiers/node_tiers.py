@@ -140,7 +140,7 @@ class NodeTiering(Tiering):
                 return {}
             assert manifest is not None
             files = [(str(where[n]), n, manifest.files[n].size, manifest.files[n].crc32c) for n in mine]
-            return self.durable.put_files(pending, files)
+            return self.durable.put_files(pending, files, root=str(self.local.root))
 
         def commit(parts: list[dict[str, Parts]]) -> None:
             with self._grace.committing() as allowed:

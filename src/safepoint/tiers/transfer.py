@@ -125,7 +125,8 @@ def upload_checkpoint(
         if before is not None and same:
             durable.copy_files(before[0], pending, [(n, files[n].size, files[n].crc32c) for n in same])
         rest = [n for n in mine if n not in same]
-        return durable.put_files(pending, [(str(base / n), n, files[n].size, files[n].crc32c) for n in rest])
+        todo = [(str(base / n), n, files[n].size, files[n].crc32c) for n in rest]
+        return durable.put_files(pending, todo, root=str(local.root))
 
     def commit(parts: list[dict[str, Parts]]) -> None:
         with committing() if committing is not None else contextlib.nullcontext(True) as allowed:
