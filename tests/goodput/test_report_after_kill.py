@@ -5,36 +5,14 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 from safepoint.cli.main import main as cli
-from tests.conftest import REPO, SUBPROCESS_ENV
-
-WORKER = [sys.executable, "-m", "tests.helpers.procs.goodput_worker"]
+from tests.helpers.goodput_runs import run_worker
 
 
 def _run(args: list[str], *, hang: bool) -> tuple[list[str], int]:
-    proc = subprocess.Popen(
-        WORKER + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=SUBPROCESS_ENV
-    )
-    assert proc.stdout is not None
-    lines: list[str] = []
-    try:
-        for line in proc.stdout:
-            lines.append(line.strip())
-            if hang and line.startswith("REACHED"):
-                proc.send_signal(signal.SIGKILL)  # a real kill -9: no close(), no atexit, no flush
-                break
-        rc = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    if not hang:
-        assert rc == 0, proc.stderr.read() if proc.stderr else ""
-    return lines, rc
+    return run_worker(args, hang=hang)
 
 
 def _saves(lines: list[str]) -> list[tuple[int, float]]:

@@ -5,11 +5,7 @@ endpoint (moto server) and a real kill -9 of the job, checked against what was m
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import boto3
@@ -19,34 +15,13 @@ import torch
 import safepoint
 from safepoint.cli.main import main as cli
 from safepoint.policy.journal import MAX_JOURNAL_BYTES, read_journal
-from tests.conftest import REPO, SUBPROCESS_ENV
+from tests.helpers.goodput_runs import run_worker
 from tests.helpers.s3 import storage_options
-
-WORKER = [sys.executable, "-m", "tests.helpers.procs.goodput_worker"]
 
 
 def _run(args: list[str], endpoint: str, *, hang: bool) -> tuple[list[str], int]:
-    env = dict(os.environ, PYTHONPATH=SUBPROCESS_ENV["PYTHONPATH"], GOODPUT_S3_ENDPOINT=endpoint)
-    proc = subprocess.Popen(
-        WORKER + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env
-    )
-    assert proc.stdout is not None
-    lines: list[str] = []
-    try:
-        for line in proc.stdout:
-            lines.append(line.strip())
-            if hang and line.startswith("REACHED"):
-                time.sleep(1.0)  # the journal is copied every 0.1 s in this job: step 13's progress is up
-                proc.send_signal(signal.SIGKILL)  # a real kill -9: no close(), no atexit, no final copy
-                break
-        rc = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    if not hang:
-        assert rc == 0, proc.stderr.read() if proc.stderr else ""
-    return lines, rc
+    # The journal is copied every 0.1 s in this job: a second after REACHED, step 13's progress is up.
+    return run_worker(args, hang=hang, env={"GOODPUT_S3_ENDPOINT": endpoint}, settle_s=1.0)
 
 
 def _saves(lines: list[str]) -> list[int]:
