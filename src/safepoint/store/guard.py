@@ -60,11 +60,16 @@ def open_regular(path: str | os.PathLike[str]) -> int:
     O_NONBLOCK keeps a FIFO from blocking the open; once fstat says regular file it is cleared (it means
     nothing for regular files anyway). Raises OSError (ELOOP for a symlink) or NotRegularFileError.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    return keep_if_regular(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC), path)
+
+
+def keep_if_regular(fd: int, what: str | os.PathLike[str]) -> int:
+    """``fd`` (opened with O_NONBLOCK, so a FIFO never blocked the open) back in blocking mode if it is a
+    regular file; otherwise closed, and NotRegularFileError naming ``what``."""
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise NotRegularFileError(f"{os.fspath(path)} is {describe_mode(mode)}, not a regular file")
+            raise NotRegularFileError(f"{os.fspath(what)} is {describe_mode(mode)}, not a regular file")
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)

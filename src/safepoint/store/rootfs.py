@@ -34,7 +34,7 @@ from pathlib import Path, PurePosixPath
 
 from safepoint.store.checksum import stream_crc32c
 from safepoint.store.fsops import rename_exchange_at
-from safepoint.store.guard import NotRegularFileError, describe_mode
+from safepoint.store.guard import describe_mode, keep_if_regular
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -189,15 +189,7 @@ class RootDir:
         The caller closes it. OSError (ELOOP, ENOENT, ...) or NotRegularFileError otherwise."""
         with self.parent(rel) as (dfd, name):
             fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
-        try:
-            mode = os.fstat(fd).st_mode
-            if not stat.S_ISREG(mode):
-                raise NotRegularFileError(f"{self.full(rel)} is {describe_mode(mode)}, not a regular file")
-            os.set_blocking(fd, True)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        return keep_if_regular(fd, self.full(rel))
 
     def read(self, rel: Rel, limit: int) -> bytes:
         """The whole regular file ``rel``, at most ``limit`` bytes: a larger one raises OSError (EFBIG)
@@ -244,11 +236,7 @@ class RootDir:
         flags |= os.O_WRONLY | os.O_APPEND if append else os.O_RDWR
         with self.parent(rel) as (dfd, name):
             fd = os.open(name, flags, 0o666, dir_fd=dfd)
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            os.close(fd)
-            raise NotRegularFileError(f"{self.full(rel)} is {describe_mode(mode)}, not a regular file")
-        return fd
+        return keep_if_regular(fd, self.full(rel))
 
     def write(self, rel: Rel, data: bytes, *, durable: bool = True) -> None:
         """:meth:`create` ``rel`` holding ``data`` (fsync'd when ``durable``)."""
