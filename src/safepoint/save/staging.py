@@ -30,6 +30,10 @@ def _any_cuda(sd: Any) -> bool:
     return any(t.is_cuda for t in buffer_tensors(sd))
 
 
+def _cuda_devices(sd: Any) -> set[torch.device]:
+    return {t.device for t in buffer_tensors(sd) if t.is_cuda}
+
+
 def tensor_bytes(sd: Any) -> int:
     if isinstance(sd, torch.Tensor):
         local = sd.to_local() if hasattr(sd, "to_local") else sd
@@ -57,6 +61,7 @@ class Stager:
         # Called after the old buffers are dropped, before new ones are allocated: the writer process
         # unmaps its view of the old segment, so two sets never exist at once.
         self._before_alloc = before_alloc
+        self._stream: torch.cuda.Stream | None = None  # the side stream of the device-to-host copy (CUDA)
 
     def stage(self, sd: dict[str, Any]) -> dict[str, Any]:
         if self._buffers is None or not _similar(sd, self._buffers):
@@ -74,10 +79,37 @@ class Stager:
             else:
                 self._buffers = _create_cpu_state_dict(sd, pin_memory=pin)
             self.allocations += 1
-        snapshot: dict[str, Any] = _copy_state_dict(sd, self._buffers, non_blocking=True, type_check=False)
-        if torch.cuda.is_available() and _any_cuda(sd):
-            # non_blocking D2H copies must land before the writer thread reads the buffers.
-            torch.cuda.synchronize()
+        devices = _cuda_devices(sd) if torch.cuda.is_available() else set()
+        if len(devices) != 1:
+            snapshot: dict[str, Any] = _copy_state_dict(
+                sd, self._buffers, non_blocking=True, type_check=False
+            )
+            if devices:
+                torch.cuda.synchronize()  # non_blocking D2H copies must land before the writer reads them
+            return snapshot
+        return self._copy_on_side_stream(sd, devices.pop())
+
+    def _copy_on_side_stream(self, sd: dict[str, Any], device: torch.device) -> dict[str, Any]:
+        """The device-to-host copy on a stream of its own, synchronised alone.
+
+        The side stream first waits for the work queued so far on the training's current stream, so the
+        copy sees every update the loop issued before ``save`` (stream order, not a device-wide barrier).
+        Only that stream is then synchronised: work other streams queued (a prefetch, NCCL) does not
+        lengthen the block, as a ``torch.cuda.synchronize()`` would make it. The copies go into pinned
+        buffers, so they are DMA transfers that need no staging copy of their own. The source
+        tensors stay referenced by ``sd`` until the stream is synchronised, so the caching allocator
+        cannot hand their memory to the loop while the copy still reads it.
+        """
+        assert self._buffers is not None
+        with torch.cuda.device(device):
+            if self._stream is None or self._stream.device != device:
+                self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            self._stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(self._stream):
+                snapshot: dict[str, Any] = _copy_state_dict(
+                    sd, self._buffers, non_blocking=True, type_check=False
+                )
+            self._stream.synchronize()
         return snapshot
 
     def release(self) -> None:

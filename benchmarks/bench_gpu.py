@@ -1,0 +1,232 @@
+"""The CUDA path of a save (issue 27), on a GPU machine: how long the loop is blocked, against a pinned copy.
+
+A state of parameters + Adam moments lives on the GPU. Each round saves it with every variant in turn
+(interleaved, the order rotated each round), and reports, per variant, the time the caller was blocked:
+
+- ``pinned-copy``: the reference. The same tensors copied into pinned host buffers allocated once
+  (``copy_(non_blocking=True)`` then a synchronize): the least any checkpoint can block for these bytes.
+- ``sp-async-process`` / ``sp-async-thread``: ``CheckpointManager(async_save=True)`` with the writer process
+  (default) or thread; blocked = the time ``save()`` took (capture + staging into pinned buffers).
+- ``sp-sync``: a sync save, the whole write; ``torch-save``: ``torch.save`` of the state + fsync.
+- ``dcp-async``: ``dcp.async_save`` with its default stager (thread), blocked = its return.
+
+Targets (issue 27): the async blocking <= 1.2x the pinned copy. Also checks, every round, that the staging
+buffers are pinned and allocated once, and prints the card. Run::
+
+    PYTHONPATH=src python benchmarks/bench_gpu.py --cases 2048x300,512x3000 --rounds 3 --out gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict_saver import async_save
+
+import safepoint
+
+KEEP = safepoint.Keep(last=1)  # one checkpoint per manager: the bench holds GiBs in /dev/shm
+VARIANTS = ("pinned-copy", "sp-async-process", "sp-async-thread", "sp-sync", "torch-save", "dcp-async")
+
+
+class Bag(nn.Module):
+    def __init__(self, n: int, numel: int) -> None:
+        super().__init__()
+        self.ps = nn.ParameterList(nn.Parameter(torch.empty(numel)) for _ in range(n))
+
+
+def make_state(size_bytes: int, n_tensors: int, device: torch.device) -> tuple[Bag, torch.optim.Adam]:
+    """Parameters + Adam's two moments adding up to ``size_bytes`` in ``3 * n_tensors`` tensors."""
+    numel = max(1, size_bytes // (3 * 4 * n_tensors))
+    torch.manual_seed(0)
+    model = Bag(n_tensors, numel).to(device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def state_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = [p.detach() for p in model.parameters()]
+    for st in opt.state.values():
+        out.extend(v for v in st.values() if isinstance(v, torch.Tensor) and v.numel() > 1)
+    return out
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Runner:
+    def __init__(self, base: Path, model: Bag, opt: torch.optim.Adam) -> None:
+        self.base, self.model, self.opt = base, model, opt
+        self.state = safepoint.TrainState(model=model, optimizer=opt, rng=False)
+        src = state_tensors(model, opt)
+        pin = torch.cuda.is_available()
+        self.src = src
+        self.bufs = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in src]
+        self.mgrs = {
+            "sp-async-process": safepoint.CheckpointManager(
+                base / "proc",
+                async_save=True,
+                keep=KEEP,
+                writer=safepoint.WriterOptions(async_writer="process"),
+            ),
+            "sp-async-thread": safepoint.CheckpointManager(
+                base / "thread",
+                async_save=True,
+                keep=KEEP,
+                writer=safepoint.WriterOptions(async_writer="thread"),
+            ),
+            "sp-sync": safepoint.CheckpointManager(base / "sync", keep=KEEP),
+        }
+        self.step = 0
+
+    def pinned_copy(self) -> None:
+        for s, d in zip(self.src, self.bufs, strict=True):
+            d.copy_(s, non_blocking=True)
+        sync()
+
+    def touch(self) -> None:
+        """A training step's worth of change, so incremental saves have every tensor to write."""
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.add_(1e-3)
+        sync()
+
+    def run(self, variant: str) -> dict[str, Any]:
+        self.step += 1
+        self.touch()
+        rec: dict[str, Any] = {"variant": variant, "step": self.step}
+        if variant == "pinned-copy":
+            t0 = time.perf_counter()
+            self.pinned_copy()
+            rec["blocked_s"] = time.perf_counter() - t0
+            return rec
+        if variant in self.mgrs:
+            mgr = self.mgrs[variant]
+            mgr.wait()
+            t0 = time.perf_counter()
+            mgr.save(self.step, self.state)
+            rec["blocked_s"] = time.perf_counter() - t0
+            mgr.wait()
+            rec["durable_s"] = time.perf_counter() - t0
+            stager = getattr(mgr, "_stager", None)
+            bufs = getattr(stager, "_buffers", None)
+            if bufs is not None:
+                from safepoint.save.shared_buffers import buffer_tensors
+
+                found = list(buffer_tensors(bufs))
+                rec["staging_pinned"] = all(t.is_pinned() for t in found if t.numel() > 1)
+                rec["staging_allocations"] = stager.allocations
+            return rec
+        if variant == "torch-save":
+            path = self.base / f"torch-{self.step}.pt"
+            t0 = time.perf_counter()
+            torch.save({"model": self.model.state_dict(), "optim": self.opt.state_dict()}, path)
+            with open(path, "rb+") as f:
+                os.fsync(f.fileno())
+            rec["blocked_s"] = rec["durable_s"] = time.perf_counter() - t0
+            path.unlink()
+            return rec
+        if variant == "dcp-async":
+            out = self.base / f"dcp-{self.step}"
+            sd = {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
+            t0 = time.perf_counter()
+            fut = async_save(sd, storage_writer=FileSystemWriter(out, sync_files=True), no_dist=True)
+            rec["blocked_s"] = time.perf_counter() - t0
+            done = fut.result() if hasattr(fut, "result") else fut.upload_completion.result()
+            del done
+            rec["durable_s"] = time.perf_counter() - t0
+            shutil.rmtree(out, ignore_errors=True)
+            return rec
+        raise ValueError(variant)
+
+    def close(self) -> None:
+        for mgr in self.mgrs.values():
+            mgr.close()
+
+
+def rotated(xs: Sequence[str], k: int) -> list[str]:
+    k %= len(xs)
+    return list(xs[k:]) + list(xs[:k])
+
+
+def bench(size_mib: int, n_tensors: int, rounds: int, base: Path, variants: Sequence[str]) -> dict[str, Any]:
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    model, opt = make_state(size_mib << 20, n_tensors, device)
+    runner = Runner(base, model, opt)
+    runs: list[dict[str, Any]] = []
+    try:
+        for v in variants:  # warm-up: allocations, the writer process, CUDA contexts
+            runner.run(v)
+        for r in range(rounds):
+            for v in rotated(variants, r):
+                rec = runner.run(v)
+                rec["round"] = r
+                runs.append(rec)
+                print(json.dumps(rec), flush=True)
+    finally:
+        runner.close()
+    med: dict[str, float] = {}
+    for v in variants:
+        xs = [x["blocked_s"] for x in runs if x["variant"] == v]
+        med[v] = statistics.median(xs)
+    ratios = {v: med[v] / med["pinned-copy"] for v in variants if "pinned-copy" in med}
+    nbytes = sum(t.numel() * t.element_size() for t in state_tensors(model, opt))
+    return {"size_bytes": nbytes, "tensors": len(state_tensors(model, opt)), "median_blocked_s": med,
+            "x_pinned_copy": ratios, "runs": runs}  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--cases",
+        type=lambda s: [tuple(int(v) for v in c.split("x")) for c in s.split(",")],
+        default=[(2048, 300), (512, 3000)],
+        help="MIBxPARAMS,...: state MiB (params + Adam) and parameter count (default 2048x300,512x3000)",
+    )
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS))
+    p.add_argument("--dir", default=None, help="where checkpoints go (default: /dev/shm if there, else tmp)")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    where = Path(args.dir or ("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()))
+    meta: dict[str, Any] = {"torch": torch.__version__, "location": str(where)}
+    if torch.cuda.is_available():
+        meta["card"] = torch.cuda.get_device_name(0)
+    results: dict[str, Any] = {"meta": meta, "cases": []}
+    for size, n in args.cases:
+        base = Path(tempfile.mkdtemp(prefix="sp-gpu-", dir=where))
+        try:
+            case = bench(size, n, args.rounds, base, args.variants)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        case.update(size_mib=size, n_param=n)
+        results["cases"].append(case)
+        summary = {k: v for k, v in case.items() if k != "runs"}
+        print(json.dumps(summary, indent=1), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
