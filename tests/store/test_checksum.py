@@ -177,9 +177,9 @@ def _item_crcs(step_dir: Path) -> list[int]:
 def test_save_skips_torch_crc32_and_restores_the_setting(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, skip: bool
 ) -> None:
-    from safepoint.store import storage
+    from safepoint.store import crc_switch
 
-    monkeypatch.setattr(storage, "SKIP_TORCH_CRC32", skip)
+    monkeypatch.setattr(crc_switch, "SKIP_TORCH_CRC32", skip)
     model = torch.nn.Linear(64, 64)
     assert torch.serialization.get_crc32_options()
     with safepoint.CheckpointManager(tmp_path / "ckpt") as mgr:
@@ -198,7 +198,7 @@ def test_save_skips_torch_crc32_and_restores_the_setting(
 def test_crc32_switch_counts_nested_users_and_keeps_a_users_own_choice(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from safepoint.store import storage
+    from safepoint.store import crc_switch as storage
 
     monkeypatch.setattr(storage, "SKIP_TORCH_CRC32", True)
     with storage.torch_crc32_off():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,8 @@ from torch import nn
 
 import safepoint
 from safepoint.store import item_writer
-from safepoint.store.storage import SafepointWriter, torch_crc32_off
+from safepoint.store.crc_switch import torch_crc32_off
+from safepoint.store.storage import SafepointWriter
 
 
 def _state() -> dict[str, object]:
@@ -128,14 +130,36 @@ def test_checkpoint_of_a_real_model_is_verified_and_restored(tmp_path: Path) -> 
         assert _same_bits(sa["exp_avg_sq"], sb["exp_avg_sq"])
 
 
-@pytest.mark.parametrize("threads", [2])
+@pytest.mark.parametrize("threads", [2, 4])
 def test_writer_threads_write_the_same_items(tmp_path: Path, threads: int) -> None:
+    # The reference is DCP on one thread: torch 2.13's CRC-32 switch is per thread, so DCP's own extra
+    # threads write with CRC-32 on whatever the calling thread set. Each of ours turns it off itself: the
+    # items are the same bytes whichever thread wrote them (before, an extra thread that got a file wrote
+    # it with CRC-32 on, which failed this test now and then).
     state = _state()
     dcp.save(state, storage_writer=SafepointWriter(tmp_path / "ours", thread_count=threads), no_dist=True)
-    writer = dcp.FileSystemWriter(tmp_path / "dcp", single_file_per_rank=True, thread_count=threads)
+    writer = dcp.FileSystemWriter(tmp_path / "dcp", single_file_per_rank=True, thread_count=1)
     with torch_crc32_off():
         dcp.save(state, storage_writer=writer, no_dist=True)
     assert _items(tmp_path / "ours") == _items(tmp_path / "dcp")
+
+
+def test_the_crc32_switch_holds_in_every_writer_thread() -> None:
+    # A writer thread that enters the switch while another thread holds it gets CRC-32 off too, with a
+    # per-thread setting (torch 2.13) as with a process-wide one; leaving puts its own setting back.
+    seen: list[bool] = []
+
+    def writer_thread() -> None:
+        with torch_crc32_off():
+            seen.append(torch.serialization.get_crc32_options())
+
+    with torch_crc32_off():
+        t = threading.Thread(target=writer_thread)
+        t.start()
+        t.join()
+        assert not torch.serialization.get_crc32_options()
+    assert seen == [False]
+    assert torch.serialization.get_crc32_options()
 
 
 def test_big_tensors_are_written_by_torch_save_itself() -> None:

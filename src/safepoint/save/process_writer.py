@@ -29,8 +29,9 @@ from safepoint.save.writer_process import (
     WriterStarting,
     WriterUnavailable,
 )
+from safepoint.store.crc_switch import torch_crc32_off
 from safepoint.store.file_report import with_files
-from safepoint.store.storage import SafepointWriter, torch_crc32_off
+from safepoint.store.storage import SafepointWriter
 
 log = logging.getLogger("safepoint")
 

@@ -30,8 +30,9 @@ from safepoint.errors import os_error_in_chain
 from safepoint.save import ipc
 from safepoint.save.handoff import Arranged, Held
 from safepoint.save.shared_buffers import SharedArena
+from safepoint.store.crc_switch import torch_crc32_off
 from safepoint.store.file_report import split_files
-from safepoint.store.storage import SafepointWriter, torch_crc32_off
+from safepoint.store.storage import SafepointWriter
 
 log = logging.getLogger("safepoint")
 

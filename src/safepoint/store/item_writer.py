@@ -5,7 +5,7 @@ file, and ``dcp.load`` (and safepoint's reader) read each item as such a zip. Fo
 ``torch.save`` costs ~0.5 ms each (pickling, zip headers, end records) and hands the stream hundreds of
 thousands of tiny writes. Here each item's bytes are produced from a *template*: ``torch.save`` of a tensor of
 the same dtype, shape and strides, taken once, split around its data record. With torch's per-record CRC-32
-off (safepoint's writes turn it off: ``storage.torch_crc32_off``), nothing else in a one-tensor
+off (safepoint's writes turn it off: ``crc_switch.torch_crc32_off``), nothing else in a one-tensor
 ``torch.save`` depends on the data, so template head + the tensor's bytes + template tail is byte for byte
 what ``torch.save`` writes. That is checked when a template is made (two saves of different data must share
 head and tail, and the data record must hold exactly the tensor's bytes); any tensor that does not qualify,
@@ -30,6 +30,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
+
+from safepoint.store.crc_switch import torch_crc32_off
 
 # Pieces below this are copied into the batch buffer; bigger tensor data is written straight from the
 # tensor's memory (one copy fewer, and the checksumming stream overlaps its crc32c with the write).
@@ -314,18 +316,29 @@ def _drain(
     extra_thread: bool,
 ) -> None:
     try:
-        while True:
-            try:
-                path, file_name, items = file_queue.get_nowait()
-            except queue.Empty:
-                return
-            with writer.fs.create_stream(path, "wb") as stream:
-                written = write_items(stream, file_name, items, planner)  # type: ignore[arg-type]
-                if writer.sync_files:
-                    # Flushes the stream's buffer first (ChecksummingWriter.fileno), as DCP relies on.
-                    os.fsync(stream.fileno())
-            results.put(written)
+        # In this thread too: torch's switch is per thread in some versions (crc_switch.py).
+        with torch_crc32_off():
+            _drain_files(writer, file_queue, results, planner)
     except Exception:
         if not extra_thread:
             raise
         log.exception("safepoint: a writer thread failed")
+
+
+def _drain_files(
+    writer: FileSystemWriter,
+    file_queue: queue.Queue[Any],
+    results: queue.Queue[list[WriteResult]],
+    planner: SavePlanner,
+) -> None:
+    while True:
+        try:
+            path, file_name, items = file_queue.get_nowait()
+        except queue.Empty:
+            return
+        with writer.fs.create_stream(path, "wb") as stream:
+            written = write_items(stream, file_name, items, planner)  # type: ignore[arg-type]
+            if writer.sync_files:
+                # Flushes the stream's buffer first (ChecksummingWriter.fileno), as DCP relies on.
+                os.fsync(stream.fileno())
+        results.put(written)

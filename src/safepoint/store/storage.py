@@ -15,9 +15,8 @@ import io
 import os
 import pickle
 import queue
-import threading
 import warnings
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -38,6 +37,7 @@ from torch.futures import Future
 
 from safepoint.errors import CorruptCheckpointError, UnsafeCheckpointError, os_error_in_chain
 from safepoint.store.checksum import ChecksummingWriter, ChecksumRecorder
+from safepoint.store.crc_switch import torch_crc32_off
 from safepoint.store.file_report import Files, skipped_per_rank, split_files, with_files
 from safepoint.store.incremental import Round
 from safepoint.store.item_writer import write_queue
@@ -70,43 +70,6 @@ _ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
         ("collections", "OrderedDict"),
     }
 )
-
-
-# torch.save's zip writer computes a CRC-32 of every record it writes. Inside safepoint's writer that is
-# redundant: our crc32c covers every byte of every file and is verified before anything is loaded, and the
-# CRC-32 cost more CPU than our crc32c (0.25 s per GiB here, about 8% of the save). torch's switch is
-# process-wide (torch.serialization.set_crc32_options, read once per torch.save), so it is turned off while
-# at least one safepoint write runs and put back when the last one ends. The trade-off: a torch.save that
-# another thread of the same process runs meanwhile also writes its records with a zero CRC-32 field.
-# torch.load does not check that field and reads such files normally; only zip tools (``unzip -t``) flag
-# them. Set ``SKIP_TORCH_CRC32 = False`` to keep torch's CRC-32 at that cost.
-SKIP_TORCH_CRC32 = True
-_crc_lock = threading.Lock()
-_crc_users = 0
-_crc_saved = True
-
-
-@contextmanager
-def torch_crc32_off() -> Iterator[None]:
-    """Turn torch.save's per-record CRC-32 off for the duration (nested and concurrent uses count)."""
-    global _crc_users, _crc_saved
-    if not SKIP_TORCH_CRC32:
-        yield
-        return
-    with _crc_lock:
-        if _crc_users == 0:
-            _crc_saved = torch.serialization.get_crc32_options()
-            torch.serialization.set_crc32_options(False)
-        _crc_users += 1
-    try:
-        yield
-    finally:
-        with _crc_lock:
-            _crc_users -= 1
-            # The last writer out restores the previous setting; if someone turned it back on meanwhile,
-            # their choice stands.
-            if _crc_users == 0 and not torch.serialization.get_crc32_options():
-                torch.serialization.set_crc32_options(_crc_saved)
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
