@@ -234,3 +234,17 @@ def test_writer_thread_runs_at_lower_priority(monkeypatch: pytest.MonkeyPatch, n
     assert seen == [min(19, mine + increment)]
     # Only the writer thread: the training thread keeps its priority.
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+
+
+def test_each_async_save_records_the_bytes_it_staged(root: Path) -> None:
+    # The count is taken once per buffer set (when the buffers are allocated), not walked again per save;
+    # it must still be each save's bytes, and follow a change of shape.
+    _, small = big_state(1)
+    _, bigger = big_state(2)
+    with safepoint.CheckpointManager(
+        root, async_save=True, writer=safepoint.WriterOptions(async_writer="thread")
+    ) as mgr:
+        for step, state in ((1, small), (2, small), (3, bigger)):
+            mgr.save(step, state)
+            mgr.wait()
+        assert [r.bytes for r in mgr.saves] == [1 << 20, 1 << 20, 2 << 20]

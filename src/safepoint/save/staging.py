@@ -62,6 +62,8 @@ class Stager:
         # unmaps its view of the old segment, so two sets never exist at once.
         self._before_alloc = before_alloc
         self._stream: torch.cuda.Stream | None = None  # the side stream of the device-to-host copy (CUDA)
+        self.nbytes = 0
+        """Tensor bytes of the current buffer set (what each ``stage`` copies), counted once per set."""
 
     def stage(self, sd: dict[str, Any]) -> dict[str, Any]:
         if self._buffers is None or not _similar(sd, self._buffers):
@@ -79,6 +81,7 @@ class Stager:
             else:
                 self._buffers = _create_cpu_state_dict(sd, pin_memory=pin)
             self.allocations += 1
+            self.nbytes = tensor_bytes(self._buffers)
         devices = _cuda_devices(sd) if torch.cuda.is_available() else set()
         if len(devices) != 1:
             snapshot: dict[str, Any] = _copy_state_dict(
@@ -114,6 +117,7 @@ class Stager:
 
     def release(self) -> None:
         self._buffers = None
+        self.nbytes = 0
         if self.arena is not None:
             self.arena.release()  # the memory goes with the last tensor that maps it
             self.arena = None
