@@ -23,10 +23,22 @@ documents packed as torchtitan's ``HuggingFaceTextDataset`` packs them.
 
 Exit 0 only if the checks pass; every check prints one line (``CHECK ... ok|FAILED``).
 
-Compatibility shims, each printed when used (none touches what the checkpointer saves or loads):
-``datasets`` (imported by torchtitan's validator module, never used here: a stand-in that raises if
-called) and, on a torch without it, ``torch.distributed.fsdp.DataParallelMeshDims`` (torchtitan 0.3
-imports it at module level; it builds one only for FSDP/full_dtensor meshes larger than one rank).
+Two model/loss choices keep the run to what safepoint supports today (``--qkv fused`` / ``--loss chunked``
+reproduce the failures): the debug model's attention is built unfused (its fused ``wqkv`` has a state_dict
+post-hook that emits ``wq``/``wk``/``wv`` keys which are no module attributes, and DCP's ``get_state_dict``,
+which safepoint's ``TrainState`` calls, fails on them), and the loss is the plain cross entropy (torchtitan's
+``ChunkedLossWrapper`` runs ``lm_head`` outside the FSDP root's forward; on torch 2.11 its backward then meets
+a freed parameter: "The tensor has a non-zero number of elements, but its data is not allocated yet").
+
+Compatibility shims for torch older than torchtitan 0.3 targets, each printed when used (none touches what
+the checkpointer saves or loads): ``datasets`` (imported by torchtitan's validator module, never used here:
+a stand-in that raises if called); ``torch.distributed.fsdp.DataParallelMeshDims`` (imported at module level;
+torchtitan builds one only for FSDP/full_dtensor meshes larger than one rank); ``torch.distributed.set_timeout``
+(called once after the first step; torch 2.11-2.13 have it as ``_set_pg_timeout``). ``--device cpu`` also
+makes torchtitan pick the CPU (it assumes CUDA when no accelerator is found) and gives ``torch.cpu`` the
+memory-monitor functions its metrics ask for; FlexAttention has no CPU backward, so CPU runs use SDPA.
+
+Checked on CPU (gloo) here with torch 2.11.0+cu130 (the GPU machine's build): every check passes.
 """
 
 from __future__ import annotations
