@@ -74,7 +74,9 @@ def child(strategy: str, root: str, out: str, sleep: float) -> None:
 
         def on_fit_end(self) -> None:
             full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            weights, optim = get_state_dict(self.trainer.strategy.model, self.trainer.optimizers, options=full)
+            weights, optim = get_state_dict(
+                self.trainer.strategy.model, self.trainer.optimizers, options=full
+            )
             torch.save({"model": weights, "optim": optim}, out)
 
     if strategy == "mp":

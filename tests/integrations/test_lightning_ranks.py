@@ -59,7 +59,9 @@ def _run(
                     rank, step = int(m.group(1)), int(m.group(2))
                     losses[(rank, step)] = m.group(3)
                     if (rank, step) == (0, kill_at):
-                        os.killpg(proc.pid, signal.SIGKILL)  # both ranks: Lightning's launcher shares the group
+                        os.killpg(
+                            proc.pid, signal.SIGKILL
+                        )  # both ranks: Lightning's launcher shares the group
             proc.wait(timeout=300)
         finally:
             if proc.poll() is None:

@@ -29,10 +29,10 @@ def refuse_unsupported(strategy: Any, refused: tuple[type, ...]) -> None:
     """A one-line error, before the root is touched, for a strategy whose state safepoint cannot save."""
     if isinstance(strategy, refused):
         raise ValueError(
-            f"SafepointCallback: {type(strategy).__name__} is not supported: DeepSpeed's engine partitions "
-            "the optimizer state in its own ZeRO layout and saves it only through engine.save_checkpoint, "
-            "which safepoint's DCP path does not read or write; use FSDPStrategy or ModelParallelStrategy (saved "
-            "sharded), DDP or one device (docs/frameworks/lightning.md, 'Limits')"
+            f"SafepointCallback: {type(strategy).__name__} is not supported: DeepSpeed's engine "
+            "partitions the optimizer state in its own ZeRO layout and saves it only through "
+            "engine.save_checkpoint, which safepoint's DCP path does not read or write; use FSDPStrategy "
+            "or ModelParallelStrategy (saved sharded), DDP or one device (docs/frameworks/lightning.md)"
         )
 
 
