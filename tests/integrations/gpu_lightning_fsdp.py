@@ -26,9 +26,10 @@ from typing import Any
 STEPS, KILL_AT = 8, 5
 LINE = re.compile(r"step (\d+) loss (\S+)\Z")
 STRATEGIES = ("fsdp-sharded", "fsdp-full", "mp")
+ACCELERATOR = ["cuda"]  # --accelerator cpu: only "mp" runs there (a check of this script itself)
 
 
-def child(strategy: str, root: str, out: str, sleep: float) -> None:
+def child(strategy: str, root: str, out: str, sleep: float, accelerator: str) -> None:
     """One training run (this process is the job)."""
     import time
 
@@ -42,8 +43,6 @@ def child(strategy: str, root: str, out: str, sleep: float) -> None:
 
     import safepoint
     from safepoint.integrations.lightning import SafepointCallback
-
-    torch.use_deterministic_algorithms(True)
 
     class Net(L.LightningModule):
         def __init__(self) -> None:
@@ -85,7 +84,7 @@ def child(strategy: str, root: str, out: str, sleep: float) -> None:
         strat = FSDPStrategy(state_dict_type=strategy.split("-")[1])
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(
-        max_steps=STEPS, accelerator="cuda", devices=1, strategy=strat, use_distributed_sampler=False,
+        max_steps=STEPS, accelerator=accelerator, devices=1, strategy=strat, use_distributed_sampler=False,
         callbacks=[SafepointCallback(root, save_every_steps=2)], enable_checkpointing=False, logger=False,
         enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
@@ -95,7 +94,8 @@ def child(strategy: str, root: str, out: str, sleep: float) -> None:
 
 
 def run(strategy: str, root: Path, out: Path, kill_at: int | None = None) -> tuple[dict[int, str], int]:
-    cmd = [sys.executable, __file__, "--child", strategy, str(root), str(out), "0.3" if kill_at else "0"]
+    sleep = "0.3" if kill_at else "0"
+    cmd = [sys.executable, __file__, "--child", strategy, str(root), str(out), sleep, ACCELERATOR[0]]
     env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
     assert proc.stdout is not None
@@ -149,16 +149,19 @@ def check(strategy: str, work: Path) -> list[str]:
 
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
-        child(*sys.argv[2:5], float(sys.argv[5]))
+        child(*sys.argv[2:5], float(sys.argv[5]), sys.argv[6])
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default="")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--accelerator", default="cuda", help="cpu: runs only --strategies mp (checks the script)")
     args = p.parse_args()
+    ACCELERATOR[0] = args.accelerator
     import lightning
     import torch
 
-    print(f"torch {torch.__version__}, lightning {lightning.__version__}, {torch.cuda.get_device_name()}")
+    gpu = torch.cuda.get_device_name() if args.accelerator == "cuda" else "cpu"
+    print(f"torch {torch.__version__}, lightning {lightning.__version__}, {gpu}", flush=True)
     failed: list[str] = []
     with tempfile.TemporaryDirectory(dir=args.workdir or None) as tmp:
         for strategy in args.strategies.split(","):
