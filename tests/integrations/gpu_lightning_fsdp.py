@@ -149,7 +149,8 @@ def check(strategy: str, work: Path) -> list[str]:
 
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
-        child(*sys.argv[2:5], float(sys.argv[5]), sys.argv[6])
+        strategy, root, out, sleep, accelerator = sys.argv[2:7]
+        child(strategy, root, out, float(sleep), accelerator)
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default="")
