@@ -1,7 +1,15 @@
 """SafepointCallback under Lightning's FSDPStrategy on one GPU (NCCL, world size 1): Lightning refuses
 FSDPStrategy on the CPU and FSDP1 needs an accelerator, so this runs where a GPU is (not in the suite).
 
-    PYTHONPATH=src python tests/integrations/gpu_lightning_fsdp.py [--workdir DIR]
+    PYTHONPATH=src python tests/integrations/gpu_lightning_fsdp.py [--workdir DIR] [--strategies LIST]
+
+On the GPU machine (torch and lightning from the image; the wheels it lacks, crc32c, from .whl/ as in
+benchmarks/gpu_check.sh):
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    PYTHONPATH=$PWD/src:$PWD:/tmp/site timeout 400 python3 tests/integrations/gpu_lightning_fsdp.py
+
+It takes about a minute a strategy (9 short Lightning launches in all).
 
 For ``FSDPStrategy(state_dict_type="sharded")``, ``FSDPStrategy(state_dict_type="full")`` and
 ``ModelParallelStrategy`` (FSDP2), each in its own processes: an uninterrupted run of 8 steps; a run on
