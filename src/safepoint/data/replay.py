@@ -113,7 +113,11 @@ class ReplayLoader:
                         "the loader has fewer now (a different dataset or batch size?)"
                     )
                 self.batches += 1
-            self._set_random_state(resumed)
+            # The training RNG goes back to the restored one. The sampler's generators do not: they stay
+            # where drawing this epoch's order left them, as in the uninterrupted run, because the next
+            # epoch's order is drawn from them (Accelerate's multi-process loaders shuffle with a generator of
+            # their own, synchronised from rank 0 at each epoch's start).
+            torch.set_rng_state(resumed[EPOCH_TORCH].contiguous())
         for batch in it:
             self.batches += 1  # handed out = consumed: a save comes after the step that trains on it
             yield batch

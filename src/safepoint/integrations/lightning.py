@@ -15,7 +15,7 @@ docs/frameworks/lightning.md; the hooks are in lightning_core.py (shared with li
 from __future__ import annotations
 
 from lightning.pytorch import Callback
-from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from safepoint.integrations.lightning_core import SafepointHooks
@@ -28,4 +28,5 @@ class SafepointCallback(SafepointHooks, Callback):
     SIGTERM always ends in an emergency save and exit code 143 (docs/frameworks/lightning.md)."""
 
     _sigterm_exception = SIGTERMException
-    _sharded = (ModelParallelStrategy, DeepSpeedStrategy)
+    _sharded = (FSDPStrategy, ModelParallelStrategy)
+    _refused = (DeepSpeedStrategy,)

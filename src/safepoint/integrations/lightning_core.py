@@ -11,6 +11,12 @@ in the loop at each of those points:
   checkpoint into plain containers (``PlainState``: no template), which it hands to Lightning's own restore
   path, so loops and their progress, callbacks, optimizers, schedulers, precision/scaler and datamodule come
   back exactly as Lightning would restore them from a ``.ckpt``.
+- Sharded strategies (``FSDPStrategy``, ``ModelParallelStrategy``): the weights and optimizer state are not
+  in Lightning's dict (its ``load_model_state_dict``/``load_optimizer_state_dict`` do nothing for them: their
+  ``load_checkpoint`` loads through DCP itself). They go through safepoint's sharded path instead
+  (``TrainState(model=strategy.model, optimizer=...)``: each rank writes its shards, DCP reshards on load),
+  restored in ``on_fit_start``, the first hook after the strategy sharded the model and built the optimizers
+  and before Lightning restores the rest (``restore_checkpoint_after_setup``); see lightning_sharded.py.
 - ``on_train_start``: the data position goes back into the ``ResumableSampler`` (after Lightning read
   ``len(dataloader)`` for the whole epoch; the epoch's iterator is made again from it), and safepoint's
   SIGTERM handler replaces Lightning's (installed just before: it would raise ``SIGTERMException``, a
@@ -35,6 +41,7 @@ from safepoint.data import rng
 from safepoint.data.plain import PlainState
 from safepoint.data.sampler import ResumableSampler
 from safepoint.errors import Preempted
+from safepoint.integrations.lightning_sharded import refuse_unsupported, sharded_parts, without_weights
 from safepoint.manager import CheckpointManager
 from safepoint.options import PreemptionOptions
 from safepoint.state import TrainState, restorable
@@ -51,7 +58,8 @@ class SafepointHooks:
     """The hooks (see the module docstring); ``SafepointCallback`` in lightning.py / lightning_pl.py."""
 
     _sigterm_exception: type[BaseException] = SystemExit
-    _sharded: tuple[type, ...] = ()
+    _sharded: tuple[type, ...] = ()  # saved through DCP (lightning_sharded.py)
+    _refused: tuple[type, ...] = ()  # DeepSpeed (lightning_sharded.refuse_unsupported says why)
 
     def __init__(
         self, root: str, *, preemption: PreemptionOptions | None = None, **manager_options: Any
@@ -70,6 +78,7 @@ class SafepointHooks:
         self._handler: Any = None  # safepoint's SIGTERM handler, re-installed over Lightning's
         self._pending: int | None = None  # an async save not yet known committed (loggers wait for it)
         self._last_saved: int | None = None
+        self._sharded_run = False  # the strategy shards: model and optimizers through DCP
         # ModelCheckpoint's attributes that loggers' after_save_checkpoint reads.
         self.dirpath, self.last_model_path, self.best_model_path = str(root), "", ""
         self.best_k_models: dict[str, Any] = {}
@@ -85,21 +94,24 @@ class SafepointHooks:
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit":
             return
-        strategy = trainer.strategy
-        if isinstance(strategy, self._sharded) or getattr(strategy, "_state_dict_type", "") == "sharded":
-            raise ValueError(
-                f"SafepointCallback: {type(strategy).__name__} saves sharded state through DCP itself, not "
-                "through the callback's state dict; use FSDPStrategy(state_dict_type='full'), DDP or a "
-                "single device (docs/frameworks/lightning.md, 'Limits')"
-            )
+        refuse_unsupported(trainer.strategy, self._refused)
+        self._sharded_run = isinstance(trainer.strategy, self._sharded)
         self.manager = CheckpointManager(self.root, preemption=self._preemption, **self._options)
         self._handler = signal.getsignal(signal.SIGTERM) if self._signals else None
+        if not self._sharded_run:  # sharded: the model is not sharded yet; restored in on_fit_start
+            self._restore(trainer, model=None, optimizers=None)
+
+    def _restore(self, trainer: Any, model: Any, optimizers: Any) -> None:
+        assert self.manager is not None
         full, ranked = PlainState(), PlainState()
-        state = TrainState(objects={LIGHTNING: full}, extra={RANK: ranked}, rng=False)
+        state = TrainState(
+            model=model, optimizer=optimizers, objects={LIGHTNING: full}, extra={RANK: ranked}, rng=False
+        )
         self.restored_step = self.manager.restore(state)
         if self.restored_step:
-            # Lightning's own restore runs right after the setup hooks and loads whatever is in this
-            # dict, exactly as from a .ckpt file (its `_restore_modules_and_callbacks(None)` keeps it).
+            # Lightning's own restore runs right after the setup hooks (after on_fit_start for the sharded
+            # strategies) and loads whatever is in this dict, exactly as from a .ckpt file (its
+            # `_restore_modules_and_callbacks(None)` keeps it).
             connector = trainer._checkpoint_connector
             if not hasattr(connector, "_loaded_checkpoint"):
                 raise RuntimeError("SafepointCallback: this Lightning version has no _loaded_checkpoint")
@@ -109,6 +121,8 @@ class SafepointHooks:
             self._last_saved = self.restored_step
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._sharded_run and self.manager is not None:
+            self._restore(trainer, *sharded_parts(trainer))
         if self.restored_step and trainer.ckpt_path:
             raise ValueError(
                 f"SafepointCallback resumed step {self.restored_step} from {self.root}, but fit(ckpt_path="
@@ -125,8 +139,15 @@ class SafepointHooks:
             # whole epoch (its progress counters need that) and before this hook: the sampler's position
             # goes in now, and the iterator is made again from it. (At an epoch boundary the next epoch
             # makes its own iterator after set_epoch: nothing to do.)
+            fetcher = trainer.fit_loop._data_fetcher
+            whole = fetcher.length  # the whole epoch's batches: setup_data's iterator, made before
             self._sampler.load_state_dict(saved[_SAMPLER])
-            iter(trainer.fit_loop._data_fetcher)
+            iter(fetcher)
+            # Lightning counts the batches done before the save as fetched (the epoch loop's on_run_start
+            # adds them) and ends the epoch when fetched reaches the length: the length stays the whole
+            # epoch's. (A loader without workers reads the sampler's length before iterating it: the rest
+            # of the epoch only, and the epoch would end that many batches early.)
+            fetcher.length = whole
         elif saved is not None and not saved.get(_MID_EPOCH):
             # Resumed at an epoch boundary: Lightning goes on to the next epoch with the iterator made in
             # setup_data, before that epoch's set_epoch (its workers drew the old epoch's indices) and
@@ -206,8 +227,11 @@ class SafepointHooks:
         ranked: dict[str, Any] = {_RNG: rng.capture_rng(), _MID_EPOCH: mid_epoch}
         if self._sampler is not None:
             ranked[_SAMPLER] = self._sampler.state_dict()
-        objects = {LIGHTNING: _LightningDump(trainer)}
-        return TrainState(objects=objects, extra={RANK: PlainState(ranked)}, rng=False)
+        objects = {LIGHTNING: _LightningDump(trainer, self._sharded_run)}
+        model, optimizers = sharded_parts(trainer) if self._sharded_run else (None, None)
+        return TrainState(
+            model=model, optimizer=optimizers, objects=objects, extra={RANK: PlainState(ranked)}, rng=False
+        )
 
     # ---- the end -----------------------------------------------------------------------------------------
 
@@ -237,12 +261,18 @@ class _LightningDump(PlainState):
     """Lightning's checkpoint dict, built only when a save captures it: ``maybe_save`` decides first, and
     most steps do not save."""
 
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self, trainer: Any, sharded: bool) -> None:
         super().__init__()
         self._trainer = trainer
+        self._sharded = sharded  # the weights and optimizer state are saved sharded, beside this dict
 
     def state_dict(self) -> dict[str, Any]:
-        ckpt = self._trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        connector = self._trainer._checkpoint_connector
+        if self._sharded:
+            with without_weights(self._trainer.strategy):
+                ckpt = connector.dump_checkpoint(weights_only=False)
+        else:
+            ckpt = connector.dump_checkpoint(weights_only=False)
         for key in _HPARAMS:  # for load_from_checkpoint, not for resuming: dropped if not plain data
             if key in ckpt and not _plain(ckpt[key]):
                 log.warning("safepoint: %s is not plain data; not saved (resuming does not need it)", key)

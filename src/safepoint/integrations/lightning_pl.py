@@ -15,7 +15,7 @@ docs/frameworks/lightning.md; the hooks are in lightning_core.py (shared with li
 from __future__ import annotations
 
 from pytorch_lightning import Callback
-from pytorch_lightning.strategies import DeepSpeedStrategy, ModelParallelStrategy
+from pytorch_lightning.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from safepoint.integrations.lightning_core import SafepointHooks
@@ -28,4 +28,5 @@ class SafepointCallback(SafepointHooks, Callback):
     SIGTERM always ends in an emergency save and exit code 143 (docs/frameworks/lightning.md)."""
 
     _sigterm_exception = SIGTERMException
-    _sharded = (ModelParallelStrategy, DeepSpeedStrategy)
+    _sharded = (FSDPStrategy, ModelParallelStrategy)
+    _refused = (DeepSpeedStrategy,)
