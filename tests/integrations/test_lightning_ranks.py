@@ -109,5 +109,8 @@ def test_model_parallel_kill9_resumes_bitwise_and_reshards_to_one_rank(tmp_path:
     _same_state(tmp_path / "ref.pt", tmp_path / "one.pt")
 
 
+# Time bar of the default suite: the ModelParallel test above runs the same callback on 2 ranks through kill -9,
+# and tests/integrations/test_lightning_example.py the DDP strategy's weight path.
+@pytest.mark.slow
 def test_ddp_two_ranks_kill9_resumes_bitwise(tmp_path: Path) -> None:
     _kill_and_resume(tmp_path, "ddp")
