@@ -35,6 +35,8 @@ from collections.abc import Sequence
 import torch
 import xxhash
 
+from safepoint.store.item_writer import tensor_bytes
+
 _MASK = (1 << 64) - 1
 # Words per chunk: scratch on the device is a few times this many bytes (CHUNK_BYTES * ~5).
 CHUNK_BYTES = 32 * 1024 * 1024
@@ -148,7 +150,8 @@ def _device_sums(
         positions += torch.repeat_interleave(shift, n).to(device, non_blocking=True)
         ends = torch.cumsum(n, 0).to(device, non_blocking=True)
         pending.append((list(owners), _piece_sums(words, positions, ends)))
-        parts.clear(), owners.clear(), starts.clear(), counts.clear()
+        for scratch in (parts, owners, starts, counts):
+            scratch.clear()
         filled = 0
 
     for owner, data in members:
@@ -171,7 +174,54 @@ def _device_sums(
     # The one device-to-host copy: 16 bytes per piece.
     host = torch.cat([s for _, s in pending]).cpu().tolist()
     out, at = [], 0
-    for who, s in pending:
+    for who, sums_ in pending:
         out.append((who, host[at : at + len(who)]))
-        at += len(who)
+        at += len(sums_)
     return out
+
+
+def _eligible(t: torch.Tensor) -> bool:
+    """Whether ``t``'s saved form is a function of its dtype, shape, strides and bytes only (not a subclass,
+    quantized, conj/neg bits, or a view into a bigger storage): anything else counts as changed, always."""
+    return (
+        type(t) is torch.Tensor
+        and t.layout == torch.strided
+        and not t.is_quantized
+        and not t.is_conj()
+        and not t.is_neg()
+        and t.storage_offset() == 0
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    )
+
+
+def fingerprints(tensors: list[torch.Tensor]) -> list[bytes | None]:
+    """Each tensor's fingerprint (None: not eligible, counts as changed). A CPU tensor: xxh3-128 of its
+    bytes (the cheapest hash of host memory: ~50x faster than the torch-ops fingerprint on the CPU,
+    docs/benchmarks.md). Any other device: store/fingerprint.py's, computed on that device, so an
+    unchanged GPU tensor is never copied to the host; only 16 bytes per tensor come back. Both are mixed
+    with the dtype, shape and strides, and a scheme tag, so a tensor that moved device counts as changed."""
+    out: list[bytes | None] = [None] * len(tensors)
+    on_device: list[int] = []
+    for i, t in enumerate(tensors):
+        if not _eligible(t):
+            continue
+        if not t.is_cpu:
+            on_device.append(i)
+            continue
+        h = xxhash.xxh3_128(repr((str(t.dtype), tuple(t.shape), t.stride())).encode())
+        if t.numel():
+            h.update(tensor_bytes(t))
+        out[i] = h.digest()
+    if on_device:
+        digests = fingerprint_tensors([tensors[i] for i in on_device])
+        for i, digest in zip(on_device, digests, strict=True):
+            t = tensors[i]
+            h = xxhash.xxh3_128(repr(("device", str(t.dtype), tuple(t.shape), t.stride())).encode())
+            h.update(digest)
+            out[i] = h.digest()
+    return out
+
+
+def fingerprint(t: torch.Tensor) -> bytes | None:
+    """``fingerprints([t])[0]``."""
+    return fingerprints([t])[0]

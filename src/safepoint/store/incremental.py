@@ -42,13 +42,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
 from torch.distributed.checkpoint.filesystem import _split_by_size_and_type, _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from safepoint.errors import CheckpointError
-from safepoint.store.item_writer import tensor_bytes
+from safepoint.store.fingerprint import fingerprints
 from safepoint.store.rootfs import RootDir
 
 Key = tuple[str, tuple[int, ...]]  # (fqn, chunk offsets): one item of a rank's plan
@@ -81,36 +80,12 @@ def item_key(item: WriteItem) -> Key:
     return item.index.fqn, tuple(offset) if offset is not None else ()
 
 
-def fingerprint(t: torch.Tensor) -> bytes | None:
-    """xxh3-128 of a CPU tensor's bytes and of what else ``torch.save`` records of it (dtype, shape,
-    strides); None for anything whose saved form may depend on more (subclasses, quantized, conj/neg
-    bits, a view into a bigger storage): such a tensor counts as changed, always."""
-    if (
-        type(t) is not torch.Tensor
-        or not t.is_cpu
-        or t.layout != torch.strided
-        or t.is_quantized
-        or t.is_conj()
-        or t.is_neg()
-        or t.storage_offset() != 0
-        or t.untyped_storage().nbytes() != t.numel() * t.element_size()
-    ):
-        return None
-    h = xxhash.xxh3_128(repr((str(t.dtype), tuple(t.shape), t.stride())).encode())
-    if t.numel():
-        h.update(tensor_bytes(t))
-    return h.digest()
-
-
-def resolve(planner: SavePlanner, item: WriteItem) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the planner's tensor, the tensor as written: detached, on the CPU, a minimal storage)."""
+def resolve_raw(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
+    """The planner's tensor for ``item``, where it lives (not copied to the host)."""
     raw = planner.resolve_data(item)
     if not isinstance(raw, torch.Tensor):
         raise TypeError(f"item {item.index.fqn!r}: expected a tensor, got {type(raw).__name__}")
-    t = raw.detach().cpu()
-    if t.untyped_storage().nbytes() != t.nbytes:
-        t = t.clone()
-    return raw, t
+    return raw
 
 
 def _alias_key(t: torch.Tensor) -> tuple[Any, ...] | None:
@@ -195,25 +170,26 @@ class Round:
         """The files to write (DCP's queue entries) and the results of the items already in place (linked
         groups). Fingerprints every tensor item once."""
         items = [item for _, _, its in entries for item in its]
-        fingerprints: dict[Key, bytes] = {}
+        fingerprints_: dict[Key, bytes] = {}
         versions: dict[Key, tuple[int, int]] = {}
         sizes: dict[Key, int] = {}
         primaries: dict[tuple[Any, ...], Key] = {}
         changing: list[WriteItem] = []
         unchanged: list[WriteItem] = []
         prev = self.previous
+        tensors: list[tuple[Key, WriteItem, torch.Tensor]] = []
         for item in items:
             if item.type == WriteItemType.BYTE_IO:
                 changing.append(item)
                 continue
             key = item_key(item)
-            raw, t = resolve(planner, item)
+            raw = resolve_raw(planner, item)
             if (alias := _alias_key(raw)) is not None:
                 if alias in primaries:
                     self._aliases[key] = (primaries[alias], item)
                     continue
                 primaries[alias] = key
-            sizes[key] = t.nbytes
+            sizes[key] = raw.numel() * raw.element_size()
             version = (raw.data_ptr(), raw._version)
             versions[key] = version
             seen = prev.versions.get(key) if prev is not None and self.versions else None
@@ -222,14 +198,20 @@ class Round:
                 # that is written anyway; "unchanged" always needs the fingerprint).
                 changing.append(item)
                 continue
-            fp = fingerprint(t)
+            t = raw.detach()
+            if t.untyped_storage().nbytes() != t.nbytes:
+                t = t.clone()  # as the writer saves it (a minimal storage); a GPU tensor's clone stays there
+            tensors.append((key, item, t))
+        # Where each tensor lives: a GPU tensor is fingerprinted on the GPU (no copy to the host; only the
+        # files left to write copy their tensors, in the writer).
+        for (key, item, _), fp in zip(tensors, fingerprints([t for _, _, t in tensors]), strict=True):
             if fp is not None:
-                fingerprints[key] = fp
+                fingerprints_[key] = fp
             if fp is not None and prev is not None and prev.fingerprints.get(key) == fp:
                 unchanged.append(item)
             else:
                 changing.append(item)
-        self.record = Record(fingerprints, {}, versions)
+        self.record = Record(fingerprints_, {}, versions)
         results: list[WriteResult] = []
         placed: set[Key] = set()
         still = {item_key(i) for i in unchanged}
