@@ -27,6 +27,7 @@ from safepoint.store import rank_state
 from safepoint.store.file_report import with_files
 from safepoint.store.gc_pause import gc_paused
 from safepoint.store.incremental import INCREMENTAL_KEY, History
+from safepoint.store.incremental_record import read_previous
 from safepoint.store.manifest import FileEntry, Manifest
 from safepoint.store.node_map import NODES_KEY, NodeMap
 from safepoint.store.posix_layout import CheckpointInfo, CheckpointStore, Layout
@@ -112,6 +113,11 @@ class SyncSaver:
             writer = self.wrap_writer(writer)
         round_ = None
         if self.history is not None and isinstance(writer, SafepointWriter):
+            # A new process: the newest committed step's fingerprints, if they verify, so this first save
+            # links what did not change since (store/incremental_record.py).
+            fresh = self.history.fresh and isinstance(self.layout, Layout)
+            if fresh and (found := read_previous(self.layout, self.comm.rank)) is not None:
+                self.history.seed(*found)
             round_ = writer.incremental = self.history.begin(versions=not self.staged)
         error: str | None = None
         own: dict[str, tuple[int, str]] = {}

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteIt
 from torch.distributed.checkpoint.storage import WriteResult
 
 from safepoint.errors import CheckpointError
+from safepoint.store.checksum import crc_hex, fd_range_crc32c
 from safepoint.store.fingerprint import fingerprints
 from safepoint.store.rootfs import RootDir
 
@@ -104,8 +105,10 @@ class StoredFile:
     """Where each of its items lies: (offset, length)."""
     size: int
     crc32c: str
-    identity: tuple[int, int, int, int]
-    """(st_dev, st_ino, size, mtime ns) as written: only this inode is ever linked into a new step."""
+    identity: tuple[int, int, int, int] | None
+    """(st_dev, st_ino, size, mtime ns) as written: only this inode is ever linked into a new step. None:
+    read back from a step another process committed (incremental_record.py); its bytes are checked against
+    ``crc32c`` before it is linked, and the inode so checked is the one linked."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -132,6 +135,21 @@ class History:
         self.stats: dict[str, int] = {}
         """Of the last save: bytes ``linked`` and ``written`` in stable groups, items ``aliased``."""
 
+    @property
+    def fresh(self) -> bool:
+        """No save begun in this process yet."""
+        return self._seq == 0
+
+    def seed(self, previous: Record, since_full: int) -> None:
+        """A new process's history: the record of the newest committed step (incremental_record.py), so
+        its first save links what did not change. Only before this process's first save."""
+        if self.last is None and self.fresh:
+            self.last, self._since_full = previous, since_full
+
+    def since_full_after(self, round_: Round) -> int:
+        """Saves since the last physical full copy once ``round_``'s save is committed."""
+        return 0 if round_.full else self._since_full + 1
+
     def begin(self, *, versions: bool = True) -> Round:
         """A new save's round. ``versions``: the tensors are the live ones (not staged copies, whose
         counters move at every copy), so a moved version counter may spare a changed tensor's fingerprint."""
@@ -146,7 +164,7 @@ class History:
             return
         round_.record.directory = directory
         self.last = round_.record
-        self._since_full = 0 if round_.full else self._since_full + 1
+        self._since_full = self.since_full_after(round_)
         self.stats = dict(round_.stats)
 
 
@@ -219,9 +237,10 @@ class Round:
             for stored in prev.files.values():
                 if not set(stored.infos) <= still:
                     continue
-                if link_into(prev.directory / stored.name, directory / stored.name, stored):
+                linked = link_into(prev.directory / stored.name, directory / stored.name, stored)
+                if linked is not None:
                     placed |= set(stored.infos)
-                    self.record.files[stored.name] = stored
+                    self.record.files[stored.name] = linked
                     self.stats["linked"] += stored.size
                     results += _results_of(stored, items)
         used = {Path(path).name for path, _, _ in entries} | set(self.record.files)
@@ -295,37 +314,57 @@ def _results_of(stored: StoredFile, items: list[WriteItem]) -> list[WriteResult]
     return out
 
 
-def link_into(source: Path, target: Path, stored: StoredFile) -> bool:
-    """Hard-link the committed file ``source`` as ``target`` if it is still the file this process wrote;
-    False where it cannot be done (the caller then writes the file instead).
+def link_into(source: Path, target: Path, stored: StoredFile) -> StoredFile | None:
+    """Hard-link the committed file ``source`` as ``target`` if it is still the file that was written;
+    the file as linked (its identity), or None where it cannot be done (the caller then writes the file).
 
     The source is opened as RootDir.open_read does (no symlink, regular file) and must be the recorded
-    inode (st_dev, st_ino, size, mtime). ``linkat`` (without AT_SYMLINK_FOLLOW: it never follows a link)
-    then names whatever ``source`` is at that moment, so the new name is checked again and removed unless
-    it is that same regular inode: a file swapped in meanwhile is never kept, and nothing outside the root
-    can become part of a step (it would have to be the very inode we wrote inside it)."""
+    inode (st_dev, st_ino, size, mtime); a file read back from another process's step (no identity yet)
+    must instead hold the recorded size and crc32c, read through that descriptor, and not change while it
+    is read. ``linkat`` (without AT_SYMLINK_FOLLOW: it never follows a link) then names whatever
+    ``source`` is at that moment, so the new name is checked again and removed unless it is that same
+    regular inode: a file swapped in meanwhile is never kept, and nothing outside the root can become part
+    of a step (it would have to be the very inode we wrote or checked inside it)."""
     # Both walked from their common directory (the root) by descriptors: no symlinked component followed.
     fs = RootDir(os.path.commonpath([source, target]))
     src, dst = fs.name(source), fs.name(target)
     try:
         fd = fs.open_read(src)
     except OSError:
-        return False
+        return None
     try:
-        if _identity(os.fstat(fd)) != stored.identity:
-            return False
+        identity = _identity(os.fstat(fd))
+        if stored.identity is None:
+            if identity[2] != stored.size or not _holds(fd, stored):
+                return None
+            if _identity(os.fstat(fd)) != identity:
+                return None  # written to while it was read
+            stored = dataclasses.replace(stored, identity=identity)
+        elif identity != stored.identity:
+            return None
+    except OSError:
+        return None
     finally:
         os.close(fd)
     try:
         fs.link(src, dst)
         made = fs.lstat(dst)
     except OSError:
-        return False
+        return None
     if made is None or not stat.S_ISREG(made.st_mode) or _identity(made) != stored.identity:
         with contextlib.suppress(OSError):
             fs.remove(dst)
+        return None
+    return stored
+
+
+def _holds(fd: int, stored: StoredFile) -> bool:
+    """Whether the open file holds the recorded bytes (its crc32c, read in bounded chunks)."""
+    try:
+        value = fd_range_crc32c(fd, 0, stored.size, stored.name)
+    except EOFError:
         return False
-    return True
+    return crc_hex(value) == stored.crc32c
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
