@@ -46,7 +46,6 @@ from torch.distributed.checkpoint.filesystem import _split_by_size_and_type, _St
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from safepoint.errors import CheckpointError
 from safepoint.store.checksum import crc_hex, fd_range_crc32c
 from safepoint.store.fingerprint import fingerprints
 from safepoint.store.rootfs import RootDir
@@ -178,6 +177,9 @@ class Round:
         self.full, self.versions = full, versions
         """A physical full copy: unchanged tensors still go to stable groups, but nothing is linked."""
         self.record: Record | None = None
+        self.known: dict[tuple[Any, ...], bytes] = {}
+        """Fingerprints already proven for staged tensors, by ``_alias_key`` (save/staging.py computed them
+        on the live tensors as it copied or skipped them): used instead of hashing the staged copy again."""
         self.stats = {"linked": 0, "written": 0, "aliased": 0}
         self._aliases: dict[Key, tuple[Key, WriteItem]] = {}
         self._stable: set[str] = set()
@@ -222,7 +224,11 @@ class Round:
             tensors.append((key, item, t))
         # Where each tensor lives: a GPU tensor is fingerprinted on the GPU (no copy to the host; only the
         # files left to write copy their tensors, in the writer).
-        for (key, item, _), fp in zip(tensors, fingerprints([t for _, _, t in tensors]), strict=True):
+        todo = [t for _, _, t in tensors if _alias_key(t) not in self.known]
+        computed = iter(fingerprints(todo))
+        for key, item, t in tensors:
+            alias = _alias_key(t)
+            fp = (self.known.get(alias) if alias is not None else None) or next(computed)
             if fp is not None:
                 fingerprints_[key] = fp
             if fp is not None and prev is not None and prev.fingerprints.get(key) == fp:
@@ -369,32 +375,3 @@ def _holds(fd: int, stored: StoredFile) -> bool:
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def file_identities(layout: Any, step: int) -> set[tuple[int, int]]:
-    """(st_dev, st_ino) of every file ``step``'s manifest lists in a local ``layout``; files missing or not
-    regular are left out; empty if the manifest is unreadable."""
-    try:
-        names = layout.read_manifest(step).files
-    except CheckpointError:
-        return set()
-    base, found = Path(layout.step_path(step)), set()
-    for name in names:
-        with contextlib.suppress(OSError):
-            st = os.stat(base / name, follow_symlinks=False)
-            if stat.S_ISREG(st.st_mode):
-                found.add((st.st_dev, st.st_ino))
-    return found
-
-
-def steps_sharing(layout: Any, step: int, name: str) -> list[int]:
-    """The other committed steps of a local ``layout`` holding ``step``'s file ``name`` itself (a hard link
-    to the same inode): damage to it is damage to them (``safepoint verify`` names them)."""
-    try:
-        st = os.stat(Path(layout.step_path(step)) / name, follow_symlinks=False)
-    except (OSError, ValueError):
-        return []
-    if not stat.S_ISREG(st.st_mode) or st.st_nlink < 2:
-        return []
-    mine = (st.st_dev, st.st_ino)
-    return [s for s in layout.committed_steps() if s != step and mine in file_identities(layout, s)]
