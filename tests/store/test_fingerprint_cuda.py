@@ -107,3 +107,20 @@ def test_an_unchanged_cuda_tensor_is_linked_without_a_copy_to_the_host(tmp_path:
         assert mgr.restore(safepoint.TrainState(model=restored)) == 3
     for a, b in zip(model.state_dict().values(), restored.state_dict().values(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_async_staging_copies_only_what_changed_to_the_host(tmp_path: Path) -> None:
+    from safepoint.save.staging import Stager
+
+    frozen = torch.randn(8 * 1024 * 1024, device="cuda")  # 32 MiB
+    trained = torch.randn(1024, device="cuda")
+    sd = {"frozen": frozen, "trained": trained}
+    stager = Stager()
+    stager.stage(sd)
+    trained.add_(1.0)
+    copied = _dtoh_bytes(lambda: stager.stage(sd), tmp_path)
+    assert copied < frozen.nbytes // 2, copied
+    assert stager.skipped >= frozen.nbytes
+    frozen.data[0] += 1.0  # a write the version counter misses: copied
+    snapshot = stager.stage(sd)
+    assert torch.equal(snapshot["frozen"], frozen.cpu()) and torch.equal(snapshot["trained"], trained.cpu())

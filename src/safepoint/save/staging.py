@@ -67,9 +67,10 @@ class Stager:
         self._held: dict[int, bytes | None] = {}
         self._seen: dict[int, tuple[int, int]] = {}
         self._ties: list[tuple[int, int]] = []
-        self.fingerprints: dict[Alias, bytes] = {}
+        self.fingerprints: dict[Alias, bytes | None] = {}
         """Of the last ``stage``: the fingerprint of each buffer whose bytes it proved (the writer's
-        incremental layer uses them instead of hashing the staged copy again: store/incremental.py)."""
+        incremental layer uses them instead of hashing the staged copy again: store/incremental.py), None
+        for a buffer copied because the tensor's version counter moved (written, not hashed)."""
         self.skipped = 0
         """Bytes the last ``stage`` did not copy: tensors proven unchanged since the buffers got them."""
 
@@ -109,6 +110,7 @@ class Stager:
         todo: list[tuple[torch.Tensor, torch.Tensor]] = []
         check: list[tuple[torch.Tensor, torch.Tensor]] = []
         done: set[int] = set()
+        moved: list[torch.Tensor] = []
         for live, buf in pairs:
             if id(buf) in done:
                 continue  # tied: the same buffer for another key of the same tensor
@@ -118,9 +120,13 @@ class Stager:
             if seen is not None and seen[0] == version[0] and seen[1] != version[1]:
                 self._held[id(buf)] = None  # written to since: copied, not fingerprinted
                 todo.append((live, buf))
+                moved.append(buf)
             else:
                 check.append((live, buf))
-        self.fingerprints, self.skipped = {}, 0
+        self.skipped = 0
+        # None: its counter moved, so it may have changed: the writer writes it without hashing it (a sync
+        # save does the same with the live tensor; "unchanged" is never decided without a fingerprint).
+        self.fingerprints = {_alias(buf): None for buf in moved}
         for (live, buf), fp in zip(check, fingerprints([t.detach() for t, _ in check]), strict=True):
             if fp is not None:
                 # The buffer holds exactly the bytes this fingerprint proved (copied below, or already

@@ -177,9 +177,10 @@ class Round:
         self.full, self.versions = full, versions
         """A physical full copy: unchanged tensors still go to stable groups, but nothing is linked."""
         self.record: Record | None = None
-        self.known: dict[tuple[Any, ...], bytes] = {}
+        self.known: dict[tuple[Any, ...], bytes | None] = {}
         """Fingerprints already proven for staged tensors, by ``_alias_key`` (save/staging.py computed them
-        on the live tensors as it copied or skipped them): used instead of hashing the staged copy again."""
+        on the live tensors as it copied or skipped them): used instead of hashing the staged copy again.
+        None: staging saw the live tensor's version counter move; it is written without a fingerprint."""
         self.stats = {"linked": 0, "written": 0, "aliased": 0}
         self._aliases: dict[Key, tuple[Key, WriteItem]] = {}
         self._stable: set[str] = set()
@@ -210,6 +211,9 @@ class Round:
                     continue
                 primaries[alias] = key
             sizes[key] = raw.numel() * raw.element_size()
+            if alias is not None and alias in self.known and self.known[alias] is None:
+                changing.append(item)  # staging saw it written to (the hint below, for staged copies)
+                continue
             version = (raw.data_ptr(), raw._version)
             versions[key] = version
             seen = prev.versions.get(key) if prev is not None and self.versions else None
