@@ -21,8 +21,8 @@ One flipped bit changes the mixed word it is in to an unrelated value (the mixer
 avalanche), so A and B each change unless a 64-bit coincidence happens; both at once is a 2**-128 event. The
 byte length is in the digest, so the zero padding cannot make two lengths equal.
 
-Cost: about 40 elementwise int64 passes per word. On a GPU that is a few milliseconds per GiB; on the CPU
-it is far slower than xxh3 over the bytes, so CPU tensors keep the host hash (store/incremental.py,
+Cost: about 40 elementwise int64 passes per word. On an H100 that is ~70 ms per GiB (4.5 ms for 64 MiB,
+docs/benchmarks.md); on the CPU it is far slower than xxh3 over the bytes, so CPU tensors keep the host hash (store/incremental.py,
 measured in docs/benchmarks.md). Words are processed in chunks of ``CHUNK_BYTES`` (bounded scratch memory
 on the device); many small tensors share a chunk, so a model of thousands of tensors costs a few dozen
 kernel launches per chunk, not per tensor.
@@ -144,11 +144,12 @@ def _device_sums(
             return
         words = torch.cat(parts).view(torch.int64)
         n = torch.tensor(counts, dtype=torch.int64)
-        # Each word's index within its own tensor: its index in the chunk, shifted per piece.
-        shift = torch.tensor(starts, dtype=torch.int64) - (torch.cumsum(n, 0) - n)
+        # Each word's index within its own tensor: its index in the chunk, shifted per piece. Only the
+        # per-piece numbers travel to the device; the per-word ones are made there.
+        shift = (torch.tensor(starts, dtype=torch.int64) - (torch.cumsum(n, 0) - n)).to(device)
         positions = torch.arange(words.numel(), dtype=torch.int64, device=device)
-        positions += torch.repeat_interleave(shift, n).to(device, non_blocking=True)
-        ends = torch.cumsum(n, 0).to(device, non_blocking=True)
+        positions += torch.repeat_interleave(shift, n.to(device), output_size=words.numel())
+        ends = torch.cumsum(n, 0).to(device)
         pending.append((list(owners), _piece_sums(words, positions, ends)))
         for scratch in (parts, owners, starts, counts):
             scratch.clear()
