@@ -22,8 +22,8 @@ avalanche), so A and B each change unless a 64-bit coincidence happens; both at 
 byte length is in the digest, so the zero padding cannot make two lengths equal.
 
 Cost: about 40 elementwise int64 passes per word. On an H100 that is ~70 ms per GiB (4.5 ms for 64 MiB,
-docs/benchmarks.md); on the CPU it is far slower than xxh3 over the bytes, so CPU tensors keep the host hash (store/incremental.py,
-measured in docs/benchmarks.md). Words are processed in chunks of ``CHUNK_BYTES`` (bounded scratch memory
+docs/benchmarks.md); on the CPU it is ~500x slower than xxh3 over the bytes, so CPU tensors keep the host
+hash (``fingerprints`` below). Words are processed in chunks of ``CHUNK_BYTES`` (bounded scratch memory
 on the device); many small tensors share a chunk, so a model of thousands of tensors costs a few dozen
 kernel launches per chunk, not per tensor.
 """
