@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 import safepoint
+import safepoint.save.staging as staging
 import safepoint.store.incremental as inc
 
 MiB = 1 << 20
@@ -95,16 +96,17 @@ def run(kind: str, incremental: bool, saves: int, base: Path, process: bool = Fa
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     changed = 3 * sum(p.nbytes for p in model.parameters() if p.requires_grad)
     fp_cpu = [0.0]
-    real = inc.fingerprint
+    real = inc.fingerprints
 
-    def timed(t: torch.Tensor) -> bytes | None:
-        t0 = time.thread_time()
+    def timed(ts: list[torch.Tensor]) -> list[bytes | None]:
+        t0 = time.thread_time()  # the calling thread's: staging's (training thread) or the writer's
         try:
-            return real(t)
+            return real(ts)
         finally:
             fp_cpu[0] += time.thread_time() - t0
 
-    inc.fingerprint = timed  # type: ignore[assignment]
+    # Where fingerprints are taken: the writer's arrangement and async staging (save/staging.py).
+    inc.fingerprints = staging.fingerprints = timed  # type: ignore[assignment]
     root = Path(tempfile.mkdtemp(dir=base)) / "root"
     state = safepoint.TrainState(model=model, optimizer=opt)
     mode = "process" if process else "auto"
@@ -152,7 +154,7 @@ def run(kind: str, incremental: bool, saves: int, base: Path, process: bool = Fa
             "restore": restore_s,
         }
     finally:
-        inc.fingerprint = real  # type: ignore[assignment]
+        inc.fingerprints = staging.fingerprints = real  # type: ignore[assignment]
         import shutil
 
         shutil.rmtree(root.parent, ignore_errors=True)

@@ -208,7 +208,7 @@ class CheckpointManager:
             if self._process is not None:
                 wrap = process_writer_factory(self._process, lambda: self._stager.arena)
             bg = (self.layout, self._bg_comm, self._retainer, writer_threads)
-            self._bg_saver = SyncSaver(*bg, wrap_writer=wrap, history=history, staged=True)
+            self._bg_saver = SyncSaver(*bg, wrap_writer=wrap, history=history, staged=self._stager)
         self._at_exit = self._async or durable is not None or self._retainer.in_background  # its deletes
         # The uploader's collectives get their own group too (created here: same order on every rank).
         self._tiers = SingleTier(self.layout)
@@ -315,9 +315,7 @@ class CheckpointManager:
         with self._tiers.paused(), call.failing(SaveError), gc_paused():
             call.begin()
             staged = self._stager.stage(state.capture(self.comm.rank))
-        # The buffers' size, counted when they were allocated: walking 10,000 tensors again here cost
-        # more than their copy (it ran inside the loop's blocking time, twice).
-        nbytes = self._stager.nbytes
+        nbytes = self._stager.nbytes  # counted at allocation: a walk of every tensor here cost more than the copy
         blocking = call.returned(bytes_written=nbytes)
         sections, tiers = state.sections(), self._tiers
         self._writer.submit(

@@ -30,8 +30,8 @@ from safepoint.errors import CheckpointError, CorruptCheckpointError
 from safepoint.policy.keep import Keep
 from safepoint.policy.rules import KeepBest
 from safepoint.remote.object_layout import RemoteLayout
-from safepoint.store.incremental import steps_sharing
 from safepoint.store.posix_layout import Layout
+from safepoint.store.shared_files import steps_sharing
 
 _STATUS_STYLE = {tools.OK: "green", tools.CORRUPT: "bold red", tools.PARTIAL: "yellow", tools.IGNORED: "red"}
 

@@ -28,8 +28,8 @@ import time
 from safepoint import events as ev
 from safepoint.errors import CheckpointError, LeaseError
 from safepoint.policy.rules import Retention, Verdicts
-from safepoint.store.incremental import file_identities
 from safepoint.store.posix_layout import CheckpointInfo, CheckpointStore, Layout
+from safepoint.store.shared_files import file_identities
 
 log = logging.getLogger("safepoint")
 

@@ -23,10 +23,12 @@ from safepoint.errors import CheckpointError, SaveError, describe_exception
 from safepoint.policy.retainer import Retainer
 from safepoint.policy.rules import Retention, Verdicts
 from safepoint.save.plan_reuse import PlanRecord, ReusingSavePlanner
+from safepoint.save.staging import Stager
 from safepoint.store import rank_state
 from safepoint.store.file_report import with_files
 from safepoint.store.gc_pause import gc_paused
 from safepoint.store.incremental import INCREMENTAL_KEY, History
+from safepoint.store.incremental_record import read_previous
 from safepoint.store.manifest import FileEntry, Manifest
 from safepoint.store.node_map import NODES_KEY, NodeMap
 from safepoint.store.posix_layout import CheckpointInfo, CheckpointStore, Layout
@@ -47,7 +49,7 @@ class SyncSaver:
         *,
         wrap_writer: Callable[[Any], Any] | None = None,
         history: History | None = None,
-        staged: bool = False,
+        staged: bool | Stager = False,
     ) -> None:
         self.layout = layout
         # Incremental saves (store/incremental.py): what this rank's last committed save wrote, shared with
@@ -55,7 +57,8 @@ class SyncSaver:
         # only: an object store's writer has no files to link.
         self.history = history if isinstance(layout, Layout) else None
         self.staged = staged
-        """Saves staged copies (async): their version counters say nothing about the live tensors."""
+        """Saves staged copies (async): their version counters say nothing about the live tensors. The
+        Stager itself: also what it proved of the copies (save/staging.py; one save in flight)."""
         # The manager shares one Retainer (one deleter thread, and what restore verified: retention keeps
         # the newest intact step) between its savers, and drains it on close(); a bare Retention gets one.
         if not isinstance(retention, Retainer):
@@ -112,7 +115,14 @@ class SyncSaver:
             writer = self.wrap_writer(writer)
         round_ = None
         if self.history is not None and isinstance(writer, SafepointWriter):
+            # A new process: the newest committed step's fingerprints, if they verify, so this first save
+            # links what did not change since (store/incremental_record.py).
+            fresh = self.history.fresh and isinstance(self.layout, Layout)
+            if fresh and (found := read_previous(self.layout, self.comm.rank)) is not None:
+                self.history.seed(*found)
             round_ = writer.incremental = self.history.begin(versions=not self.staged)
+            if isinstance(self.staged, Stager):
+                round_.known = dict(self.staged.fingerprints)
         error: str | None = None
         own: dict[str, tuple[int, str]] = {}
         skipped = 0  # the checkpoint's bytes linked rather than written (every rank's; rank 0 sums them)

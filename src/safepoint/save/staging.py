@@ -22,6 +22,10 @@ from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_st
 from torch.distributed.tensor import DTensor
 
 from safepoint.save.shared_buffers import SharedArena, buffer_tensors, move_into_arena
+from safepoint.store.fingerprint import fingerprints
+
+Alias = tuple[Any, ...]
+"""What makes two tensors the very same bytes: (device, data_ptr, dtype, shape, strides)."""
 
 log = logging.getLogger("safepoint")
 
@@ -64,9 +68,22 @@ class Stager:
         self._stream: torch.cuda.Stream | None = None  # the side stream of the device-to-host copy (CUDA)
         self.nbytes = 0
         """Tensor bytes of the current buffer set (what each ``stage`` copies), counted once per set."""
+        # Incremental staging: what each buffer holds (by id of the buffer tensor). ``_held``: the
+        # fingerprint of the bytes last copied into it; ``_seen``: (data_ptr, autograd version) of the live
+        # tensor then. Both go with the buffers.
+        self._held: dict[int, bytes | None] = {}
+        self._seen: dict[int, tuple[int, int]] = {}
+        self._ties: list[tuple[int, int]] = []
+        self.fingerprints: dict[Alias, bytes | None] = {}
+        """Of the last ``stage``: the fingerprint of each buffer whose bytes it proved (the writer's
+        incremental layer uses them instead of hashing the staged copy again: store/incremental.py), None
+        for a buffer copied because the tensor's version counter moved (written, not hashed)."""
+        self.skipped = 0
+        """Bytes the last ``stage`` did not copy: tensors proven unchanged since the buffers got them."""
 
     def stage(self, sd: dict[str, Any]) -> dict[str, Any]:
-        if self._buffers is None or not _similar(sd, self._buffers):
+        ties = _ties(sd)
+        if self._buffers is None or not _similar(sd, self._buffers) or ties != self._ties:
             cuda = _any_cuda(sd)
             if self._buffers is not None:
                 log.info("safepoint: state changed shape; reallocating staging buffers")
@@ -76,17 +93,18 @@ class Stager:
             pin = cuda and torch.cuda.is_available()
             if self._shared:
                 buffers = _create_cpu_state_dict(sd)  # untouched pages: re-homed below without a copy
+                _tie_buffers(sd, buffers)
                 self.arena = move_into_arena(buffers, pin=pin)
                 self._buffers = buffers
             else:
                 self._buffers = _create_cpu_state_dict(sd, pin_memory=pin)
+                _tie_buffers(sd, self._buffers)
+            self._ties = ties
             self.allocations += 1
             self.nbytes = tensor_bytes(self._buffers)
         devices = _cuda_devices(sd) if torch.cuda.is_available() else set()
         if len(devices) != 1:
-            snapshot: dict[str, Any] = _copy_state_dict(
-                sd, self._buffers, non_blocking=True, type_check=False
-            )
+            snapshot = self._copy(sd, self._buffers)
             if devices:
                 torch.cuda.synchronize()  # non_blocking D2H copies must land before the writer reads them
             return snapshot
@@ -109,18 +127,125 @@ class Stager:
                 self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
             self._stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(self._stream):
-                snapshot: dict[str, Any] = _copy_state_dict(
-                    sd, self._buffers, non_blocking=True, type_check=False
-                )
+                # The fingerprints of the incremental check run here too, after the loop's queued work.
+                snapshot = self._copy(sd, self._buffers)
             self._stream.synchronize()
         return snapshot
 
+    def _copy(self, sd: dict[str, Any], buffers: dict[str, Any]) -> dict[str, Any]:
+        """Copy ``sd`` into ``buffers``, except the plain tensors proven unchanged since their buffer got
+        their bytes: the version counter is a hint in one direction only (moved: copied, no fingerprint);
+        "unchanged" needs the fingerprint, computed where the tensor lives (GPU tensors on the GPU, so an
+        unchanged one costs no device-to-host copy). A tied tensor (one buffer, two keys) is copied once."""
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        snapshot: dict[str, Any] = _walk(sd, buffers, pairs)
+        todo: list[tuple[torch.Tensor, torch.Tensor]] = []
+        check: list[tuple[torch.Tensor, torch.Tensor]] = []
+        done: set[int] = set()
+        moved: list[torch.Tensor] = []
+        for live, buf in pairs:
+            if id(buf) in done:
+                continue  # tied: the same buffer for another key of the same tensor
+            done.add(id(buf))
+            version = (live.data_ptr(), live._version)
+            seen, self._seen[id(buf)] = self._seen.get(id(buf)), version
+            if seen is not None and seen[0] == version[0] and seen[1] != version[1]:
+                self._held[id(buf)] = None  # written to since: copied, not fingerprinted
+                todo.append((live, buf))
+                moved.append(buf)
+            else:
+                check.append((live, buf))
+        self.skipped = 0
+        # None: its counter moved, so it may have changed: the writer writes it without hashing it (a sync
+        # save does the same with the live tensor; "unchanged" is never decided without a fingerprint).
+        self.fingerprints = {_alias(buf): None for buf in moved}
+        for (live, buf), fp in zip(check, fingerprints([t.detach() for t, _ in check]), strict=True):
+            if fp is not None:
+                # The buffer holds exactly the bytes this fingerprint proved (copied below, or already
+                # there): the writer uses it rather than hashing the staged copy again.
+                self.fingerprints[_alias(buf)] = fp
+            if fp is not None and self._held.get(id(buf)) == fp:
+                self.skipped += buf.numel() * buf.element_size()
+                continue
+            self._held[id(buf)] = fp
+            todo.append((live, buf))
+        with torch.no_grad():
+            for live, buf in todo:
+                buf.copy_(live.detach(), non_blocking=True)
+        return snapshot
+
     def release(self) -> None:
+        self._held, self._seen, self._ties = {}, {}, []
         self._buffers = None
         self.nbytes = 0
         if self.arena is not None:
             self.arena.release()  # the memory goes with the last tensor that maps it
             self.arena = None
+
+
+def _plain(t: Any) -> bool:
+    return (
+        isinstance(t, torch.Tensor)
+        and type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.layout == torch.strided
+    )
+
+
+def _alias(t: torch.Tensor) -> Alias:
+    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+
+
+def _walk(sd: Any, buffers: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """The snapshot of ``sd`` in ``buffers`` (the same structure, the buffers in place of the tensors),
+    collecting (live, buffer) for every plain tensor; anything else is copied as torch's
+    ``_copy_state_dict`` copies it (DTensor and ShardedTensor locals, non-tensor values)."""
+    if _plain(sd) and _plain(buffers):
+        pairs.append((sd, buffers))
+        return buffers
+    if isinstance(sd, dict) and isinstance(buffers, dict):
+        return {k: _walk(v, buffers[k], pairs) for k, v in sd.items()}
+    if isinstance(sd, (list, tuple)) and isinstance(buffers, (list, tuple)):
+        out = [_walk(a, b, pairs) for a, b in zip(sd, buffers, strict=True)]
+        return tuple(out) if isinstance(sd, tuple) else out
+    return _copy_state_dict({"v": sd}, {"v": buffers}, non_blocking=True, type_check=False)["v"]
+
+
+def _leaves(sd: Any, path: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], torch.Tensor]]:
+    """(path, tensor) of every plain, non-empty tensor in dicts and lists (tuples cannot share a buffer)."""
+    if _plain(sd):
+        return [(path, sd)] if sd.numel() else []
+    if isinstance(sd, dict):
+        return [leaf for k, v in sd.items() for leaf in _leaves(v, (*path, k))]
+    if isinstance(sd, list):
+        return [leaf for i, v in enumerate(sd) for leaf in _leaves(v, (*path, i))]
+    return []
+
+
+def _ties(sd: Any) -> list[tuple[int, int]]:
+    """Pairs (i, j) of leaf positions that are the very same tensor (tied weights), j > i."""
+    first: dict[Alias, int] = {}
+    out = []
+    for i, (_, t) in enumerate(_leaves(sd)):
+        key = _alias(t)
+        if key in first:
+            out.append((first[key], i))
+        else:
+            first[key] = i
+    return out
+
+
+def _tie_buffers(sd: Any, buffers: Any) -> None:
+    """Give tied tensors one buffer: staged once, written once (store/incremental.py writes an item that
+    is the same view of the same memory as another once), and both keys load."""
+    live, bufs = _leaves(sd), _leaves(buffers)
+    for i, j in _ties(sd):
+        path, shared = bufs[j][0], bufs[i][1]
+        if len(bufs) != len(live) or not path:
+            return
+        container = buffers
+        for k in path[:-1]:
+            container = container[k]
+        container[path[-1]] = shared
 
 
 def _similar(sd: Any, buffers: Any) -> bool:

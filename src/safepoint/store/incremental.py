@@ -42,13 +42,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
 from torch.distributed.checkpoint.filesystem import _split_by_size_and_type, _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from safepoint.errors import CheckpointError
-from safepoint.store.item_writer import tensor_bytes
+from safepoint.store.checksum import crc_hex, fd_range_crc32c
+from safepoint.store.fingerprint import fingerprints
 from safepoint.store.rootfs import RootDir
 
 Key = tuple[str, tuple[int, ...]]  # (fqn, chunk offsets): one item of a rank's plan
@@ -81,36 +80,12 @@ def item_key(item: WriteItem) -> Key:
     return item.index.fqn, tuple(offset) if offset is not None else ()
 
 
-def fingerprint(t: torch.Tensor) -> bytes | None:
-    """xxh3-128 of a CPU tensor's bytes and of what else ``torch.save`` records of it (dtype, shape,
-    strides); None for anything whose saved form may depend on more (subclasses, quantized, conj/neg
-    bits, a view into a bigger storage): such a tensor counts as changed, always."""
-    if (
-        type(t) is not torch.Tensor
-        or not t.is_cpu
-        or t.layout != torch.strided
-        or t.is_quantized
-        or t.is_conj()
-        or t.is_neg()
-        or t.storage_offset() != 0
-        or t.untyped_storage().nbytes() != t.numel() * t.element_size()
-    ):
-        return None
-    h = xxhash.xxh3_128(repr((str(t.dtype), tuple(t.shape), t.stride())).encode())
-    if t.numel():
-        h.update(tensor_bytes(t))
-    return h.digest()
-
-
-def resolve(planner: SavePlanner, item: WriteItem) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the planner's tensor, the tensor as written: detached, on the CPU, a minimal storage)."""
+def resolve_raw(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
+    """The planner's tensor for ``item``, where it lives (not copied to the host)."""
     raw = planner.resolve_data(item)
     if not isinstance(raw, torch.Tensor):
         raise TypeError(f"item {item.index.fqn!r}: expected a tensor, got {type(raw).__name__}")
-    t = raw.detach().cpu()
-    if t.untyped_storage().nbytes() != t.nbytes:
-        t = t.clone()
-    return raw, t
+    return raw
 
 
 def _alias_key(t: torch.Tensor) -> tuple[Any, ...] | None:
@@ -129,8 +104,10 @@ class StoredFile:
     """Where each of its items lies: (offset, length)."""
     size: int
     crc32c: str
-    identity: tuple[int, int, int, int]
-    """(st_dev, st_ino, size, mtime ns) as written: only this inode is ever linked into a new step."""
+    identity: tuple[int, int, int, int] | None
+    """(st_dev, st_ino, size, mtime ns) as written: only this inode is ever linked into a new step. None:
+    read back from a step another process committed (incremental_record.py); its bytes are checked against
+    ``crc32c`` before it is linked, and the inode so checked is the one linked."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -157,6 +134,21 @@ class History:
         self.stats: dict[str, int] = {}
         """Of the last save: bytes ``linked`` and ``written`` in stable groups, items ``aliased``."""
 
+    @property
+    def fresh(self) -> bool:
+        """No save begun in this process yet."""
+        return self._seq == 0
+
+    def seed(self, previous: Record, since_full: int) -> None:
+        """A new process's history: the record of the newest committed step (incremental_record.py), so
+        its first save links what did not change. Only before this process's first save."""
+        if self.last is None and self.fresh:
+            self.last, self._since_full = previous, since_full
+
+    def since_full_after(self, round_: Round) -> int:
+        """Saves since the last physical full copy once ``round_``'s save is committed."""
+        return 0 if round_.full else self._since_full + 1
+
     def begin(self, *, versions: bool = True) -> Round:
         """A new save's round. ``versions``: the tensors are the live ones (not staged copies, whose
         counters move at every copy), so a moved version counter may spare a changed tensor's fingerprint."""
@@ -171,7 +163,7 @@ class History:
             return
         round_.record.directory = directory
         self.last = round_.record
-        self._since_full = 0 if round_.full else self._since_full + 1
+        self._since_full = self.since_full_after(round_)
         self.stats = dict(round_.stats)
 
 
@@ -185,6 +177,10 @@ class Round:
         self.full, self.versions = full, versions
         """A physical full copy: unchanged tensors still go to stable groups, but nothing is linked."""
         self.record: Record | None = None
+        self.known: dict[tuple[Any, ...], bytes | None] = {}
+        """Fingerprints already proven for staged tensors, by ``_alias_key`` (save/staging.py computed them
+        on the live tensors as it copied or skipped them): used instead of hashing the staged copy again.
+        None: staging saw the live tensor's version counter move; it is written without a fingerprint."""
         self.stats = {"linked": 0, "written": 0, "aliased": 0}
         self._aliases: dict[Key, tuple[Key, WriteItem]] = {}
         self._stable: set[str] = set()
@@ -195,25 +191,29 @@ class Round:
         """The files to write (DCP's queue entries) and the results of the items already in place (linked
         groups). Fingerprints every tensor item once."""
         items = [item for _, _, its in entries for item in its]
-        fingerprints: dict[Key, bytes] = {}
+        fingerprints_: dict[Key, bytes] = {}
         versions: dict[Key, tuple[int, int]] = {}
         sizes: dict[Key, int] = {}
         primaries: dict[tuple[Any, ...], Key] = {}
         changing: list[WriteItem] = []
         unchanged: list[WriteItem] = []
         prev = self.previous
+        tensors: list[tuple[Key, WriteItem, torch.Tensor]] = []
         for item in items:
             if item.type == WriteItemType.BYTE_IO:
                 changing.append(item)
                 continue
             key = item_key(item)
-            raw, t = resolve(planner, item)
+            raw = resolve_raw(planner, item)
             if (alias := _alias_key(raw)) is not None:
                 if alias in primaries:
                     self._aliases[key] = (primaries[alias], item)
                     continue
                 primaries[alias] = key
-            sizes[key] = t.nbytes
+            sizes[key] = raw.numel() * raw.element_size()
+            if alias is not None and alias in self.known and self.known[alias] is None:
+                changing.append(item)  # staging saw it written to (the hint below, for staged copies)
+                continue
             version = (raw.data_ptr(), raw._version)
             versions[key] = version
             seen = prev.versions.get(key) if prev is not None and self.versions else None
@@ -222,14 +222,24 @@ class Round:
                 # that is written anyway; "unchanged" always needs the fingerprint).
                 changing.append(item)
                 continue
-            fp = fingerprint(t)
+            t = raw.detach()
+            if t.untyped_storage().nbytes() != t.nbytes:
+                t = t.clone()  # as the writer saves it (a minimal storage); a GPU tensor's clone stays there
+            tensors.append((key, item, t))
+        # Where each tensor lives: a GPU tensor is fingerprinted on the GPU (no copy to the host; only the
+        # files left to write copy their tensors, in the writer).
+        todo = [t for _, _, t in tensors if _alias_key(t) not in self.known]
+        computed = iter(fingerprints(todo))
+        for key, item, t in tensors:
+            alias = _alias_key(t)
+            fp = (self.known.get(alias) if alias is not None else None) or next(computed)
             if fp is not None:
-                fingerprints[key] = fp
+                fingerprints_[key] = fp
             if fp is not None and prev is not None and prev.fingerprints.get(key) == fp:
                 unchanged.append(item)
             else:
                 changing.append(item)
-        self.record = Record(fingerprints, {}, versions)
+        self.record = Record(fingerprints_, {}, versions)
         results: list[WriteResult] = []
         placed: set[Key] = set()
         still = {item_key(i) for i in unchanged}
@@ -237,9 +247,10 @@ class Round:
             for stored in prev.files.values():
                 if not set(stored.infos) <= still:
                     continue
-                if link_into(prev.directory / stored.name, directory / stored.name, stored):
+                linked = link_into(prev.directory / stored.name, directory / stored.name, stored)
+                if linked is not None:
                     placed |= set(stored.infos)
-                    self.record.files[stored.name] = stored
+                    self.record.files[stored.name] = linked
                     self.stats["linked"] += stored.size
                     results += _results_of(stored, items)
         used = {Path(path).name for path, _, _ in entries} | set(self.record.files)
@@ -313,67 +324,58 @@ def _results_of(stored: StoredFile, items: list[WriteItem]) -> list[WriteResult]
     return out
 
 
-def link_into(source: Path, target: Path, stored: StoredFile) -> bool:
-    """Hard-link the committed file ``source`` as ``target`` if it is still the file this process wrote;
-    False where it cannot be done (the caller then writes the file instead).
+def link_into(source: Path, target: Path, stored: StoredFile) -> StoredFile | None:
+    """Hard-link the committed file ``source`` as ``target`` if it is still the file that was written;
+    the file as linked (its identity), or None where it cannot be done (the caller then writes the file).
 
     The source is opened as RootDir.open_read does (no symlink, regular file) and must be the recorded
-    inode (st_dev, st_ino, size, mtime). ``linkat`` (without AT_SYMLINK_FOLLOW: it never follows a link)
-    then names whatever ``source`` is at that moment, so the new name is checked again and removed unless
-    it is that same regular inode: a file swapped in meanwhile is never kept, and nothing outside the root
-    can become part of a step (it would have to be the very inode we wrote inside it)."""
+    inode (st_dev, st_ino, size, mtime); a file read back from another process's step (no identity yet)
+    must instead hold the recorded size and crc32c, read through that descriptor, and not change while it
+    is read. ``linkat`` (without AT_SYMLINK_FOLLOW: it never follows a link) then names whatever
+    ``source`` is at that moment, so the new name is checked again and removed unless it is that same
+    regular inode: a file swapped in meanwhile is never kept, and nothing outside the root can become part
+    of a step (it would have to be the very inode we wrote or checked inside it)."""
     # Both walked from their common directory (the root) by descriptors: no symlinked component followed.
     fs = RootDir(os.path.commonpath([source, target]))
     src, dst = fs.name(source), fs.name(target)
     try:
         fd = fs.open_read(src)
     except OSError:
-        return False
+        return None
     try:
-        if _identity(os.fstat(fd)) != stored.identity:
-            return False
+        identity = _identity(os.fstat(fd))
+        if stored.identity is None:
+            if identity[2] != stored.size or not _holds(fd, stored):
+                return None
+            if _identity(os.fstat(fd)) != identity:
+                return None  # written to while it was read
+            stored = dataclasses.replace(stored, identity=identity)
+        elif identity != stored.identity:
+            return None
+    except OSError:
+        return None
     finally:
         os.close(fd)
     try:
         fs.link(src, dst)
         made = fs.lstat(dst)
     except OSError:
-        return False
+        return None
     if made is None or not stat.S_ISREG(made.st_mode) or _identity(made) != stored.identity:
         with contextlib.suppress(OSError):
             fs.remove(dst)
+        return None
+    return stored
+
+
+def _holds(fd: int, stored: StoredFile) -> bool:
+    """Whether the open file holds the recorded bytes (its crc32c, read in bounded chunks)."""
+    try:
+        value = fd_range_crc32c(fd, 0, stored.size, stored.name)
+    except EOFError:
         return False
-    return True
+    return crc_hex(value) == stored.crc32c
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def file_identities(layout: Any, step: int) -> set[tuple[int, int]]:
-    """(st_dev, st_ino) of every file ``step``'s manifest lists in a local ``layout``; files missing or not
-    regular are left out; empty if the manifest is unreadable."""
-    try:
-        names = layout.read_manifest(step).files
-    except CheckpointError:
-        return set()
-    base, found = Path(layout.step_path(step)), set()
-    for name in names:
-        with contextlib.suppress(OSError):
-            st = os.stat(base / name, follow_symlinks=False)
-            if stat.S_ISREG(st.st_mode):
-                found.add((st.st_dev, st.st_ino))
-    return found
-
-
-def steps_sharing(layout: Any, step: int, name: str) -> list[int]:
-    """The other committed steps of a local ``layout`` holding ``step``'s file ``name`` itself (a hard link
-    to the same inode): damage to it is damage to them (``safepoint verify`` names them)."""
-    try:
-        st = os.stat(Path(layout.step_path(step)) / name, follow_symlinks=False)
-    except (OSError, ValueError):
-        return []
-    if not stat.S_ISREG(st.st_mode) or st.st_nlink < 2:
-        return []
-    mine = (st.st_dev, st.st_ino)
-    return [s for s in layout.committed_steps() if s != step and mine in file_identities(layout, s)]

@@ -81,9 +81,10 @@ class NodeMap:
         return out
 
 
-# A file one rank wrote: its DCP shards (``__<rank>_<n>.distcp``) and its per-rank sections
-# (``rank-<rank>.state``, store/rank_state.py).
-RANK_FILE = re.compile(r"^(?:__|rank-)(\d+)(?:_\d+\.distcp|\.state)$")
+# A file one rank wrote: its DCP shards (``__<rank>_<n>.distcp``), its per-rank sections
+# (``rank-<rank>.state``, store/rank_state.py) and its incremental record (``rank-<rank>.fingerprints``,
+# store/incremental_record.py).
+RANK_FILE = re.compile(r"^(?:__(\d+)_\d+\.distcp|rank-(\d+)\.(?:state|fingerprints))$")
 NODES_KEY = "nodes"
 """``Manifest.extra[NODES_KEY]``: NodeMap.ranges() of the save, set when the job spanned several nodes."""
 
@@ -91,7 +92,7 @@ NODES_KEY = "nodes"
 def file_rank(name: str) -> int | None:
     """The rank that wrote ``name``, for a rank file; None for any other file (``.metadata``)."""
     m = RANK_FILE.match(name)
-    return int(m.group(1)) if m else None
+    return int(m.group(1) or m.group(2)) if m else None
 
 
 def node_copy(

@@ -40,6 +40,7 @@ from safepoint.store.checksum import ChecksummingWriter, ChecksumRecorder
 from safepoint.store.crc_switch import torch_crc32_off
 from safepoint.store.file_report import Files, skipped_per_rank, split_files, with_files
 from safepoint.store.incremental import Round
+from safepoint.store.incremental_record import encode, side_name
 from safepoint.store.item_writer import write_queue
 from safepoint.store.rootfs import RootDir
 
@@ -237,6 +238,14 @@ class SafepointWriter(FileSystemWriter):
                 self.recorder.record(name, stored.size, stored.crc32c)
         results = self._write_entries(planner, out)
         round_.written(directory, results, self.recorder.snapshot())
+        if round_.record is not None:
+            # The fingerprints go with the step (listed in the manifest like every file): a new process
+            # reads them back and its first save links too (store/incremental_record.py).
+            since_full = round_.history.since_full_after(round_)
+            name = side_name(int(self._prefix.strip("_")))
+            with self.fs.create_stream(directory / name, "wb") as stream:
+                stream.write(encode(round_, since_full))
+                os.fsync(stream.fileno())
         results += linked
         return results + round_.alias_results(results)
 

@@ -1,0 +1,228 @@
+"""A content fingerprint computed with torch ops where the tensor lives (issue 26).
+
+For a CUDA tensor the whole computation runs on the GPU and only 16 bytes per tensor come back to the
+host: an unchanged tensor costs no device-to-host copy of its bytes. The same ops run on the CPU and give
+the same digest (integer arithmetic wraps identically everywhere, and the reductions are sums, which do not
+depend on the order the device adds in), so the CPU tests prove the algorithm and a GPU run checks the two
+agree (tests/store/test_fingerprint_cuda.py).
+
+It must detect change, not just look like a hash: a position-weighted linear sum of the words collides
+deterministically (flip the top bit of two words: each term moves by 2**63, the sum by 2**64 == 0). Here:
+
+- the tensor's bytes (logical order, contiguous; conj/neg bits resolved) are zero-padded to a multiple of
+  8 and read as int64 words ``w_i`` (wrapping arithmetic throughout);
+- a position key ``k_i = fmix_a(i * GOLDEN + KEY_SEED)`` (murmur3's fmix64 on the word's index);
+- two lanes, each a sum of a nonlinear, bijective xor-shift-multiply mix of the keyed word:
+  ``A = sum fmix_a(w_i ^ k_i)`` and ``B = sum fmix_b(w_i + k_i * LANE_B)`` (fmix_b is splitmix64's
+  finalizer), each 64 bits, different mixers and keyings, so the two lanes are independent;
+- the digest: xxh3-128 over a tag, the dtype, the shape, the byte length and (A, B): 128 bits.
+
+One flipped bit changes the mixed word it is in to an unrelated value (the mixers are bijections with full
+avalanche), so A and B each change unless a 64-bit coincidence happens; both at once is a 2**-128 event. The
+byte length is in the digest, so the zero padding cannot make two lengths equal.
+
+Cost: about 40 elementwise int64 passes per word. On an H100 that is ~70 ms per GiB (4.5 ms for 64 MiB,
+docs/benchmarks.md); on the CPU it is ~500x slower than xxh3 over the bytes, so CPU tensors keep the host
+hash (``fingerprints`` below). Words are processed in chunks of ``CHUNK_BYTES`` (bounded scratch memory
+on the device); many small tensors share a chunk, so a model of thousands of tensors costs a few dozen
+kernel launches per chunk, not per tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import xxhash
+
+from safepoint.store.item_writer import tensor_bytes
+
+_MASK = (1 << 64) - 1
+# Words per chunk: scratch on the device is a few times this many bytes (CHUNK_BYTES * ~5).
+CHUNK_BYTES = 32 * 1024 * 1024
+_TAG = b"safepoint-fp1"
+GOLDEN = 0x9E3779B97F4A7C15
+KEY_SEED = 0x243F6A8885A308D3
+LANE_B = 0xD6E8FEB86659FD93
+_FMIX_A = (33, 0xFF51AFD7ED558CCD, 33, 0xC4CEB9FE1A85EC53, 33)  # murmur3 fmix64
+_FMIX_B = (30, 0xBF58476D1CE4E5B9, 27, 0x94D049BB133111EB, 31)  # splitmix64's finalizer
+
+
+def _signed(x: int) -> int:
+    """``x`` mod 2**64 as a signed int64 (what a torch int64 holds)."""
+    x &= _MASK
+    return x - (1 << 64) if x >> 63 else x
+
+
+def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 words (torch's ``>>`` on int64 is arithmetic: it copies the sign)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _fmix(x: torch.Tensor, spec: tuple[int, int, int, int, int]) -> torch.Tensor:
+    s1, m1, s2, m2, s3 = spec
+    x = x ^ _srl(x, s1)
+    x = x * _signed(m1)  # int64 multiply wraps mod 2**64 on every device
+    x ^= _srl(x, s2)
+    x *= _signed(m2)
+    x ^= _srl(x, s3)
+    return x
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's values as flat uint8 in logical order, on its device (a copy only if not contiguous)."""
+    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        raise TypeError(f"cannot fingerprint a {type(t).__name__} (a tensor subclass)")
+    if t.layout != torch.strided or t.is_quantized:
+        raise TypeError(f"cannot fingerprint a {t.layout} tensor{' (quantized)' if t.is_quantized else ''}")
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    flat = t.contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+
+
+def _piece_sums(words: torch.Tensor, positions: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """(pieces, 2) int64: lane A and lane B summed over each piece (``ends``: exclusive word ends)."""
+    keys = _fmix(positions * _signed(GOLDEN) + _signed(KEY_SEED), _FMIX_A)
+    a = _fmix(words ^ keys, _FMIX_A)
+    b = _fmix(words + keys * _signed(LANE_B), _FMIX_B)
+    del keys
+    # Per piece by differences of running sums: integer and wrapping, the same on every device (no atomics).
+    lanes = torch.stack((a.cumsum(0), b.cumsum(0)), dim=1)
+    at_end = lanes.index_select(0, ends - 1)
+    before = torch.cat((torch.zeros_like(at_end[:1]), at_end[:-1]))
+    return at_end - before
+
+
+def fingerprint_tensors(tensors: Sequence[torch.Tensor]) -> list[bytes]:
+    """A 16-byte content fingerprint of each tensor (dtype, shape and values), computed on its device.
+
+    Only the 16-byte lane sums of each tensor leave the device. Raises TypeError for tensor subclasses,
+    sparse and quantized tensors."""
+    views = [_as_bytes(t) for t in tensors]
+    sums: list[list[int]] = [[0, 0] for _ in tensors]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(views):
+        by_device.setdefault(v.device, []).append(i)
+    for device, members in by_device.items():
+        for owners, lanes in _device_sums(device, [(i, views[i]) for i in members]):
+            for owner, (a, b) in zip(owners, lanes, strict=True):
+                sums[owner][0] = (sums[owner][0] + a) & _MASK
+                sums[owner][1] = (sums[owner][1] + b) & _MASK
+    out = []
+    for t, (a, b) in zip(tensors, sums, strict=True):
+        h = xxhash.xxh3_128(_TAG)
+        h.update(repr((str(t.dtype), tuple(t.shape), t.numel() * t.element_size())).encode())
+        h.update(a.to_bytes(8, "little") + b.to_bytes(8, "little"))
+        out.append(h.digest())
+    return out
+
+
+def fingerprint_tensor(t: torch.Tensor) -> bytes:
+    """``fingerprint_tensors([t])[0]``."""
+    return fingerprint_tensors([t])[0]
+
+
+def _device_sums(
+    device: torch.device, members: list[tuple[int, torch.Tensor]]
+) -> list[tuple[list[int], list[list[int]]]]:
+    """Every chunk's (owner per piece, [A, B] per piece); the chunks' sums come back in one copy."""
+    pending: list[tuple[list[int], torch.Tensor]] = []
+    parts: list[torch.Tensor] = []
+    owners: list[int] = []
+    starts: list[int] = []  # each piece's first word index within its tensor
+    counts: list[int] = []  # words per piece
+    filled = 0
+    pad = torch.zeros(8, dtype=torch.uint8, device=device)
+
+    def flush() -> None:
+        nonlocal filled
+        if not parts:
+            return
+        words = torch.cat(parts).view(torch.int64)
+        n = torch.tensor(counts, dtype=torch.int64)
+        # Each word's index within its own tensor: its index in the chunk, shifted per piece. Only the
+        # per-piece numbers travel to the device; the per-word ones are made there.
+        shift = (torch.tensor(starts, dtype=torch.int64) - (torch.cumsum(n, 0) - n)).to(device)
+        positions = torch.arange(words.numel(), dtype=torch.int64, device=device)
+        positions += torch.repeat_interleave(shift, n.to(device), output_size=words.numel())
+        ends = torch.cumsum(n, 0).to(device)
+        pending.append((list(owners), _piece_sums(words, positions, ends)))
+        for scratch in (parts, owners, starts, counts):
+            scratch.clear()
+        filled = 0
+
+    for owner, data in members:
+        total = data.numel()
+        for start in range(0, total, CHUNK_BYTES):  # CHUNK_BYTES is a multiple of 8: pieces stay word-aligned
+            piece = data[start : start + CHUNK_BYTES]
+            extra = -piece.numel() % 8
+            parts.append(piece)
+            if extra:
+                parts.append(pad[:extra])
+            owners.append(owner)
+            starts.append(start // 8)
+            counts.append((piece.numel() + extra) // 8)
+            filled += piece.numel() + extra
+            if filled >= CHUNK_BYTES:
+                flush()
+    flush()
+    if not pending:
+        return []
+    # The one device-to-host copy: 16 bytes per piece.
+    host = torch.cat([s for _, s in pending]).cpu().tolist()
+    out, at = [], 0
+    for who, sums_ in pending:
+        out.append((who, host[at : at + len(who)]))
+        at += len(sums_)
+    return out
+
+
+def _eligible(t: torch.Tensor) -> bool:
+    """Whether ``t``'s saved form is a function of its dtype, shape, strides and bytes only (not a subclass,
+    quantized, conj/neg bits, or a view into a bigger storage): anything else counts as changed, always."""
+    return (
+        type(t) is torch.Tensor
+        and t.layout == torch.strided
+        and not t.is_quantized
+        and not t.is_conj()
+        and not t.is_neg()
+        and t.storage_offset() == 0
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    )
+
+
+def fingerprints(tensors: list[torch.Tensor]) -> list[bytes | None]:
+    """Each tensor's fingerprint (None: not eligible, counts as changed). A CPU tensor: xxh3-128 of its
+    bytes (the cheapest hash of host memory: ~50x faster than the torch-ops fingerprint on the CPU,
+    docs/benchmarks.md). Any other device: store/fingerprint.py's, computed on that device, so an
+    unchanged GPU tensor is never copied to the host; only 16 bytes per tensor come back. Both are mixed
+    with the dtype, shape and strides, and a scheme tag, so a tensor that moved device counts as changed."""
+    out: list[bytes | None] = [None] * len(tensors)
+    on_device: list[int] = []
+    for i, t in enumerate(tensors):
+        if not _eligible(t):
+            continue
+        if not t.is_cpu:
+            on_device.append(i)
+            continue
+        h = xxhash.xxh3_128(repr((str(t.dtype), tuple(t.shape), t.stride())).encode())
+        if t.numel():
+            h.update(tensor_bytes(t))
+        out[i] = h.digest()
+    if on_device:
+        digests = fingerprint_tensors([tensors[i] for i in on_device])
+        for i, digest in zip(on_device, digests, strict=True):
+            t = tensors[i]
+            h = xxhash.xxh3_128(repr(("device", str(t.dtype), tuple(t.shape), t.stride())).encode())
+            h.update(digest)
+            out[i] = h.digest()
+    return out
+
+
+def fingerprint(t: torch.Tensor) -> bytes | None:
+    """``fingerprints([t])[0]``."""
+    return fingerprints([t])[0]

@@ -1,0 +1,135 @@
+"""Async staging skips what did not change (save/staging.py): a tensor proven unchanged since its buffer got
+its bytes is not copied again; a write the version counter misses is still copied; a tied weight has one
+buffer, is copied once, and an async save writes it once and both keys load."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+import safepoint
+from safepoint.cli.main import main
+from safepoint.save.staging import Stager
+from safepoint.store.storage import read_metadata_file
+
+
+def _state() -> dict[str, object]:
+    torch.manual_seed(0)
+    tied = torch.randn(64, 32)
+    return {
+        "frozen": torch.randn(1000),
+        "trained": torch.randn(200),
+        "emb": tied,
+        "head": tied,  # tied: two keys, one tensor
+        "step": torch.tensor(3.0),
+        "nested": {"t": torch.randn(7, 5).t(), "n": 4},  # non-contiguous
+        "seq": [torch.randn(3)],
+    }
+
+
+def _equal(snapshot: dict[str, object], sd: dict[str, object]) -> None:
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(snapshot[k], v), k  # type: ignore[arg-type]
+    assert torch.equal(snapshot["nested"]["t"], sd["nested"]["t"])  # type: ignore[index]
+    assert snapshot["nested"]["n"] == 4  # type: ignore[index]
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["thread", "process"])
+def test_unchanged_tensors_are_not_copied_again(shared: bool) -> None:
+    if shared and not hasattr(os, "memfd_create"):
+        pytest.skip("shared staging is Linux-only")
+    sd = _state()
+    frozen, trained, tied = sd["frozen"], sd["trained"], sd["emb"]
+    assert isinstance(frozen, torch.Tensor) and isinstance(trained, torch.Tensor)
+    assert isinstance(tied, torch.Tensor)
+    stager = Stager(shared=shared)
+    first = stager.stage(sd)
+    _equal(first, sd)
+    assert first["emb"] is first["head"]  # one buffer for the tied weight
+    assert stager.skipped == 0
+    with torch.no_grad():
+        trained.add_(1.0)  # an optimizer step: the version counter moves
+    second = stager.stage(sd)
+    _equal(second, sd)
+    assert stager.allocations == 1
+    # Not copied: everything but the trained tensor (the frozen one, the tied one once, the rest).
+    unchanged = frozen.nbytes + tied.nbytes
+    assert unchanged <= stager.skipped < unchanged + 1024
+    # The trained one was copied without a fingerprint (its counter moved): the writer writes it unhashed.
+    assert list(stager.fingerprints.values()).count(None) == 1
+    # Writes the version counter misses: still copied (the fingerprint decides, never the counter).
+    version = frozen._version
+    frozen.data[5] += 1.0
+    frozen.numpy()[7] = 42.0
+    tied.data[0, 0] = -1.0
+    assert frozen._version == version
+    third = stager.stage(sd)
+    _equal(third, sd)
+    assert stager.skipped < 1024
+    # The staged fingerprints are those of the staged bytes: the writer uses them (store/incremental.py).
+    assert len(stager.fingerprints) >= 5
+
+
+def test_untying_reallocates_the_buffers() -> None:
+    sd = _state()
+    stager = Stager()
+    stager.stage(sd)
+    sd["head"] = sd["head"].clone()  # type: ignore[attr-defined]
+    sd["head"].add_(1.0)  # type: ignore[attr-defined]
+    snapshot = stager.stage(sd)
+    assert stager.allocations == 2 and snapshot["emb"] is not snapshot["head"]
+    _equal(snapshot, sd)
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(256, 64)
+        self.emb.weight.requires_grad_(False)
+        self.mid = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 256, bias=False)
+        self.head.weight = self.emb.weight
+
+
+@pytest.mark.parametrize("async_writer", ["thread", "process"])
+def test_an_async_save_writes_a_tied_weight_once_and_both_keys_load(root: Path, async_writer: str) -> None:
+    if async_writer == "process" and not hasattr(os, "memfd_create"):
+        pytest.skip("the process writer is Linux-only")
+    torch.manual_seed(0)
+    model = Tied()
+    opt = torch.optim.AdamW(model.mid.parameters())
+    state = safepoint.TrainState(model=model, optimizer=opt)
+    with safepoint.CheckpointManager(
+        root, async_save=True, writer=safepoint.WriterOptions(async_writer=async_writer)
+    ) as mgr:
+        for step in (1, 2, 3):
+            model.mid(torch.randn(2, 64)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            mgr.save(step, state)
+            mgr.wait()
+    for step in (1, 3):
+        md = read_metadata_file(root / f"step-{step}" / ".metadata")
+        where = {idx.fqn: info for idx, info in md.storage_data.items()}
+        emb, head = where["model.emb.weight"], where["model.head.weight"]
+        assert (emb.relative_path, emb.offset, emb.length) == (head.relative_path, head.offset, head.length)
+        manifest = json.loads((root / f"step-{step}" / "safepoint.json").read_text())
+        assert manifest["extra"]["incremental"]["aliased"] == 1
+    assert main(["verify", str(root), "--all"]) == 0
+    sd = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+    dcp.load(sd, checkpoint_id=str(root / "step-3"))
+    assert torch.equal(sd["model"]["head.weight"], model.emb.weight)
+    assert torch.equal(sd["model"]["emb.weight"], model.emb.weight)
+    torch.manual_seed(5)
+    fresh = Tied()
+    with safepoint.CheckpointManager(root) as mgr:
+        assert mgr.restore(safepoint.TrainState(model=fresh)) == 3
+    assert torch.equal(fresh.emb.weight, model.emb.weight) and fresh.head.weight is fresh.emb.weight
+    assert torch.equal(fresh.mid.weight, model.mid.weight)
