@@ -315,13 +315,12 @@ class CheckpointManager:
         with self._tiers.paused(), call.failing(SaveError), gc_paused():
             call.begin()
             staged = self._stager.stage(state.capture(self.comm.rank))
-        nbytes = self._stager.nbytes  # counted at allocation: a walk of every tensor here cost more than the copy
-        blocking = call.returned(bytes_written=nbytes)
+        blocking = call.returned(bytes_written=self._stager.nbytes)  # counted when the buffers were made
         sections, tiers = state.sections(), self._tiers
         self._writer.submit(
             step, lambda: tiers.committed(saver.write(step, staged, sections, metrics, {"stage_s": blocking}))
         )
-        self._schedule.saved(step, blocking, nbytes)
+        self._schedule.saved(step, blocking, self._stager.nbytes)
         return True
 
     # ---- restoring -----------------------------------------------------------------------------------
