@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 25-27 in one run, on the GPU machine (the `device` tool): CUDA tests, then the
-# GPU benchmark. Results land in $OUT (or ./gpu-out). Wheels the image lacks travel in .whl/ (crc32c,
-# torchdata); the image's own torch is used. See docs/benchmarks.md "The GPU path".
+# The GPU checks of issues 25-27 in one run, on the GPU machine (the `device` tool): the CUDA tests, the
+# Lightning FSDP/ModelParallel script and the real torchtitan Trainer run side by side, then the GPU
+# benchmark. Results land in $OUT (or ./gpu-out). Wheels the image lacks travel in .whl/ (crc32c,
+# torchdata, torchtitan and its pure-Python needs); the image's own torch is used. docs/benchmarks.md
+# "The GPU path" has the results.
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -12,8 +14,22 @@ export PYTHONPATH="$PWD/src:$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 { nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv;
   python3 -c 'import torch, sys; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0), "python", sys.version.split()[0])';
   nproc; free -g | head -2; df -h /dev/shm /tmp | tail -2; } 2>&1 | tee "$OUT/machine.txt"
+declare -A job
+timeout "${GPU_TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" --timeout 200 -v \
+    ${GPU_TESTS:-tests/gpu tests/store/test_fingerprint_cuda.py} > "$OUT/gpu_tests.log" 2>&1 & job[tests]=$!
+if [ -z "${GPU_SKIP_FRAMEWORKS:-}" ]; then
+    timeout "${GPU_FW_S:-260}" python3 tests/integrations/gpu_lightning_fsdp.py --workdir /tmp/sp-lfsdp > "$OUT/lightning.log" 2>&1 & job[lightning]=$!
+    timeout "${GPU_FW_S:-260}" python3 tests/integrations/gpu_torchtitan_run.py --device cuda --attention sdpa --timeout 110 --workdir /tmp/sptt > "$OUT/torchtitan.log" 2>&1 & job[torchtitan]=$!
+fi
 rc=0
-timeout "${GPU_TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" --timeout 200 -v ${GPU_TESTS:-tests/gpu} 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
-[ "${PIPESTATUS[0]}" = 0 ] || rc=1
-timeout "${GPU_BENCH_S:-240}" python3 benchmarks/bench_gpu.py ${GPU_BENCH_ARGS:---cases 2048x300,512x3000 --rounds 3} --out "$OUT/bench_gpu.json" 2>&1 | tail -60 | tee "$OUT/bench_gpu.log"
+: > "$OUT/summary.txt"
+for name in "${!job[@]}"; do  # not piped: wait must run in this shell, the jobs' parent
+    if wait "${job[$name]}"; then echo "PASS $name" >> "$OUT/summary.txt"; else echo "FAIL $name (rc $?)" >> "$OUT/summary.txt"; rc=1; fi
+done
+cat "$OUT/summary.txt"
+tail -5 "$OUT/gpu_tests.log"
+if [ "${GPU_BENCH_ARGS:-}" != "none" ]; then
+    timeout "${GPU_BENCH_S:-240}" python3 benchmarks/bench_gpu.py ${GPU_BENCH_ARGS:---cases 2048x300,512x3000 --rounds 3} --out "$OUT/bench_gpu.json" > "$OUT/bench_gpu.log" 2>&1
+    grep -A12 '"median_blocked_s"' "$OUT/bench_gpu.log" | grep -v '^ *[{}]' | head -30
+fi
 exit $rc

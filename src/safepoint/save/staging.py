@@ -29,6 +29,15 @@ Alias = tuple[Any, ...]
 
 log = logging.getLogger("safepoint")
 
+# Async staging of a CUDA tensor whose version counter did not move: prove it unchanged on the GPU (no
+# host copy) or copy it and let the writer fingerprint the host copy in the background. Measured on an H100
+# (docs/benchmarks.md, "The GPU path"): the torch-ops fingerprint (store/fingerprint.py) reads a tensor at
+# ~15 GB/s, 3.7x slower than the pinned copy it would spare, and it runs inside the loop's blocking time:
+# the 2 GiB state's async save blocked 144 ms with it against 66 ms without. So the copy, until a fused
+# fingerprint kernel reads at HBM speed. Sync saves still fingerprint on the GPU (no copy for an unchanged
+# tensor: there it replaces a copy *and* a host hash).
+FINGERPRINT_CUDA_WHEN_STAGING = False
+
 
 def _any_cuda(sd: Any) -> bool:
     return any(t.is_cuda for t in buffer_tensors(sd))
@@ -153,6 +162,9 @@ class Stager:
                 self._held[id(buf)] = None  # written to since: copied, not fingerprinted
                 todo.append((live, buf))
                 moved.append(buf)
+            elif live.is_cuda and not FINGERPRINT_CUDA_WHEN_STAGING:
+                self._held[id(buf)] = None  # copied; the writer fingerprints the host copy, off the loop
+                todo.append((live, buf))
             else:
                 check.append((live, buf))
         self.skipped = 0
