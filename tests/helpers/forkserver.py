@@ -8,7 +8,8 @@ of them; a forked child starts in tens of milliseconds. What the test sees is wh
   reaches it and its DataLoader workers, as with ``Popen(start_new_session=True)``; its pid is announced only
   once it leads its group;
 - its stdin is ``/dev/null``; its stdout and stderr are the descriptors the test sent (a pipe, a file);
-- its environment, working directory, ``sys.argv`` and ``sys.path[0]`` are what ``python SCRIPT`` would have;
+- its environment, working directory, ``sys.argv`` and ``sys.path[0]`` are what ``python SCRIPT`` (or
+  ``python -m MODULE``) would have;
 - signal dispositions and mask are the fresh interpreter's: the server never changes them;
 - it ends through the interpreter's own exit (non-daemon threads joined, ``atexit`` handlers, an uncaught
   exception printed with exit code 1), and the test gets its wait status, a signal as ``-signum``.
@@ -16,7 +17,9 @@ of them; a forked child starts in tens of milliseconds. What the test sees is wh
 What would be wrong after a fork is checked before the first one: the server must have a single thread (no
 native thread either: ``/proc/self/task``), and libraries that read the environment when imported (OpenMP
 reads ``OMP_NUM_THREADS`` when torch loads it) see the jobs' environment: the client starts one server per
-environment (``tests.helpers.example_runs``). No CUDA here (``CUDA_VISIBLE_DEVICES=""``).
+environment. With more than one OpenMP thread, importing torch starts a thread: the server refuses to run,
+so jobs forked from it run with ``OMP_NUM_THREADS=1``, as the suite's jobs do anyway. No CUDA here
+(``CUDA_VISIBLE_DEVICES=""``).
 
 Protocol, on a Unix ``SOCK_SEQPACKET`` socket (its fd number is ``argv[1]``; the rest of argv are the import
 statements to run first, e.g. ``from transformers import Trainer``: many packages import lazily by name): the server sends ``{"ready": true}`` once imported; the client sends one JSON request ``{"argv": [...], "env": {...},
@@ -65,6 +68,11 @@ def _become(request: dict[str, object], fds: list[int], sock: socket.socket, rea
     os.chdir(cwd)
     argv = request["argv"]
     assert isinstance(argv, list)
+    if argv[0] == "-m":  # ``python -m MODULE ARGS``: sys.path[0] is the working directory
+        sys.argv = [str(a) for a in argv[1:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+        return
     script = os.path.abspath(argv[0])
     sys.argv = [str(a) for a in argv]
     sys.path[0] = os.path.dirname(script)  # as ``python SCRIPT`` sets it
@@ -188,6 +196,26 @@ def spawn(
             server.close()
         server = _servers[key] = ForkServer(imports, {k: v for k, v in env.items() if k not in _PER_TEST})
     return server.spawn(argv, env, stdout, stderr, cwd)
+
+
+def run(
+    imports: tuple[str, ...], argv: list[str], env: dict[str, str], timeout: float, cwd: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run([python, *argv], capture_output=True, text=True)``, the process forked from a
+    server that ran ``imports``."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        child = spawn(imports, argv, env, out.fileno(), err.fileno(), cwd or os.getcwd())
+        try:
+            code = child.wait(timeout)
+        finally:
+            if child.returncode is None:
+                os.killpg(child.pid, 9)
+                child.wait()
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(
+            [sys.executable, *argv], code, out.read().decode(), err.read().decode()
+        )
 
 
 @atexit.register
