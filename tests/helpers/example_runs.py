@@ -1,9 +1,18 @@
 """Run a framework example (examples/<fw>_train.py) as a real process group, stop it with a real signal at
-a printed step, and read what it printed: the contract tests/integrations/ check for every framework."""
+a printed step, and read what it printed: the contract tests/integrations/ check for every framework.
+
+By default the job is forked from a server that imported torch and the script's modules once
+(tests/helpers/forkserver.py: its own session, the test's pipes, the interpreter's own exit), which saves the
+5-8 s of CPU each fresh process spends importing them; ``fresh=True`` runs ``python examples/<script>`` as a
+user would, and every framework keeps at least one test that does.
+"""
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import dataclasses
+import functools
 import os
 import re
 import signal
@@ -13,6 +22,7 @@ import time
 from pathlib import Path
 
 from tests.conftest import REPO
+from tests.helpers import forkserver
 
 EXAMPLES = REPO / "examples"
 _STEP = re.compile(r"step (\d+) loss (\S+)\Z")
@@ -42,9 +52,11 @@ def run_example(
     sig: int = signal.SIGKILL,
     step_sleep: float = 0.0,
     timeout: float = 400,
+    fresh: bool = False,
 ) -> Run:
     """Run ``examples/<script>`` on ``root``; with ``stop_at``, send ``sig`` to its whole process group
-    (its DataLoader workers included) as soon as it has printed that step."""
+    (its DataLoader workers included) as soon as it has printed that step. ``fresh``: a new interpreter
+    (``python examples/<script>``) rather than a child of the fork server."""
     cmd = [sys.executable, str(EXAMPLES / script), "--root", str(root), *args]
     if step_sleep:
         cmd += ["--step-sleep", str(step_sleep)]
@@ -58,13 +70,26 @@ def run_example(
     err_path = root.parent / f"{root.name}-{time.monotonic_ns()}.stderr"
     losses: list[tuple[int, str]] = []
     with open(err_path, "w") as err:
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True
-        )
-        assert proc.stdout is not None
+        proc: subprocess.Popen[str] | forkserver.Child
+        if fresh:
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True
+            )
+            assert proc.stdout is not None
+            stdout = proc.stdout
+        else:
+            out_r, out_w = os.pipe()
+            try:
+                proc = forkserver.spawn(preload(cmd[1]), cmd[1:], env, out_w, err.fileno(), os.getcwd())
+            except BaseException:
+                os.close(out_r)
+                raise
+            finally:
+                os.close(out_w)  # the child holds the write end now: EOF when it and its workers end
+            stdout = open(out_r)  # noqa: SIM115 - closed below
         deadline = time.monotonic() + timeout
         try:
-            for line in proc.stdout:
+            for line in stdout:
                 m = _STEP.match(line.strip())
                 if m:
                     losses.append((int(m.group(1)), m.group(2)))
@@ -74,10 +99,29 @@ def run_example(
                     raise TimeoutError(f"{script} ran past {timeout}s")
             proc.wait(timeout=max(deadline - time.monotonic(), 1))
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+            stdout.close()
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+    assert proc.returncode is not None
     return Run(losses, proc.returncode, err_path.read_text())
+
+
+@functools.cache
+def preload(script: str) -> tuple[str, ...]:
+    """The import statements the fork server runs for ``script``: the script's own top-level ones (as
+    written: ``from transformers import Trainer`` loads what ``import transformers`` defers), torch.optim's
+    lazy ``torch._dynamo`` (~1.6 s at the first optimizer) and PEFT (hf_trainer_train.py imports it under
+    ``--lora``)."""
+    tree = ast.parse(Path(script).read_text())
+    imports = ["import torch._dynamo"]
+    for node in tree.body:
+        if isinstance(node, ast.Import | ast.ImportFrom) and getattr(node, "module", "") != "__future__":
+            imports.append(ast.unparse(node))
+    if any("transformers" in i for i in imports):
+        imports.append("import peft")
+    return tuple(imports)
 
 
 def committed_steps(root: Path) -> list[int]:

@@ -9,6 +9,11 @@ processes stopped by real signals sent to the whole process group (DataLoader wo
 
 The default suite runs one sequence per framework (SIGTERM mid-epoch, then kill -9, then the end); the slow
 ones stop the runs at other moments (an epoch's last batch, the first step after a resume).
+
+The uninterrupted reference run is ``python examples/<script>``, as a user runs it, once per script and flags
+in a pytest process (the tests of a script share it); the interrupted runs are forked from the fork server of
+tests/helpers/forkserver.py, which imported torch and the framework once: their losses equal the fresh
+process's, bit for bit.
 """
 
 from __future__ import annotations
@@ -32,14 +37,36 @@ def _check_losses(run: Run, reference: dict[int, str]) -> None:
     assert different == [], f"(step, loss, uninterrupted loss): {different[:5]}"
 
 
+_references: dict[tuple[str, tuple[str, ...]], dict[int, str]] = {}
+
+
+def reference_losses(
+    script: str, args: tuple[str, ...], tmp_path_factory: pytest.TempPathFactory
+) -> dict[int, str]:
+    """The uninterrupted run of ``python examples/<script> args`` (a fresh interpreter), run once per pytest
+    process and verified: step -> loss."""
+    key = (script, args)
+    if key not in _references:
+        root = tmp_path_factory.mktemp("reference") / "ckpt"
+        ref = run_example(script, root, *args, fresh=True)
+        assert ref.returncode == 0, ref.stderr[-3000:]
+        assert [step for step, _ in ref.losses] == list(range(1, STEPS + 1))
+        assert committed_steps(root)[-1] == STEPS
+        assert safepoint_cli(["verify", str(root), "--all"]) == 0
+        _references[key] = dict(ref.losses)
+    return _references[key]
+
+
 def interrupted_sequence(
-    script: str, flags: tuple[str, ...], tmp_path: Path, stops: list[tuple[int, int]], rerun: bool = False
+    script: str,
+    flags: tuple[str, ...],
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    stops: list[tuple[int, int]],
+    rerun: bool = False,
 ) -> None:
     args = ("--steps", str(STEPS), "--save-every", str(SAVE_EVERY), *flags)
-    ref = run_example(script, tmp_path / "reference", *args)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    assert [step for step, _ in ref.losses] == list(range(1, STEPS + 1))
-    reference = dict(ref.losses)
+    reference = reference_losses(script, args, tmp_path_factory)
 
     root = tmp_path / "ckpt"
     resume_at = 0
@@ -59,8 +86,7 @@ def interrupted_sequence(
     assert (final.first, final.last) == (resume_at + 1, STEPS)
     _check_losses(final, reference)
     assert committed_steps(root)[-1] == STEPS
-    for checked in (root, tmp_path / "reference"):
-        assert safepoint_cli(["verify", str(checked), "--all"]) == 0
+    assert safepoint_cli(["verify", str(root), "--all"]) == 0
     if not rerun:
         return
     # Run again on a finished root: nothing left to train, nothing printed.
@@ -68,20 +94,24 @@ def interrupted_sequence(
     assert (again.returncode, again.losses) == (0, []), again.stderr[-3000:]
 
 
-# Five real runs of a job that imports torch and its framework: minutes on a loaded 2-core machine.
+# Four real runs of a job that imports torch and its framework (three forked): minutes on a loaded machine.
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize(("script", "flags"), [ACCELERATE, TRAINER_LORA, TRAINER])
-def test_sigterm_then_kill9_resume_bit_for_bit(script: str, flags: tuple[str, ...], tmp_path: Path) -> None:
-    interrupted_sequence(script, flags, tmp_path, [(7, signal.SIGTERM), (15, signal.SIGKILL)])
+def test_sigterm_then_kill9_resume_bit_for_bit(
+    script: str, flags: tuple[str, ...], tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    interrupted_sequence(
+        script, flags, tmp_path, tmp_path_factory, [(7, signal.SIGTERM), (15, signal.SIGKILL)]
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize(("script", "flags"), [ACCELERATE, TRAINER_LORA, TRAINER])
 def test_stops_at_an_epoch_end_and_right_after_a_resume(
-    script: str, flags: tuple[str, ...], tmp_path: Path
+    script: str, flags: tuple[str, ...], tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     # 12: the last batch of epoch 0 (a SIGTERM save there resumes at the start of epoch 1); 13: the first
     # step after that resume; 17: mid-epoch, killed; 18: the first step after, stopped by SIGTERM.
     stops = [(12, signal.SIGTERM), (13, signal.SIGKILL), (17, signal.SIGKILL), (18, signal.SIGTERM)]
-    interrupted_sequence(script, flags, tmp_path, stops, rerun=True)
+    interrupted_sequence(script, flags, tmp_path, tmp_path_factory, stops, rerun=True)

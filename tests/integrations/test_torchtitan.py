@@ -53,19 +53,20 @@ def _check(run: Run, reference: dict[int, str]) -> None:
 @pytest.mark.slow  # time bar of the default suite: four real runs; torchtitan's interface, save and load run in-process by default
 def test_sigterm_then_kill9_resume_bit_for_bit(tmp_path: Path) -> None:
     args = ("--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--save-on-sigterm")
-    ref = run_example(JOB, tmp_path / "reference", *args)
+    # fresh=True: each run a new interpreter (-m slow, so not moved to tests/helpers/forkserver.py)
+    ref = run_example(JOB, tmp_path / "reference", *args, fresh=True)
     assert ref.returncode == 0, ref.stderr[-3000:]
     assert [s for s, _ in ref.losses] == list(range(1, STEPS + 1))
     reference = dict(ref.losses)
     root = tmp_path / "run"
     ckpts = root / "checkpoint"
 
-    stopped = run_example(JOB, root, *args, stop_at=4, sig=signal.SIGTERM, step_sleep=0.2)
+    stopped = run_example(JOB, root, *args, stop_at=4, sig=signal.SIGTERM, step_sleep=0.2, fresh=True)
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     assert stopped.last is not None and committed_steps(ckpts)[-1] == stopped.last  # no printed step lost
     _check(stopped, reference)
 
-    killed = run_example(JOB, root, *args, stop_at=9, sig=signal.SIGKILL, step_sleep=0.2)
+    killed = run_example(JOB, root, *args, stop_at=9, sig=signal.SIGKILL, step_sleep=0.2, fresh=True)
     assert killed.returncode == -signal.SIGKILL
     assert killed.first == stopped.last + 1
     _check(killed, reference)
@@ -73,7 +74,7 @@ def test_sigterm_then_kill9_resume_bit_for_bit(tmp_path: Path) -> None:
     newest = committed_steps(ckpts)[-1]
     assert newest in (6, 9, 12) and newest <= (killed.last or 0), newest
 
-    final = run_example(JOB, root, *args)
+    final = run_example(JOB, root, *args, fresh=True)
     assert final.returncode == 0, final.stderr[-3000:]
     if newest < STEPS:
         assert (final.first, final.last) == (newest + 1, STEPS)

@@ -1,0 +1,226 @@
+"""A fork server for the framework example jobs: one process imports torch and the frameworks once, then
+forks a child per run that becomes ``python SCRIPT ARGS...`` as the test asked (tests/helpers/example_runs.py).
+
+Why: each example job paid 5-8 s of CPU only to import torch and its framework, and a test runs four or five
+of them; a forked child starts in tens of milliseconds. What the test sees is what a fresh process gives it:
+
+- the child is the leader of a new session and process group (``os.setsid``), so ``os.killpg(pid, sig)``
+  reaches it and its DataLoader workers, as with ``Popen(start_new_session=True)``; its pid is announced only
+  once it leads its group;
+- its stdin is ``/dev/null``; its stdout and stderr are the descriptors the test sent (a pipe, a file);
+- its environment, working directory, ``sys.argv`` and ``sys.path[0]`` are what ``python SCRIPT`` (or
+  ``python -m MODULE``) would have;
+- signal dispositions and mask are the fresh interpreter's: the server never changes them;
+- it ends through the interpreter's own exit (non-daemon threads joined, ``atexit`` handlers, an uncaught
+  exception printed with exit code 1), and the test gets its wait status, a signal as ``-signum``.
+
+What would be wrong after a fork is checked before the first one: the server must have a single thread (no
+native thread either: ``/proc/self/task``), and libraries that read the environment when imported (OpenMP
+reads ``OMP_NUM_THREADS`` when torch loads it) see the jobs' environment: the client starts one server per
+environment. With more than one OpenMP thread, importing torch starts a thread: the server refuses to run,
+so jobs forked from it run with ``OMP_NUM_THREADS=1``, as the suite's jobs do anyway. No CUDA here
+(``CUDA_VISIBLE_DEVICES=""``).
+
+Protocol, on a Unix ``SOCK_SEQPACKET`` socket (its fd number is ``argv[1]``; the rest of argv are the import
+statements to run first, e.g. ``from transformers import Trainer``: many packages import lazily by name): the server sends ``{"ready": true}`` once imported; the client sends one JSON request ``{"argv": [...], "env": {...},
+"cwd": ...}`` with two descriptors attached (stdout, stderr); the server answers ``{"pid": P}``, then
+``{"status": S}`` (the raw wait status) when the child has ended. One run at a time per server.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import runpy
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _send(sock: socket.socket, msg: dict[str, object]) -> None:
+    sock.send(json.dumps(msg).encode())  # one packet, one message
+
+
+def _become(request: dict[str, object], fds: list[int], sock: socket.socket, ready_w: int) -> None:
+    """In the child: turn into ``python argv[0] argv[1:]`` and run it; never returns to the server loop."""
+    os.setsid()
+    os.close(ready_w)  # the server announces the pid only now: a killpg can no longer miss the child
+    sock.close()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(fds[0], 1)
+    os.dup2(fds[1], 2)
+    for fd in {devnull, *fds} - {0, 1, 2}:
+        os.close(fd)
+    env = request["env"]
+    assert isinstance(env, dict)
+    os.environ.clear()
+    os.environ.update(env)
+    cwd = request["cwd"]
+    assert isinstance(cwd, str)
+    os.chdir(cwd)
+    argv = request["argv"]
+    assert isinstance(argv, list)
+    if argv[0] == "-m":  # ``python -m MODULE ARGS``: sys.path[0] is the working directory
+        sys.argv = [str(a) for a in argv[1:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+        return
+    script = os.path.abspath(argv[0])
+    sys.argv = [str(a) for a in argv]
+    sys.path[0] = os.path.dirname(script)  # as ``python SCRIPT`` sets it
+    runpy.run_path(script, run_name="__main__")
+    # Returning ends the server's main in this child: the interpreter's normal exit, with status 0 (or
+    # the script's SystemExit / uncaught exception, raised through here, as a fresh process would end).
+
+
+def main() -> None:
+    fd, *imports = sys.argv[1:]
+    for statement in imports:
+        exec(statement, {})  # an import statement, written by the test suite
+    assert threading.active_count() == 1 and _threads() == 1, (
+        f"the fork server must be single-threaded to fork safely: {_threads()} threads after the imports"
+    )
+    sock = socket.socket(fileno=int(fd))
+    _send(sock, {"ready": True})
+    while True:
+        msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
+        if not msg:
+            return  # the client went away
+        request = json.loads(msg)
+        ready_r, ready_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(ready_r)
+            _become(request, fds, sock, ready_w)
+            return
+        for fd in fds:
+            os.close(fd)
+        os.close(ready_w)
+        os.read(ready_r, 1)  # EOF once the child leads its own session
+        os.close(ready_r)
+        _send(sock, {"pid": pid})
+        _, status = os.waitpid(pid, 0)
+        _send(sock, {"status": status})
+
+
+# The client side (the test process).
+
+_START_TIMEOUT = 300  # imports on a loaded 2-core machine; only a hang gets near it
+
+
+class Child:
+    """A job the server forked: ``pid`` leads its own process group; ``wait`` gives its exit code as
+    ``Popen.returncode`` does (``-signum`` when a signal ended it)."""
+
+    def __init__(self, server: ForkServer, pid: int) -> None:
+        self.server, self.pid = server, pid
+        self.returncode: int | None = None
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            status = self.server.receive("status", timeout)
+            self.returncode = os.waitstatus_to_exitcode(status)
+            self.server.busy = False
+        return self.returncode
+
+
+class ForkServer:
+    """A running server that ran ``imports`` with environment ``env`` (see the module docstring)."""
+
+    def __init__(self, imports: tuple[str, ...], env: dict[str, str]) -> None:
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - the server's stderr, closed in close()
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, str(theirs.fileno()), *imports],
+            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log,
+            pass_fds=(theirs.fileno(),), start_new_session=True,
+        )  # fmt: skip
+        theirs.close()
+        self.busy = False
+        self.receive("ready", _START_TIMEOUT)
+
+    def receive(self, key: str, timeout: float | None) -> int:
+        self.sock.settimeout(timeout)
+        msg = self.sock.recv(1 << 16)  # TimeoutError: still busy; the next spawn replaces this server
+        if not msg:
+            self.log.seek(0)
+            err = self.log.read().decode(errors="replace")[-3000:]
+            raise RuntimeError(f"the fork server exited ({self.proc.wait()}): {err}")
+        value: int = json.loads(msg)[key]
+        return value
+
+    def spawn(self, argv: list[str], env: dict[str, str], stdout: int, stderr: int, cwd: str) -> Child:
+        """Fork ``python argv...`` with these descriptors as its stdout and stderr."""
+        assert not self.busy, "one job at a time per fork server"
+        request = json.dumps({"argv": argv, "env": env, "cwd": cwd}).encode()
+        socket.send_fds(self.sock, [request], [stdout, stderr])
+        self.busy = True
+        return Child(self, self.receive("pid", 60))
+
+    def close(self) -> None:
+        self.sock.close()  # the server's recv ends: it exits
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+_servers: dict[tuple[tuple[str, ...], frozenset[tuple[str, str]]], ForkServer] = {}
+# Set by pytest for each test; read by nothing at import. Every other variable keys the server.
+_PER_TEST = ("PYTEST_CURRENT_TEST",)
+
+
+def spawn(
+    imports: tuple[str, ...], argv: list[str], env: dict[str, str], stdout: int, stderr: int, cwd: str
+) -> Child:
+    """Fork ``python argv...`` from a server that ran ``imports`` under this environment (started on
+    first use, kept for the rest of the pytest process)."""
+    key = (imports, frozenset((k, v) for k, v in env.items() if k not in _PER_TEST))
+    server = _servers.get(key)
+    if server is None or server.proc.poll() is not None or server.busy:
+        if server is not None:
+            server.close()
+        server = _servers[key] = ForkServer(imports, {k: v for k, v in env.items() if k not in _PER_TEST})
+    return server.spawn(argv, env, stdout, stderr, cwd)
+
+
+def run(
+    imports: tuple[str, ...], argv: list[str], env: dict[str, str], timeout: float, cwd: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run([python, *argv], capture_output=True, text=True)``, the process forked from a
+    server that ran ``imports``."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        child = spawn(imports, argv, env, out.fileno(), err.fileno(), cwd or os.getcwd())
+        try:
+            code = child.wait(timeout)
+        finally:
+            if child.returncode is None:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(
+            [sys.executable, *argv], code, out.read().decode(), err.read().decode()
+        )
+
+
+@atexit.register
+def _close_all() -> None:
+    for server in _servers.values():
+        server.close()
+    _servers.clear()
+
+
+if __name__ == "__main__":
+    main()
