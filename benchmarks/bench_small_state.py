@@ -50,7 +50,7 @@ def steady(base: Path, saves: int) -> None:
 
     got: dict[str, list[tuple[float, float]]] = {"safepoint": [], "torch": []}
     load = load_1m()
-    with safepoint.CheckpointManager(base / "sync", keep_last=1) as mgr:
+    with safepoint.CheckpointManager(base / "sync", keep=safepoint.Keep(last=1)) as mgr:
         mgr.save(1, state)
         mgr.save(2, state)
         for i in range(saves):
@@ -83,7 +83,9 @@ def loop(base: Path, mode: str, steps: int, step_ms: float) -> list[float]:
     writer = safepoint.WriterOptions(async_writer=mode) if async_save else safepoint.WriterOptions()
     blocked: list[float] = []
     root = base / f"loop-{mode}"
-    with safepoint.CheckpointManager(root, keep_last=2, async_save=async_save, writer=writer) as mgr:
+    with safepoint.CheckpointManager(
+        root, keep=safepoint.Keep(last=2), async_save=async_save, writer=writer
+    ) as mgr:
         for step in range(1, steps + 1):
             t0 = time.perf_counter()
             model(x).sum().backward()

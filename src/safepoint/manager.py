@@ -229,8 +229,8 @@ class CheckpointManager:
     # ---- saving --------------------------------------------------------------------------------------
 
     def maybe_save(self, step: int, state: TrainState, metrics: dict[str, Any] | None = None) -> bool:
-        """Save if a policy says it is due. Returns whether a save happened: False also when
-        ``if_busy="skip"`` skipped it (a time policy stays due; a step policy waits for its next step)."""
+        """Save if a policy says it is due. Returns whether a save happened: False also when ``if_busy``
+        ("auto", "skip") skipped it (a time policy stays due; a step policy waits for its next step)."""
         opts.check_step(step)
         self._tiers.observe(step)  # durability_lag() counts steps trained since the last durable save
         self._journal.progress(step)  # the report's "steps redone" after a kill
@@ -238,7 +238,7 @@ class CheckpointManager:
             self._emergency.run(step, state, metrics)
         if not self._schedule.due(step):
             return False
-        return self._save(step, state, metrics)[0]
+        return self._save(step, state, metrics, due=True)[0]
 
     def save(
         self, step: int, state: TrainState, metrics: dict[str, Any] | None = None, *, overwrite: bool = False
@@ -265,7 +265,7 @@ class CheckpointManager:
         return self._save(step, state, metrics)[1]
 
     def _save(
-        self, step: int, state: TrainState, metrics: dict[str, Any] | None
+        self, step: int, state: TrainState, metrics: dict[str, Any] | None, *, due: bool = False
     ) -> tuple[bool, CheckpointInfo | None]:
         """(whether a save started, not skipped by ``if_busy="skip"``; the committed checkpoint if sync)."""
         self._check_open()
@@ -276,7 +276,7 @@ class CheckpointManager:
         self._tiers.raise_failure()
         clean = clean_metrics(metrics)
         if self._async:
-            return self._save_async(step, state, clean), None
+            return self._save_async(step, state, clean, due), None
         return True, self._save_sync(step, state, clean)
 
     def _check_owner(self, step: int) -> None:
@@ -305,10 +305,10 @@ class CheckpointManager:
         self._schedule.saved(step, call.returned(directory=str(info.path)), info.bytes)
         return info
 
-    def _save_async(self, step: int, state: TrainState, metrics: dict[str, float]) -> bool:
+    def _save_async(self, step: int, state: TrainState, metrics: dict[str, float], due: bool) -> bool:
         self._check_owner(step)
         call = SaveCall(self.events, step, is_async=True)
-        if not self._writer.make_room(step, self._if_busy, self.comm):
+        if not self._writer.make_room(step, self._if_busy, self.comm, due=due):  # maybe_save: due
             return False
         assert self._bg_saver is not None
         saver = self._bg_saver

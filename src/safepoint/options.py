@@ -43,9 +43,11 @@ class WriterOptions:
     """With ``async_save``: "process" (a writer process per rank reading the staging buffers in shared
     memory; Linux, local roots and local_root), "thread" (a background thread of this process), or "auto"
     (the process where it can run, else the thread). See docs/async.md."""
-    if_busy: str = "wait"
-    """With ``async_save``, what a save does while the previous one is still writing: "wait" (logs how
-    long) or "skip" (warns, saves nothing). Never two staged copies."""
+    if_busy: str = "auto"
+    """With ``async_save``, what a save does while the previous one is still writing: "auto" (a
+    ``maybe_save`` skips it, so the loop never waits on a write; an explicit ``save()`` waits), "wait"
+    (every save waits, logging how long) or "skip" (every save skips: warns, saves nothing). Never two
+    staged copies. See docs/async.md."""
     threads: int = 1
     """DCP writer threads per rank."""
     incremental: bool = True
@@ -66,8 +68,8 @@ class WriterOptions:
             raise ValueError(f"WriterOptions.full_every must be a non-negative int, got {full!r}")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise ValueError(f"WriterOptions.threads must be a positive int, got {self.threads!r}")
-        if self.if_busy not in ("wait", "skip"):
-            raise ValueError(f"WriterOptions.if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
+        if self.if_busy not in ("auto", "wait", "skip"):
+            raise ValueError(f"WriterOptions.if_busy must be 'auto', 'wait' or 'skip', got {self.if_busy!r}")
         if self.async_writer not in ASYNC_WRITERS:
             raise ValueError(
                 f"WriterOptions.async_writer must be 'auto', 'thread' or 'process', got {self.async_writer!r}"

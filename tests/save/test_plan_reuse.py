@@ -132,3 +132,44 @@ def test_the_structure_covers_what_a_write_item_holds() -> None:
         assert structure_of(sd, p, coordinator) != s
     # A subclass (a Parameter here; a DTensor alike) cannot be proven: DCP plans.
     assert structure_of({"a": nn.Parameter(torch.zeros(2))}, {"a": ("a",)}, True) is None
+
+
+def test_unchanged_byte_items_are_not_serialised_again_and_changed_ones_are(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A non-tensor item (lr, betas, weight_decay...) is torch.save'd once and its bytes reused while its
+    # value pickles alike (store/item_writer.py byte_item); a changed value, or an equal one of another
+    # type (1 vs 1.0), is serialised again and restored exactly, and plain dcp.load reads every step.
+    serialised: list[str] = []
+    real = default_planner.DefaultSavePlanner.resolve_data
+
+    def counting(self: Any, item: Any) -> Any:
+        if item.type == default_planner.WriteItemType.BYTE_IO:
+            serialised.append(item.index.fqn)
+        return real(self, item)
+
+    monkeypatch.setattr(default_planner.DefaultSavePlanner, "resolve_data", counting)
+    model = Params(w=torch.randn(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    state = safepoint.TrainState(model=model, optimizer=opt, rng=False)
+    lrs = [0.5, 0.5, 0.25, 1, 1.0]
+    with safepoint.CheckpointManager(root) as mgr:
+        counts = []
+        for step, lr in enumerate(lrs, start=1):
+            opt.param_groups[0]["lr"] = lr
+            serialised.clear()
+            mgr.save(step, state)
+            counts.append(sum(1 for k in serialised if k.endswith(".lr")))
+    # Step 1 serialises lr; step 2 reuses it; 0.25 is new; 1 is new; 1.0 == 1 but pickles differently.
+    assert counts == [1, 0, 1, 1, 1]
+    assert len(serialised) == 1  # the last save serialised only the changed lr: every other item reused
+    for step, lr in enumerate(lrs, start=1):
+        target = Params(w=torch.zeros(4, 4))
+        fresh = torch.optim.SGD(target.parameters(), lr=9.0)
+        with safepoint.CheckpointManager(root) as mgr:
+            mgr.restore(safepoint.TrainState(model=target, optimizer=fresh, rng=False), step=step)
+        got = fresh.param_groups[0]["lr"]
+        assert got == lr and type(got) is type(lr)
+        sd: dict[str, Any] = {"model": {"w": torch.zeros(4, 4)}}
+        dcp.load(sd, checkpoint_id=str(root / f"step-{step}"), no_dist=True)
+        assert torch.equal(sd["model"]["w"], model.w.detach())

@@ -46,6 +46,11 @@ class Retainer:
         # once the save's verdict is out (``settle``), so rank 0 alone is late for the next collective.
         self.background = background
         self._index: dict[int, CheckpointInfo] = {}  # retention's view of the root, kept across passes
+        # The file names each indexed step's manifest lists (keep_fallback): read once per index entry, not
+        # once per step per pass (two manifest parses per save were most of a small save's pass). Safe: a
+        # committed manifest never changes under the same index entry (a step saved again replaces the
+        # entry, and its names go with it); the files' identities are still stat'ed afresh every pass.
+        self._names: dict[int, tuple[str, ...]] = {}
         self._cond = threading.Condition()
         self._queue: list[tuple[int, CheckpointInfo | None]] = []  # commits not yet seen by a pass
         self._claimed: set[int] = set()  # steps a save is committing right now
@@ -149,6 +154,7 @@ class Retainer:
             newest = [(s, i) for s, i in batch if i is not None]
             for s, i in newest:
                 self._index[s] = i
+                self._names.pop(s, None)
             if newest:  # a failed save changes nothing on disk worth a pass
                 self._pass(newest[-1][0])
         except Exception as e:  # a bug here must not kill the thread and hang drain()
@@ -165,7 +171,12 @@ class Retainer:
             return None  # only a local layout hard-links files between steps
 
         def identities(step: int) -> set[tuple[int, int]]:
-            return file_identities(self.layout, step)
+            if step not in self._names:
+                try:
+                    self._names[step] = tuple(self.layout.read_manifest(step).files)
+                except CheckpointError:
+                    return set()  # unreadable: not cached, read again next pass
+            return file_identities(self.layout, step, self._names[step])
 
         steps = sorted((c.step for c in history), reverse=True)
         newest = identities(steps[0])
@@ -182,6 +193,7 @@ class Retainer:
             for s in list(self._index):
                 if s not in steps:
                     del self._index[s]  # removed (by us, by prune, by hand)
+                    self._names.pop(s, None)
             history = []
             for s in steps:
                 if self.verdicts.corrupt(s):

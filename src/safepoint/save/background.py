@@ -49,6 +49,8 @@ class BackgroundWriter:
         self._step: int | None = None
         self._failure: BaseException | None = None
         self.completed: list[CheckpointInfo] = []
+        self.skipped = 0  # saves skipped because the previous one was still writing (if_busy)
+        self.waited = 0  # saves that waited for the previous one to finish writing
 
     @property
     def busy(self) -> bool:
@@ -70,17 +72,27 @@ class BackgroundWriter:
         # A daemon thread: a process that exits without close() simply never commits this save.
         threading.Thread(target=run, name=f"safepoint-save-{step}", daemon=True).start()
 
-    def make_room(self, step: int, if_busy: str, comm: Comm) -> bool:
+    def make_room(self, step: int, if_busy: str, comm: Comm, *, due: bool = False) -> bool:
         """Before a new save of ``step``: with the previous one still writing, wait for it (``if_busy``
-        "wait"; raises its failure) or skip this save (False; all ranks skip together, or none does)."""
+        "wait"; raises its failure) or skip this save (False; all ranks skip together, or none does).
+        "auto": skip a save a policy made due (``due``: maybe_save), wait for an explicit ``save()``."""
+        if if_busy == "auto":
+            # A save a policy made due can be late without loss: a time policy stays due and saves the
+            # first step after the write is done, a step policy saves at its next multiple. Waiting instead
+            # would block the loop for the rest of the previous write, which (when saves come faster than
+            # one is written) is longer than a sync save. An explicit save() asked for this very step (a
+            # final save before exit): it waits rather than lose it.
+            if_busy = "skip" if due else "wait"
         busy = self.busy
         if if_busy == "skip":
             if comm.distributed:
                 busy = comm.any(busy)  # all ranks skip together, or none does
             if busy:
                 log.warning("safepoint: skipping save of step %d: the previous save is still writing", step)
+                self.skipped += 1
                 return False
         elif busy:
+            self.waited += 1
             waited = self.wait()
             log.info("safepoint: waited %.2fs for the previous save before saving step %d", waited, step)
             self.raise_failure()

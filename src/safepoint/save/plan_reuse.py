@@ -45,6 +45,9 @@ class PlanRecord:
 
     def __init__(self) -> None:
         self.structure: Structure | None = None
+        self.byte_items: dict[str, tuple[bytes, bytes]] = {}
+        """{key: (pickle of its value, torch.save bytes)} of the non-tensor items last written: an item
+        whose value pickles alike is not serialised again (store/item_writer.py ``byte_item``)."""
 
 
 def structure_of(state_dict: dict[str, Any], paths: dict[str, Any], coordinator: bool) -> Structure | None:
@@ -71,6 +74,7 @@ class ReusingSavePlanner(DefaultSavePlanner):
         self._cached_plans_key = cache_key
         self._record = record
         self._structure: Structure | None = None
+        self.byte_items = record.byte_items  # read by the item writer (store/item_writer.py)
 
     def create_local_plan(self) -> SavePlan:
         self._structure = structure_of(self.state_dict, self.mappings, self.is_coordinator)

@@ -263,8 +263,15 @@ class SyncSaver:
                 files[name] = FileEntry(size=size, crc32c=crc)
         # Every rank's files must be visible here, or the checkpoint could never be loaded as a whole
         # (with per-node local tiers: this node's ranks' files; the durable tier's commit checks the rest).
-        present = self.layout.written_sizes(pending)
         nodes = self.nodes if self.nodes is not None and self.nodes.multi else None
+        if self.comm.world_size == 1:
+            # One rank: every file was written (and fsync'd) into ``pending`` by this rank's own writer,
+            # which reports what it wrote; no other rank's files can be missing from view. The listing and
+            # an lstat per file (~0.6 ms of a small save's ~14) prove nothing more; the loader still checks
+            # every file's size and crc32c against the manifest.
+            present = {name: size for name, (size, _) in per_rank[0].items()}
+        else:
+            present = self.layout.written_sizes(pending)
         here = {
             name
             for rank, rank_files in enumerate(per_rank)

@@ -7,19 +7,21 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from safepoint.errors import CheckpointError
 
 
-def file_identities(layout: Any, step: int) -> set[tuple[int, int]]:
-    """(st_dev, st_ino) of every file ``step``'s manifest lists in a local ``layout``; files missing or not
-    regular are left out; empty if the manifest is unreadable."""
-    try:
-        names = layout.read_manifest(step).files
-    except CheckpointError:
-        return set()
+def file_identities(layout: Any, step: int, names: Iterable[str] | None = None) -> set[tuple[int, int]]:
+    """(st_dev, st_ino) of every file ``step``'s manifest lists in a local ``layout`` (``names``: that list,
+    known already); files missing or not regular are left out; empty if the manifest is unreadable."""
+    if names is None:
+        try:
+            names = layout.read_manifest(step).files
+        except CheckpointError:
+            return set()
     base, found = Path(layout.step_path(step)), set()
     for name in names:
         with contextlib.suppress(OSError):
