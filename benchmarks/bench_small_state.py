@@ -4,8 +4,9 @@
 1. Steady sync save: ``CheckpointManager.save`` (after 2 warm-up saves) against ``torch.save`` + fsync of
    the same model and optimizer state, interleaved, CPU time (process + children) and wall, per save.
 2. Saving every step of a training loop of ``--step-ms`` (forward, backward, AdamW step, then busy work up
-   to the step time): how long ``save()`` blocks the loop, sync against async (``if_busy="wait"``, the
-   default: a save that finds the previous one still writing waits for it), for each ``--writers``.
+   to the step time): how long the call blocks the loop, sync against async, for each ``--writers``, with
+   ``--call maybe_save`` (``save_every_steps=1``; the default ``if_busy="auto"`` skips a save that comes due
+   while the previous one still writes) or ``--call save`` (an explicit ``save()``: it waits for it).
 
     python benchmarks/bench_small_state.py --saves 30 --steps 60 --step-ms 20
 """
@@ -76,15 +77,17 @@ def steady(base: Path, saves: int) -> None:
     )
 
 
-def loop(base: Path, mode: str, steps: int, step_ms: float) -> list[float]:
+def loop(base: Path, mode: str, steps: int, step_ms: float, call: str) -> tuple[list[float], int]:
     model, opt, x = make()
     state = safepoint.TrainState(model=model, optimizer=opt)
     async_save = mode != "sync"
     writer = safepoint.WriterOptions(async_writer=mode) if async_save else safepoint.WriterOptions()
     blocked: list[float] = []
     root = base / f"loop-{mode}"
+    every = 1 if call == "maybe_save" else None
+    skipped = 0
     with safepoint.CheckpointManager(
-        root, keep=safepoint.Keep(last=2), async_save=async_save, writer=writer
+        root, keep=safepoint.Keep(last=2), async_save=async_save, writer=writer, save_every_steps=every
     ) as mgr:
         for step in range(1, steps + 1):
             t0 = time.perf_counter()
@@ -94,10 +97,13 @@ def loop(base: Path, mode: str, steps: int, step_ms: float) -> list[float]:
             while time.perf_counter() - t0 < step_ms / 1e3:
                 pass
             s0 = time.perf_counter()
-            mgr.save(step, state)
+            if call == "maybe_save":
+                skipped += 0 if mgr.maybe_save(step, state) else 1
+            else:
+                mgr.save(step, state)
             blocked.append(time.perf_counter() - s0)
     shutil.rmtree(root, ignore_errors=True)
-    return blocked[5:]  # past the first saves (the writer process starting, buffers allocated)
+    return blocked[5:], skipped  # past the first saves (the writer process starting, buffers allocated)
 
 
 def main() -> None:
@@ -107,6 +113,7 @@ def main() -> None:
     p.add_argument("--step-ms", type=float, default=20.0)
     p.add_argument("--writers", default="sync,thread,auto")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--call", default="maybe_save,save", help="maybe_save (save_every_steps=1) and/or save")
     args = p.parse_args()
     torch.set_num_threads(1)
     base = Path(
@@ -116,15 +123,17 @@ def main() -> None:
         if args.saves:
             steady(base, args.saves)
         for r in range(args.rounds):
-            for mode in args.writers.split(","):
-                load = load_1m()
-                b = loop(base, mode, args.steps, args.step_ms)
-                print(
-                    f"round {r} every step of a {args.step_ms:.0f} ms loop, {mode:6s}: save() blocks median "
-                    f"{statistics.median(b) * 1e3:.1f} ms, p90 {sorted(b)[int(len(b) * 0.9)] * 1e3:.1f} ms, "
-                    f"max {max(b) * 1e3:.1f} ms  load {load}->{load_1m()}",
-                    flush=True,
-                )
+            for call in args.call.split(","):
+                for mode in args.writers.split(","):
+                    load = load_1m()
+                    b, skipped = loop(base, mode, args.steps, args.step_ms, call)
+                    print(
+                        f"round {r} every step of a {args.step_ms:.0f} ms loop, {mode:6s} {call}(): blocks "
+                        f"median {statistics.median(b) * 1e3:.1f} ms, p90 "
+                        f"{sorted(b)[int(len(b) * 0.9)] * 1e3:.1f} ms, max {max(b) * 1e3:.1f} ms, "
+                        f"{skipped} of {args.steps} skipped  load {load}->{load_1m()}",
+                        flush=True,
+                    )
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -43,6 +43,7 @@ from safepoint.tiers.node_tiers import build_tiers
 from safepoint.tiers.resume import Resume
 
 log = logging.getLogger("safepoint")
+Saved = tuple[bool, CheckpointInfo | None]  # (a save started, not skipped; the committed one if sync)
 
 
 class CheckpointManager:
@@ -229,8 +230,8 @@ class CheckpointManager:
     # ---- saving --------------------------------------------------------------------------------------
 
     def maybe_save(self, step: int, state: TrainState, metrics: dict[str, Any] | None = None) -> bool:
-        """Save if a policy says it is due. Returns whether a save happened: False also when ``if_busy``
-        ("auto", "skip") skipped it (a time policy stays due; a step policy waits for its next step)."""
+        """Save if a policy says it is due. Returns whether a save happened: False also when
+        ``if_busy="skip"`` skipped it (a time policy stays due; a step policy waits for its next step)."""
         opts.check_step(step)
         self._tiers.observe(step)  # durability_lag() counts steps trained since the last durable save
         self._journal.progress(step)  # the report's "steps redone" after a kill
@@ -238,15 +239,15 @@ class CheckpointManager:
             self._emergency.run(step, state, metrics)
         if not self._schedule.due(step):
             return False
-        return self._save(step, state, metrics, due=True)[0]
+        return self._save(step, state, metrics)[0]
 
     def save(
         self, step: int, state: TrainState, metrics: dict[str, Any] | None = None, *, overwrite: bool = False
     ) -> CheckpointInfo | None:
         """Save now (collective under torchrun). Raises SaveError if it failed; nothing is then committed.
 
-        Returns the committed checkpoint (``async_save``: None once staged; failures raise in a later call).
-
+        Returns the committed checkpoint (``async_save``: None once staged, its failure raised by a later call;
+        the checkpoint itself if it was written synchronously: the previous one was still writing, "auto").
         A ``step`` whose checkpoint the state already is (just saved by ``maybe_save``, or restored) is not
         written again: a warning says so (and that ``metrics`` given here are not recorded), and the committed
         checkpoint is returned, its metrics kept (None with ``async_save``). ``overwrite=True`` replaces it.
@@ -264,10 +265,7 @@ class CheckpointManager:
             return current if current is not None and current.step == step else None
         return self._save(step, state, metrics)[1]
 
-    def _save(
-        self, step: int, state: TrainState, metrics: dict[str, Any] | None, *, due: bool = False
-    ) -> tuple[bool, CheckpointInfo | None]:
-        """(whether a save started, not skipped by ``if_busy="skip"``; the committed checkpoint if sync)."""
+    def _save(self, step: int, state: TrainState, metrics: dict[str, Any] | None) -> Saved:
         self._check_open()
         opts.check_step(step)
         if not isinstance(state, TrainState):
@@ -276,7 +274,7 @@ class CheckpointManager:
         self._tiers.raise_failure()
         clean = clean_metrics(metrics)
         if self._async:
-            return self._save_async(step, state, clean, due), None
+            return self._save_async(step, state, clean)
         return True, self._save_sync(step, state, clean)
 
     def _check_owner(self, step: int) -> None:
@@ -305,11 +303,13 @@ class CheckpointManager:
         self._schedule.saved(step, call.returned(directory=str(info.path)), info.bytes)
         return info
 
-    def _save_async(self, step: int, state: TrainState, metrics: dict[str, float], due: bool) -> bool:
+    def _save_async(self, step: int, state: TrainState, metrics: dict[str, float]) -> Saved:
         self._check_owner(step)
         call = SaveCall(self.events, step, is_async=True)
-        if not self._writer.make_room(step, self._if_busy, self.comm, due=due):  # maybe_save: due
-            return False
+        if (room := self._writer.make_room(step, self._if_busy, self.comm)) != "stage":
+            # "skip"; or "sync" (if_busy="auto", the previous save still writing): written now, beside it,
+            # from the live state, as long as a sync save blocks (save/background.py says why it is safe)
+            return (True, self._save_sync(step, state, metrics)) if room == "sync" else (False, None)
         assert self._bg_saver is not None
         saver = self._bg_saver
         with self._tiers.paused(), call.failing(SaveError), gc_paused():
@@ -321,7 +321,7 @@ class CheckpointManager:
             step, lambda: tiers.committed(saver.write(step, staged, sections, metrics, {"stage_s": blocking}))
         )
         self._schedule.saved(step, blocking, self._stager.nbytes)
-        return True
+        return True, None
 
     # ---- restoring -----------------------------------------------------------------------------------
 

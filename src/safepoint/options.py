@@ -44,10 +44,10 @@ class WriterOptions:
     memory; Linux, local roots and local_root), "thread" (a background thread of this process), or "auto"
     (the process where it can run, else the thread). See docs/async.md."""
     if_busy: str = "auto"
-    """With ``async_save``, what a save does while the previous one is still writing: "auto" (a
-    ``maybe_save`` skips it, so the loop never waits on a write; an explicit ``save()`` waits), "wait"
-    (every save waits, logging how long) or "skip" (every save skips: warns, saves nothing). Never two
-    staged copies. See docs/async.md."""
+    """With ``async_save``, what a save does while the previous one is still writing: "auto" (it is
+    written synchronously at once, beside the write in flight: it blocks as long as a sync save, and no
+    save is lost), "wait" (waits for the write, logging how long, then stages) or "skip" (warns, saves
+    nothing). Never two staged copies. See docs/async.md."""
     threads: int = 1
     """DCP writer threads per rank."""
     incremental: bool = True

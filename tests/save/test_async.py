@@ -120,7 +120,9 @@ def test_maybe_save_returns_false_when_if_busy_skips(root: Path) -> None:
 def test_if_busy_wait_logs_and_saves_both(root: Path, caplog: pytest.LogCaptureFixture) -> None:
     _, st = big_state(128)
     with (
-        safepoint.CheckpointManager(root, async_save=True) as mgr,
+        safepoint.CheckpointManager(
+            root, async_save=True, writer=safepoint.WriterOptions(if_busy="wait")
+        ) as mgr,
         caplog.at_level(logging.INFO, logger="safepoint"),
     ):
         mgr.save(1, st)
@@ -157,7 +159,10 @@ def test_background_failure_is_logged_raised_later_and_not_committed(
 @pytest.mark.parametrize("call", ["wait", "close", "maybe_save"])
 def test_background_failure_surfaces_from_each_call(root: Path, call: str) -> None:
     s = Setup()
-    mgr = safepoint.CheckpointManager(root, async_save=True, save_every_steps=1)
+    # "wait": maybe_save(2) waits for save 1 and raises its failure (the default, "auto", would save step 2
+    # synchronously if save 1 were still failing, and raise that save's own failure).
+    writer = safepoint.WriterOptions(if_busy="wait")
+    mgr = safepoint.CheckpointManager(root, async_save=True, save_every_steps=1, writer=writer)
     (root / ".pending").rmdir()
     (root / ".pending").write_text("in the way")
     mgr.save(1, s.state())

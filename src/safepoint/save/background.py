@@ -49,8 +49,10 @@ class BackgroundWriter:
         self._step: int | None = None
         self._failure: BaseException | None = None
         self.completed: list[CheckpointInfo] = []
-        self.skipped = 0  # saves skipped because the previous one was still writing (if_busy)
-        self.waited = 0  # saves that waited for the previous one to finish writing
+        # What saves did while the previous one was still writing (if_busy): skipped ("skip"), written
+        # synchronously beside it ("auto"), or waited for it ("wait").
+        self.skipped = self.synced = self.waited = 0
+        self._synced_for: int | None = None  # the save in flight whose sync saves were logged
 
     @property
     def busy(self) -> bool:
@@ -72,31 +74,43 @@ class BackgroundWriter:
         # A daemon thread: a process that exits without close() simply never commits this save.
         threading.Thread(target=run, name=f"safepoint-save-{step}", daemon=True).start()
 
-    def make_room(self, step: int, if_busy: str, comm: Comm, *, due: bool = False) -> bool:
-        """Before a new save of ``step``: with the previous one still writing, wait for it (``if_busy``
-        "wait"; raises its failure) or skip this save (False; all ranks skip together, or none does).
-        "auto": skip a save a policy made due (``due``: maybe_save), wait for an explicit ``save()``."""
-        if if_busy == "auto":
-            # A save a policy made due can be late without loss: a time policy stays due and saves the
-            # first step after the write is done, a step policy saves at its next multiple. Waiting instead
-            # would block the loop for the rest of the previous write, which (when saves come faster than
-            # one is written) is longer than a sync save. An explicit save() asked for this very step (a
-            # final save before exit): it waits rather than lose it.
-            if_busy = "skip" if due else "wait"
+    def make_room(self, step: int, if_busy: str, comm: Comm) -> str:
+        """Before a new save of ``step``, with the previous one still writing: "stage" when none is (or
+        ``if_busy`` "wait": once it is done; raises its failure), "skip" (``if_busy`` "skip"), or "sync"
+        (``if_busy`` "auto": write this one synchronously now, beside the one in flight). Under torchrun
+        every rank gets the same answer (one is busy: all skip, or all save synchronously)."""
         busy = self.busy
-        if if_busy == "skip":
+        if if_busy in ("skip", "auto"):
             if comm.distributed:
-                busy = comm.any(busy)  # all ranks skip together, or none does
-            if busy:
+                busy = comm.any(busy)  # all ranks skip (or save synchronously) together, or none does
+            if not busy:
+                return "stage"
+            if if_busy == "skip":
                 log.warning("safepoint: skipping save of step %d: the previous save is still writing", step)
                 self.skipped += 1
-                return False
-        elif busy:
+                return "skip"
+            # Why a sync save beside the write in flight is safe: it writes the live state (no second
+            # staged copy, so host memory does not grow) into its own pending directory under its own save
+            # id, through the training thread's saver and group (the writer thread has its own: their
+            # collectives never interleave); each commit is fenced by the lease and atomic on its own;
+            # retention never deletes a step being committed (Retainer.claim) nor the newest one; the
+            # incremental history links only files whose fingerprints match, from whichever step committed
+            # last. It blocks the loop for a sync save's time: never longer, which waiting for the rest of
+            # the write (then staging) can be when saves come faster than they are written.
+            if self._synced_for != self._step:  # one line per write in flight, not one per step
+                log.info(
+                    "safepoint: saving step %d synchronously: the previous save (step %s) is still writing",
+                    step, self._step,
+                )  # fmt: skip
+                self._synced_for = self._step
+            self.synced += 1
+            return "sync"
+        if busy:
             self.waited += 1
             waited = self.wait()
             log.info("safepoint: waited %.2fs for the previous save before saving step %d", waited, step)
             self.raise_failure()
-        return True
+        return "stage"
 
     def wait(self) -> float:
         """Block until the save in flight (if any) finishes; return seconds waited. Does not raise."""
