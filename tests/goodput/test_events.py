@@ -79,7 +79,8 @@ def test_an_async_save_commits_on_the_writer_thread_and_the_hook_sees_a_committe
         lambda step, path: seen.append((step, Path(path, "safepoint.json").is_file()))
     )
     # With the writer process the child writes the files; the parent's writer thread reports, as with a thread.
-    writer = safepoint.WriterOptions(async_writer=async_writer)
+    # if_busy="wait": step 2 waits for step 1's write (the default would write it synchronously at once).
+    writer = safepoint.WriterOptions(async_writer=async_writer, if_busy="wait")
     with safepoint.CheckpointManager(root, async_save=True, writer=writer, on_event=[rec, hook]) as mgr:
         mgr.save(1, _state())
         mgr.save(2, _state())  # waits for step 1's write first

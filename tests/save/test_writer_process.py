@@ -36,7 +36,9 @@ def _manager(
 ) -> safepoint.CheckpointManager:
     """A manager with the process writer; ``ready``: once its process is ready (saves that come before
     are written by the writer thread, and these tests are about the process)."""
-    writer = safepoint.WriterOptions(async_writer="process", incremental=incremental)
+    # "wait": every save goes through the writer (the default, "auto", writes a save that finds the previous
+    # one still writing synchronously, so the process's counts below would depend on timing).
+    writer = safepoint.WriterOptions(async_writer="process", incremental=incremental, if_busy="wait")
     mgr = safepoint.CheckpointManager(root, async_save=True, writer=writer, **kw)  # type: ignore[arg-type]
     if ready:
         assert mgr._process is not None
@@ -506,9 +508,8 @@ def test_saves_never_wait_for_the_writer_process_to_start(
     monkeypatch.setenv("SAFEPOINT_TEST_HOLD", str(hold))
     m, st = big_state(1)
     done: list[int] = []
-    mgr = safepoint.CheckpointManager(
-        root, save_every_steps=1, async_save=True, writer=safepoint.WriterOptions(async_writer=writer)
-    )
+    options = safepoint.WriterOptions(async_writer=writer, if_busy="wait")  # every save by the writer
+    mgr = safepoint.CheckpointManager(root, save_every_steps=1, async_save=True, writer=options)
     loop = None
     try:
         process = mgr._process

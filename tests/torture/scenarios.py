@@ -147,7 +147,9 @@ def async_next_call(layer: faults.Layer | None, root: str) -> dict[str, Any]:
     with safepoint.CheckpointManager(
         root,
         async_save=True,
-        writer=safepoint.WriterOptions(async_writer="thread"),
+        # "wait": save(4) waits for step 3's write and raises its failure (the default, "auto", would write
+        # step 4 synchronously beside a write still in flight; its failure would surface a call later).
+        writer=safepoint.WriterOptions(async_writer="thread", if_busy="wait"),
         keep=safepoint.Keep(last=KEEP_LAST),
     ) as mgr:
         m.fill(30)
