@@ -173,26 +173,3 @@ def test_unchanged_byte_items_are_not_serialised_again_and_changed_ones_are(
         sd: dict[str, Any] = {"model": {"w": torch.zeros(4, 4)}}
         dcp.load(sd, checkpoint_id=str(root / f"step-{step}"), no_dist=True)
         assert torch.equal(sd["model"]["w"], model.w.detach())
-
-
-def test_metadata_is_written_in_place_in_the_pending_directory_and_read_by_plain_dcp(
-    root: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The pending directory is invisible until the commit: .metadata needs no temporary file and rename of
-    # its own (store/storage.py SafepointWriter.finish). Nothing is renamed inside it, and the file is DCP's.
-    from safepoint.store import storage
-
-    def no_rename(self: Any, path: Any, new_path: Any) -> None:
-        raise AssertionError(f"renamed {path} -> {new_path}")
-
-    monkeypatch.setattr(storage._ChecksummingFileSystem, "rename", no_rename)
-    model = Params(w=torch.randn(4, 4), b=torch.randn(3))
-    with safepoint.CheckpointManager(root) as mgr:
-        for step in (1, 2):
-            mgr.save(step, safepoint.TrainState(model=model, rng=False))
-        mgr.list()
-    sd: dict[str, Any] = {"model": {"w": torch.zeros(4, 4), "b": torch.zeros(3)}}
-    dcp.load(sd, checkpoint_id=str(root / "step-2"), no_dist=True)
-    assert torch.equal(sd["model"]["w"], model.w.detach()) and torch.equal(sd["model"]["b"], model.b.detach())
-    assert not any(p.name.endswith(".tmp") for p in (root / "step-2").iterdir())
-    assert _restored(root, 2, model).keys() == model.state_dict().keys()

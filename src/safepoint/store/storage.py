@@ -23,7 +23,6 @@ from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import (
-    CURRENT_DCP_VERSION,
     FileSystem,
     FileSystemWriter,
     SerializationFormat,
@@ -210,20 +209,7 @@ class SafepointWriter(FileSystemWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         self.rank_skipped = skipped_per_rank(results)
         self.rank_files, results = split_files(results)
-        # DCP's finish, less its temporary file: it writes .metadata.tmp, fsyncs it, removes an existing
-        # .metadata and renames (three more guarded walks per save). Here the directory is always a fresh
-        # pending one: no reader lists it until the commit renames it whole, after this file and the
-        # directory are fsync'd (a crash before leaves a pending directory the next owner removes), and it
-        # holds no older .metadata to replace (the create is O_EXCL). The fields set and the pickle are
-        # DCP's own, so the bytes are the same; the write is checksummed as written like every file.
-        metadata.version = CURRENT_DCP_VERSION
-        metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
-        metadata.storage_meta = self.storage_meta()
-        per_rank = not self.use_collectives and self.rank is not None
-        path = self._get_metadata_path(self.rank if per_rank else None)
-        with self.fs.create_stream(path, "wb") as stream:
-            pickle.dump(metadata, stream)
-            os.fsync(stream.fileno())
+        super().finish(metadata, results)
 
     def _write_data(self, planner: SavePlanner, file_queue: queue.Queue[Any]) -> Future[list[WriteResult]]:
         # DCP's own loop calls torch.save once per tensor item; item_writer writes the same bytes from a
