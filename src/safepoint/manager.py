@@ -246,8 +246,8 @@ class CheckpointManager:
     ) -> CheckpointInfo | None:
         """Save now (collective under torchrun). Raises SaveError if it failed; nothing is then committed.
 
-        Returns the committed checkpoint (``async_save``: None once staged, its failure raised by a later call;
-        the checkpoint itself if it was written synchronously: the previous one was still writing, "auto").
+        Returns the committed checkpoint (``async_save``: None once staged, a failure raised by a later call;
+        the checkpoint if it was written synchronously, the previous one still writing: if_busy="auto").
         A ``step`` whose checkpoint the state already is (just saved by ``maybe_save``, or restored) is not
         written again: a warning says so (and that ``metrics`` given here are not recorded), and the committed
         checkpoint is returned, its metrics kept (None with ``async_save``). ``overwrite=True`` replaces it.
