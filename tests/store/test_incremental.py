@@ -313,7 +313,9 @@ def test_async_saves_link_too(tmp_path: Path) -> None:
     model = Tied()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     state = safepoint.TrainState(model=model, optimizer=opt)
-    writer = safepoint.WriterOptions(async_writer="thread")
+    # "wait": every save is an async one (the default, "auto", writes a save that finds the previous one
+    # still writing synchronously, and which saves those are depends on timing).
+    writer = safepoint.WriterOptions(async_writer="thread", if_busy="wait")
     with safepoint.CheckpointManager(
         root, keep=safepoint.Keep(last=3), async_save=True, writer=writer
     ) as mgr:
