@@ -43,11 +43,11 @@ class WriterOptions:
     """With ``async_save``: "process" (a writer process per rank reading the staging buffers in shared
     memory; Linux, local roots and local_root), "thread" (a background thread of this process), or "auto"
     (the process where it can run, else the thread). See docs/async.md."""
-    if_busy: str = "auto"
-    """With ``async_save``, what a save does while the previous one is still writing: "auto" (it is
-    written synchronously at once, beside the write in flight: it blocks as long as a sync save, and no
-    save is lost), "wait" (waits for the write, logging how long, then stages) or "skip" (warns, saves
-    nothing). Never two staged copies. See docs/async.md."""
+    if_busy: str = "wait"
+    """With ``async_save``, what a save does while the previous one is still writing: "wait" (waits for the
+    write, logging how long, then stages), "auto" (written synchronously at once, beside the write in
+    flight: it blocks as long as a sync save and no save is lost, but the newer step may commit first) or
+    "skip" (warns, saves nothing). Never two staged copies. See docs/async.md."""
     threads: int = 1
     """DCP writer threads per rank."""
     incremental: bool = True

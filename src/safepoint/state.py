@@ -214,11 +214,7 @@ class TrainState:
         if SCHEDULER in wanted:
             sd[SCHEDULER] = self.scheduler.state_dict()
         if DATALOADER in wanted:
-            # Template-free (free_parts): a fresh loader's state_dict() is not called. torchdata's
-            # StatefulDataLoader makes an iterator for it (forking its workers) and draws that iterator's
-            # base seed from the loader's generator, so the resumed run's next epoch would get another
-            # worker seed than the uninterrupted run's (found on the GPU machine, docs/benchmarks.md).
-            sd[DATALOADER] = {rank_key(sources[DATALOADER]): {}}
+            sd[DATALOADER] = {rank_key(sources[DATALOADER]): _loader_template(self.dataloader)}
         if RNG in wanted:
             sd[RNG] = {rank_key(sources[RNG]): rng.capture_rng()}
         if EXTRA in wanted and self.extra:
@@ -228,16 +224,13 @@ class TrainState:
 
     def free_parts(self, sections: Iterable[str], sources: dict[str, int]) -> list[tuple[str, ...]]:
         """Where in ``load_template``'s dict the saved keys, not the live object's, say what is loaded: a
-        PlainState, an optimizer not keyed by a model (a fresh one has an empty ``state``), and the data
-        position (the loader's own ``load_state_dict`` checks it)."""
+        PlainState, and an optimizer not keyed by a model (a fresh one has an empty ``state``)."""
         free = (PlainState, torch.optim.Optimizer)
         wanted, parts = set(sections), list[tuple[str, ...]]()
         if OPTIMIZER in wanted and self.model is None:
             parts.append((OPTIMIZER,))
         parts += [(OBJECTS, n) for n, o in (self.objects or {}).items() if isinstance(o, free)]
         parts = [p for p in parts if ".".join(p) in wanted or p == (OPTIMIZER,)]
-        if DATALOADER in wanted:
-            parts.append((DATALOADER, rank_key(sources[DATALOADER])))  # see load_template
         if EXTRA in wanted:
             parts += [(EXTRA, rank_key(sources[EXTRA]), k) for k, v in (self.extra or {}).items()
                       if isinstance(v, free)]  # fmt: skip
@@ -411,3 +404,17 @@ def _check_weights_only(value: Any, path: str) -> None:
             f"with torch.load(weights_only=True)) would refuse it ({why}). Store a tensor, a number, a "
             "string, or a list/dict of them instead (e.g. float(x), x.tolist(), torch.as_tensor(x))."
         ) from None
+
+
+def _loader_template(loader: Any) -> Any:
+    """The loader's ``state_dict()``, its ``generator=`` left as it was: torchdata's StatefulDataLoader
+    makes an iterator to answer it on a fresh loader, which draws a worker base seed from the generator,
+    one more than the uninterrupted run drew (the next epoch's workers were seeded differently: found by
+    the GPU FSDP2 run, tests/data/test_loader_restore.py)."""
+    generator = getattr(loader, "generator", None)
+    if not isinstance(generator, torch.Generator):
+        return loader.state_dict()
+    before = generator.get_state()
+    template = loader.state_dict()
+    generator.set_state(before)
+    return template

@@ -241,7 +241,7 @@ def test_inspect_json(trained: Any, root: Path, capsys: pytest.CaptureFixture[st
         "dtype": "float32",
         "bytes": 64,
     }
-    assert set(doc["files"]) == {".metadata", data_file(root, 30).name, "rank-0.state"}
+    assert set(doc["files"]) == {".metadata", data_file(root, 30).name, "rank-0.state", "rank-0.fingerprints"}
     # The per-rank sections come from the rank's own file, described like .metadata's keys.
     assert (
         keys["rng.rank_0.torch_cpu"]["kind"] == "tensor" and keys["rng.rank_0.torch_cpu"]["dtype"] == "uint8"

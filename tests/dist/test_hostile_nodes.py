@@ -17,7 +17,8 @@ import pytest
 
 from tests.helpers.cluster import Cluster, equal, records
 
-FILES = [".metadata", "__0_0.distcp", "__1_0.distcp", "rank-0.state", "rank-1.state"]
+FILES = [".metadata", "__0_0.distcp", "__1_0.distcp", "rank-0.fingerprints", "rank-0.state"]
+FILES += ["rank-1.fingerprints", "rank-1.state"]
 
 
 def _launch(out: Path, cfg: dict[str, Any], locals_: dict[str, Path], timeout: float = 240) -> list[Any]:

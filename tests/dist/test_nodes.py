@@ -26,7 +26,8 @@ def test_each_node_commits_and_restores_from_its_own_local_tier(
     assert len(set(hosts.values())) == 2 or not UNSHARE
     # The global commit is the durable manifest; each node's local step holds its own rank's file.
     manifest = json.loads((durable / "step-4" / "safepoint.json").read_text())
-    files = [".metadata", "__0_0.distcp", "__1_0.distcp", "rank-0.state", "rank-1.state"]
+    files = [".metadata", "__0_0.distcp", "__1_0.distcp", "rank-0.fingerprints", "rank-0.state"]
+    files += ["rank-1.fingerprints", "rank-1.state"]
     assert sorted(manifest["files"]) == files
     node_of = _node_of_rank(saved, locals_)
     for rank in (0, 1):
@@ -44,7 +45,7 @@ def test_each_node_commits_and_restores_from_its_own_local_tier(
         capsys.readouterr()
         assert main(["verify", str(node_of[rank])]) == 0, capsys.readouterr().out
         said = " ".join(capsys.readouterr().out.split())
-        assert "node-local copy of" in said and "3 of 5 files here, intact" in said, said
+        assert "node-local copy of" in said and "4 of 7 files here, intact" in said, said
         assert main(["ls", str(node_of[rank]), "--verify", "--json"]) == 0
         listed = json.loads(capsys.readouterr().out)
         assert {(e["step"], e["status"], e["tier"]) for e in listed} >= {(4, "ok", "node")}, listed

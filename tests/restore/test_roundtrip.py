@@ -144,7 +144,8 @@ def test_layout_and_manifest(root: Path) -> None:
     m = safepoint.store.manifest.Manifest.from_json((step_dir / "safepoint.json").read_bytes())  # type: ignore[attr-defined]
     assert m.step == 3 and m.world_size == 1
     assert m.keys == ["model", "optimizer", "scheduler", "rng", "extra"]
-    assert set(m.files) == {".metadata", "__0_0.distcp", "rank-0.state"}  # rank 0's RNG, extra
+    # rank 0's RNG and extra; its tensors' fingerprints (the next process's first incremental save)
+    assert set(m.files) == {".metadata", "__0_0.distcp", "rank-0.state", "rank-0.fingerprints"}
     assert m.versions["torch"] == torch.__version__
     assert sum(f.size for f in m.files.values()) == info.bytes
     assert not any((root / ".pending").iterdir())

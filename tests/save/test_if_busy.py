@@ -59,11 +59,11 @@ def _manager(root: Path, **writer: Any) -> safepoint.CheckpointManager:
     return mgr
 
 
-def test_default_saves_synchronously_beside_the_write_in_flight(root: Path) -> None:
-    assert safepoint.WriterOptions().if_busy == "auto"
+def test_auto_saves_synchronously_beside_the_write_in_flight(root: Path) -> None:
+    assert safepoint.WriterOptions().if_busy == "wait"  # "auto" commits out of step order: an option
     model = nn.Linear(8, 4)
     state = _state(model)
-    with _manager(root) as mgr:
+    with _manager(root, if_busy="auto") as mgr:
         assert mgr.maybe_save(1, state) is True
         mgr.wait()  # the staging buffers exist now: the next save only copies into them
         with _writer_stopped(mgr):

@@ -32,7 +32,7 @@ from safepoint.store.posix_layout import Layout
 from tests.helpers.train import Setup, assert_bitwise_equal
 from tests.torture import checks
 
-FILES = ["__0_0.distcp", "__0_1.distcp", ".metadata", "rank-0.state", "safepoint.json"]
+FILES = ["__0_0.distcp", "__0_1.distcp", ".metadata", "rank-0.fingerprints", "rank-0.state", "safepoint.json"]
 
 
 class Matrix:
@@ -151,7 +151,7 @@ def _cases(
 def matrix(tmp_path: Path) -> Matrix:
     m = Matrix(tmp_path / "ckpt")
     assert sorted(p.name for p in m.step2.iterdir()) == sorted(FILES), (
-        "expected two data files and a rank file"
+        "expected two data files, a rank file and its fingerprints"
     )
     return m
 

@@ -28,37 +28,54 @@ SKIP_TORCH_CRC32 = True
 _crc_lock = threading.Lock()
 _crc_users = 0
 _crc_saved = True
+_per_thread: bool | None = None  # whether torch's switch is per thread; found out at the first use
+_tls = threading.local()  # this thread's nesting depth and its own setting before (per-thread switch)
 
 
 def _get() -> bool:
     return bool(torch.serialization.get_crc32_options())
 
 
+def _switch_is_per_thread() -> bool:
+    """Called by the first user, right after it turned the switch off: a fresh thread that still reads
+    "on" sees a switch of its own (torch 2.13's ContextVar config); one that reads "off" shares ours."""
+    seen: list[bool] = []
+    probe = threading.Thread(target=lambda: seen.append(_get()), name="safepoint-crc-probe")
+    probe.start()
+    probe.join()
+    return bool(seen and seen[0])
+
+
 @contextmanager
 def torch_crc32_off() -> Iterator[None]:
     """Turn torch.save's per-record CRC-32 off for the duration, in this thread (nested and concurrent uses
     count)."""
-    global _crc_users, _crc_saved
+    global _crc_users, _crc_saved, _per_thread
     if not SKIP_TORCH_CRC32:
         yield
         return
-    with _crc_lock:
-        if _crc_users == 0:
-            _crc_saved = _get()
+    depth = getattr(_tls, "depth", 0)
+    if depth == 0:
+        with _crc_lock:
+            own = _get()
+            if _crc_users == 0:
+                _crc_saved = own
             torch.serialization.set_crc32_options(False)
-        _crc_users += 1
-    # A per-thread setting: the first user above turned off only its own thread's.
-    local = _get()
-    if local:
-        torch.serialization.set_crc32_options(False)
+            if _per_thread is None:
+                _per_thread = _switch_is_per_thread()
+            _crc_users += 1
+        _tls.own = own
+    _tls.depth = depth + 1
     try:
         yield
     finally:
-        if local:
-            torch.serialization.set_crc32_options(True)
-        with _crc_lock:
-            _crc_users -= 1
-            # The last writer out restores the previous setting; if someone turned it back on meanwhile,
-            # their choice stands.
-            if _crc_users == 0 and not _get():
-                torch.serialization.set_crc32_options(_crc_saved)
+        _tls.depth -= 1
+        if _tls.depth == 0:
+            with _crc_lock:
+                _crc_users -= 1
+                if _per_thread:
+                    torch.serialization.set_crc32_options(_tls.own)  # this thread's own setting back
+                elif _crc_users == 0 and not _get():
+                    # A process-wide switch: the last writer out restores the previous setting; if someone
+                    # turned it back on meanwhile, their choice stands.
+                    torch.serialization.set_crc32_options(_crc_saved)
