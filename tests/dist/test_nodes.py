@@ -50,7 +50,7 @@ def test_each_node_commits_and_restores_from_its_own_local_tier(
         listed = json.loads(capsys.readouterr().out)
         assert {(e["step"], e["status"], e["tier"]) for e in listed} >= {(4, "ok", "node")}, listed
     assert main(["verify", str(durable)]) == 0  # the durable root: every file
-    assert "5 files" in capsys.readouterr().out
+    assert "7 files" in capsys.readouterr().out
     # The durable root is the whole checkpoint: one node's whole share lost there (a copy of it, here) is
     # damage, never "a node-local copy" (its manifest records no node shares).
     assert "nodes" not in manifest["extra"]
