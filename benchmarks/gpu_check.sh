@@ -18,7 +18,7 @@ declare -A job
 timeout "${GPU_TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" --timeout 200 -v \
     ${GPU_TESTS:-tests/gpu tests/store/test_fingerprint_cuda.py} > "$OUT/gpu_tests.log" 2>&1 & job[tests]=$!
 if [ -z "${GPU_SKIP_FRAMEWORKS:-}" ]; then
-    timeout "${GPU_FW_S:-260}" python3 tests/integrations/gpu_lightning_fsdp.py --workdir /tmp/sp-lfsdp > "$OUT/lightning.log" 2>&1 & job[lightning]=$!
+    timeout "${GPU_FW_S:-260}" python3 tests/integrations/gpu_lightning_fsdp.py > "$OUT/lightning.log" 2>&1 & job[lightning]=$!
     timeout "${GPU_FW_S:-260}" python3 tests/integrations/gpu_torchtitan_run.py --device cuda --attention sdpa --timeout 110 --workdir /tmp/sptt > "$OUT/torchtitan.log" 2>&1 & job[torchtitan]=$!
 fi
 rc=0
