@@ -9,22 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from safepoint.cli.main import main as safepoint_cli
-from tests.conftest import REPO, SUBPROCESS_ENV
 from tests.helpers.example_runs import committed_steps
+from tests.helpers.rank_jobs import Losses, run_rank_job
 
 JOB = Path(__file__).with_name("accelerate_ranks_job.py")
-LINE = re.compile(r"rank (\d+) step (\d+) loss (\S+)\Z")
 STEPS, KILL_AT = 8, 5  # 6 batches per process and epoch: the restart crosses the epoch boundary
 pytestmark = pytest.mark.timeout(600)
 
@@ -42,34 +39,13 @@ def _kill_job(proc: subprocess.Popen[str], root: Path) -> None:
     os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _run(root: Path, kill_at: int | None = None) -> tuple[dict[tuple[int, int], str], int, str]:
+def _run(root: Path, kill_at: int | None = None) -> tuple[Losses, int, str]:
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
     launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     launch += ["--main_process_port", str(_free_port())]
     cmd = [*launch, str(JOB), "--root", str(root), "--steps", str(STEPS), "--save-every", "2"]
     cmd += ["--step-sleep", "0.2"] if kill_at else []
-    env = dict(SUBPROCESS_ENV, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    err_path = root.parent / f"{root.name}-{time.monotonic_ns()}.stderr"
-    losses: dict[tuple[int, int], str] = {}
-    with open(err_path, "w") as err:
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=REPO, start_new_session=True
-        )
-        assert proc.stdout is not None
-        try:
-            for line in proc.stdout:
-                m = LINE.match(line.strip())
-                if m:
-                    rank, step = int(m.group(1)), int(m.group(2))
-                    losses[(rank, step)] = m.group(3)
-                    if (rank, step) == (0, kill_at):
-                        _kill_job(proc, root)
-            proc.wait(timeout=300)
-        finally:
-            if proc.poll() is None:
-                _kill_job(proc, root)
-                proc.wait()
-    return losses, proc.returncode, err_path.read_text()
+    return run_rank_job(cmd, root, kill_at=kill_at, kill=lambda proc: _kill_job(proc, root))
 
 
 def test_two_processes_kill9_resume_bitwise(tmp_path: Path) -> None:

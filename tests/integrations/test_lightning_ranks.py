@@ -13,12 +13,8 @@ strategy is checked by tests/integrations/gpu_lightning_fsdp.py on a GPU machine
 
 from __future__ import annotations
 
-import os
-import re
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,11 +22,10 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from safepoint.cli.main import main as safepoint_cli
-from tests.conftest import REPO, SUBPROCESS_ENV
 from tests.helpers.example_runs import committed_steps
+from tests.helpers.rank_jobs import run_rank_job
 
 JOB = Path(__file__).with_name("lightning_ranks_job.py")
-LINE = re.compile(r"rank (\d+) step (\d+) loss (\S+)\Z")
 STEPS, KILL_AT = 8, 5  # 6 batches an epoch on 2 ranks: the resume crosses the epoch boundary
 pytestmark = pytest.mark.timeout(600)
 
@@ -44,30 +39,7 @@ def _run(
     cmd += ["--devices", str(devices), "--steps", str(STEPS), "--save-every", "2"]
     cmd += ["--out", str(out)] if out else []
     cmd += ["--step-sleep", "0.2"] if kill_at else []
-    env = dict(SUBPROCESS_ENV, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    err_path = root.parent / f"{root.name}-{time.monotonic_ns()}.stderr"
-    losses: dict[tuple[int, int], str] = {}
-    with open(err_path, "w") as err:
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=REPO, start_new_session=True
-        )
-        assert proc.stdout is not None
-        try:
-            for line in proc.stdout:
-                m = LINE.match(line.strip())
-                if m:
-                    rank, step = int(m.group(1)), int(m.group(2))
-                    losses[(rank, step)] = m.group(3)
-                    if (rank, step) == (0, kill_at):
-                        os.killpg(
-                            proc.pid, signal.SIGKILL
-                        )  # both ranks: Lightning's launcher shares the group
-            proc.wait(timeout=300)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    return losses, proc.returncode, err_path.read_text()
+    return run_rank_job(cmd, root, kill_at=kill_at)  # kill -9 of the group: Lightning's ranks share it
 
 
 def _same_state(a: Path, b: Path) -> None:
