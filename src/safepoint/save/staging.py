@@ -39,10 +39,6 @@ log = logging.getLogger("safepoint")
 FINGERPRINT_CUDA_WHEN_STAGING = False
 
 
-def _any_cuda(sd: Any) -> bool:
-    return any(t.is_cuda for t in buffer_tensors(sd))
-
-
 def _cuda_devices(sd: Any) -> set[torch.device]:
     return {t.device for t in buffer_tensors(sd) if t.is_cuda}
 
@@ -92,14 +88,15 @@ class Stager:
 
     def stage(self, sd: dict[str, Any]) -> dict[str, Any]:
         ties = _ties(sd)
+        # The CUDA devices the state lives on (none without CUDA): pinned buffers, and the copy's stream.
+        devices = _cuda_devices(sd) if torch.cuda.is_available() else set()
         if self._buffers is None or not _similar(sd, self._buffers) or ties != self._ties:
-            cuda = _any_cuda(sd)
             if self._buffers is not None:
                 log.info("safepoint: state changed shape; reallocating staging buffers")
             self.release()  # drop the old set first: never two sets alive at once
             if self._before_alloc is not None:
                 self._before_alloc()
-            pin = cuda and torch.cuda.is_available()
+            pin = bool(devices)
             if self._shared:
                 buffers = _create_cpu_state_dict(sd)  # untouched pages: re-homed below without a copy
                 _tie_buffers(sd, buffers)
@@ -111,7 +108,6 @@ class Stager:
             self._ties = ties
             self.allocations += 1
             self.nbytes = tensor_bytes(self._buffers)
-        devices = _cuda_devices(sd) if torch.cuda.is_available() else set()
         if len(devices) != 1:
             snapshot = self._copy(sd, self._buffers)
             if devices:
