@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,16 +19,11 @@ import pytest
 from safepoint.cli.main import main as safepoint_cli
 from tests.helpers.example_runs import committed_steps
 from tests.helpers.rank_jobs import Losses, run_rank_job
+from tests.helpers.s3 import free_port
 
 JOB = Path(__file__).with_name("accelerate_ranks_job.py")
 STEPS, KILL_AT = 8, 5  # 6 batches per process and epoch: the restart crosses the epoch boundary
 pytestmark = pytest.mark.timeout(600)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _kill_job(proc: subprocess.Popen[str], root: Path) -> None:
@@ -42,7 +36,7 @@ def _kill_job(proc: subprocess.Popen[str], root: Path) -> None:
 def _run(root: Path, kill_at: int | None = None) -> tuple[Losses, int, str]:
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
     launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    launch += ["--main_process_port", str(_free_port())]
+    launch += ["--main_process_port", str(free_port())]
     cmd = [*launch, str(JOB), "--root", str(root), "--steps", str(STEPS), "--save-every", "2"]
     cmd += ["--step-sleep", "0.2"] if kill_at else []
     return run_rank_job(cmd, root, kill_at=kill_at, kill=lambda proc: _kill_job(proc, root))

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten
 
 from safepoint.cli.main import main as safepoint_cli
 from tests.helpers.example_runs import committed_steps
-from tests.helpers.rank_jobs import run_rank_job
+from tests.helpers.rank_jobs import Losses, run_rank_job
 
 JOB = Path(__file__).with_name("lightning_ranks_job.py")
 STEPS, KILL_AT = 8, 5  # 6 batches an epoch on 2 ranks: the resume crosses the epoch boundary
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.timeout(600)
 
 def _run(
     root: Path, strategy: str, *, devices: int = 2, out: Path | None = None, kill_at: int | None = None
-) -> tuple[dict[tuple[int, int], str], int, str]:
+) -> tuple[Losses, int, str]:
     """Run the job; with ``kill_at``, kill -9 its process group once rank 0 printed that step. Returns
     ``{(rank, step): loss}``, the exit code and stderr."""
     cmd = [sys.executable, str(JOB), "--root", str(root), "--strategy", strategy]

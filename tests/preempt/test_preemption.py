@@ -36,6 +36,7 @@ from safepoint.preempt.preemption import DEFAULT_EXIT_CODE, TierEstimate, plan_e
 from safepoint.store.posix_layout import Layout
 from tests.conftest import REPO
 from tests.helpers.launch import assert_bitwise, events, finish, load, ready_pids, start
+from tests.helpers.s3 import free_port
 from tests.helpers.train import Setup
 
 WORKER = REPO / "tests" / "dist_preempt" / "worker.py"
@@ -343,15 +344,6 @@ esac
 """
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def test_slurm_script_forwards_the_signal_then_requeues(tmp_path: Path, root: Path) -> None:
     script = REPO / "examples" / "slurm" / "train.sbatch"
     subprocess.run(["bash", "-n", str(script)], check=True)
@@ -377,7 +369,7 @@ def test_slurm_script_forwards_the_signal_then_requeues(tmp_path: Path, root: Pa
         SAFEPOINT_STEP_SLEEP="0.01",
         GPUS="1",
         GRACE="30",
-        RDZV_PORT=str(_free_port()),
+        RDZV_PORT=str(free_port()),
     )
     out = tmp_path / "slurm.out"
     with open(out, "w") as f:
