@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import PYTHON, REPO, SUBPROCESS_ENV
-from tests.preempt.test_preemption import _free_port
+from tests.helpers.s3 import free_port
 from tests.store.test_fencing import _unshare_works
 
 pytestmark = pytest.mark.skipif(
@@ -53,7 +53,7 @@ def _wait_for(path: Path, procs: list[subprocess.Popen[bytes]], timeout: float =
 def test_a_node_joining_costs_no_steps_with_preemption_on(tmp_path: Path) -> None:
     out, root = tmp_path / "out", tmp_path / "ckpt"
     out.mkdir()
-    port = _free_port()
+    port = free_port()
     a = _agent("nodeA", port, out, root)
     agents = [a]
     try:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from tests.conftest import PYTHON, REPO, SUBPROCESS_ENV
-from tests.preempt.test_preemption import _free_port
+from tests.helpers.s3 import free_port
 from tests.store.test_fencing import _unshare_works
 
 WORKER = REPO / "tests" / "helpers" / "procs" / "nodes_worker.py"
@@ -32,7 +32,7 @@ class Cluster:
         self, out: Path, cfg: dict[str, Any], nnodes: str, max_restarts: int = 0, nproc: int = 1
     ) -> None:
         self.out, self.nnodes, self.max_restarts, self.nproc = out, nnodes, max_restarts, nproc
-        self.port = _free_port()
+        self.port = free_port()
         self.plan = out / f"plan-{self.port}.json"
         self.plan.write_text(json.dumps({"out": str(out), **cfg}))
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
