@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import safepoint
+from safepoint.store import heartbeat
 from safepoint.store.posix_layout import Layout
 from safepoint.tiers.base import ReadOnlyRootWarning
 from tests.conftest import PYTHON, SUBPROCESS_ENV
@@ -161,8 +162,20 @@ def _take_over(lease_path: Path) -> None:
     os.link(tmp, lease_path)
 
 
-def test_deletes_and_commits_are_fenced_by_the_lease_on_disk(root: Path) -> None:
-    with safepoint.CheckpointManager(root, keep=safepoint.Keep(last=1)) as mgr:
+@pytest.fixture
+def no_beat(monkeypatch: pytest.MonkeyPatch) -> safepoint.ClusterOptions:
+    """Cluster options whose lease heartbeat never beats within a test. These tests take the lease over
+    behind the manager's back and expect the *commit fence* to refuse: a heartbeat landing between the
+    takeover and the save (15 s after the manager started; a loaded machine gets there) would notice first
+    and refuse the save at its start instead, which is right but is not what these tests check."""
+    monkeypatch.setattr(heartbeat, "HEARTBEAT_S", 86400.0)
+    return safepoint.ClusterOptions(lease_stale_after_s=4 * 86400.0)
+
+
+def test_deletes_and_commits_are_fenced_by_the_lease_on_disk(
+    root: Path, no_beat: safepoint.ClusterOptions
+) -> None:
+    with safepoint.CheckpointManager(root, keep=safepoint.Keep(last=1), cluster=no_beat) as mgr:
         mgr.save(1, safepoint.TrainState(rng=False, extra={"n": 1}))
         layout = mgr.layout
         assert isinstance(layout, Layout)
@@ -197,13 +210,15 @@ def test_a_deleted_root_is_never_recreated_and_committed_to_without_a_lease(root
             mgr.close()
 
 
-def test_s3_commits_and_deletes_are_fenced(moto_endpoint: str, bucket: str) -> None:
+def test_s3_commits_and_deletes_are_fenced(
+    moto_endpoint: str, bucket: str, no_beat: safepoint.ClusterOptions
+) -> None:
     import boto3
 
     url, opts = f"s3://{bucket}/run", storage_options(moto_endpoint)
     s3 = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
     theirs: dict[str, Any] = {"host": "nodeB", "pid": 7, "heartbeat": 0.0, "token": "theirs"}
-    mgr = safepoint.CheckpointManager(url, storage_options=opts)
+    mgr = safepoint.CheckpointManager(url, storage_options=opts, cluster=no_beat)
     try:
         mgr.save(1, safepoint.TrainState(rng=False, extra={"n": 1}))
         s3.put_object(Bucket=bucket, Key="run/.lease", Body=json.dumps(theirs).encode())
