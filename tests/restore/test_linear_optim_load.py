@@ -256,20 +256,33 @@ def gc_state() -> Iterator[None]:
     (gc.enable if was else gc.disable)()
 
 
+class _Probe:
+    """An ``extra`` object whose ``state_dict()`` (asked while the restore shapes its load, outside torch's
+    own ``get_state_dict``, which holds the collector off by itself) records whether the GC was on."""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        self.seen.append(gc.isenabled())
+        return {"v": 1}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
+
+
 @pytest.mark.parametrize("enabled", [True, False])
 def test_the_gc_setting_comes_back_after_a_restore_that_raises(
     root: Path, gc_state: None, enabled: bool
 ) -> None:
-    model = nn.Linear(4, 2)
     with safepoint.CheckpointManager(root) as mgr:
-        mgr.save(1, safepoint.TrainState(model=model, rng=False))
+        mgr.save(1, safepoint.TrainState(model=nn.Linear(4, 2), extra={"probe": _Probe()}, rng=False))
     (gc.enable if enabled else gc.disable)()
-    seen: list[bool] = []
+    probe = _Probe()
     other = nn.Linear(4, 3)  # another shape: the restore refuses it, from inside the paused block
-    other.register_state_dict_pre_hook(  # type: ignore[no-untyped-call]
-        lambda *a: seen.append(gc.isenabled())  # called while the restore shapes its load
-    )
+    state = safepoint.TrainState(model=other, extra={"probe": probe}, rng=False)
+    probe.seen.clear()  # (TrainState checks the object when made)
     with safepoint.CheckpointManager(root) as mgr, pytest.raises(StateMismatchError):
-        mgr.restore(safepoint.TrainState(model=other, rng=False))
-    assert seen and not any(seen)  # held off during the restore
+        mgr.restore(state)
+    assert probe.seen == [False]  # held off during the restore
     assert gc.isenabled() is enabled
