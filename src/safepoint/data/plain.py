@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from safepoint.data.optim_load import fast_membership
+
 _KEYS = "\x00keys"  # a dict with a key that is not a string: its keys, by position
 _EMPTY = "\x00empty"  # an empty dict (DCP would drop it)
 _TUPLE = "\x00tuple"  # a tuple with a tensor inside (DCP would give back a list)
@@ -86,6 +88,8 @@ def load_stateful(obj: Any, sd: Any) -> None:
     if isinstance(obj, torch.optim.Optimizer) and isinstance(sd.get("state"), dict):
         sd = {**sd, "state": {int(k) if isinstance(k, str) and k.isdigit() else k: v
                               for k, v in sd["state"].items()}}  # fmt: skip
+        if isinstance(sd.get("param_groups"), list):  # linear, not quadratic (data/optim_load.py)
+            sd["param_groups"] = fast_membership(sd["param_groups"])
     obj.load_state_dict(sd)
 
 
