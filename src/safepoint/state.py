@@ -22,9 +22,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from safepoint.data import rng
+from safepoint.data.module_state import module_state_dicts, set_module_state
 from safepoint.data.optim_load import in_order
 from safepoint.data.plain import PlainState, load_own_optimizer_sd, load_stateful, own_optimizer_sd
 from safepoint.data.sharded import check_not_sharded
@@ -174,7 +174,7 @@ class TrainState:
         """The DCP state dict for a save. Tensors alias live state: stage or write before training goes on."""
         sd: dict[str, Any] = {}
         if self.model is not None:
-            model_sd, optim_sd = get_state_dict(self.model, self._optimizers())
+            model_sd, optim_sd = module_state_dicts(self.model, self._optimizers())
             sd[MODEL] = model_sd
             if self.optimizer is not None:
                 sd[OPTIMIZER] = optim_sd
@@ -204,7 +204,7 @@ class TrainState:
         # The optimizer loads without the weights too (``ignore=["model"]``): its state is keyed by the
         # parameters' names, which the model gives whether its weights load or not.
         if (MODEL in wanted or OPTIMIZER in wanted) and self.model is not None:
-            model_sd, optim_sd = get_state_dict(self.model, self._optimizers())
+            model_sd, optim_sd = module_state_dicts(self.model, self._optimizers())
             if MODEL in wanted:
                 sd[MODEL] = model_sd
             if OPTIMIZER in wanted and self.optimizer is not None:
@@ -245,7 +245,7 @@ class TrainState:
             with_optim = f"{OPTIMIZERS}.{name}" in wanted and name in (self.optimizers or {})
             if f"{MODULES}.{name}" not in wanted and not with_optim:
                 continue
-            model_sd, optim_sd = get_state_dict(module, self._named_optimizers(name))
+            model_sd, optim_sd = module_state_dicts(module, self._named_optimizers(name))
             if f"{MODULES}.{name}" in wanted:
                 out.setdefault(MODULES, {})[name] = model_sd
             if with_optim:
@@ -311,7 +311,7 @@ def _set_state(
     load = in_order(module, optims, optim_sd) if optims else None
     optims, optim_sd = ([], {}) if load is not None else (optims, optim_sd)
     if model_sd or optims:
-        set_state_dict(module, optims, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        set_module_state(module, optims, model_sd, optim_sd)
     if load is not None:
         load()
 

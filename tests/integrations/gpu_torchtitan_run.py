@@ -23,12 +23,14 @@ documents packed as torchtitan's ``HuggingFaceTextDataset`` packs them.
 
 Exit 0 only if the checks pass; every check prints one line (``CHECK ... ok|FAILED``).
 
-Two model/loss choices keep the run to what safepoint supports today (``--qkv fused`` / ``--loss chunked``
-reproduce the failures): the debug model's attention is built unfused (its fused ``wqkv`` has a state_dict
-post-hook that emits ``wq``/``wk``/``wv`` keys which are no module attributes, and DCP's ``get_state_dict``,
-which safepoint's ``TrainState`` calls, fails on them), and the loss is the plain cross entropy (torchtitan's
-``ChunkedLossWrapper`` runs ``lm_head`` outside the FSDP root's forward; on torch 2.11 its backward then meets
-a freed parameter: "The tensor has a non-zero number of elements, but its data is not allocated yet").
+The debug model is built as torchtitan builds it, its attention's ``wq``/``wk``/``wv`` fused into one ``wqkv``
+(``--qkv unfused``: the same layers unfused, what the first GPU run used). The fused layer's state-dict hooks
+rename its keys; safepoint saves and loads such a module as torchtitan's own checkpointer does
+(``safepoint/data/module_state.py``, checked on CPU with the real model class by
+tests/integrations/test_torchtitan_fused.py); this script has not yet run with it on a GPU. The loss is the
+plain cross entropy (``--loss chunked`` reproduces the failure: torchtitan's ``ChunkedLossWrapper`` runs
+``lm_head`` outside the FSDP root's forward; on torch 2.11 its backward then meets a freed parameter: "The
+tensor has a non-zero number of elements, but its data is not allocated yet").
 
 Compatibility shims for torch older than torchtitan 0.3 targets, each printed when used (none touches what
 the checkpointer saves or loads): ``datasets`` (imported by torchtitan's validator module, never used here:
@@ -274,9 +276,8 @@ def worker(args: argparse.Namespace) -> None:
     print(f"{TAG} torch {torch.__version__} cuda {torch.version.cuda} device {args.device}", flush=True)
     model_spec = model_registry("debugmodel")  # dim 256, 6 layers, vocab 2048, FlexAttention
     if args.qkv == "unfused":
-        # The debug model fuses wq/wk/wv into one wqkv whose state_dict post-hook re-splits it into wq/wk/wv
-        # keys that are no module attributes; DCP's get_state_dict (what safepoint's TrainState calls)
-        # resolves every key as an attribute path and fails on them: the same layers, unfused.
+        # The debug model fuses wq/wk/wv into one wqkv (its state-dict hooks split and merge the keys):
+        # the same layers, unfused, as the first GPU run had them.
         from torchtitan.models.common import ComplexRoPE, compute_ffn_hidden_dim
         from torchtitan.models.llama3 import _build_llama3_layers
 
@@ -500,7 +501,10 @@ def main() -> int:
     p.add_argument("--detect-anomaly", action="store_true", help="autograd anomaly detection (debugging)")
     p.add_argument("--loss", choices=("chunked", "plain"), default="plain", help="ChunkedLossWrapper or not")
     p.add_argument(
-        "--qkv", choices=("unfused", "fused"), default="unfused", help="debugmodel's wqkv fused or not"
+        "--qkv",
+        choices=("unfused", "fused"),
+        default="fused",
+        help="debugmodel's wqkv fused (its default) or not",
     )
     p.add_argument("--no-ac", action="store_true", help="no activation checkpointing (default: selective)")
     p.add_argument("--spmd-backend", default="spmd_types", choices=("spmd_types", "partial_dtensor"))

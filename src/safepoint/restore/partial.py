@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from safepoint.errors import StateMismatchError
@@ -126,16 +127,20 @@ class Plan:
 
     to_load: dict[str, Any]
     pairs: list[tuple[str, str]]  # (state key, saved key)
-    flat: dict[str, Any]
+    template: dict[str, Any]
     mapping: Any
     report: dict[str, list[Any]]
 
     def put_back(self) -> dict[str, Any]:
-        """The template with what DCP loaded (tensors were loaded in place; other values replaced)."""
+        """The template with what DCP loaded (tensors were loaded in place; other values replaced).
+
+        Written into the template where each key came from, not rebuilt from the flattened keys: DCP's
+        flattening has no key for an empty container (``{}``, ``[{}]``), so a rebuilt dict lost them: a
+        LambdaLR of a ``functools.partial`` (``lr_lambdas == [{}]``) then failed to load, and a momentum-free
+        SGD's ``state == {}`` (tests/restore/test_plan_keeps_values.py). The full path loads in place too."""
         for target, source in self.pairs:
-            self.flat[target] = self.to_load[source]
-        nested: dict[str, Any] = unflatten_state_dict(self.flat, self.mapping)
-        return nested
+            set_element(self.template, self.mapping[target], self.to_load[source])
+        return self.template
 
 
 def plan(
@@ -195,7 +200,7 @@ def plan(
             + "; ".join(parts)
             + STRICT_HINT
         )
-    return Plan(to_load, pairs, flat, mapping, report)
+    return Plan(to_load, pairs, template, mapping, report)
 
 
 _WHAT = {

@@ -1,0 +1,98 @@
+"""A module's state dict and its optimizers', also for modules whose ``state_dict`` hooks rename keys.
+
+DCP's ``get_state_dict`` (what a TrainState saves and loads a module through) maps every key of
+``module.state_dict()`` back to an attribute path, to strip the ``module.``/``_orig_mod.`` prefixes of DDP
+and ``torch.compile``. A module whose state-dict post-hook writes keys that are no attribute path fails
+there: torchtitan 0.3's ``FusedQKVLinear`` (the Llama 3 debug model's default attention) holds one ``wqkv``
+parameter and saves it as the stock ``wq``/``wk``/``wv`` (``AttributeError: 'FusedQKVLinear' object has no
+attribute 'wq'``); its load pre-hook merges them back.
+
+Such a module is saved and loaded as torchtitan's own checkpointer does (``ModelWrapper`` in
+``torchtitan/components/checkpointer/base.py``): the weights are the module's own ``state_dict()``, hooks
+applied (so the checkpoint has the stock layout, the keys torchtitan's would have, loadable into the
+unfused model too), and go back through its ``load_state_dict`` (its pre-hooks merge them); the optimizer
+state stays keyed by the parameters' names (``get_optimizer_state_dict``, ``wqkv``), as torchtitan's
+``OptimizersContainer`` keys it. Every other module keeps ``get_state_dict``: only a module that fails it
+for this reason, and holds no FSDP1 wrapper (whose sharded state dict needs DCP's context), takes this way.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX as _EXTRA_STATE
+from torch.nn.parallel import DistributedDataParallel
+
+# Modules already found to rename keys: later saves take the hooks' way at once. Weak: a module that is
+# gone is forgotten (a new one at the same address is checked afresh).
+_RENAMING: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def module_state_dicts(
+    module: nn.Module, optims: list[torch.optim.Optimizer]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``get_state_dict(module, optims)``, or torchtitan's way for a module whose hooks rename keys."""
+    if module not in _RENAMING:
+        try:
+            return get_state_dict(module, optims)
+        except AttributeError:
+            if not _renames_keys(module):
+                raise
+            _RENAMING.add(module)
+    own = _unwrapped(module)
+    optim_sd = get_optimizer_state_dict(own, optims) if optims else {}
+    return dict(own.state_dict()), optim_sd
+
+
+def set_module_state(
+    module: nn.Module, optims: list[torch.optim.Optimizer], model_sd: dict[str, Any], optim_sd: Any
+) -> None:
+    """``set_state_dict``; for a module whose hooks rename keys, its own ``load_state_dict`` (strict: every
+    key the hooks expect, none left over) and ``set_optimizer_state_dict`` for its optimizers."""
+    if module not in _RENAMING:
+        set_state_dict(module, optims, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        return
+    own = _unwrapped(module)
+    if model_sd:
+        own.load_state_dict(model_sd)
+    if optims:
+        set_optimizer_state_dict(own, optims, optim_sd)
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The module under DDP and ``torch.compile`` wrappers: keys without their prefixes, as
+    ``get_state_dict`` gives them."""
+    while True:
+        if isinstance(module, DistributedDataParallel):
+            module = module.module
+        elif isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+            module = module._orig_mod
+        else:
+            return module
+
+
+def _renames_keys(module: nn.Module) -> bool:
+    """Whether ``module``'s state dict has a key that is no attribute path (a post-hook renamed it), and
+    nothing in it needs DCP's FSDP1 handling."""
+    own = _unwrapped(module)
+    if any(isinstance(m, FullyShardedDataParallel) for m in own.modules()):
+        return False
+    for key in own.state_dict():
+        if key.endswith(_EXTRA_STATE):  # get_extra_state(): a key of its own, no attribute
+            continue
+        target: Any = own
+        for name in key.split("."):
+            target = getattr(target, name, None)
+            if target is None:
+                return True
+    return False
