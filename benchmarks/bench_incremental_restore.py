@@ -6,12 +6,17 @@ times, and the medians compared. One restore per variant (what bench_incremental
 of percent on a loaded machine; this is the measurement to quote.
 
     PYTHONPATH=src python benchmarks/bench_incremental_restore.py --dir /dev/shm --rounds 6
+    PYTHONPATH=src python benchmarks/bench_incremental_restore.py --dir /var/tmp --rounds 12 [--cold]
+
+``--cold`` evicts the newest step's files from the page cache before each restore (posix_fadvise
+DONTNEED), so they are read from the disk, as after a reboot.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -41,7 +46,21 @@ def _write(base: str, incremental: bool) -> str:
     return root
 
 
-def _restore(root: str) -> float:
+def _drop_cache(root: str) -> None:
+    """Evict the newest step's files from the page cache (clean pages: they were fsync'd at the save), so
+    the restore reads them from the disk as after a reboot, without touching any other file's cache."""
+    step = max(Path(root).glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    for path in step.iterdir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _restore(root: str, *, cold: bool = False) -> float:
+    if cold:
+        _drop_cache(root)
     fresh = MODELS["lora"]()
     opt = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-3)
     t0 = time.perf_counter()
@@ -54,19 +73,30 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
+    ap.add_argument("--cold", action="store_true", help="read the files from the disk (page cache dropped)")
     args = ap.parse_args()
+    if args.threads:
+        # On a loaded 2-core machine torch's intra-op threads (the optimizer's state init in restore)
+        # contend with everything else: most of the run-to-run spread. One thread isolates the I/O.
+        torch.set_num_threads(args.threads)
     roots = {"full": _write(args.dir, False), "incremental": _write(args.dir, True)}
     times: dict[str, list[float]] = {k: [] for k in roots}
     load = [os.getloadavg()[0]]
-    for _ in range(args.rounds):
-        for name, root in roots.items():
-            times[name].append(_restore(root))
+    for i in range(args.rounds):
+        # ABBA order: neither variant always goes first (the first restore of a round warms what both
+        # share: the allocator, imports, the page cache of the directory walk).
+        for name in list(roots) if i % 2 == 0 else list(roots)[::-1]:
+            times[name].append(_restore(roots[name], cold=args.cold))
     load.append(os.getloadavg()[0])
     full, inc = statistics.median(times["full"]), statistics.median(times["incremental"])
-    print(f"restore of the newest step, median of {args.rounds} (load avg {min(load):.1f}-{max(load):.1f}):")
+    what = "cold page cache" if args.cold else "warm page cache"
+    loads = f"load avg {min(load):.1f}-{max(load):.1f}"
+    print(f"restore of the newest step, {what}, median of {args.rounds} ({loads}):")
     print(f"  full {full * 1000:.0f} ms, incremental {inc * 1000:.0f} ms = {inc / full:.2f}x")
     for name, root in roots.items():
         print(f"  {name}: {sorted(os.listdir(Path(root) / 'step-5'))}")
+        shutil.rmtree(Path(root).parent)  # the temporary directory _write made
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 It serves S3 (moto), GCS (fake-gcs-server) and Azure (Azurite) alike, because it only moves bytes: a
 test points a store's endpoint at it and then counts what a restore downloads (``down``), alters the
 request bytes on the way (``corrupt``: every occurrence of a marker in what the client sends, so a body
-arrives damaged as it would on a bad link), or resets connections once the client has sent a number of
+arrives damaged as it would on a bad link) or the response bytes (``corrupt_down``: a status the server
+could have sent), or resets connections once the client has sent a number of
 bytes (``reset_after``: a network fault in the middle of an upload).
 """
 
@@ -34,6 +35,10 @@ class TcpProxy:
     corrupt_times: int = -1
     """How many chunks to alter; -1 = all."""
     corrupted: int = 0
+    corrupt_down: tuple[bytes, bytes] | None = None
+    """(marker, replacement) in what the server sends back (a response header, say), the same way."""
+    corrupt_down_times: int = -1
+    corrupted_down: int = 0
     reset_after: int | None = None
     """Reset every connection open at the moment the clients' bytes pass this total (once)."""
     resets: int = 0
@@ -61,6 +66,19 @@ class TcpProxy:
             self.corrupted += 1
         return data.replace(marker, replacement)
 
+    def _alter_down(self, data: bytes) -> bytes:
+        if self.corrupt_down is None or self.corrupt_down_times == 0:
+            return data
+        marker, replacement = self.corrupt_down
+        if marker not in data:
+            return data
+        with self._lock:
+            if self.corrupt_down_times == 0:
+                return data
+            self.corrupt_down_times -= 1 if self.corrupt_down_times > 0 else 0
+            self.corrupted_down += 1
+        return data.replace(marker, replacement)
+
     def _pump(self, src: socket.socket, dst: socket.socket, upward: bool) -> None:
         try:
             while data := src.recv(_CHUNK):
@@ -76,6 +94,7 @@ class TcpProxy:
                         self._reset_all()
                         return
                 else:
+                    data = self._alter_down(data)
                     with self._lock:
                         self.down += len(data)
                 dst.sendall(data)

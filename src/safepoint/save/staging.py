@@ -25,7 +25,7 @@ from safepoint.save.shared_buffers import SharedArena, buffer_tensors, move_into
 from safepoint.store.fingerprint import fingerprints
 
 Alias = tuple[Any, ...]
-"""What makes two tensors the very same bytes: (device, data_ptr, dtype, shape, strides)."""
+"""What makes two tensors the very same values: (device, data_ptr, dtype, shape, strides, conj, neg)."""
 
 log = logging.getLogger("safepoint")
 
@@ -200,7 +200,8 @@ def _plain(t: Any) -> bool:
 
 
 def _alias(t: torch.Tensor) -> Alias:
-    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+    # The conj and neg bits too: ``z.conj()`` is the same memory, dtype and view as ``z`` but other values.
+    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.is_conj(), t.is_neg())
 
 
 def _walk(sd: Any, buffers: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:

@@ -89,10 +89,11 @@ def resolve_raw(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
 
 
 def _alias_key(t: torch.Tensor) -> tuple[Any, ...] | None:
-    """What makes two items the very same bytes: same memory, dtype and view (tied weights)."""
+    """What makes two items the very same values: same memory, dtype and view (tied weights), and the same
+    conj and neg bits (``z.conj()`` and ``torch._neg_view(r)`` share everything else with ``z`` and ``r``)."""
     if type(t) is not torch.Tensor or t.layout != torch.strided or not t.numel():
         return None
-    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.is_conj(), t.is_neg())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
