@@ -22,6 +22,7 @@ from safepoint.dist import Comm, PeerTimeoutError
 from safepoint.errors import CheckpointError, SaveError, describe_exception
 from safepoint.policy.retainer import Retainer
 from safepoint.policy.rules import Retention, Verdicts
+from safepoint.save.one_process import save_one_process
 from safepoint.save.plan_reuse import PlanRecord, ReusingSavePlanner
 from safepoint.save.staging import Stager
 from safepoint.store import rank_state
@@ -135,13 +136,15 @@ class SyncSaver:
             # DCP's write collective also carries each rank's file list to rank 0 (store/file_report.py),
             # and raises the same error on every rank when any rank failed.
             with gc_paused():  # DCP's per-item work, without cyclic collections (store/gc_pause.py)
-                dcp_save(
-                    state_dict,
-                    storage_writer=writer,
-                    planner=self._planner(),
-                    process_group=self.comm.group,
-                    no_dist=not self.comm.distributed,
-                )
+                if self.comm.distributed:
+                    dcp_save(
+                        state_dict,
+                        storage_writer=writer,
+                        planner=self._planner(),
+                        process_group=self.comm.group,
+                    )
+                else:  # one process: DCP's own steps, without its plumbing for many (save/one_process.py)
+                    save_one_process(state_dict, writer, self._planner())
         except (CheckpointException, OSError, RuntimeError, ValueError) as e:
             error = describe_exception(e)
         else:

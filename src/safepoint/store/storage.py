@@ -11,6 +11,7 @@ read straight into their destinations where the saved record allows it (see ``Sa
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -23,9 +24,11 @@ from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import (
+    CURRENT_DCP_VERSION,
     FileSystem,
     FileSystemWriter,
     SerializationFormat,
+    _StoragePrefix,
 )
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import (
@@ -183,6 +186,15 @@ class SafepointWriter(FileSystemWriter):
         root = root or RootDir(where.parent if where.name == _PENDING else where)
         self.fs = _ChecksummingFileSystem(self.recorder, root)
 
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # DCP's, less its look for an existing .metadata (a guarded walk and an lstat per save): the
+        # directory is a fresh pending one, named by this save's unique id, and with overwrite=True DCP
+        # would only have warned.
+        self.fs.mkdir(self.path)
+        if self.rank is not None and not self.use_collectives:
+            plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
+        return plan
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self._prefix = plan.storage_data.prefix  # "__<rank>_": the incremental layer names files with it
         # DCP's own writer threads (thread_count > 1) start and are joined inside this call: covered too.
@@ -209,7 +221,20 @@ class SafepointWriter(FileSystemWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         self.rank_skipped = skipped_per_rank(results)
         self.rank_files, results = split_files(results)
-        super().finish(metadata, results)
+        # DCP's finish, less its temporary file: it writes .metadata.tmp, fsyncs it, removes an existing
+        # .metadata and renames (three more guarded walks per save). Here the directory is always a fresh
+        # pending one: no reader lists it until the commit renames it whole, after this file and the
+        # directory are fsync'd (a crash before leaves a pending directory the next owner removes), and it
+        # holds no older .metadata to replace (the create unlinks whatever stands there, O_EXCL). The fields
+        # set and the pickle are DCP's own, so the bytes are the same; the write is checksummed as written.
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
+        metadata.storage_meta = self.storage_meta()
+        per_rank = not self.use_collectives and self.rank is not None
+        path = self._get_metadata_path(self.rank if per_rank else None)
+        with self.fs.create_stream(path, "wb") as stream:
+            pickle.dump(metadata, stream)
+            os.fsync(stream.fileno())
 
     def _write_data(self, planner: SavePlanner, file_queue: queue.Queue[Any]) -> Future[list[WriteResult]]:
         # DCP's own loop calls torch.save once per tensor item; item_writer writes the same bytes from a
