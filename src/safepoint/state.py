@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from safepoint.data import rng
+from safepoint.data import fqn_cache, rng
 from safepoint.data.optim_load import in_order
 from safepoint.data.plain import PlainState, load_own_optimizer_sd, load_stateful, own_optimizer_sd
 from safepoint.data.sharded import check_not_sharded
@@ -174,7 +174,7 @@ class TrainState:
         """The DCP state dict for a save. Tensors alias live state: stage or write before training goes on."""
         sd: dict[str, Any] = {}
         if self.model is not None:
-            model_sd, optim_sd = get_state_dict(self.model, self._optimizers())
+            model_sd, optim_sd = fqn_cache.state_dicts(self.model, self._optimizers())
             sd[MODEL] = model_sd
             if self.optimizer is not None:
                 sd[OPTIMIZER] = optim_sd
@@ -245,7 +245,7 @@ class TrainState:
             with_optim = f"{OPTIMIZERS}.{name}" in wanted and name in (self.optimizers or {})
             if f"{MODULES}.{name}" not in wanted and not with_optim:
                 continue
-            model_sd, optim_sd = get_state_dict(module, self._named_optimizers(name))
+            model_sd, optim_sd = fqn_cache.state_dicts(module, self._named_optimizers(name))
             if f"{MODULES}.{name}" in wanted:
                 out.setdefault(MODULES, {})[name] = model_sd
             if with_optim:
