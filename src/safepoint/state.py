@@ -365,11 +365,12 @@ def restorable(value: Any, path: str = "") -> Any:
             _check_weights_only(type(value)(), path)  # the container type alone, never its tensors
         # Tensors and plain values as they are, no call or path built for each (this runs every save).
         named, pre = isinstance(value, dict), f"{path}." if path or not isinstance(value, dict) else ""
-        pairs = list(value.items()) if named else list(enumerate(value))
+        pairs = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
         changed = {k: new for k, v in pairs if not (isinstance(v, torch.Tensor) or type(v) in _PLAIN)
                    and (new := restorable(v, f"{pre}{k}")) is not v}  # fmt: skip
         out = [changed.get(k, v) for k, v in pairs] if changed else None
-        return value if out is None else type(value)(zip(value, out, strict=True) if named else out)
+        kind: Any = type(value)  # rebuilt as it was: dict, OrderedDict, list, tuple, a namedtuple's class
+        return value if out is None else kind(zip(value, out, strict=True) if named else out)
     plain = _numpy_scalar(value)
     if plain is not None:
         return plain

@@ -185,7 +185,7 @@ class SyncSaver:
             else:
                 self.verdicts.forget(step)  # its bytes are new: what was found about the old ones is moot
             # Retention runs on the deleter thread, not here (None: nothing committed, the claim ends).
-            self.retainer.committed(step, info)
+            self.retainer.committed(step, info, tuple(self._manifest.files) if self._manifest else None)
         # The one collective of our own: rank 0's verdict (committed, or why not) for every rank; with
         # per-node local tiers it carries the manifest to the other nodes' leaders.
         multi = self.nodes is not None and self.nodes.multi

@@ -85,7 +85,7 @@ def _saved(payload: Any) -> bytes:
 
 
 def _data(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def _fill(template: Template, leaves: list[torch.Tensor]) -> bytes:

@@ -114,7 +114,7 @@ def read_metadata_file(path: str | os.PathLike[str]) -> Metadata:
 
 class _ChecksummingFileSystem(FileSystem):
     """DCP's local FileSystem, but every write stream records its size and crc32c, and every file DCP's
-    writer touches (its data files, ``.metadata.tmp``, the rename to ``.metadata``, the save's directory)
+    writer touches (its data files, ``.metadata``, the save's directory, a rename of DCP's own finish)
     goes through the guarded walk (store/rootfs.py): DCP's FileSystemWriter does all its file access
     through these methods, so none of it is by path."""
 
@@ -147,7 +147,8 @@ class _ChecksummingFileSystem(FileSystem):
         self.root.makedirs(Path(path))  # walked from the root: a symlink on the way is ELOOP, not followed
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
-        # DCP's .metadata.tmp -> .metadata, inside the save's directory (OutsideRootError otherwise).
+        # DCP's own finish renames .metadata.tmp -> .metadata (SafepointWriter.finish writes .metadata in
+        # place): inside the save's directory only (OutsideRootError otherwise).
         self.root.move(Path(path), Path(new_path))
         self.recorder.rename(Path(path).name, Path(new_path).name)
 
