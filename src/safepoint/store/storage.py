@@ -138,6 +138,10 @@ class _ChecksummingFileSystem(FileSystem):
             raise
 
     def mkdir(self, path: str | os.PathLike[str]) -> None:
+        self.make_save_dir(path)
+
+    def make_save_dir(self, path: str | os.PathLike[str]) -> None:
+        """DCP's ``mkdir`` of the save's directory, guarded (its name apart from Path.mkdir's)."""
         # The save's directory is created in ROOT/.pending: if that is a symlink, the save would be written
         # outside ROOT. Raised here, inside DCP's collective save, so every rank fails the save together.
         parent = Path(path).parent
@@ -185,13 +189,13 @@ class SafepointWriter(FileSystemWriter):
         self.recorder = ChecksumRecorder()
         where = Path(path).parent
         root = root or RootDir(where.parent if where.name == _PENDING else where)
-        self.fs = _ChecksummingFileSystem(self.recorder, root)
+        self.fs = self._fs = _ChecksummingFileSystem(self.recorder, root)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # DCP's, less its look for an existing .metadata (a guarded walk and an lstat per save): the
         # directory is a fresh pending one, named by this save's unique id, and with overwrite=True DCP
         # would only have warned.
-        self.fs.mkdir(self.path)
+        self._fs.make_save_dir(self.path)
         if self.rank is not None and not self.use_collectives:
             plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
         return plan
