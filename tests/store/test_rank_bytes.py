@@ -84,3 +84,17 @@ def test_rng_restored_exactly_through_the_rank_file(root: Path) -> None:
         assert mgr.restore(safepoint.TrainState(model=model)) == 2
         got = (random.random(), float(np.random.rand()), torch.rand(3))
     assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
+
+
+def test_a_template_made_with_crc32_off_is_not_used_with_it_on(
+    saves: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safepoint.store import crc_switch
+
+    payload = {"rng": {"a": torch.arange(6.0), "b": torch.ones(3, dtype=torch.int64)}}
+    assert rank_bytes.saved_bytes(payload) == _torch_save(payload)  # a template, CRC-32 off
+    monkeypatch.setattr(crc_switch, "SKIP_TORCH_CRC32", False)  # the user keeps torch's CRC-32
+    payload["rng"]["a"].add_(1.0)
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    assert rank_bytes.saved_bytes(payload) == buf.getvalue()  # torch.save itself: the CRCs depend on data

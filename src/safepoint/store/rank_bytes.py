@@ -37,9 +37,13 @@ def saved_bytes(payload: dict[str, Any]) -> bytes:
     """What ``torch.save(payload)`` writes with torch's CRC-32 off (see the module docstring)."""
     with torch_crc32_off():
         leaves: list[torch.Tensor] = []
-        key = _structure(payload, leaves)
-        if key is None or len({t.data_ptr() for t in leaves}) != len(leaves):
+        structure = _structure(payload, leaves)
+        if structure is None or len({t.data_ptr() for t in leaves}) != len(leaves):
             return _saved(payload)  # not plain tensors, or two sharing memory: torch.save itself
+        # torch's settings that shape the file are part of the key (a template made with CRC-32 off is
+        # not what torch.save writes with it on; nor with another storage alignment).
+        settings = (torch.serialization.get_crc32_options(), torch.serialization._get_storage_alignment())
+        key = (structure, settings)
         try:
             template = _templates[key]
         except KeyError:
