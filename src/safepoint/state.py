@@ -363,14 +363,14 @@ def restorable(value: Any, path: str = "") -> Any:
     if isinstance(value, _CONTAINERS):
         if type(value) not in _SAFE_CONTAINERS:  # OrderedDict (a model's state dict), a namedtuple, ...
             _check_weights_only(type(value)(), path)  # the container type alone, never its tensors
-        out: Any
-        if isinstance(value, dict):
-            out = {k: restorable(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()}
-            same = all(out[k] is value[k] for k in value)
-        else:
-            out = [restorable(v, f"{path}.{i}") for i, v in enumerate(value)]
-            same = all(a is b for a, b in zip(out, value, strict=True))
-        return value if same else type(value)(out)
+        # Tensors and plain values as they are, no call or path built for each (this runs every save).
+        named, pre = isinstance(value, dict), f"{path}." if path or not isinstance(value, dict) else ""
+        pairs = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
+        changed = {k: new for k, v in pairs if not (isinstance(v, torch.Tensor) or type(v) in _PLAIN)
+                   and (new := restorable(v, f"{pre}{k}")) is not v}  # fmt: skip
+        out = [changed.get(k, v) for k, v in pairs] if changed else None
+        kind: Any = type(value)  # rebuilt as it was: dict, OrderedDict, list, tuple, a namedtuple's class
+        return value if out is None else kind(zip(value, out, strict=True) if named else out)
     plain = _numpy_scalar(value)
     if plain is not None:
         return plain

@@ -1,5 +1,10 @@
-"""A failed save whose files could not be deleted at once (no descriptors left: deleting a directory tree
-needs them too) is deleted by the next save, not left in ``.pending`` until the next owner's start."""
+"""A failed save whose files could not be deleted at once is deleted by the next save, not left in
+``.pending`` until the next owner's start.
+
+Two real ways to get there: the torture campaigns' fault layer (tests/torture/faults.py: every write, unlink
+and rmdir under the root fails with EIO from the save's first write on, after its directory was made, until
+the layer is disarmed), and, through an async save, the process running out of descriptors (deleting a
+directory tree needs them too)."""
 
 from __future__ import annotations
 
@@ -8,6 +13,32 @@ import sys
 from pathlib import Path
 
 from tests.conftest import SUBPROCESS_ENV
+
+_FAULTS = """
+import os, sys, torch, safepoint
+from safepoint.store import heartbeat
+from tests.torture import faults
+heartbeat.HEARTBEAT_S = 86400.0  # no lease write lands in the faulty window
+root, journal = sys.argv[1], sys.argv[2]
+m = torch.nn.Linear(64, 64)
+mgr = safepoint.CheckpointManager(root, cluster=safepoint.ClusterOptions(lease_stale_after_s=4 * 86400.0))
+def save(step):
+    try:
+        mgr.save(step, safepoint.TrainState(model=m, rng=False)); return "ok"
+    except safepoint.SaveError as e:
+        return "failed" if "(injected)" in str(e) else repr(e)
+print(save(1))
+layer = faults.install(faults.Layer(root, journal, mode="fail", sticky=("write", "unlink", "rmdir")))
+with torch.no_grad():
+    m.weight.add_(1.0)  # new bytes to write (an unchanged model's data files are linked from step 1)
+layer.tripped = True  # from now on every write, unlink and rmdir under the root fails (sticky kinds)
+print(save(2))
+layer.disarm()
+print(len(os.listdir(os.path.join(root, ".pending"))))
+print(save(3))
+print(sorted(os.listdir(os.path.join(root, ".pending"))), [c.step for c in mgr.list()])
+mgr.close()
+"""
 
 _SCRIPT = """
 import os, sys, torch, safepoint
@@ -22,7 +53,7 @@ def save(step):
 print(save(1))
 # Every descriptor taken but ``spare``: with none spare the save fails before its directory exists (the
 # guarded walk opens ROOT first, store/rootfs.py), so a few are left until one fails with its directory
-# made and its files impossible to delete then.
+# made, or succeeds.
 for spare in range(64):
     held = []
     try:
@@ -46,9 +77,9 @@ mgr.close()
 """
 
 
-def _run(root: Path, mode: str) -> list[str]:
+def _run(script: str, *args: str) -> list[str]:
     out = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, str(root), mode],
+        [sys.executable, "-c", script, *args],
         env=SUBPROCESS_ENV,
         capture_output=True,
         text=True,
@@ -58,9 +89,9 @@ def _run(root: Path, mode: str) -> list[str]:
     return out.stdout.splitlines()
 
 
-def test_the_next_save_deletes_what_a_save_out_of_descriptors_left(root: Path) -> None:
-    lines = _run(root, "sync")
-    assert lines[:2] == ["ok", "failed"]
+def test_the_next_save_deletes_what_a_failed_save_could_not(root: Path, tmp_path: Path) -> None:
+    lines = _run(_FAULTS, str(root), str(tmp_path / "journal"))
+    assert lines[:2] == ["ok", "failed"], lines
     assert int(lines[2]) >= 1  # the failed save's directory could not be deleted then
     assert lines[3:] == ["ok", "[] [1, 3]"]
 
@@ -68,6 +99,6 @@ def test_the_next_save_deletes_what_a_save_out_of_descriptors_left(root: Path) -
 def test_the_same_through_an_async_save(root: Path) -> None:
     """Through an async save the guarded walk needs one descriptor at a time: with none spare the save
     fails before its directory exists, with one it succeeds; either way nothing is left in .pending."""
-    lines = _run(root, "async")
+    lines = _run(_SCRIPT, str(root), "async")
     assert lines[0] == "ok" and lines[1] in ("ok", "failed"), lines
     assert lines[3] == "ok" and lines[4].startswith("[] "), lines

@@ -55,7 +55,8 @@ def test_links_planted_at_dcps_file_names_are_not_written_through(tmp_path: Path
     victim = _outside(tmp_path)
     save = tmp_path / "root" / ".pending" / "step-1-x"
     save.mkdir(parents=True)
-    for name in ("__0_0.distcp", ".metadata.tmp", ".metadata"):
+    # The names the writer creates (.metadata is written in place, no .metadata.tmp: store/storage.py).
+    for name in ("__0_0.distcp", ".metadata"):
         (save / name).symlink_to(victim)
     dcp.save({"t": torch.arange(8.0)}, storage_writer=SafepointWriter(save), no_dist=True)
     assert victim.read_bytes() == PRECIOUS

@@ -25,13 +25,14 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
-    get_state_dict,
     set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX as _EXTRA_STATE
 from torch.nn.parallel import DistributedDataParallel
+
+from safepoint.data import fqn_cache
 
 # Modules already found to rename keys: later saves take the hooks' way at once. Weak: a module that is
 # gone is forgotten (a new one at the same address is checked afresh).
@@ -44,7 +45,7 @@ def module_state_dicts(
     """``get_state_dict(module, optims)``, or torchtitan's way for a module whose hooks rename keys."""
     if module not in _RENAMING:
         try:
-            return get_state_dict(module, optims)
+            return fqn_cache.state_dicts(module, optims)  # get_state_dict's answer, names cached
         except AttributeError:
             if not _renames_keys(module):
                 raise

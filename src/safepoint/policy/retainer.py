@@ -53,6 +53,7 @@ class Retainer:
         self._names: dict[int, tuple[str, ...]] = {}
         self._cond = threading.Condition()
         self._queue: list[tuple[int, CheckpointInfo | None]] = []  # commits not yet seen by a pass
+        self._given: dict[int, tuple[str, ...]] = {}  # the file names of queued commits, from their saver
         self._claimed: set[int] = set()  # steps a save is committing right now
         self._deleting: int | None = None
         self._busy = False  # a pass is running
@@ -78,8 +79,9 @@ class Retainer:
             while self._deleting == step:
                 self._cond.wait()
 
-    def committed(self, step: int, info: CheckpointInfo | None) -> None:
-        """After the commit of ``step`` (``info``), or its failure (None): queue a retention pass."""
+    def committed(self, step: int, info: CheckpointInfo | None, names: tuple[str, ...] | None = None) -> None:
+        """After the commit of ``step`` (``info``), or its failure (None): queue a retention pass. ``names``:
+        the files its manifest lists (the saver has it in hand: the pass then does not read it back)."""
         if not self.retention.policies:
             return
         with self._cond:
@@ -87,6 +89,8 @@ class Retainer:
                 self._claimed.discard(step)
                 return
             self._queue.append((step, info))
+            if names is not None and info is not None:
+                self._given[step] = names
             if not self.background:
                 return  # settle() runs it
             if self._thread is None:
@@ -120,6 +124,7 @@ class Retainer:
         with self._cond:
             self._stopped = True
             self._queue.clear()
+            self._given.clear()
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -150,11 +155,14 @@ class Retainer:
         with self._cond:
             for step, _ in batch:
                 self._claimed.discard(step)
+            given = {step: self._given.pop(step) for step, _ in batch if step in self._given}
         try:
             newest = [(s, i) for s, i in batch if i is not None]
             for s, i in newest:
                 self._index[s] = i
                 self._names.pop(s, None)
+                if s in given:  # the manifest just committed lists these: not read back from disk
+                    self._names[s] = given[s]
             if newest:  # a failed save changes nothing on disk worth a pass
                 self._pass(newest[-1][0])
         except Exception as e:  # a bug here must not kill the thread and hang drain()
@@ -230,6 +238,7 @@ class Retainer:
             with self._cond:
                 self._stopped = True
                 self._queue.clear()
+                self._given.clear()
                 self._cond.notify_all()
             log.error("safepoint: retention stopped: %s", e)
         except (OSError, CheckpointError) as e:

@@ -22,6 +22,7 @@ from safepoint.dist import Comm, PeerTimeoutError
 from safepoint.errors import CheckpointError, SaveError, describe_exception
 from safepoint.policy.retainer import Retainer
 from safepoint.policy.rules import Retention, Verdicts
+from safepoint.save.one_process import save_one_process
 from safepoint.save.plan_reuse import PlanRecord, ReusingSavePlanner
 from safepoint.save.staging import Stager
 from safepoint.store import rank_state
@@ -135,13 +136,15 @@ class SyncSaver:
             # DCP's write collective also carries each rank's file list to rank 0 (store/file_report.py),
             # and raises the same error on every rank when any rank failed.
             with gc_paused():  # DCP's per-item work, without cyclic collections (store/gc_pause.py)
-                dcp_save(
-                    state_dict,
-                    storage_writer=writer,
-                    planner=self._planner(),
-                    process_group=self.comm.group,
-                    no_dist=not self.comm.distributed,
-                )
+                if self.comm.distributed:
+                    dcp_save(
+                        state_dict,
+                        storage_writer=writer,
+                        planner=self._planner(),
+                        process_group=self.comm.group,
+                    )
+                else:  # one process: DCP's own steps, without its plumbing for many (save/one_process.py)
+                    save_one_process(state_dict, writer, self._planner())
         except (CheckpointException, OSError, RuntimeError, ValueError) as e:
             error = describe_exception(e)
         else:
@@ -182,7 +185,7 @@ class SyncSaver:
             else:
                 self.verdicts.forget(step)  # its bytes are new: what was found about the old ones is moot
             # Retention runs on the deleter thread, not here (None: nothing committed, the claim ends).
-            self.retainer.committed(step, info)
+            self.retainer.committed(step, info, tuple(self._manifest.files) if self._manifest else None)
         # The one collective of our own: rank 0's verdict (committed, or why not) for every rank; with
         # per-node local tiers it carries the manifest to the other nodes' leaders.
         multi = self.nodes is not None and self.nodes.multi

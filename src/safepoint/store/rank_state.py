@@ -29,6 +29,7 @@ from safepoint.state import PER_RANK_SECTIONS, RNG, rank_key
 from safepoint.store.checksum import crc_hex
 from safepoint.store.guard import read_up_to
 from safepoint.store.manifest import Manifest
+from safepoint.store.rank_bytes import saved_bytes
 from safepoint.store.rootfs import around
 
 
@@ -47,9 +48,8 @@ def write(layout: Any, pending: Any, rank: int, sections: dict[str, Any]) -> dic
     (empty when there are none). ``pending`` is a directory (Layout) or an object key prefix (store)."""
     if not sections:
         return {}
-    buf = io.BytesIO()
-    torch.save({s: v[rank_key(rank)] for s, v in sections.items()}, buf)
-    data, name = buf.getvalue(), file_name(rank)
+    # torch.save's bytes, from a template where the sections are plain tensors (the RNG states)
+    data, name = saved_bytes({s: v[rank_key(rank)] for s, v in sections.items()}), file_name(rank)
     if isinstance(pending, Path):
         # Through the guarded walk (store/rootfs.py): a link planted at the name is unlinked, never written
         # through. fsync'd: committed with the rest (DCP fsyncs its files, the commit the directory).

@@ -30,7 +30,7 @@ import os
 import shutil
 import stat
 from collections.abc import Iterator
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from safepoint.store.checksum import stream_crc32c
 from safepoint.store.fsops import rename_exchange_at
@@ -59,7 +59,8 @@ class RootDir:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self._abs = Path(os.path.abspath(path))
+        self._base = os.path.abspath(path)  # what parts() compares paths with, as strings
+        self._prefix = self._base if self._base.endswith("/") else self._base + "/"
 
     # ---- the walk ------------------------------------------------------------------------------------
 
@@ -69,18 +70,25 @@ class RootDir:
 
     def parts(self, rel: Rel) -> tuple[str, ...]:
         """The components of ``rel`` below the root; OutsideRootError if it is not below the root."""
+        # String operations, not pathlib: every guarded operation starts here (dozens per save), and
+        # pathlib's parsing cost ~40 us a call, a tenth of a small save. Same answers: ``abspath`` normalises
+        # as before (no ".", "..", or empty component is left in it), and a relative name splits on "/"
+        # as PurePosixPath does (empty and "." components dropped, ".." kept and refused below).
         if isinstance(rel, Path):
-            try:
-                p = PurePosixPath(os.fspath(Path(os.path.abspath(rel)).relative_to(self._abs)))
-            except ValueError:
-                raise OutsideRootError(errno.EXDEV, f"{rel} is not under {self.path}") from None
+            path = os.path.abspath(rel)
+            if path == self._base:
+                return ()
+            if not path.startswith(self._prefix):
+                raise OutsideRootError(errno.EXDEV, f"{rel} is not under {self.path}")
+            out = tuple(path[len(self._prefix) :].split("/"))
+            if "" in out:  # "//x" (POSIX keeps a leading "//") under the root "/": not the same root
+                raise OutsideRootError(errno.EXDEV, f"{rel} is not under {self.path}")
         else:
-            p = PurePosixPath(rel)
-            if p.is_absolute():
+            if rel.startswith("/"):
                 raise OutsideRootError(errno.EXDEV, f"{rel!r}: a name under {self.path} is relative")
-        out = tuple(c for c in p.parts if c != ".")
+            out = tuple(c for c in rel.split("/") if c and c != ".")
         if ".." in out:
-            raise OutsideRootError(errno.EXDEV, f"{p} leaves {self.path} ('..')")
+            raise OutsideRootError(errno.EXDEV, f"{'/'.join(out)} leaves {self.path} ('..')")
         return out
 
     def full(self, rel: Rel) -> Path:

@@ -11,6 +11,7 @@ read straight into their destinations where the saved record allows it (see ``Sa
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -23,9 +24,11 @@ from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import (
+    CURRENT_DCP_VERSION,
     FileSystem,
     FileSystemWriter,
     SerializationFormat,
+    _StoragePrefix,
 )
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import (
@@ -111,7 +114,7 @@ def read_metadata_file(path: str | os.PathLike[str]) -> Metadata:
 
 class _ChecksummingFileSystem(FileSystem):
     """DCP's local FileSystem, but every write stream records its size and crc32c, and every file DCP's
-    writer touches (its data files, ``.metadata.tmp``, the rename to ``.metadata``, the save's directory)
+    writer touches (its data files, ``.metadata``, the save's directory, a rename of DCP's own finish)
     goes through the guarded walk (store/rootfs.py): DCP's FileSystemWriter does all its file access
     through these methods, so none of it is by path."""
 
@@ -135,6 +138,10 @@ class _ChecksummingFileSystem(FileSystem):
             raise
 
     def mkdir(self, path: str | os.PathLike[str]) -> None:
+        self.make_save_dir(path)
+
+    def make_save_dir(self, path: str | os.PathLike[str]) -> None:
+        """DCP's ``mkdir`` of the save's directory, guarded (its name apart from Path.mkdir's)."""
         # The save's directory is created in ROOT/.pending: if that is a symlink, the save would be written
         # outside ROOT. Raised here, inside DCP's collective save, so every rank fails the save together.
         parent = Path(path).parent
@@ -144,7 +151,8 @@ class _ChecksummingFileSystem(FileSystem):
         self.root.makedirs(Path(path))  # walked from the root: a symlink on the way is ELOOP, not followed
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
-        # DCP's .metadata.tmp -> .metadata, inside the save's directory (OutsideRootError otherwise).
+        # DCP's own finish renames .metadata.tmp -> .metadata (SafepointWriter.finish writes .metadata in
+        # place): inside the save's directory only (OutsideRootError otherwise).
         self.root.move(Path(path), Path(new_path))
         self.recorder.rename(Path(path).name, Path(new_path).name)
 
@@ -181,7 +189,16 @@ class SafepointWriter(FileSystemWriter):
         self.recorder = ChecksumRecorder()
         where = Path(path).parent
         root = root or RootDir(where.parent if where.name == _PENDING else where)
-        self.fs = _ChecksummingFileSystem(self.recorder, root)
+        self.fs = self._fs = _ChecksummingFileSystem(self.recorder, root)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # DCP's, less its look for an existing .metadata (a guarded walk and an lstat per save): the
+        # directory is a fresh pending one, named by this save's unique id, and with overwrite=True DCP
+        # would only have warned.
+        self._fs.make_save_dir(self.path)
+        if self.rank is not None and not self.use_collectives:
+            plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
+        return plan
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self._prefix = plan.storage_data.prefix  # "__<rank>_": the incremental layer names files with it
@@ -209,7 +226,20 @@ class SafepointWriter(FileSystemWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         self.rank_skipped = skipped_per_rank(results)
         self.rank_files, results = split_files(results)
-        super().finish(metadata, results)
+        # DCP's finish, less its temporary file: it writes .metadata.tmp, fsyncs it, removes an existing
+        # .metadata and renames (three more guarded walks per save). Here the directory is always a fresh
+        # pending one: no reader lists it until the commit renames it whole, after this file and the
+        # directory are fsync'd (a crash before leaves a pending directory the next owner removes), and it
+        # holds no older .metadata to replace (the create unlinks whatever stands there, O_EXCL). The fields
+        # set and the pickle are DCP's own, so the bytes are the same; the write is checksummed as written.
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
+        metadata.storage_meta = self.storage_meta()
+        per_rank = not self.use_collectives and self.rank is not None
+        path = self._get_metadata_path(self.rank if per_rank else None)
+        with self.fs.create_stream(path, "wb") as stream:
+            pickle.dump(metadata, stream)
+            os.fsync(stream.fileno())
 
     def _write_data(self, planner: SavePlanner, file_queue: queue.Queue[Any]) -> Future[list[WriteResult]]:
         # DCP's own loop calls torch.save once per tensor item; item_writer writes the same bytes from a
