@@ -24,7 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_optimizer_state_dict,
+    set_model_state_dict,
     set_optimizer_state_dict,
     set_state_dict,
 )
@@ -59,15 +61,32 @@ def set_module_state(
     module: nn.Module, optims: list[torch.optim.Optimizer], model_sd: dict[str, Any], optim_sd: Any
 ) -> None:
     """``set_state_dict``; for a module whose hooks rename keys, its own ``load_state_dict`` (strict: every
-    key the hooks expect, none left over) and ``set_optimizer_state_dict`` for its optimizers."""
-    if module not in _RENAMING:
+    key the hooks expect, none left over) and ``set_optimizer_state_dict`` for its optimizers.
+
+    A parameter the loaded param groups name without a state (the saved optimizer had none for it:
+    restore/stateless.py) gets none: the optimizer is loaded with ``strict=False``, which skips exactly
+    such parameters (DCP's split raises for them otherwise), the weights as before."""
+    stateless = optims and _named_without_state(optim_sd)
+    if module not in _RENAMING and not stateless:
         set_state_dict(module, optims, model_state_dict=model_sd, optim_state_dict=optim_sd)
         return
-    own = _unwrapped(module)
+    own = module if module not in _RENAMING else _unwrapped(module)
     if model_sd:
-        own.load_state_dict(model_sd)
+        own.load_state_dict(model_sd) if module in _RENAMING else set_model_state_dict(module, model_sd)
     if optims:
-        set_optimizer_state_dict(own, optims, optim_sd)
+        options = StateDictOptions(strict=not stateless)
+        set_optimizer_state_dict(own, optims, optim_sd, options=options)
+
+
+def _named_without_state(optim_sd: Any) -> bool:
+    """Whether ``optim_sd`` (FQN-keyed) has a param group naming a parameter its ``state`` has nothing for."""
+    if not isinstance(optim_sd, dict) or not isinstance(optim_sd.get("state"), dict):
+        return False
+    state = optim_sd["state"]
+    return any(
+        isinstance(group, dict) and any(p not in state for p in group.get("params", ()) if isinstance(p, str))
+        for group in optim_sd.get("param_groups", ())
+    )
 
 
 def _unwrapped(module: nn.Module) -> nn.Module:

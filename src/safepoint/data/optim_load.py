@@ -8,11 +8,13 @@ the split is an identity and can be proven one in linear time:
 - one optimizer for the module, every parameter of it a plain (not sharded) tensor that appears under one
   name only, and that name is DCP's FQN of it (no wrapper renames it: ``_get_fqns``, the function DCP
   itself uses, maps it to itself);
-- no empty param group, and the loaded param groups list exactly the FQNs of the live groups, in order;
-- every parameter that requires grad has a loaded state (DCP raises otherwise: that case keeps its error).
+- no empty param group, and the loaded param groups list exactly the FQNs of the live groups, in order.
+
+A parameter the loaded groups name without a state gets none, as ``set_state_dict(strict=False)`` leaves it:
+the saved optimizer had none (restore/stateless.py decided that from the checkpoint before loading).
 
 The split then returns the loaded groups (``params`` equal to the FQNs it rebuilds) and the loaded state of
-the parameters that require grad, which is what is built here and handed to the same
+the parameters that require grad and have one, which is what is built here and handed to the same
 ``Optimizer.load_state_dict``, after the same ``_init_optim_state``. Anything else returns False and the
 caller goes through ``set_state_dict`` as before.
 
@@ -63,9 +65,7 @@ def in_order(model: nn.Module, optims: list[torch.optim.Optimizer], loaded: Any)
             assert fqn is not None  # every live param is named (else the comparison above failed)
             if _get_fqns(model, fqn) != {fqn}:
                 return None
-            if param.requires_grad:
-                if fqn not in state:
-                    return None
+            if param.requires_grad and fqn in state:  # none: the saved optimizer had none (stateless)
                 picked[fqn] = state[fqn]
 
     def load() -> None:

@@ -113,7 +113,7 @@ def damage_first(
     if metadata is None or not isinstance(error, StateMismatchError):
         return error
     try:
-        problem = items_problem(metadata, _ranges(layout, step))
+        problem = items_problem(metadata, file_ranges(layout, step))
     except Exception as e:  # a store's own error type: the items cannot be read as listed
         problem = (METADATA_NAME, f"cannot read the items it describes ({describe_exception(e)})")
     if problem is None:
@@ -121,7 +121,7 @@ def damage_first(
     return CorruptCheckpointError(step, problem[0], problem[1])
 
 
-def _ranges(layout: Any, step: int) -> FileRange:
+def file_ranges(layout: Any, step: int) -> FileRange:
     """A FileRange over ``step``'s files on ``layout``: an object store's ranged reads, a per-node view's
     resolved paths (its own disk, a peer replica, a download), else the local step directory."""
     if hasattr(layout, "read_range"):

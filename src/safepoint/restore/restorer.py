@@ -18,12 +18,14 @@ from safepoint.data import rng
 from safepoint.dist import Comm
 from safepoint.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from safepoint.policy.rules import Verdicts
-from safepoint.restore.compat import NotLoadable, check_compat, damage_first, report, section_prefixes
+from safepoint.restore.compat import NotLoadable, check_compat, damage_first, file_ranges, report
+from safepoint.restore.compat import section_prefixes
 from safepoint.restore.free import check_loads_something, fill_free
 from safepoint.restore.in_place import loaded_in_place
 from safepoint.restore.leftover import Leftover, written_keys
 from safepoint.restore.partial import Plan, RestoreReport, Selection, plan
 from safepoint.restore.rank_sections import RankSections
+from safepoint.restore.stateless import Dropped, check_named, drop_stateless
 from safepoint.state import (
     DATALOADER,
     MODEL,
@@ -338,6 +340,7 @@ class Restorer:
         to_dcp = ranks.dcp_part(template)
         matched: Plan | None = None
         free = state.free_parts(sections, sources)  # need .metadata before the plan: the partial path
+        dropped: Dropped = {}  # optimizer state the saved optimizer never had (restore/stateless.py)
         if sel.default and not free:
 
             def prepare() -> Metadata:
@@ -346,6 +349,7 @@ class Restorer:
                 md: Metadata | None = None
                 try:
                     md = self.layout.read_metadata(step, manifest)
+                    dropped.update(drop_stateless(template, md, file_ranges(self.layout, step)))
                     check_compat(step, template, ranks.read(md))
                 except (CorruptCheckpointError, StateMismatchError) as e:
                     raise NotLoadable(damage_first(self.layout, step, md, e)) from None
@@ -360,6 +364,7 @@ class Restorer:
                 metadata = self.layout.read_metadata(step, manifest)
                 checked = ranks.read(metadata)
                 fill_free(template, free, checked, ranks.values)
+                dropped.update(drop_stateless(template, metadata, file_ranges(self.layout, step)))
                 matched = plan(step, template, checked, tuple(section_prefixes(template)), sel)
                 if not sel.strict:
                     check_loads_something(step, matched)
@@ -405,15 +410,11 @@ class Restorer:
             template = matched.put_back()
         else:
             template = ranks.filled(to_dcp)
+        check_named(step, template, dropped, _DamagedWhileLoading)  # the bytes that shaped it, checked
         self.last_report = report(step, str(self.layout.root), matched, absent, ignored)
         derived = None
         if RNG in template and rank >= manifest.world_size:
             derived = rng.derived_seed(template[RNG][rank_key(0)], rank)
-            log.info(
-                "safepoint: rank %d did not exist at save time (world size %d); RNG seeded with the "
-                "derived seed %d",
-                rank,
-                manifest.world_size,
-                derived,
-            )
+            msg = "safepoint: rank %d did not exist at save time (world size %d); RNG seeded with %d (derived)"
+            log.info(msg, rank, manifest.world_size, derived)
         state.apply(template, sources, derived, loaded_in_place(state, template))
