@@ -38,7 +38,8 @@ def _make(kind: str = "one") -> tuple[Net, Any]:
             [{"params": net.a.parameters(), "lr": 1e-2}, {"params": net.unused.parameters(), "lr": 3e-2}]
         )
     assert kind == "list"  # two optimizers: set_state_dict's split, not the ordered fast path
-    return net, [torch.optim.AdamW(net.a.parameters(), lr=1e-2), torch.optim.SGD(net.unused.parameters(), 0.1)]
+    weights, biases = [net.a.weight, net.unused.weight], [net.a.bias, net.unused.bias]
+    return net, [torch.optim.AdamW(weights, lr=1e-2), torch.optim.AdamW(biases, lr=2e-2)]
 
 
 def _opts(opt: Any) -> list[torch.optim.Optimizer]:
@@ -114,7 +115,9 @@ def test_named_modules_and_their_optimizers(tmp_path: Path) -> None:
     with safepoint.CheckpointManager(tmp_path) as mgr:
         mgr.save(2, state)
     (net2, opt2), (ema2, ema_opt2) = _make(), _make("groups")
-    state2 = safepoint.TrainState(model=net2, optimizer=opt2, modules={"ema": ema2}, optimizers={"ema": ema_opt2})
+    state2 = safepoint.TrainState(
+        model=net2, optimizer=opt2, modules={"ema": ema2}, optimizers={"ema": ema_opt2}
+    )
     with safepoint.CheckpointManager(tmp_path) as mgr:
         assert mgr.restore(state2) == 2
     _same_optim(opt, opt2)
@@ -133,7 +136,11 @@ def test_an_optimizer_without_a_model(tmp_path: Path, where: str) -> None:
         _step(net, opt, i)
 
     def state(o: torch.optim.Optimizer) -> safepoint.TrainState:
-        return safepoint.TrainState(optimizer=o) if where == "optimizer" else safepoint.TrainState(objects={"o": o})
+        return (
+            safepoint.TrainState(optimizer=o)
+            if where == "optimizer"
+            else safepoint.TrainState(objects={"o": o})
+        )
 
     with safepoint.CheckpointManager(tmp_path) as mgr:
         mgr.save(2, state(opt))
@@ -165,7 +172,9 @@ def test_a_restore_into_an_optimizer_that_has_stepped(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("strict", [True, False])
-def test_a_checkpoint_whose_optimizer_never_had_the_parameter_is_refused(tmp_path: Path, strict: bool) -> None:
+def test_a_checkpoint_whose_optimizer_never_had_the_parameter_is_refused(
+    tmp_path: Path, strict: bool
+) -> None:
     """No ``optimizer.state.unused.*`` key, and the saved param groups do not name ``unused``: the saved
     optimizer never covered it, so its state is missing, not absent by design."""
     torch.manual_seed(0)
@@ -177,7 +186,9 @@ def test_a_checkpoint_whose_optimizer_never_had_the_parameter_is_refused(tmp_pat
     net2, opt2 = _make()
     with safepoint.CheckpointManager(tmp_path) as mgr:
         if strict:
-            with pytest.raises(StateMismatchError, match=r"missing from the checkpoint: optimizer\.state\.unused"):
+            with pytest.raises(
+                StateMismatchError, match=r"missing from the checkpoint: optimizer\.state\.unused"
+            ):
                 mgr.restore(safepoint.TrainState(model=net2, optimizer=opt2))
         else:
             assert mgr.restore(safepoint.TrainState(model=net2, optimizer=opt2), strict=False) == 1

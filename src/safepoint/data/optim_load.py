@@ -48,6 +48,8 @@ def in_order(model: nn.Module, optims: list[torch.optim.Optimizer], loaded: Any)
     state, groups = loaded[_STATE], loaded[_GROUPS]
     if not isinstance(state, dict) or not isinstance(groups, list) or len(groups) != len(optim.param_groups):
         return None
+    if not state:
+        return None  # no state at all (SGD without momentum): the split hands it on as it is, at once
     names: dict[int, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in names or isinstance(param, DTensor):

@@ -18,8 +18,7 @@ from safepoint.data import rng
 from safepoint.dist import Comm
 from safepoint.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from safepoint.policy.rules import Verdicts
-from safepoint.restore.compat import NotLoadable, check_compat, damage_first, file_ranges, report
-from safepoint.restore.compat import section_prefixes
+from safepoint.restore.compat import NotLoadable, check_compat, damage_first, report, section_prefixes
 from safepoint.restore.free import check_loads_something, fill_free
 from safepoint.restore.in_place import loaded_in_place
 from safepoint.restore.leftover import Leftover, written_keys
@@ -349,7 +348,7 @@ class Restorer:
                 md: Metadata | None = None
                 try:
                     md = self.layout.read_metadata(step, manifest)
-                    dropped.update(drop_stateless(template, md, file_ranges(self.layout, step)))
+                    dropped.update(drop_stateless(template, md, self.layout, step))
                     check_compat(step, template, ranks.read(md))
                 except (CorruptCheckpointError, StateMismatchError) as e:
                     raise NotLoadable(damage_first(self.layout, step, md, e)) from None
@@ -364,7 +363,7 @@ class Restorer:
                 metadata = self.layout.read_metadata(step, manifest)
                 checked = ranks.read(metadata)
                 fill_free(template, free, checked, ranks.values)
-                dropped.update(drop_stateless(template, metadata, file_ranges(self.layout, step)))
+                dropped.update(drop_stateless(template, metadata, self.layout, step))
                 matched = plan(step, template, checked, tuple(section_prefixes(template)), sel)
                 if not sel.strict:
                     check_loads_something(step, matched)
@@ -415,6 +414,6 @@ class Restorer:
         derived = None
         if RNG in template and rank >= manifest.world_size:
             derived = rng.derived_seed(template[RNG][rank_key(0)], rank)
-            msg = "safepoint: rank %d did not exist at save time (world size %d); RNG seeded with %d (derived)"
-            log.info(msg, rank, manifest.world_size, derived)
+            msg = "safepoint: rank %d did not exist at save time (world size %d); RNG seeded with %d"
+            log.info(msg + " (derived)", rank, manifest.world_size, derived)
         state.apply(template, sources, derived, loaded_in_place(state, template))

@@ -29,6 +29,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from safepoint.errors import CorruptCheckpointError
+from safepoint.restore.compat import file_ranges
 from safepoint.state import OPTIMIZER, OPTIMIZERS
 from safepoint.store.reader import weights_only_load
 
@@ -39,12 +40,11 @@ Dropped = dict[tuple[str, ...], frozenset[str]]
 names whose state was dropped."""
 
 
-def drop_stateless(
-    template: dict[str, Any], metadata: Metadata, read: Callable[[str, int, int], bytes]
-) -> Dropped:
+def drop_stateless(template: dict[str, Any], metadata: Metadata, layout: Any, step: int) -> Dropped:
     """Remove from ``template``'s model-keyed optimizer sections the state of every parameter the
-    checkpoint's param groups name but hold no state for (module docstring). ``read(file, offset, n)``
-    reads a checkpoint file's bytes. Returns what was removed."""
+    checkpoint's param groups name but hold no state for (module docstring); ``step``'s files are read
+    from ``layout`` (a local root, a per-node view, an object store). Returns what was removed."""
+    read = file_ranges(layout, step)
     dropped: Dropped = {}
     for path, optim_sd in _sections(template):
         prefix = ".".join(path) + "."
@@ -106,7 +106,7 @@ def _saved_state_fqns(metadata: Metadata, path: tuple[str, ...], prefix: str) ->
         if not key.startswith(state_prefix):
             continue
         where = mappings.get(key)
-        if isinstance(where, tuple) and len(where) > n + 1 and tuple(where[:n]) == path and where[n] == _STATE:
+        if isinstance(where, tuple) and len(where) > n + 1 and tuple(where[: n + 1]) == (*path, _STATE):
             out.add(str(where[n + 1]))
         else:  # no recorded path: every prefix of the rest could be the name (never drops wrongly)
             parts = key[len(state_prefix) :].split(".")
@@ -115,7 +115,8 @@ def _saved_state_fqns(metadata: Metadata, path: tuple[str, ...], prefix: str) ->
 
 
 def _saved_names(metadata: Metadata, prefix: str, read: Callable[[str, int, int], bytes]) -> set[str]:
-    """Every parameter name the checkpoint's param groups under ``prefix`` list (``param_groups.<i>.params``)."""
+    """Every parameter name the checkpoint's param groups under ``prefix`` list (``param_groups.<i>.params``,
+    one record each, read weights-only)."""
     keys = [
         k
         for k, md in metadata.state_dict_metadata.items()
@@ -146,4 +147,3 @@ def _names_in(groups: Any) -> set[str]:
         if isinstance(params, list):
             out.update(p for p in params if isinstance(p, str))
     return out
-
