@@ -5,6 +5,8 @@ optimizer never covered the parameter is still refused."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ from torch import nn
 
 import safepoint
 from safepoint.errors import StateMismatchError
+from tests.conftest import PYTHON, REPO, SUBPROCESS_ENV
 
 
 class Net(nn.Module):
@@ -195,3 +198,24 @@ def test_a_checkpoint_whose_optimizer_never_had_the_parameter_is_refused(
             report = mgr.last_restore
             assert report is not None and not report.complete
             assert any(k.startswith("optimizer.state.unused.") for k in report.missing)
+
+
+@pytest.mark.slow  # the default suite is over its time bar: one 2-rank torchrun (~10 s); in-process above
+def test_two_ranks_fsdp2_and_ddp(tmp_path: Path) -> None:
+    """FSDP2 (sharded: DCP's split, never the ordered fast path) and DDP over real torchrun ranks (gloo)."""
+    root, out = tmp_path / "root", tmp_path / "found"
+    cmd = [
+        PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        str(REPO / "tests" / "dist" / "stateless_worker.py"), str(root), str(out),
+    ]  # fmt: skip
+    env = dict(SUBPROCESS_ENV, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        found = json.loads(Path(f"{out}.{rank}").read_text())
+        for kind in ("fsdp2", "ddp"):
+            assert found[kind]["restored"] == 2, (rank, kind)
+            saved, restored = found[kind]["states"]
+            assert saved == restored == 2, (rank, kind)  # a.weight and a.bias; unused has none
+            assert found[kind]["at_restore"] == [], (rank, kind)
+            assert found[kind]["after"] == [], (rank, kind)
