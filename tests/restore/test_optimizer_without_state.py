@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 import safepoint
-from safepoint.errors import StateMismatchError
+from safepoint.errors import CorruptCheckpointError, StateMismatchError
+from safepoint.restore.stateless import check_named
 from tests.conftest import PYTHON, REPO, SUBPROCESS_ENV
 
 
@@ -219,3 +220,11 @@ def test_two_ranks_fsdp2_and_ddp(tmp_path: Path) -> None:
             assert saved == restored == 2, (rank, kind)  # a.weight and a.bias; unused has none
             assert found[kind]["at_restore"] == [], (rank, kind)
             assert found[kind]["after"] == [], (rank, kind)
+
+
+def test_param_groups_that_changed_while_read_are_damage() -> None:
+    """What the groups read before the load decided is confirmed by the groups the load checked."""
+    template = {"optimizer": {"state": {}, "param_groups": [{"params": ["a.weight", "a.bias"]}]}}
+    check_named(3, template, {("optimizer",): frozenset({"a.bias"})}, CorruptCheckpointError)
+    with pytest.raises(CorruptCheckpointError, match=r"no longer naming \['unused.weight'\]"):
+        check_named(3, template, {("optimizer",): frozenset({"unused.weight"})}, CorruptCheckpointError)

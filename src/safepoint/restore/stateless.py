@@ -46,10 +46,21 @@ def drop_stateless(template: dict[str, Any], metadata: Metadata, layout: Any, st
     from ``layout`` (a local root, a per-node view, an object store). Returns what was removed."""
     read = file_ranges(layout, step)
     dropped: Dropped = {}
+    saved = metadata.state_dict_metadata
     for path, optim_sd in _sections(template):
         prefix = ".".join(path) + "."
+        # Every restore comes here: first one lookup per key of the template, as the strict check does (a
+        # parameter the checkpoint holds any of the template's keys for had a state); the whole key list
+        # is scanned only when some parameter has none of them.
+        maybe = [
+            fqn
+            for fqn, values in optim_sd[_STATE].items()
+            if not (isinstance(values, dict) and any(f"{prefix}{_STATE}.{fqn}.{k}" in saved for k in values))
+        ]
+        if not maybe:
+            continue
         with_state = _saved_state_fqns(metadata, path, prefix)
-        candidates = [fqn for fqn in optim_sd[_STATE] if fqn not in with_state]
+        candidates = [fqn for fqn in maybe if fqn not in with_state]
         if not candidates:
             continue
         named = _saved_names(metadata, prefix, read)
