@@ -18,6 +18,7 @@ import safepoint
 from safepoint.errors import CorruptCheckpointError, StateMismatchError
 from safepoint.restore.stateless import check_named
 from tests.conftest import PYTHON, REPO, SUBPROCESS_ENV
+from tests.helpers.s3 import storage_options
 
 
 class Net(nn.Module):
@@ -228,3 +229,20 @@ def test_param_groups_that_changed_while_read_are_damage() -> None:
     check_named(3, template, {("optimizer",): frozenset({"a.bias"})}, CorruptCheckpointError)
     with pytest.raises(CorruptCheckpointError, match=r"no longer naming \['unused.weight'\]"):
         check_named(3, template, {("optimizer",): frozenset({"unused.weight"})}, CorruptCheckpointError)
+
+
+def test_an_object_store_root(moto_endpoint: str, bucket: str) -> None:
+    """The saved param groups are read by ranged reads of the store's objects (moto S3)."""
+    url, opts = f"s3://{bucket}/run", storage_options(moto_endpoint)
+    net, opt = _make()
+    for i in range(2):
+        _step(net, opt, i)
+    with safepoint.CheckpointManager(url, storage_options=opts) as mgr:
+        mgr.save(2, safepoint.TrainState(model=net, optimizer=opt))
+    net2, opt2 = _make()
+    with safepoint.CheckpointManager(url, storage_options=opts) as mgr:
+        assert mgr.restore(safepoint.TrainState(model=net2, optimizer=opt2)) == 2
+    _same_optim(opt, opt2)
+    _continue(net, opt, 2)
+    _continue(net2, opt2, 2)
+    _same_optim(opt, opt2)
