@@ -174,7 +174,7 @@ class TrainState:
         """The DCP state dict for a save. Tensors alias live state: stage or write before training goes on."""
         sd: dict[str, Any] = {}
         if self.model is not None:
-            model_sd, optim_sd = module_state_dicts(self.model, self._optimizers())
+            model_sd, optim_sd = module_state_dicts(self.model, self._optimizers(), as_saved=True)
             sd[MODEL] = model_sd
             if self.optimizer is not None:
                 sd[OPTIMIZER] = optim_sd
@@ -188,7 +188,7 @@ class TrainState:
             sd[RNG] = {rank_key(rank): rng.capture_rng()}
         if self.extra:
             sd[EXTRA] = {rank_key(rank): _capture_extra(self.extra)}
-        sd.update(self._capture_named(self.sections()))
+        sd.update(self._capture_named(self.sections(), as_saved=True))
         checked: dict[str, Any] = restorable(sd)
         return checked
 
@@ -236,7 +236,7 @@ class TrainState:
                       if isinstance(v, free)]  # fmt: skip
         return parts
 
-    def _capture_named(self, wanted: Iterable[str]) -> dict[str, Any]:
+    def _capture_named(self, wanted: Iterable[str], as_saved: bool = False) -> dict[str, Any]:
         """``{"modules": {name: sd}, "optimizers": {name: sd}, "objects": {name: sd}}`` for the named sections
         in ``wanted`` (``"modules.ema"``, ...); each module with its own optimizers, as ``model`` is."""
         wanted = set(wanted)
@@ -245,7 +245,7 @@ class TrainState:
             with_optim = f"{OPTIMIZERS}.{name}" in wanted and name in (self.optimizers or {})
             if f"{MODULES}.{name}" not in wanted and not with_optim:
                 continue
-            model_sd, optim_sd = module_state_dicts(module, self._named_optimizers(name))
+            model_sd, optim_sd = module_state_dicts(module, self._named_optimizers(name), as_saved=as_saved)
             if f"{MODULES}.{name}" in wanted:
                 out.setdefault(MODULES, {})[name] = model_sd
             if with_optim:

@@ -42,9 +42,26 @@ _RENAMING: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def module_state_dicts(
+    module: nn.Module, optims: list[torch.optim.Optimizer], *, as_saved: bool = False
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``get_state_dict(module, optims)``, or torchtitan's way for a module whose hooks rename keys.
+
+    ``as_saved`` (a save's capture): an optimizer that has not stepped yet is captured without state and
+    left without it. DCP gives such an optimizer a state by stepping it once with zero gradients and a zero
+    learning rate (``_init_optim_state``): saved so, a resume would go on from step 1 where the run went on
+    from 0 (Adam's bias correction differs), and the live optimizer too, so a save before the first step
+    changed the training that followed. A restore's template keeps DCP's state: it gives the loaded values
+    their places, and restore/stateless.py drops what the checkpoint holds none of."""
+    fresh = {id(o) for o in optims if not o.state} if as_saved else set()
+    model_sd, optim_sd = _state_dicts(module, optims)
+    if fresh and any(o.state for o in optims if id(o) in fresh):
+        _forget_made_up_state(optims, fresh, optim_sd)
+    return model_sd, optim_sd
+
+
+def _state_dicts(
     module: nn.Module, optims: list[torch.optim.Optimizer]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``get_state_dict(module, optims)``, or torchtitan's way for a module whose hooks rename keys."""
     if module not in _RENAMING:
         try:
             return fqn_cache.state_dicts(module, optims)  # get_state_dict's answer, names cached
@@ -55,6 +72,27 @@ def module_state_dicts(
     own = _unwrapped(module)
     optim_sd = get_optimizer_state_dict(own, optims) if optims else {}
     return dict(own.state_dict()), optim_sd
+
+
+def _forget_made_up_state(
+    optims: list[torch.optim.Optimizer], fresh: set[int], optim_sd: dict[str, Any]
+) -> None:
+    """Drop the state DCP made up for the ``fresh`` optimizers, from the captured dict and from the live
+    optimizers. The captured groups follow the optimizers' groups in order (DCP extends one list per
+    optimizer); if they do not line up, nothing is dropped (DCP's answer is saved as before)."""
+    groups = optim_sd.get("param_groups", [])
+    if len(groups) != sum(len(o.param_groups) for o in optims):
+        return
+    made_up: list[Any] = []
+    owners = [id(o) for o in optims for _ in o.param_groups]
+    for owner, group in zip(owners, groups, strict=True):
+        if owner in fresh:
+            made_up += group["params"]
+    for name in made_up:
+        optim_sd["state"].pop(name, None)
+    for o in optims:
+        if id(o) in fresh:
+            o.state.clear()
 
 
 def set_module_state(
@@ -75,7 +113,27 @@ def set_module_state(
         own.load_state_dict(model_sd) if module in _RENAMING else set_model_state_dict(module, model_sd)
     if optims:
         options = StateDictOptions(strict=not stateless)
-        set_optimizer_state_dict(own, optims, optim_sd, options=options)
+        for optim, part in _per_optimizer(optims, optim_sd):
+            set_optimizer_state_dict(own, optim, part, options=options)
+
+
+def _per_optimizer(optims: list[torch.optim.Optimizer], optim_sd: Any) -> list[tuple[Any, Any]]:
+    """``optim_sd`` split among ``optims`` by their groups, in order (DCP's split hands the whole dict to each
+    optimizer when ``state`` is empty, e.g. none of them had stepped when saved: "a different number of
+    parameter groups"); the whole of it to them all when the groups do not line up (DCP decides)."""
+    groups = optim_sd.get("param_groups") if isinstance(optim_sd, dict) else None
+    if len(optims) == 1 or not isinstance(groups, list):
+        return [(optims, optim_sd)]
+    if len(groups) != sum(len(o.param_groups) for o in optims):
+        return [(optims, optim_sd)]
+    out, start = [], 0
+    for optim in optims:
+        mine = groups[start : start + len(optim.param_groups)]
+        start += len(optim.param_groups)
+        names = {p for g in mine for p in g.get("params", ())}
+        state = {k: v for k, v in optim_sd.get("state", {}).items() if k in names}
+        out.append(([optim], {"state": state, "param_groups": mine}))
+    return out
 
 
 def _named_without_state(optim_sd: Any) -> bool:
