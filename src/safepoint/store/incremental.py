@@ -38,6 +38,7 @@ import os
 import re
 import secrets
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ from safepoint.store.rootfs import RootDir
 
 Key = tuple[str, tuple[int, ...]]  # (fqn, chunk offsets): one item of a rank's plan
 Entry = tuple[str, str, list[WriteItem]]  # DCP's file queue entry: (path, file name, items)
+Place = Callable[[Path, "StoredFile"], "StoredFile | None"]  # puts a previous step's group into this one
 
 # Stable groups are numbered <9-digit tag of this process><6-digit save><4-digit group>: DCP numbers a
 # rank's own files 0..threads-1, every file name stays ``__<rank>_<n>.distcp`` (what tiers/transfer.py and
@@ -187,10 +189,18 @@ class Round:
         self._stable: set[str] = set()
 
     def arrange(
-        self, directory: Path, prefix: str, entries: list[Entry], planner: SavePlanner, threads: int
+        self,
+        directory: Path,
+        prefix: str,
+        entries: list[Entry],
+        planner: SavePlanner,
+        threads: int,
+        place: Place | None = None,
     ) -> tuple[list[Entry], list[WriteResult]]:
         """The files to write (DCP's queue entries) and the results of the items already in place (linked
-        groups). Fingerprints every tensor item once."""
+        groups). Fingerprints every tensor item once. ``place(source_dir, stored)`` puts an unchanged stable
+        group of the previous step into this one (default: ``link_into``; an object store copies it
+        server-side, remote/incremental_copy.py) and returns it as placed, or None: the group is written."""
         items = [item for _, _, its in entries for item in its]
         fingerprints_: dict[Key, bytes] = {}
         versions: dict[Key, tuple[int, int]] = {}
@@ -248,7 +258,10 @@ class Round:
             for stored in prev.files.values():
                 if not set(stored.infos) <= still:
                     continue
-                linked = link_into(prev.directory / stored.name, directory / stored.name, stored)
+                if place is None:
+                    linked = link_into(prev.directory / stored.name, directory / stored.name, stored)
+                else:
+                    linked = place(prev.directory, stored)
                 if linked is not None:
                     placed |= set(stored.infos)
                     self.record.files[stored.name] = linked
@@ -277,8 +290,16 @@ class Round:
             self.stats["written"] += group_bytes
         return out, results
 
-    def written(self, directory: Path, results: list[WriteResult], files: dict[str, tuple[int, str]]) -> None:
-        """Record the stable groups just written (``files``: the writer's {name: (size, crc32c)})."""
+    def written(
+        self,
+        directory: Path,
+        results: list[WriteResult],
+        files: dict[str, tuple[int, str]],
+        *,
+        local: bool = True,
+    ) -> None:
+        """Record the stable groups just written (``files``: the writer's {name: (size, crc32c)}; ``local``:
+        in a local directory, whose inode is recorded; an object has none, its copy is checked instead)."""
         if self.record is None:
             return
         by_file: dict[str, dict[Key, tuple[int, int]]] = {}
@@ -290,8 +311,11 @@ class Round:
         for name, infos in by_file.items():
             if name not in files:
                 continue
-            st = os.stat(directory / name, follow_symlinks=False)
             size, crc = files[name]
+            if not local:
+                self.record.files[name] = StoredFile(name, infos, size, crc, None)
+                continue
+            st = os.stat(directory / name, follow_symlinks=False)
             if st.st_size == size:
                 self.record.files[name] = StoredFile(name, infos, size, crc, _identity(st))
 
