@@ -51,6 +51,7 @@ def _saves(url: str, opts: dict, model: Frozen, steps: range, proxy, **kw: objec
                 model.adapter.add_(1.0)
             proxy.reset_counts()
             mgr.save(step, state)
+            mgr.wait()  # an async save's write too
             up[step] = proxy.up
     return up
 
@@ -163,3 +164,17 @@ def test_every_full_every_th_direct_save_writes_everything(store: Store) -> None
     assert big == [1, 2, 4, 7], up
     layout = RemoteLayout(url, store.options, transfer=CFG)
     assert [json.loads(layout.manifest_bytes(s))["extra"][INCREMENTAL_KEY]["full"] for s in (4, 5)] == [True, False]
+
+
+@pytest.mark.parametrize("store", ["s3"], indirect=True)
+def test_an_async_direct_save_copies_too(store: Store) -> None:
+    url = store.root()
+    model = Frozen()
+    with tcp_proxy(store.endpoint) as proxy:
+        opts = proxied(store, proxy).options
+        up = _saves(url, opts, model, range(1, 5), proxy, async_save=True)
+    assert up[1] > BASE and up[2] > BASE and max(up[3], up[4]) < ADAPTER * 4 + OVERHEAD, up
+    fresh = Frozen()
+    with safepoint.CheckpointManager(url, storage_options=store.options, transfer=CFG) as mgr:
+        assert mgr.restore(safepoint.TrainState(model=fresh)) == 4
+    assert torch.equal(fresh.base, model.base) and torch.equal(fresh.adapter, model.adapter)
