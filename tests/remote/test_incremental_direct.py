@@ -7,7 +7,11 @@ request lines and headers included. S3 runs in the default suite; GCS and Azure 
 from __future__ import annotations
 
 import json
+import os
 import posixpath
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -177,4 +181,72 @@ def test_an_async_direct_save_copies_too(store: Store) -> None:
     fresh = Frozen()
     with safepoint.CheckpointManager(url, storage_options=store.options, transfer=CFG) as mgr:
         assert mgr.restore(safepoint.TrainState(model=fresh)) == 4
+    assert torch.equal(fresh.base, model.base) and torch.equal(fresh.adapter, model.adapter)
+
+
+_CHILD = """
+import json, os, signal, sys
+import torch
+import safepoint
+import safepoint.remote.s3store as s3
+from tests.remote.test_incremental_direct import CFG, Frozen
+
+url, opts, when = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+model = Frozen()
+state = safepoint.TrainState(model=model)
+real = s3.S3Store.copy
+
+def copy(self, src, dst, size=None):
+    if "step-3/" in dst and when == "before":
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(self, src, dst, size)
+    if "step-3/" in dst:
+        os.kill(os.getpid(), signal.SIGKILL)  # the copy applied, nothing after it
+
+with safepoint.CheckpointManager(url, storage_options=opts, transfer=CFG) as mgr:
+    assert mgr.restore(state) == 2
+    print(safepoint.__file__, flush=True)
+    s3.S3Store.copy = copy
+    with torch.no_grad():
+        model.adapter.add_(1.0)
+    mgr.save(3, state)
+"""
+
+
+@pytest.mark.parametrize("when", [pytest.param("before", marks=pytest.mark.slow), "after"])
+@pytest.mark.parametrize("store", ["s3"], indirect=True)
+def test_kill_9_during_the_server_side_copy_leaves_the_older_steps_and_no_step(store: Store, when: str) -> None:
+    """A real process SIGKILLed just before the store copies a stable group into the new step, or just
+    after it did: steps 1 and 2 stay committed and whole, no step 3 is listed, and the next owner cleans up
+    and saves (copying again)."""
+    url = store.root()
+    model = Frozen()
+    with tcp_proxy(store.endpoint) as proxy:
+        _saves(url, store.options, model, range(1, 3), proxy)
+    src = str(Path(safepoint.__file__).parents[1])  # this tree's code in the child, not the venv's
+    repo = str(Path(__file__).parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, repo])}
+    child = subprocess.run(
+        [sys.executable, "-c", _CHILD, url, json.dumps(store.options), when],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    assert child.stdout.startswith(src), child.stdout
+    layout = RemoteLayout(url, store.options, transfer=CFG)
+    assert layout.committed_steps() == [1, 2]  # nothing of step 3 is committed ...
+    for step in (1, 2):
+        layout.verify(step)  # ... and the steps before are intact
+    assert store.keys(url + "/step-3"), "the child had sent part of step 3"
+    with tcp_proxy(store.endpoint) as proxy:  # the next owner: takes the dead child's lease, cleans up
+        up = _saves(url, proxied(store, proxy).options, model, range(3, 4), proxy)
+    assert up[3] < ADAPTER * 4 + OVERHEAD, up  # and copies (the record of step 2 is still good)
+    assert layout.committed_steps() == [1, 2, 3]
+    manifest = layout.verify(3)
+    assert store.keys(url + "/step-3") == sorted([*manifest.files, "safepoint.json"])  # no leftovers
+    fresh = Frozen()
+    with safepoint.CheckpointManager(url, storage_options=store.options, transfer=CFG) as mgr:
+        assert mgr.restore(safepoint.TrainState(model=fresh)) == 3
     assert torch.equal(fresh.base, model.base) and torch.equal(fresh.adapter, model.adapter)
