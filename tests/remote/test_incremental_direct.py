@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from safepoint.remote.upload import MiB, TransferOptions
 from safepoint.store.incremental import INCREMENTAL_KEY, is_stable_group
 from safepoint.store.incremental_record import side_name
 from tests.helpers.stores import Store
-from tests.helpers.tcpproxy import proxied, tcp_proxy
+from tests.helpers.tcpproxy import TcpProxy, proxied, tcp_proxy
 
 CFG = TransferOptions(part_size=5 * MiB, concurrency=4)
 BASE = 4 * MiB  # the frozen tensor's bytes
@@ -46,10 +47,13 @@ def _snapshot(model: Frozen) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _saves(url: str, opts: dict, model: Frozen, steps: range, proxy, **kw: object) -> dict[int, int]:  # type: ignore[no-untyped-def,type-arg]
+def _saves(
+    url: str, opts: dict[str, Any], model: Frozen, steps: range, proxy: TcpProxy, **kw: Any
+) -> dict[int, int]:
+    """Saves ``steps`` with a new manager (a new process's history); the bytes the client sent for each."""
     up: dict[int, int] = {}
     state = safepoint.TrainState(model=model)
-    with safepoint.CheckpointManager(url, storage_options=opts, transfer=CFG, **kw) as mgr:  # type: ignore[arg-type]
+    with safepoint.CheckpointManager(url, storage_options=opts, transfer=CFG, **kw) as mgr:
         for step in steps:
             with torch.no_grad():
                 model.adapter.add_(1.0)
@@ -167,7 +171,10 @@ def test_every_full_every_th_direct_save_writes_everything(store: Store) -> None
     # the last full copy is a physical full copy again (nothing copied server-side), the others copy.
     assert big == [1, 2, 4, 7], up
     layout = RemoteLayout(url, store.options, transfer=CFG)
-    assert [json.loads(layout.manifest_bytes(s))["extra"][INCREMENTAL_KEY]["full"] for s in (4, 5)] == [True, False]
+    assert [json.loads(layout.manifest_bytes(s))["extra"][INCREMENTAL_KEY]["full"] for s in (4, 5)] == [
+        True,
+        False,
+    ]
 
 
 @pytest.mark.parametrize("store", ["s3"], indirect=True)
@@ -215,7 +222,9 @@ with safepoint.CheckpointManager(url, storage_options=opts, transfer=CFG) as mgr
 
 @pytest.mark.parametrize("when", [pytest.param("before", marks=pytest.mark.slow), "after"])
 @pytest.mark.parametrize("store", ["s3"], indirect=True)
-def test_kill_9_during_the_server_side_copy_leaves_the_older_steps_and_no_step(store: Store, when: str) -> None:
+def test_kill_9_during_the_server_side_copy_leaves_the_older_steps_and_no_step(
+    store: Store, when: str
+) -> None:
     """A real process SIGKILLed just before the store copies a stable group into the new step, or just
     after it did: steps 1 and 2 stay committed and whole, no step 3 is listed, and the next owner cleans up
     and saves (copying again)."""
