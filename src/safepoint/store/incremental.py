@@ -24,10 +24,9 @@ custom kernel (which the version counter misses) still changes the fingerprint a
 A tensor that is the very same view of the same memory as another item of the save (tied weights) is
 written once; both keys map to the same bytes in ``.metadata``.
 
-Bounded blast radius: a linked file is one inode shared by several steps, so damage to it damages all of
-them. Every ``full_every`` saves, nothing is linked (a physical full copy), and retention keeps the newest
-step that shares no file with the newest one (policy/retainer.py), so one damaged file always leaves an
-older intact step. docs/reliability.md has the trade-off.
+Bounded blast radius: a linked file is one inode shared by several steps. Every ``full_every`` saves nothing
+is linked (a physical full copy), and retention keeps the newest step that shares no file with the newest
+one (policy/retainer.py), so one damaged file always leaves an intact step (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -53,6 +52,7 @@ from safepoint.store.rootfs import RootDir
 
 Key = tuple[str, tuple[int, ...]]  # (fqn, chunk offsets): one item of a rank's plan
 Entry = tuple[str, str, list[WriteItem]]  # DCP's file queue entry: (path, file name, items)
+Sizes = dict[str, tuple[int, str]]  # a writer's {file name: (size, crc32c)}
 Place = Callable[[Path, "StoredFile"], "StoredFile | None"]  # puts a previous step's group into this one
 
 # Stable groups are numbered <9-digit tag of this process><6-digit save><4-digit group>: DCP numbers a
@@ -197,10 +197,9 @@ class Round:
         threads: int,
         place: Place | None = None,
     ) -> tuple[list[Entry], list[WriteResult]]:
-        """The files to write (DCP's queue entries) and the results of the items already in place (linked
-        groups). Fingerprints every tensor item once. ``place(source_dir, stored)`` puts an unchanged stable
-        group of the previous step into this one (default: ``link_into``; an object store copies it
-        server-side, remote/incremental_copy.py) and returns it as placed, or None: the group is written."""
+        """The files to write (DCP's queue entries) and the results of the items already in place. Hashes
+        each tensor item once. ``place(source_dir, stored)`` puts an unchanged stable group of the previous
+        step here (default ``link_into``; a store copies it, remote/incremental_copy.py) or returns None."""
         items = [item for _, _, its in entries for item in its]
         fingerprints_: dict[Key, bytes] = {}
         versions: dict[Key, tuple[int, int]] = {}
@@ -255,13 +254,13 @@ class Round:
         placed: set[Key] = set()
         still = {item_key(i) for i in unchanged}
         if prev is not None and prev.directory is not None and not self.full:
+            place = place or (
+                lambda source, stored: link_into(source / stored.name, directory / stored.name, stored)
+            )
             for stored in prev.files.values():
                 if not set(stored.infos) <= still:
                     continue
-                if place is None:
-                    linked = link_into(prev.directory / stored.name, directory / stored.name, stored)
-                else:
-                    linked = place(prev.directory, stored)
+                linked = place(prev.directory, stored)
                 if linked is not None:
                     placed |= set(stored.infos)
                     self.record.files[stored.name] = linked
@@ -291,12 +290,7 @@ class Round:
         return out, results
 
     def written(
-        self,
-        directory: Path,
-        results: list[WriteResult],
-        files: dict[str, tuple[int, str]],
-        *,
-        local: bool = True,
+        self, directory: Path, results: list[WriteResult], files: Sizes, *, local: bool = True
     ) -> None:
         """Record the stable groups just written (``files``: the writer's {name: (size, crc32c)}; ``local``:
         in a local directory, whose inode is recorded; an object has none, its copy is checked instead)."""
