@@ -259,3 +259,17 @@ def test_kill_9_during_the_server_side_copy_leaves_the_older_steps_and_no_step(
     with safepoint.CheckpointManager(url, storage_options=store.options, transfer=CFG) as mgr:
         assert mgr.restore(safepoint.TrainState(model=fresh)) == 3
     assert torch.equal(fresh.base, model.base) and torch.equal(fresh.adapter, model.adapter)
+
+
+def test_a_record_nested_too_deep_is_no_record() -> None:
+    """A record (read back from a store or a disk) whose JSON nests past Python's recursion limit, with a
+    manifest entry that matches it: no record (the next save writes everything), not a RecursionError."""
+    import crc32c
+
+    from safepoint.store.checksum import crc_hex
+    from safepoint.store.incremental_record import decode
+    from safepoint.store.manifest import FileEntry
+
+    data = b"[" * 100_000 + b"]" * 100_000
+    listed = {side_name(0): FileEntry(size=len(data), crc32c=crc_hex(crc32c.crc32c(data)))}
+    assert decode(data, listed, 0, Path("bucket/run/step-1")) is None

@@ -101,7 +101,7 @@ def decode(data: bytes, listed: dict[str, Any], rank: int, directory: Path) -> t
         return None
     try:
         return _parse(json.loads(data), listed, rank, directory)
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, RecursionError):  # RecursionError: JSON nested too deep
         return None
 
 
