@@ -9,6 +9,13 @@ process's ``wchar``), wall time, CPU time; the root's size with keep_last=3 (dis
 of the newest step. Runs alternate full/incremental (``--rounds``) and the 1-minute load average is recorded.
 
     PYTHONPATH=src python benchmarks/bench_incremental.py --rounds 3 --saves 8 --dir /tmp
+
+``--s3``: the saves go straight to a bucket on moto's S3 server (no ``local_root``), and what is measured is
+the bytes the client sends per steady save (every byte through a loopback TCP proxy: requests, headers
+and bodies; tests/helpers/tcpproxy.py): unchanged stable groups are copied server-side
+(remote/incremental_copy.py).
+
+    PYTHONPATH=src python benchmarks/bench_incremental.py --models lora --s3 --rounds 2 --saves 6
 """
 
 from __future__ import annotations
@@ -160,6 +167,82 @@ def run(kind: str, incremental: bool, saves: int, base: Path, process: bool = Fa
         shutil.rmtree(root.parent, ignore_errors=True)
 
 
+def run_s3(kind: str, incremental: bool, saves: int, endpoint: str) -> dict[str, Any]:
+    """Saves straight to a fresh moto bucket through a byte-counting proxy: bytes sent per save."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests.helpers
+    from tests.helpers.s3 import new_bucket
+    from tests.helpers.stores import s3_store
+    from tests.helpers.tcpproxy import proxied, tcp_proxy
+
+    torch.manual_seed(0)
+    model = MODELS[kind]()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    changed = 3 * sum(p.nbytes for p in model.parameters() if p.requires_grad)
+    state = safepoint.TrainState(model=model, optimizer=opt)
+    writer = safepoint.WriterOptions(incremental=incremental, full_every=0)
+    url = f"s3://{new_bucket(endpoint)}/run"
+    sent, wall = [], []
+    with tcp_proxy(endpoint) as proxy:
+        opts = proxied(s3_store(endpoint), proxy).options
+        with safepoint.CheckpointManager(
+            url, storage_options=opts, keep=safepoint.Keep(last=3), writer=writer
+        ) as mgr:
+            for step in range(1, saves + 1):
+                model.loss().backward()
+                opt.step()
+                opt.zero_grad()
+                proxy.reset_counts()
+                t0 = time.perf_counter()
+                mgr.save(step, state)
+                wall.append(time.perf_counter() - t0)
+                sent.append(proxy.up)
+    steady = slice(3, None)
+    return {
+        "sent": statistics.median(sent[steady]),
+        "wall": statistics.median(wall[steady]),
+        "changed": changed,
+    }
+
+
+def main_s3(args: argparse.Namespace) -> None:
+    from moto.server import ThreadedMotoServer
+
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1"
+    )
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{server._server.server_port}"  # type: ignore[attr-defined]
+    try:
+        for kind in args.models.split(","):
+            results: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+            loads = []
+            for _ in range(args.rounds):
+                for incremental in (False, True):  # interleaved
+                    loads.append(os.getloadavg()[0])
+                    results[incremental].append(run_s3(kind, incremental, args.saves, endpoint))
+            full = {k: statistics.median(r[k] for r in results[False]) for k in ("sent", "wall")}
+            inc_ = {k: statistics.median(r[k] for r in results[True]) for k in ("sent", "wall", "changed")}
+            print(
+                f"== {kind} straight to S3 (moto): changed bytes per save {inc_['changed'] / MiB:.2f} MiB; "
+                f"load avg {min(loads):.1f}-{max(loads):.1f}"
+            )
+            print(
+                f"  bytes sent per steady save: full {full['sent'] / MiB:.2f} MiB, incremental "
+                f"{inc_['sent'] / MiB:.2f} MiB = {inc_['sent'] / inc_['changed']:.2f}x changed, "
+                f"{inc_['sent'] / full['sent']:.3f}x full"
+            )
+            print(
+                f"  steady save wall: full {full['wall'] * 1e3:.0f} ms, "
+                f"incremental {inc_['wall'] * 1e3:.0f} ms "
+                f"= {inc_['wall'] / full['wall']:.2f}x"
+            )
+    finally:
+        server.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
@@ -167,7 +250,11 @@ def main() -> None:
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--models", default="lora,embedding,dense")
     ap.add_argument("--process", action="store_true", help="async saves through the writer process")
+    ap.add_argument("--s3", action="store_true", help="save straight to a moto S3 bucket, count bytes sent")
     args = ap.parse_args()
+    if args.s3:
+        main_s3(args)
+        return
     for kind in args.models.split(","):
         results: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
         loads = []

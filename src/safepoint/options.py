@@ -51,9 +51,10 @@ class WriterOptions:
     threads: int = 1
     """DCP writer threads per rank."""
     incremental: bool = True
-    """Write only what changed (local roots and local_root): a tensor whose bytes equal the previous
-    committed save's (proven by a fingerprint of its bytes) is not written again; its file is hard-linked
-    from the previous step, so every step stays a complete DCP checkpoint. See docs/incremental.md."""
+    """Write only what changed: a tensor whose bytes equal the previous committed save's (proven by a
+    fingerprint of its bytes) is not written again; its file is hard-linked from the previous step (on an
+    object store: copied server-side), so every step stays a complete DCP checkpoint. See
+    docs/incremental.md."""
     full_every: int = 10
     """With ``incremental``: every ``full_every``-th save links nothing (a physical full copy), and retention
     keeps the newest step sharing no file with the newest one, so a damaged shared file always leaves an

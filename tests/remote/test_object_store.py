@@ -392,13 +392,14 @@ def test_resaving_a_committed_step_and_interrupted_replacement(moto_endpoint: st
     assert _keys(moto_endpoint, f"{bucket}/run") == [
         "step-3/.metadata",
         "step-3/__0_0.distcp",
+        "step-3/rank-0.fingerprints",  # the incremental record (remote/incremental_copy.py)
         "step-3/rank-0.state",
         "step-3/safepoint.json",
     ]
     # A process that died mid-promotion leaves the staged copy (with its manifest) and no final manifest:
     # the next owner finishes the job.
     fs = _fs(moto_endpoint)
-    for name in (".metadata", "__0_0.distcp", "rank-0.state", "safepoint.json"):
+    for name in (".metadata", "__0_0.distcp", "rank-0.fingerprints", "rank-0.state", "safepoint.json"):
         fs.copy(f"{bucket}/run/step-3/{name}", f"{bucket}/run/.pending/step-3-abc123/{name}")
     fs.rm(f"{bucket}/run/step-3/safepoint.json")
     with safepoint.CheckpointManager(url, storage_options=opts) as mgr:

@@ -181,7 +181,13 @@ def test_verify_and_prune_on_s3_reach_restores_verdict(
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
     local = tmp_path / "step-2"
     local.mkdir()
-    for name in (METADATA_NAME, MANIFEST_NAME, DATA_FILE, "rank-0.state"):  # what the manifest lists
+    for name in (
+        METADATA_NAME,
+        MANIFEST_NAME,
+        DATA_FILE,
+        "rank-0.state",
+        "rank-0.fingerprints",
+    ):  # what the manifest lists
         (local / name).write_bytes(fs.cat_file(f"{bucket}/run/step-2/{name}"))
     _repoint(local, _shifted)
     for name in (METADATA_NAME, MANIFEST_NAME):

@@ -14,13 +14,15 @@ from __future__ import annotations
 import io
 import os
 import posixpath
+import queue
 from collections.abc import Generator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import IO, Any, cast
 
 import crc32c
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemWriter, SerializationFormat
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -33,12 +35,17 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from safepoint.remote.incremental_copy import copier, read_previous_remote
 from safepoint.remote.s3writer import open_writer
 from safepoint.remote.upload import ObjectStore
 from safepoint.store.checksum import ChecksummingWriter, ChecksumRecorder, ReadCoverage
-from safepoint.store.file_report import Files, split_files, with_files
+from safepoint.store.file_report import Files, skipped_per_rank, split_files, with_files
+from safepoint.store.incremental import Record, Round
+from safepoint.store.incremental_record import encode, side_name
+from safepoint.store.item_writer import write_queue
 from safepoint.store.reader import SafeReader
 
+TORCH_SAVE = SerializationFormat.TORCH_SAVE
 READ_PIECE = 8 * 1024 * 1024
 """The most read ahead of an object, and the piece a gap between loaded items is checksummed in."""
 
@@ -91,10 +98,19 @@ class _StoreFileSystem(FsspecFileSystem):
 
 class StoreWriter(FileSystemWriter):
     """DCP writer into a store path; records (size, crc32c) of every file as it streams out, and hands
-    each rank's list to the coordinator through DCP's write collective (store/file_report.py)."""
+    each rank's list to the coordinator through DCP's write collective (store/file_report.py).
+
+    Incremental saves (``incremental`` set by the saver): the unchanged stable groups of the previous
+    committed step are copied server-side rather than sent (remote/incremental_copy.py); the rest is
+    written as a local save writes it (store/item_writer.py: DCP's format, byte for byte)."""
 
     rank_files: list[Files] | None = None
     """Every rank's files, in rank order: set on the coordinator by :meth:`finish`."""
+    rank_skipped: list[int] | None = None
+    """Every rank's bytes copied server-side rather than sent, in rank order: set on the coordinator."""
+    incremental: Round | None = None
+    """Set by the saver: this save's incremental arrangement (store/incremental.py); None writes all."""
+    _prefix = ""
 
     def __init__(self, store: ObjectStore, path: str, *, thread_count: int = 1) -> None:
         # sync_files: objects are durable once their upload completes; DCP's fallback os.sync() would only
@@ -103,13 +119,53 @@ class StoreWriter(FileSystemWriter):
         self.recorder = ChecksumRecorder()
         self.fs = _StoreFileSystem(store, self.recorder)  # type: ignore[assignment]
         self.path = path
+        self._store = store
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self._prefix = plan.storage_data.prefix  # "__<rank>_": the incremental layer names files with it
         fut = super().write_data(plan, planner)
-        fut.wait()
-        return with_files(fut, self.written_files())
+        if len(results := fut.wait()) != len(plan.items):  # a writer thread failed (see storage.py)
+            raise OSError(f"DCP writer threads wrote {len(results)} of {len(plan.items)} items")
+        return with_files(fut, self.written_files(), self.linked_bytes())
+
+    def linked_bytes(self) -> int:
+        """Bytes of this rank's files copied server-side rather than sent (this save)."""
+        return self.incremental.stats["linked"] if self.incremental is not None else 0
+
+    def previous_record(self, layout: Any, rank: int) -> tuple[Record, int] | None:
+        """``rank``'s verified record in the newest committed step of ``layout`` (a RemoteLayout)."""
+        return read_previous_remote(layout, rank)
+
+    def _write_data(self, planner: SavePlanner, file_queue: queue.Queue[Any]) -> Future[list[WriteResult]]:
+        round_ = self.incremental
+        if round_ is None or self.transforms.extensions or self.serialization_format != TORCH_SAVE:
+            return super()._write_data(planner, file_queue)
+        entries = []
+        while not file_queue.empty():
+            entries.append(file_queue.get_nowait())
+        directory = Path(self.path)
+        place = copier(self._store, str(self.path))
+        out, placed = round_.arrange(directory, self._prefix, entries, planner, self.thread_count, place)
+        if round_.record is not None:
+            for name, stored in round_.record.files.items():
+                self.recorder.record(name, stored.size, stored.crc32c)
+        todo: queue.Queue[Any] = queue.Queue()
+        for entry in out:
+            todo.put(entry)
+        results = write_queue(self, planner, todo)
+        round_.written(directory, results, self.recorder.snapshot(), local=False)
+        if round_.record is not None:
+            # The fingerprints go with the step, listed in the manifest (store/incremental_record.py).
+            name = side_name(int(self._prefix.strip("_")))
+            with self.fs.create_stream(posixpath.join(self.path, name), "wb") as stream:
+                stream.write(encode(round_, round_.history.since_full_after(round_)))
+        results += placed
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results + round_.alias_results(results))
+        return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        self.rank_skipped = skipped_per_rank(results)
         self.rank_files, results = split_files(results)
         super().finish(metadata, results)
 

@@ -29,7 +29,7 @@ from safepoint.store import rank_state
 from safepoint.store.file_report import with_files
 from safepoint.store.gc_pause import gc_paused
 from safepoint.store.incremental import INCREMENTAL_KEY, History
-from safepoint.store.incremental_record import read_previous
+from safepoint.store.incremental_record import StoreWriterLike, read_previous
 from safepoint.store.manifest import FileEntry, Manifest
 from safepoint.store.node_map import NODES_KEY, NodeMap
 from safepoint.store.posix_layout import CheckpointInfo, CheckpointStore, Layout
@@ -54,9 +54,9 @@ class SyncSaver:
     ) -> None:
         self.layout = layout
         # Incremental saves (store/incremental.py): what this rank's last committed save wrote, shared with
-        # the manager's other saver (sync and async saves link from whichever committed last). Local roots
-        # only: an object store's writer has no files to link.
-        self.history = history if isinstance(layout, Layout) else None
+        # the manager's other saver (sync and async saves link from whichever committed last). A local root
+        # links unchanged files; an object store copies them server-side (remote/incremental_copy.py).
+        self.history = history
         self.staged = staged
         """Saves staged copies (async): their version counters say nothing about the live tensors. The
         Stager itself: also what it proved of the copies (save/staging.py; one save in flight)."""
@@ -115,11 +115,11 @@ class SyncSaver:
         if self.wrap_writer is not None:
             writer = self.wrap_writer(writer)
         round_ = None
-        if self.history is not None and isinstance(writer, SafepointWriter):
+        # Writers that arrange incremental saves: SafepointWriter (local), StoreWriter (object stores).
+        if self.history is not None and isinstance(writer, SafepointWriter | StoreWriterLike):
             # A new process: the newest committed step's fingerprints, if they verify, so this first save
-            # links what did not change since (store/incremental_record.py).
-            fresh = self.history.fresh and isinstance(self.layout, Layout)
-            if fresh and (found := read_previous(self.layout, self.comm.rank)) is not None:
+            # links (or copies) what did not change since (store/incremental_record.py).
+            if self.history.fresh and (found := self._previous(writer)) is not None:
                 self.history.seed(*found)
             round_ = writer.incremental = self.history.begin(versions=not self.staged)
             if isinstance(self.staged, Stager):
@@ -148,7 +148,7 @@ class SyncSaver:
         except (CheckpointException, OSError, RuntimeError, ValueError) as e:
             error = describe_exception(e)
         else:
-            linked = writer.linked_bytes() if isinstance(writer, SafepointWriter) else 0
+            linked = writer.linked_bytes() if isinstance(writer, SafepointWriter | StoreWriterLike) else 0
             mine = sum(size for size, _ in {**writer.written_files(), **own}.values()) - linked
             took = time.perf_counter() - t0
             self.events.emit(
@@ -211,7 +211,9 @@ class SyncSaver:
             else:  # not committed: this node's share goes, as rank 0's did
                 self.layout.discard(pending)
         if round_ is not None and self.history is not None and info is not None and not errors:
-            self.history.committed(round_, Path(self.layout.step_path(step)))
+            # Where its files lie: a local step's directory, or a store's key prefix (step_key).
+            where = getattr(self.layout, "step_key", self.layout.step_path)
+            self.history.committed(round_, Path(where(step)))
         if errors or info is None:
             why = "; ".join(dict.fromkeys(errors))
             self.events.emit(ev.SAVE_FAILED, step, reason=why)
@@ -225,6 +227,12 @@ class SyncSaver:
         if self.comm.is_coordinator:
             self.retainer.settle()  # inline mode: the pass runs now, after every rank has its verdict
         return info
+
+    def _previous(self, writer: Any) -> Any:
+        """The newest committed step's incremental record of this rank, verified, or None."""
+        if isinstance(writer, StoreWriterLike):
+            return writer.previous_record(self.layout, self.comm.rank)
+        return read_previous(self.layout, self.comm.rank) if isinstance(self.layout, Layout) else None
 
     def _discard(self, *pendings: Any) -> None:
         """Delete failed saves' directories; a local one still there afterwards is retried next save.

@@ -24,10 +24,9 @@ custom kernel (which the version counter misses) still changes the fingerprint a
 A tensor that is the very same view of the same memory as another item of the save (tied weights) is
 written once; both keys map to the same bytes in ``.metadata``.
 
-Bounded blast radius: a linked file is one inode shared by several steps, so damage to it damages all of
-them. Every ``full_every`` saves, nothing is linked (a physical full copy), and retention keeps the newest
-step that shares no file with the newest one (policy/retainer.py), so one damaged file always leaves an
-older intact step. docs/reliability.md has the trade-off.
+Bounded blast radius: a linked file is one inode shared by several steps. Every ``full_every`` saves nothing
+is linked (a physical full copy), and retention keeps the newest step that shares no file with the newest
+one (policy/retainer.py), so one damaged file always leaves an intact step (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ import os
 import re
 import secrets
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,8 @@ from safepoint.store.rootfs import RootDir
 
 Key = tuple[str, tuple[int, ...]]  # (fqn, chunk offsets): one item of a rank's plan
 Entry = tuple[str, str, list[WriteItem]]  # DCP's file queue entry: (path, file name, items)
+Sizes = dict[str, tuple[int, str]]  # a writer's {file name: (size, crc32c)}
+Place = Callable[[Path, "StoredFile"], "StoredFile | None"]  # puts a previous step's group into this one
 
 # Stable groups are numbered <9-digit tag of this process><6-digit save><4-digit group>: DCP numbers a
 # rank's own files 0..threads-1, every file name stays ``__<rank>_<n>.distcp`` (what tiers/transfer.py and
@@ -187,10 +189,17 @@ class Round:
         self._stable: set[str] = set()
 
     def arrange(
-        self, directory: Path, prefix: str, entries: list[Entry], planner: SavePlanner, threads: int
+        self,
+        directory: Path,
+        prefix: str,
+        entries: list[Entry],
+        planner: SavePlanner,
+        threads: int,
+        place: Place | None = None,
     ) -> tuple[list[Entry], list[WriteResult]]:
-        """The files to write (DCP's queue entries) and the results of the items already in place (linked
-        groups). Fingerprints every tensor item once."""
+        """The files to write (DCP's queue entries) and the results of the items already in place. Hashes
+        each tensor item once. ``place(source_dir, stored)`` puts an unchanged stable group of the previous
+        step here (default ``link_into``; a store copies it, remote/incremental_copy.py) or returns None."""
         items = [item for _, _, its in entries for item in its]
         fingerprints_: dict[Key, bytes] = {}
         versions: dict[Key, tuple[int, int]] = {}
@@ -245,10 +254,13 @@ class Round:
         placed: set[Key] = set()
         still = {item_key(i) for i in unchanged}
         if prev is not None and prev.directory is not None and not self.full:
+            place = place or (
+                lambda source, stored: link_into(source / stored.name, directory / stored.name, stored)
+            )
             for stored in prev.files.values():
                 if not set(stored.infos) <= still:
                     continue
-                linked = link_into(prev.directory / stored.name, directory / stored.name, stored)
+                linked = place(prev.directory, stored)
                 if linked is not None:
                     placed |= set(stored.infos)
                     self.record.files[stored.name] = linked
@@ -277,8 +289,11 @@ class Round:
             self.stats["written"] += group_bytes
         return out, results
 
-    def written(self, directory: Path, results: list[WriteResult], files: dict[str, tuple[int, str]]) -> None:
-        """Record the stable groups just written (``files``: the writer's {name: (size, crc32c)})."""
+    def written(
+        self, directory: Path, results: list[WriteResult], files: Sizes, *, local: bool = True
+    ) -> None:
+        """Record the stable groups just written (``files``: the writer's {name: (size, crc32c)}; ``local``:
+        in a local directory, whose inode is recorded; an object has none, its copy is checked instead)."""
         if self.record is None:
             return
         by_file: dict[str, dict[Key, tuple[int, int]]] = {}
@@ -290,8 +305,11 @@ class Round:
         for name, infos in by_file.items():
             if name not in files:
                 continue
-            st = os.stat(directory / name, follow_symlinks=False)
             size, crc = files[name]
+            if not local:
+                self.record.files[name] = StoredFile(name, infos, size, crc, None)
+                continue
+            st = os.stat(directory / name, follow_symlinks=False)
             if st.st_size == size:
                 self.record.files[name] = StoredFile(name, infos, size, crc, _identity(st))
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import crc32c
 
@@ -32,6 +32,20 @@ FORMAT = 1
 # A side file bigger than this is not read (about 100 bytes per tensor item: ~5 million items).
 MAX_BYTES = 512 * 1024 * 1024
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
+
+
+@runtime_checkable
+class StoreWriterLike(Protocol):
+    """An object store's DCP writer that arranges incremental saves (remote/io.StoreWriter): the saver
+    (another layer) knows it by this shape."""
+
+    incremental: Round | None
+
+    def linked_bytes(self) -> int:
+        """Bytes of this rank's files copied server-side rather than sent (this save)."""
+
+    def previous_record(self, layout: Any, rank: int) -> tuple[Record, int] | None:
+        """``rank``'s record in the newest committed step of ``layout`` (a RemoteLayout), verified."""
 
 
 def side_name(rank: int) -> str:
@@ -68,19 +82,26 @@ def read_previous(layout: Any, rank: int) -> tuple[Record, int] | None:
         directory = Path(layout.step_path(step))
     except (CheckpointError, OSError, ValueError):
         return None
-    name = side_name(rank)
-    entry = manifest.files.get(name)
+    entry = manifest.files.get(side_name(rank))
     if entry is None or entry.size > MAX_BYTES:
         return None
     try:
-        data = layout.fs.read(directory / name, entry.size)  # the guarded walk from the root
+        data = layout.fs.read(directory / side_name(rank), entry.size)  # the guarded walk from the root
     except OSError:
         return None
-    if len(data) != entry.size or crc_hex(crc32c.crc32c(data)) != entry.crc32c:
+    return decode(data, manifest.files, rank, directory)
+
+
+def decode(data: bytes, listed: dict[str, Any], rank: int, directory: Path) -> tuple[Record, int] | None:
+    """The record in ``data``, ``rank``'s side file as read from a step whose manifest lists ``listed``
+    (read at most its listed size, which is at most MAX_BYTES); None unless it matches the listed size and
+    crc32c and parses (hostile input: any fault means no record, so the next save writes everything)."""
+    entry = listed.get(side_name(rank))
+    if entry is None or len(data) != entry.size or crc_hex(crc32c.crc32c(data)) != entry.crc32c:
         return None
     try:
-        return _parse(json.loads(data), manifest.files, rank, directory)
-    except (ValueError, TypeError, KeyError):
+        return _parse(json.loads(data), listed, rank, directory)
+    except (ValueError, TypeError, KeyError, RecursionError):  # RecursionError: JSON nested too deep
         return None
 
 

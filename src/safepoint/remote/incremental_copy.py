@@ -1,0 +1,78 @@
+"""Incremental saves straight to an object store (no ``local_root``): the unchanged stable groups of the
+previous committed step are copied server-side into the new step (S3 CopyObject, GCS rewrite, Azure Copy
+Blob: no client bytes), instead of hard-linked as on a local disk.
+
+The decision of what is unchanged is store/incremental.py's, the same as for a local root (fingerprints,
+stable groups, ``full_every``); only the way a group is put into the new step differs (``copier``). Each
+copy is an independent object, so every step stays complete on its own and retention deletes a step's
+objects while later steps keep theirs (nothing is shared, unlike a hard link).
+
+Trust: the previous step's record (``rank-<r>.fingerprints``) is read back from the store as hostile input
+(``read_previous_remote``: its size capped by the manifest and MAX_BYTES, its crc32c checked, its shape
+validated, store/incremental_record.py); a copy counts only once the store confirms it (the size, and the
+crc32c the store computes of the copy where it keeps one: S3, GCS; Azure's Copy Blob is waited for until
+it reports success, remote/azstore.py). Anything else (a missing or tampered record, a copy that fails or
+does not match) means the group is written from memory: never a stale byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import posixpath
+from pathlib import Path
+from typing import Any
+
+from safepoint.errors import CheckpointError
+from safepoint.remote.upload import ObjectStore, UploadError
+from safepoint.store.incremental import Place, Record, StoredFile
+from safepoint.store.incremental_record import MAX_BYTES, decode, side_name
+
+log = logging.getLogger("safepoint")
+
+
+def read_previous_remote(layout: Any, rank: int) -> tuple[Record, int] | None:
+    """(``rank``'s record in the newest committed step of a RemoteLayout, its saves since the last full
+    copy), or None where there is none that verifies: the next save then writes everything."""
+    try:
+        steps = layout.committed_steps()
+        if not steps:
+            return None
+        step = steps[-1]
+        manifest = layout.read_manifest(step)
+        entry = manifest.files.get(side_name(rank))
+        if entry is None or entry.size > MAX_BYTES:
+            return None
+        # A ranged read of the listed size: an object grown past it is never downloaded whole.
+        data = layout.read_range(step, side_name(rank), 0, entry.size)
+    except (CheckpointError, OSError, UploadError, ValueError) as e:
+        log.info(
+            "safepoint: no incremental record read back from %s (%s); writing everything", layout.root, e
+        )
+        return None
+    return decode(data, manifest.files, rank, Path(layout.step_key(step)))
+
+
+def copier(store: ObjectStore, target: str) -> Place:
+    """``Round.arrange``'s ``place`` for a store: copy a previous step's group into ``target`` (the save's
+    prefix) server-side and confirm the copy; None (the group is then written) if that cannot be done."""
+
+    def place(source: Path, stored: StoredFile) -> StoredFile | None:
+        src, dst = posixpath.join(str(source), stored.name), posixpath.join(target, stored.name)
+        try:
+            store.copy(src, dst, stored.size)
+            problem = store.check(dst, stored.size, stored.crc32c, read=False)
+        except (UploadError, OSError) as e:
+            problem = f"{type(e).__name__}: {e}"
+        if problem is None:
+            return stored
+        log.warning(
+            "safepoint: server-side copy of %s failed (%s); writing its tensors instead",
+            store.url(src),
+            problem,
+        )
+        with contextlib.suppress(UploadError, OSError):
+            store.delete([dst])  # a stray copy would lie unlisted in the step until it is deleted
+        return None
+
+    return place
