@@ -139,4 +139,4 @@ def test_a_conj_extra_value_saves_and_restores(root: Path) -> None:
             model=torch.nn.Linear(2, 2), extra={"v": torch.zeros(2, dtype=torch.cfloat)}
         )
         mgr.restore(state)
-    assert torch.equal(state.extra["v"], value)
+    assert state.extra is not None and torch.equal(state.extra["v"], value)
