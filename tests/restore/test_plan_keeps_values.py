@@ -135,3 +135,23 @@ def test_int_keyed_values_load_at_their_own_keys(root: Path, how: dict[str, Any]
     assert list(into.d) == [0, 1, "nested"] and into.d[1] == 1.0 and into.d["nested"] == {2: 1.0}
     assert torch.equal(into.d[0], torch.tensor([1.0]))
     assert state.extra == {"e": {3: 4}}
+
+
+def test_int_keys_are_found_without_a_scan_per_value() -> None:
+    from safepoint.data.own_keys import set_at
+
+    class _Keys(dict[Any, Any]):
+        """Counts iterations over its keys (a scan)."""
+
+        scans = 0
+
+        def __iter__(self) -> Any:
+            _Keys.scans += 1
+            return super().__iter__()
+
+    state = _Keys({i: {"step": 0} for i in range(1000)})
+    root: dict[str, Any] = {"state": state}
+    for i in range(1000):
+        set_at(root, ("state", str(i), "step"), i)
+    assert [state[i]["step"] for i in range(1000)] == list(range(1000)) and list(state) == list(range(1000))
+    assert _Keys.scans == 1  # the check's own list(state) above: none per value

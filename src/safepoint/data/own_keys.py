@@ -19,7 +19,7 @@ def set_at(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
     for i, key in enumerate(path):
         if isinstance(here, Mapping):
             if key not in here:  # a key the dict holds as another type (an int), named by its str
-                key = next((k for k in here if not isinstance(k, str) and str(k) == key), key)
+                key = _own_key(here, key)
         else:  # a list, as set_element: extended with None up to the index
             here.extend([None] * (key + 1 - len(here)))
         if i == len(path) - 1:
@@ -28,3 +28,17 @@ def set_at(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
         if (here.get(key) if isinstance(here, Mapping) else here[key]) is None:
             here[key] = {} if type(path[i + 1]) is str else []  # as set_element creates a missing one
         here = here[key]
+
+
+def _own_key(here: Mapping[Any, Any], key: Any) -> Any:
+    """The key of ``here`` whose ``str`` is ``key``: an int by a lookup (a template-free optimizer's state
+    has one per parameter, each value written at its own: no scan per value), any other type by a scan."""
+    if isinstance(key, str):
+        try:
+            number = int(key)
+        except ValueError:
+            pass
+        else:
+            if str(number) == key and number in here:
+                return number
+    return next((k for k in here if not isinstance(k, str) and str(k) == key), key)
