@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from safepoint.data.own_keys import set_at
 from safepoint.errors import StateMismatchError
 
 _RANK_SEGMENT = re.compile(r"^([^.]+)\.rank_[0-9]+\.")
@@ -137,9 +137,10 @@ class Plan:
         Written into the template where each key came from, not rebuilt from the flattened keys: DCP's
         flattening has no key for an empty container (``{}``, ``[{}]``), so a rebuilt dict lost them: a
         LambdaLR of a ``functools.partial`` (``lr_lambdas == [{}]``) then failed to load, and a momentum-free
-        SGD's ``state == {}`` (tests/restore/test_plan_keeps_values.py). The full path loads in place too."""
+        SGD's ``state == {}`` (tests/restore/test_plan_keeps_values.py). The full path loads in place too.
+        At the template's own keys (data/own_keys.py): an int-keyed dict's value is not written beside it."""
         for target, source in self.pairs:
-            set_element(self.template, self.mapping[target], self.to_load[source])
+            set_at(self.template, self.mapping[target], self.to_load[source])
         return self.template
 
 

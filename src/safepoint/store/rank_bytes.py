@@ -62,6 +62,11 @@ def _structure(value: Any, leaves: list[torch.Tensor]) -> tuple[Any, ...] | None
         if (
             type(value) is not torch.Tensor
             or value.device.type != "cpu"
+            or value.layout != torch.strided
+            or value.is_quantized  # its scale and zero point are pickled: not in the key
+            or value.is_conj()  # the conj and neg bits are pickled too (and .view(uint8) refuses them)
+            or value.is_neg()
+            or value.__dict__  # Python attributes: pickled with the tensor, not in the key
             or value.requires_grad
             or not value.is_contiguous()
             or value.storage_offset() != 0

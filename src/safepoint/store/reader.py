@@ -16,7 +16,6 @@ from typing import IO, Any, NoReturn
 import crc32c
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import (
     FileSystem,
@@ -32,6 +31,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.futures import Future
 
+from safepoint.data.own_keys import set_at
 from safepoint.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from safepoint.store.checksum import ReadCoverage, fd_range_crc32c
 from safepoint.store.direct_read import DescriptionCache, read_in_place
@@ -260,7 +260,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         fqn = read_item.dest_index.fqn
         obj = weights_only_load(value, fqn)
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
+            set_at(self.original_state_dict, self.mappings[fqn], obj)  # the state's own keys
         else:
             self.state_dict[fqn] = obj
 
