@@ -5,10 +5,15 @@ kill -9 of the whole process group and started again (tests/integrations/lightni
   sharded DCP path (each rank writes its shards); the restart resumes at the newest committed step + 1,
   every loss of both ranks equals the uninterrupted run's bit for bit, so do the final gathered weights and
   optimizer state; the same root restored on one rank reshards to the same full state.
-- ``DDPStrategy``: the same kill -9 and bitwise resume on two ranks.
-
-Lightning refuses ``FSDPStrategy`` on the CPU (it asks for a GPU, and FSDP1 needs an accelerator): that
-strategy is checked by tests/integrations/gpu_lightning_fsdp.py on a GPU machine.
+- ``FSDPStrategy`` (FSDP1), ``state_dict_type="sharded"`` and ``"full"``: the same checks (both save
+  through the sharded DCP path, each rank its shards; restored on one rank). Lightning refuses
+  ``FSDPStrategy`` on the CPU only by an exact type check; the job's ``CPUFSDPStrategy`` (an empty subclass)
+  and a wrap with ``device_id=cpu`` in ``configure_model`` run Lightning's own strategy on CPU ranks (the
+  job says why each is needed). The default suite runs the sharded kill -9 and resume against the
+  ModelParallel run's uninterrupted reference (FSDP1 and FSDP2 train this model to the same losses and
+  state, bit for bit); the slow tests run both kinds against FSDP's own reference, with the one-rank restore.
+  tests/integrations/gpu_lightning_fsdp.py is the same check on a GPU (Lightning's own wrap, NCCL).
+- ``DDPStrategy``: the same kill -9 and bitwise resume on two ranks (slow).
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._pytree import tree_flatten
 
 from safepoint.cli.main import main as safepoint_cli
 from tests.helpers.example_runs import committed_steps
@@ -42,19 +46,42 @@ def _run(
     return run_rank_job(cmd, root, kill_at=kill_at)  # kill -9 of the group: Lightning's ranks share it
 
 
+def _equal(a: object, b: object) -> bool:
+    """Bit for bit, dict keys in any order (FSDP1 lists the optimizer state in another order than FSDP2)."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_equal, a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
 def _same_state(a: Path, b: Path) -> None:
     """The two runs' gathered weights and optimizer state are equal, bit for bit."""
-    (fa, spec_a), (fb, spec_b) = (tree_flatten(torch.load(p, weights_only=True)) for p in (a, b))
-    assert spec_a == spec_b
-    for x, y in zip(fa, fb, strict=True):
-        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+    assert _equal(torch.load(a, weights_only=True), torch.load(b, weights_only=True))
 
 
-def _kill_and_resume(tmp_path: Path, strategy: str) -> Path:
-    ref, code, err = _run(tmp_path / "reference", strategy, out=tmp_path / "ref.pt")
+Reference = tuple[Losses, Path]  # the uninterrupted run's losses and its gathered final state
+
+
+def _reference(tmp: Path, strategy: str) -> Reference:
+    ref, code, err = _run(tmp / "reference", strategy, out=tmp / "ref.pt")
     assert code == 0, err[-3000:]
     assert sorted(ref) == [(r, s) for r in (0, 1) for s in range(1, STEPS + 1)]
+    return ref, tmp / "ref.pt"
 
+
+@pytest.fixture(scope="module")
+def mp_reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    """The uninterrupted ModelParallelStrategy run, shared by the default FSDPStrategy case: FSDP1 trains
+    this model to the same losses and final state, bit for bit (the slow tests check FSDP against its own
+    uninterrupted run)."""
+    return _reference(tmp_path_factory.mktemp("mp"), "mp")
+
+
+def _kill_and_resume(tmp_path: Path, strategy: str, reference: Reference | None = None) -> Path:
+    ref, ref_state = reference or _reference(tmp_path, strategy)
     root = tmp_path / "ckpt"
     killed, code, err = _run(root, strategy, kill_at=KILL_AT)
     assert code == -signal.SIGKILL, err[-3000:]
@@ -66,19 +93,42 @@ def _kill_and_resume(tmp_path: Path, strategy: str) -> Path:
     assert sorted(resumed) == [(r, s) for r in (0, 1) for s in range(newest + 1, STEPS + 1)]
     different = {k: (v, ref[k]) for k, v in (killed | resumed).items() if v != ref[k]}
     assert different == {}, "(rank, step): (loss, uninterrupted loss)"
-    _same_state(tmp_path / "ref.pt", tmp_path / "resumed.pt")
+    _same_state(ref_state, tmp_path / "resumed.pt")
     assert safepoint_cli(["verify", str(root), "--all"]) == 0
+    if strategy != "ddp":
+        # Each rank wrote its own shards of the weights and optimizer state: DCP's per-rank data files of the
+        # final step (safepoint's sharded path; Lightning's CheckpointIO would write one file from rank 0).
+        assert len(list((root / f"step-{STEPS}").glob("__*_0.distcp"))) == 2
     return root
 
 
-def test_model_parallel_kill9_resumes_bitwise_and_reshards_to_one_rank(tmp_path: Path) -> None:
-    root = _kill_and_resume(tmp_path, "mp")
-    # Each rank wrote its own shards of the weights (DCP's per-rank data files of the final step).
-    assert len(list((root / f"step-{STEPS}").glob("__*_0.distcp"))) == 2
-    # The same checkpoint on one rank: DCP reshards; the gathered state is the two-rank run's.
-    losses, code, err = _run(root, "mp", devices=1, out=tmp_path / "one.pt")
+def _reshards_to_one_rank(tmp_path: Path, root: Path, strategy: str, ref_state: Path) -> None:
+    """The same checkpoint on one rank: DCP reshards; the gathered state is the two-rank run's."""
+    losses, code, err = _run(root, strategy, devices=1, out=tmp_path / "one.pt")
     assert (code, losses) == (0, {}), err[-3000:]  # restored at the last step: nothing left to train
-    _same_state(tmp_path / "ref.pt", tmp_path / "one.pt")
+    _same_state(ref_state, tmp_path / "one.pt")
+
+
+def test_model_parallel_kill9_resumes_bitwise_and_reshards_to_one_rank(
+    tmp_path: Path, mp_reference: Reference
+) -> None:
+    root = _kill_and_resume(tmp_path, "mp", mp_reference)
+    _reshards_to_one_rank(tmp_path, root, "mp", mp_reference[1])
+
+
+def test_fsdp_sharded_kill9_resumes_bitwise(tmp_path: Path, mp_reference: Reference) -> None:
+    """Lightning's FSDPStrategy (FSDP1, state_dict_type="sharded") on CPU ranks (the job's CPUFSDPStrategy
+    says how), against the ModelParallel run's losses and state."""
+    _kill_and_resume(tmp_path, "fsdp-sharded", mp_reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_fsdp_kill9_resumes_bitwise_and_reshards_to_one_rank(tmp_path: Path, kind: str) -> None:
+    """Against FSDP's own uninterrupted run; ``full`` still saves sharded (the callback's DCP path)."""
+    reference = _reference(tmp_path, f"fsdp-{kind}")
+    root = _kill_and_resume(tmp_path, f"fsdp-{kind}", reference)
+    _reshards_to_one_rank(tmp_path, root, f"fsdp-{kind}", reference[1])
 
 
 # Time bar of the default suite: the ModelParallel test above runs the same callback on 2 ranks through kill -9,
