@@ -40,6 +40,22 @@ def _check_losses(run: Run, reference: dict[int, str]) -> None:
 _references: dict[tuple[str, tuple[str, ...]], dict[int, str]] = {}
 
 
+def _assert_the_frozen_base_is_linked(root: Path) -> None:
+    """Incremental saves through the Trainer (issue 26): the PEFT model's frozen base goes into a stable
+    group at the second save and every later save of the run hard-links that file instead of writing it:
+    the newest three steps hold the very same stable-group files (one inode each)."""
+    newest = committed_steps(root)[-3:]
+    groups = [
+        {
+            p.name: p.stat().st_ino
+            for p in (root / f"step-{s}").glob("__0_*.distcp")
+            if p.name != "__0_0.distcp"
+        }
+        for s in newest
+    ]
+    assert groups[0] and groups[0] == groups[1] == groups[2], groups
+
+
 def reference_losses(
     script: str, args: tuple[str, ...], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[int, str]:
@@ -53,6 +69,8 @@ def reference_losses(
         assert [step for step, _ in ref.losses] == list(range(1, STEPS + 1))
         assert committed_steps(root)[-1] == STEPS
         assert safepoint_cli(["verify", str(root), "--all"]) == 0
+        if "--lora" in args:
+            _assert_the_frozen_base_is_linked(root)
         _references[key] = dict(ref.losses)
     return _references[key]
 
