@@ -1,5 +1,7 @@
-"""SafepointCallback under Lightning's FSDPStrategy on one GPU (NCCL, world size 1): Lightning refuses
-FSDPStrategy on the CPU and FSDP1 needs an accelerator, so this runs where a GPU is (not in the suite).
+"""SafepointCallback under Lightning's FSDPStrategy on one GPU (NCCL, world size 1), with Lightning's own
+FSDP wrap and NCCL. Lightning refuses FSDPStrategy on the CPU, and its wrap passes FSDP1 no CPU device, so
+this runs where a GPU is (not in the suite); the suite runs FSDPStrategy on two CPU ranks through a subclass
+and the job's own wrap (tests/integrations/test_lightning_ranks.py).
 
     PYTHONPATH=src python tests/integrations/gpu_lightning_fsdp.py [--workdir DIR] [--strategies LIST]
 
