@@ -26,7 +26,7 @@ from typing import Any
 from safepoint.errors import CheckpointError
 from safepoint.remote.upload import ObjectStore, UploadError
 from safepoint.store.incremental import Place, Record, StoredFile
-from safepoint.store.incremental_record import MAX_BYTES, decode, side_name
+from safepoint.store.incremental_record import read_newest, side_name
 
 log = logging.getLogger("safepoint")
 
@@ -35,22 +35,18 @@ def read_previous_remote(layout: Any, rank: int) -> tuple[Record, int] | None:
     """(``rank``'s record in the newest committed step of a RemoteLayout, its saves since the last full
     copy), or None where there is none that verifies: the next save then writes everything."""
     try:
-        steps = layout.committed_steps()
-        if not steps:
-            return None
-        step = steps[-1]
-        manifest = layout.read_manifest(step)
-        entry = manifest.files.get(side_name(rank))
-        if entry is None or entry.size > MAX_BYTES:
-            return None
-        # A ranged read of the listed size: an object grown past it is never downloaded whole.
-        data = layout.read_range(step, side_name(rank), 0, entry.size)
+        return read_newest(
+            layout,
+            rank,
+            # A ranged read of the listed size: an object grown past it is never downloaded whole.
+            lambda step, size: layout.read_range(step, side_name(rank), 0, size),
+            lambda step: Path(layout.step_key(step)),
+        )
     except (CheckpointError, OSError, UploadError, ValueError) as e:
         log.info(
             "safepoint: no incremental record read back from %s (%s); writing everything", layout.root, e
         )
         return None
-    return decode(data, manifest.files, rank, Path(layout.step_key(step)))
 
 
 def copier(store: ObjectStore, target: str) -> Place:

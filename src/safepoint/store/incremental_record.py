@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -74,22 +75,35 @@ def read_previous(layout: Any, rank: int) -> tuple[Record, int] | None:
     """(the record of ``rank``'s share of the newest committed step of a local ``layout``, its saves since
     the last full copy), or None where there is none that verifies (no step, no side file, any mismatch)."""
     try:
-        steps = layout.committed_steps()
-        if not steps:
-            return None
-        step = steps[-1]
-        manifest = layout.read_manifest(step)
-        directory = Path(layout.step_path(step))
+        return read_newest(
+            layout,
+            rank,
+            # The guarded walk from the root, at most the listed size.
+            lambda step, size: layout.fs.read(Path(layout.step_path(step)) / side_name(rank), size),
+            lambda step: Path(layout.step_path(step)),
+        )
     except (CheckpointError, OSError, ValueError):
         return None
+
+
+def read_newest(
+    layout: Any,
+    rank: int,
+    read: Callable[[int, int], bytes],
+    directory: Callable[[int], Path],
+) -> tuple[Record, int] | None:
+    """``rank``'s record in ``layout``'s newest committed step, read by ``read(step, listed size)`` (never
+    more than the manifest lists, at most MAX_BYTES) and checked by ``decode`` against the manifest; None
+    where there is no step or no listed record. The layout's and the read's errors are the caller's."""
+    steps = layout.committed_steps()
+    if not steps:
+        return None
+    step = steps[-1]
+    manifest = layout.read_manifest(step)
     entry = manifest.files.get(side_name(rank))
     if entry is None or entry.size > MAX_BYTES:
         return None
-    try:
-        data = layout.fs.read(directory / side_name(rank), entry.size)  # the guarded walk from the root
-    except OSError:
-        return None
-    return decode(data, manifest.files, rank, directory)
+    return decode(read(step, entry.size), manifest.files, rank, directory(step))
 
 
 def decode(data: bytes, listed: dict[str, Any], rank: int, directory: Path) -> tuple[Record, int] | None:
