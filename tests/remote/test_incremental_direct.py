@@ -17,34 +17,20 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from torch import nn
 
 import safepoint
 from safepoint.remote.object_layout import RemoteLayout
 from safepoint.remote.upload import MiB, TransferOptions
 from safepoint.store.incremental import INCREMENTAL_KEY, is_stable_group
 from safepoint.store.incremental_record import side_name
+from tests.helpers.frozen_state import ADAPTER, BASE, Frozen, assert_restores_alone, snapshot
 from tests.helpers.stores import Store
 from tests.helpers.tcpproxy import TcpProxy, proxied, tcp_proxy
 
 CFG = TransferOptions(part_size=5 * MiB, concurrency=4)
-BASE = 4 * MiB  # the frozen tensor's bytes
-ADAPTER = 1000  # float32s that change every save: 4,000 bytes
 # What a steady save may send besides the changed bytes: .metadata, the rank's fingerprint record, the
 # manifest, the lease's heartbeat and the requests themselves (measured: ~30-60 KB; see docs/benchmarks.md).
 OVERHEAD = 256 * 1024
-
-
-class Frozen(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.base = nn.Parameter(torch.randn(BASE // 4), requires_grad=False)  # never changes
-        self.adapter = nn.Parameter(torch.zeros(ADAPTER))
-
-
-def _snapshot(model: Frozen) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _saves(
@@ -86,7 +72,7 @@ def test_a_steady_direct_save_copies_the_unchanged_bytes_server_side(tmp_path: P
                 proxy.reset_counts()
                 mgr.save(step, state)
                 up[step] = proxy.up
-                saved[step] = _snapshot(model)
+                saved[step] = snapshot(model)
     # Step 1 sends the base in the changing file, step 2 in a stable group; from step 3 on the group is
     # copied by the store: what goes up is the changed bytes and a small fixed overhead.
     assert up[1] > BASE and up[2] > BASE, up
@@ -100,18 +86,7 @@ def test_a_steady_direct_save_copies_the_unchanged_bytes_server_side(tmp_path: P
         stable = [n for n in manifest.files if is_stable_group(n)]
         assert len(stable) == 1 and manifest.files[stable[0]].size > BASE, manifest.files
         layout.verify(step)  # ... and the copies steps 3 and 4 hold are intact, each an object of its own
-        # Each step alone (downloaded by itself): plain dcp.load reads it, and safepoint restores it.
-        alone = tmp_path / f"alone-{step}"
-        fs.get(posixpath.join(layout.step_key(step), ""), str(alone / f"step-{step}") + "/", recursive=True)
-        sd = {"model": {k: torch.zeros_like(v) for k, v in saved[step].items()}}
-        dcp.load(sd, checkpoint_id=str(alone / f"step-{step}"))
-        for k, v in saved[step].items():
-            assert torch.equal(sd["model"][k], v), (step, k)
-        fresh = Frozen()
-        with safepoint.CheckpointManager(alone) as m:
-            assert m.restore(safepoint.TrainState(model=fresh)) == step
-        for k, v in saved[step].items():
-            assert torch.equal(fresh.state_dict()[k], v), (step, k)
+        assert_restores_alone(fs, layout, step, saved[step], tmp_path)
     # Deleting step 3 leaves step 4 whole (server-side copies share nothing).
     layout.remove(3)
     layout.verify(4)

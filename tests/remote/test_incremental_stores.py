@@ -11,30 +11,17 @@ from pathlib import Path
 import crc32c
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from torch import nn
 
 import safepoint
 from safepoint.remote.object_layout import RemoteLayout
 from safepoint.remote.upload import MiB, TransferOptions, UploadError
 from safepoint.store.checksum import crc_hex
 from safepoint.store.incremental import is_stable_group
+from tests.helpers.frozen_state import BASE, Frozen, assert_restores_alone, snapshot
 from tests.helpers.stores import Store, azure_store
 from tests.helpers.tcpproxy import proxied, tcp_proxy
 
 CFG = TransferOptions(part_size=5 * MiB, concurrency=4)
-BASE = 4 * MiB
-
-
-class Frozen(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.base = nn.Parameter(torch.randn(BASE // 4), requires_grad=False)  # never changes
-        self.adapter = nn.Parameter(torch.zeros(1000))
-
-
-def _snapshot(model: Frozen) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def test_unchanged_files_are_copied_server_side_on_gcs_and_azure(tmp_path: Path, other_store: Store) -> None:
@@ -55,7 +42,7 @@ def test_unchanged_files_are_copied_server_side_on_gcs_and_azure(tmp_path: Path,
                 mgr.save(step, state)
                 mgr.wait()  # the upload too: what it sent is counted for this step
                 up[step] = proxy.up
-                saved[step] = _snapshot(model)
+                saved[step] = snapshot(model)
     # Step 1 wrote the base, step 2 wrote it into a stable group (uploaded); from step 3 on the stable
     # group is linked locally and copied on the store: no byte of it goes up again.
     assert up[1] > BASE and up[2] > BASE, up
@@ -72,19 +59,7 @@ def test_unchanged_files_are_copied_server_side_on_gcs_and_azure(tmp_path: Path,
         # status and size: test_an_azure_copy_is_committed_only_once_the_store_reports_it_done).
         assert crc == (manifest.files[stable[0]].crc32c if other_store.scheme == "gs" else None)
         layout.verify(step)  # ... and the objects step 2 had, copied into steps 3 and 4, are intact
-        # Each step alone (downloaded by itself): plain dcp.load reads it, and safepoint restores it,
-        # bit for bit.
-        alone = tmp_path / f"alone-{step}"
-        fs.get(posixpath.join(layout.step_key(step), ""), str(alone / f"step-{step}") + "/", recursive=True)
-        sd = {"model": {k: torch.zeros_like(v) for k, v in saved[step].items()}}
-        dcp.load(sd, checkpoint_id=str(alone / f"step-{step}"))
-        for k, v in saved[step].items():
-            assert torch.equal(sd["model"][k], v), (step, k)
-        fresh = Frozen()
-        with safepoint.CheckpointManager(alone) as mgr:
-            assert mgr.restore(safepoint.TrainState(model=fresh)) == step
-        for k, v in saved[step].items():
-            assert torch.equal(fresh.state_dict()[k], v), (step, k)
+        assert_restores_alone(fs, layout, step, saved[step], tmp_path)
     # The newest step restores from the store itself.
     fresh = Frozen()
     with safepoint.CheckpointManager(url, storage_options=other_store.options, transfer=CFG) as mgr:
