@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import os
 import shutil
 import signal
@@ -22,7 +23,7 @@ from safepoint.remote.object_layout import RemoteLayout
 from safepoint.remote.s3store import S3Store
 from safepoint.remote.upload import FileCopy, TransferOptions, UploadError
 from safepoint.store.posix_layout import Layout
-from tests.conftest import PYTHON, REPO
+from tests.conftest import PYTHON, REPO, SUBPROCESS_ENV
 from tests.helpers.s3 import FaultProxy, storage_options
 from tests.helpers.train import Setup, assert_bitwise_equal, seed_everything
 
@@ -438,11 +439,16 @@ def test_any_fsspec_url_as_durable_tier(tmp_path: Path) -> None:
     assert_bitwise_equal(snap, s2.snapshot())
 
 
-@pytest.mark.slow  # a torchrun launch: ~15 s on 2 busy cores
+# A torchrun launch: ~15 s on 2 busy cores. The default suite runs the single-rank versions:
+# test_round_trip_direct_to_s3, tests/remote/test_incremental_direct.py and test_incremental_upload.py.
+@pytest.mark.slow
 def test_two_ranks_each_upload_their_own_files(
     tmp_path: Path, proxy: FaultProxy, moto_endpoint: str, bucket: str
 ) -> None:
-    url, local = f"s3://{bucket}/run", tmp_path / "local"
+    """Tiered, then straight to the bucket, then incremental straight to the bucket, in one 2-rank job
+    (tests/helpers/procs/tiered_dist_worker.py)."""
+    url, local, saved = f"s3://{bucket}/run", tmp_path / "local", tmp_path / "saved"
+    saved.mkdir()
     cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     worker = [
         str(REPO / "tests" / "helpers" / "procs" / "tiered_dist_worker.py"),
@@ -450,6 +456,7 @@ def test_two_ranks_each_upload_their_own_files(
         url,
         moto_endpoint,
         proxy.endpoint,
+        str(saved),
     ]
     out = subprocess.run(
         cmd + worker,
@@ -457,7 +464,8 @@ def test_two_ranks_each_upload_their_own_files(
         capture_output=True,
         text=True,
         timeout=240,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        # this tree's code in the ranks (REPO alone would import the venv's editable install)
+        env={**os.environ, "PYTHONPATH": SUBPROCESS_ENV["PYTHONPATH"]},
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "RANK 0 DURABLE 2 PENDING 0" in out.stdout and "RANK 1 DURABLE 2 PENDING 0" in out.stdout, (
@@ -466,16 +474,75 @@ def test_two_ranks_each_upload_their_own_files(
     remote = RemoteLayout(url, storage_options(moto_endpoint))
     assert remote.committed_steps() == [2], "durable retention keep_last=1"
     manifest = remote.verify(2)
-    assert manifest.world_size == 2 and {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(manifest.files)
+    # Rank 1's data file of step 2 is a stable group (``__1_<n>.distcp``, n >= 10**18: its share of the
+    # tensors did not change since step 1, store/incremental.py).
+    rank1 = [n for n in manifest.files if n.startswith("__1_") and n.endswith(".distcp")]
+    assert manifest.world_size == 2 and {"__0_0.distcp", ".metadata"} <= set(manifest.files) and rank1
     # Rank 1's requests went through the proxy: it uploaded its own file and nothing else; rank 0 (direct
     # to the store) uploaded the rest and wrote the manifest once both ranks' files were confirmed.
     puts = {path.split("?")[0].rsplit("/", 1)[1] for method, path, _ in proxy.seen if method == "PUT"}
-    assert "__1_0.distcp" in puts
+    assert set(rank1) <= puts
     assert not puts & {"__0_0.distcp", ".metadata", "safepoint.json"}, puts
     assert Layout(local).committed_steps() == [2]
     assert "RANK 0 DIRECT OK" in out.stdout and "RANK 1 DIRECT OK" in out.stdout, out.stdout
     direct = RemoteLayout(url + "-direct", storage_options(moto_endpoint)).verify(7)
     assert direct.world_size == 2 and {"__0_0.distcp", "__1_0.distcp"} <= set(direct.files)
+    assert "RANK 0 INCREMENTAL OK" in out.stdout and "RANK 1 INCREMENTAL OK" in out.stdout, out.stdout
+    _check_incremental_ranks(url + "-incremental", moto_endpoint, saved, tmp_path)
+
+
+def _check_incremental_ranks(url: str, endpoint: str, saved: Path, tmp: Path) -> None:
+    """The worker's incremental saves straight to the bucket on 2 ranks (``incremental`` there): from the
+    third save on each rank's unchanged frozen tensor is copied server-side (what the rank sent, counted by
+    its own TCP proxy, is the changed bytes and a small overhead); rank 1's frozen tensor, changed at step
+    CHANGED, is written again (then into a stable group of its own, then copied); and every step,
+    downloaded alone, loads bit for bit with plain ``dcp.load`` and with safepoint."""
+    import torch.distributed.checkpoint as dcp
+
+    from safepoint.store.incremental import is_stable_group
+    from tests.helpers.procs.tiered_dist_worker import CHANGED, FROZEN, MOVING, STEPS
+
+    sent = {
+        r: {int(s): n for s, n in json.loads((saved / f"sent.{r}.json").read_text()).items()} for r in (0, 1)
+    }
+    # What a save may send besides the changed bytes (.metadata, the rank's fingerprint record, rank 0's
+    # manifest, the lease's heartbeat, the requests themselves), as in test_incremental_direct.py.
+    small = MOVING * 4 + 256 * 1024
+    for r in (0, 1):
+        frozen = (r + 1) * FROZEN
+        assert sent[r][1] > frozen and sent[r][2] > frozen, (r, sent[r])  # written; into a stable group
+        assert sent[r][3] < small, (r, sent[r])  # copied by the store, no client bytes
+    assert max(sent[0][s] for s in STEPS[3:]) < small, sent[0]  # rank 0's group copied every time
+    # Rank 1's frozen tensor changed: written at CHANGED (and until it is in a stable group again: the
+    # save after a write seen by the version counter has no fingerprint to compare with), then copied again.
+    assert sent[1][CHANGED] > 2 * FROZEN and sent[1][STEPS[-1]] < small, sent[1]
+    layout = RemoteLayout(url, storage_options(endpoint))
+    assert layout.committed_steps() == list(STEPS)
+    fs = _fs(endpoint)
+    groups: dict[int, dict[str, str]] = {}
+    for step in STEPS:
+        manifest = layout.verify(step)
+        assert manifest.world_size == 2
+        groups[step] = {n[2]: n for n in manifest.files if is_stable_group(n)}
+        want = {k: v for r in (0, 1) for k, v in torch.load(saved / f"rank{r}-step{step}.pt").items()}
+        alone = tmp / f"alone-{step}" / f"step-{step}"
+        fs.get(f"{layout.step_key(step)}/", f"{alone}/", recursive=True)
+        sd = {"model": {k: torch.zeros_like(v) for k, v in want.items()}}
+        dcp.load(sd, checkpoint_id=str(alone))
+        for k, v in want.items():
+            assert torch.equal(sd["model"][k], v), (step, k)
+        module = torch.nn.Module()
+        for k, v in want.items():
+            module.register_parameter(k, torch.nn.Parameter(torch.zeros_like(v), requires_grad=False))
+        with safepoint.CheckpointManager(alone.parent) as mgr:
+            assert mgr.restore(safepoint.TrainState(model=module, rng=False)) == step
+        for k, v in want.items():
+            assert torch.equal(module.state_dict()[k], v), (step, k)
+    # Each rank's stable group is there from step 2 on; rank 0's is the same group throughout (copied under
+    # its name), rank 1's is a new one after its frozen tensor changed.
+    assert set(groups[2]) == set(groups[3]) == {"0", "1"} and not groups[1], groups
+    assert len({groups[s]["0"] for s in STEPS[1:]}) == 1, groups
+    assert "1" not in groups[CHANGED] and groups[STEPS[-1]]["1"] != groups[3]["1"], groups
 
 
 def test_cli_ls_and_verify_read_s3_urls(

@@ -40,6 +40,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+
 import safepoint
 from safepoint.errors import CheckpointError
 from safepoint.remote.object_layout import RemoteLayout
@@ -94,6 +96,33 @@ def transfer(url: str) -> TransferOptions:
     # which only gcsfs retries (docs/storage.md, client_retries).
     retries = 1 if url.startswith("gs://") else 0
     return TransferOptions(concurrency=1, attempts=2, backoff_s=0.0, part_size=PART, client_retries=retries)
+
+
+class FrozenModel(scenarios.Model):
+    """The campaigns' state: scenarios.Model (every trained tensor and the optimizer's set to the save's
+    version) and a frozen tensor (``requires_grad=False``, outside the optimizer, as a LoRA base) that never
+    changes. Its bytes equal the previous save's, so from the second save on it lies in a stable group, and
+    each later save *copies* that group server-side (S3 CopyObject, GCS rewrite, Azure Copy Blob;
+    remote/incremental_copy.py): the crash points include those copies.
+
+    ``blank``: the frozen tensor starts as zeros (a checker's fresh model), so only a restore puts its
+    bytes back, and ``version()`` then proves they are bit for bit the ones saved."""
+
+    def __init__(self, shape: tuple[int, int] = SHAPE, blank: bool = False) -> None:
+        super().__init__(shape)
+        self.expected = torch.randn(shape, generator=torch.Generator().manual_seed(7))
+        frozen = torch.zeros(shape) if blank else self.expected.clone()
+        self.model.frozen = torch.nn.Parameter(frozen, requires_grad=False)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The trained tensors (``fill`` sets them to a version); never the frozen one."""
+        frozen = self.model.frozen.data_ptr()  # (``.data`` is a new tensor object at every access)
+        return [t for t in super().tensors() if t.data_ptr() != frozen]
+
+    def version(self) -> int:
+        v = super().version()
+        assert torch.equal(self.model.frozen, self.expected), "the frozen tensor is not the one saved"
+        return v
 
 
 # ---- the child ------------------------------------------------------------------------------------------
@@ -157,7 +186,7 @@ def workload(
     apply_mutations(patches)
     ctl = Control(proxy)
     ctl.post("hello", case=case, pid=os.getpid(), **session)
-    m = scenarios.Model(tuple(shape))  # type: ignore[arg-type]
+    m = FrozenModel(tuple(shape))  # type: ignore[arg-type]
     opts = storage_options(proxy, scheme)
     durable = RemoteLayout(url, opts)
     failing = session.get("mode") in ("fail", "lost")
@@ -415,8 +444,9 @@ class FsStore(Store):
 
 
 def make_baseline(store: Store, prefix: str, local: Path | None, shape: tuple[int, int] = SHAPE) -> None:
-    """Commit BASELINE (a clean run, direct to moto): on the store, and with ``local`` tiered."""
-    m = scenarios.Model(shape)
+    """Commit BASELINE (a clean run, direct to moto): on the store, and with ``local`` tiered. Step 2 holds
+    the frozen tensor in a stable group of its own, which every save of a campaign's plan copies."""
+    m = FrozenModel(shape)
     opts = store.options
     with safepoint.CheckpointManager(
         store.url(prefix),
@@ -513,7 +543,7 @@ def check_store(
             layout.verify(s)
         except CheckpointError as e:
             problems.append(f"listed but does not verify (before recovery): {e}")
-    m = scenarios.Model(shape)
+    m = FrozenModel(shape, blank=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -573,7 +603,7 @@ def check_tiered(
     listed = _versions(durable)
     if listed != want_durable:
         problems.append(f"durable tier lists {listed}, expected {want_durable}")
-    m = scenarios.Model(shape)
+    m = FrozenModel(shape, blank=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

@@ -10,6 +10,11 @@ checkpoints (steps 1, 2; keep_last=2), every data file a two-part multipart uplo
     tiered  local_root + s3:// root: save steps 3 and 4 locally, each uploaded (durable retention deletes
             steps 1 and 2) before the next
 
+The model has a frozen tensor besides the trained ones (objstore.FrozenModel): the baseline's step 2 holds it
+in a stable group, so each save of a plan copies that group server-side (an S3 CopyObject, a GCS rewrite,
+an Azure Copy Blob; remote/incremental_copy.py, and the tiered uploads' copies), and those copies are
+crash points like any other mutation.
+
 A clean run counts the mutations; then one child per mutation k is SIGKILLed just before the store sees it
 (``before``) or just after the store applied it (``after``: the answer never arrives), or k fails with
 503 SlowDown until the store is back, or with one 403 AccessDenied, or (a batch delete) is answered 200
@@ -30,6 +35,7 @@ from typing import Any
 
 import pytest
 
+from safepoint.store.incremental import is_stable_group
 from tests.helpers.s3 import FaultProxy, new_bucket, running_proxy
 from tests.helpers.stores import azure_store, gcs_store
 from tests.torture import checks, objstore
@@ -128,6 +134,16 @@ def _fail_clean(c: Campaign, ops: Ops, targets: list[tuple[int, dict[str, Any]]]
     assert not r.violations, "\n".join(r.violations)
 
 
+def _stable_copies(ops: Ops, where: str = "") -> list[int]:
+    """The server-side copies of stable groups (the frozen tensor's, copied from the previous step instead
+    of sent again) into a key containing ``where``."""
+    return [
+        op["i"]
+        for op in ops
+        if op["op"] == "copy" and where in op["key"] and is_stable_group(op["key"].rsplit("/", 1)[-1])
+    ]
+
+
 def _in_saves(ops: Ops) -> list[int]:
     """Every mutation but the lease's (its create before the saves, its delete at close)."""
     return [
@@ -169,10 +185,12 @@ def _record(name: str, r: Result) -> None:
 
 def test_direct_crash_short(direct_small: tuple[Campaign, Ops]) -> None:
     """The commit point and the re-save's window (old manifest deleted, new one not written yet), SIGKILLed
-    just before; retention's and the re-save's manifest deletes, SIGKILLed just after the store applied them."""
+    just before; the server-side copy of the frozen tensor's stable group into step 3, and retention's and
+    the re-save's manifest deletes, SIGKILLed just after the store applied them."""
     c, ops = direct_small
     before = [_find(ops, "put", "/step-3/safepoint.json"), _find(ops, "copy", "/step-3/__0_0.distcp")]
     after = [
+        _stable_copies(ops, "/step-3/")[0],
         _find(ops, "delete-batch", "/step-1/safepoint.json"),
         _find(ops, "delete-batch", "/step-3/safepoint.json"),
     ]
@@ -242,12 +260,15 @@ def test_other_stores_direct_crash_short(other_direct: tuple[Campaign, Ops]) -> 
 @pytest.mark.timeout(900)
 def test_other_stores_resave_window(other_direct: tuple[Campaign, Ops]) -> None:
     """The re-save's window on gs:// and az://: SIGKILL just before a copy over the unlisted step, and just
-    after the store applied the delete of the old copy's manifest."""
+    after the store applied the delete of the old copy's manifest; and the server-side copies of the frozen
+    tensor's stable group (GCS rewrite, Azure Copy Blob) into step 3 and into the re-save's staged copy,
+    just after the store applied them."""
     c, ops = other_direct
     r = c.crash([_find(ops, "copy", "/step-3/__0_0.distcp")], "before", ops)
-    r2 = c.crash([_find(ops, _DELETES, "/step-3/safepoint.json")], "after", ops)
+    copies = [_stable_copies(ops, "/step-3/")[0], _stable_copies(ops, "/.pending/step-3-")[0]]
+    r2 = c.crash([_find(ops, _DELETES, "/step-3/safepoint.json"), *copies], "after", ops)
     _record(f"objstore-{c.store.scheme}-resave-window", r)
-    assert (r.points, r2.points) == (1, 1)
+    assert (r.points, r2.points) == (1, 3)
     assert not r.violations + r2.violations, "\n".join(r.violations + r2.violations)
 
 
@@ -307,6 +328,9 @@ def test_other_stores_faults_every_k(other_direct: tuple[Campaign, Ops], fault: 
 def test_other_stores_direct_crash_every_k(other_direct: tuple[Campaign, Ops]) -> None:
     """Every mutation of the direct workload on gs:// and az://, SIGKILLed just before the store sees it."""
     c, ops = other_direct
+    # The frozen group copied from the previous step into steps 3, 3 again (staged), 4; and the re-save's
+    # promotion copying it with the rest of the staged step.
+    assert len(_stable_copies(ops)) == 4
     r = c.crash(None, "before", ops)
     _record(f"objstore-{c.store.scheme}-direct-crash-before", r)
     assert r.points == len(ops)
@@ -324,6 +348,7 @@ def other_tiered(zygote: Zygote, other_env: tuple[Store, FaultProxy, Path]) -> t
 def test_other_stores_tiered_crash_every_k(other_tiered: tuple[Campaign, Ops]) -> None:
     """Every mutation of the tiered workload (uploads, durable retention) on gs:// and az://."""
     c, ops = other_tiered
+    assert len(_stable_copies(ops)) == 2  # the uploads of steps 3 and 4 copied the frozen group
     r = c.crash(None, "before", ops)
     _record(f"objstore-{c.store.scheme}-tiered-crash-before", r)
     assert r.points == len(ops)
@@ -338,6 +363,9 @@ def test_other_stores_tiered_crash_every_k(other_tiered: tuple[Campaign, Ops]) -
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_direct_crash_every_k(direct: tuple[Campaign, Ops], when: str) -> None:
     c, ops = direct
+    # The frozen group copied from the previous step into steps 3, 3 again (staged), 4; and the re-save's
+    # promotion copying it with the rest of the staged step.
+    assert len(_stable_copies(ops)) == 4
     r = c.crash(None, when, ops)
     _record(f"objstore-direct-crash-{when}", r)
     assert r.points == r.ops == len(ops)
@@ -350,6 +378,7 @@ def test_direct_crash_every_k(direct: tuple[Campaign, Ops], when: str) -> None:
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_tiered_crash_every_k(tiered: tuple[Campaign, Ops], when: str) -> None:
     c, ops = tiered
+    assert len(_stable_copies(ops)) == 2  # the uploads of steps 3 and 4 copied the frozen group
     r = c.crash(None, when, ops)
     _record(f"objstore-tiered-crash-{when}", r)
     assert r.points == r.ops == len(ops)
