@@ -78,6 +78,8 @@ class Stager:
         # tensor then. Both go with the buffers.
         self._held: dict[int, bytes | None] = {}
         self._seen: dict[int, tuple[int, int]] = {}
+        # The buffers whose live tensor the last staging proved unchanged (not copied).
+        self._still: set[int] = set()
         self._ties: list[tuple[int, int]] = []
         self.fingerprints: dict[Alias, bytes | None] = {}
         """Of the last ``stage``: the fingerprint of each buffer whose bytes it proved (the writer's
@@ -154,7 +156,12 @@ class Stager:
             done.add(id(buf))
             version = (live.data_ptr(), live._version)
             seen, self._seen[id(buf)] = self._seen.get(id(buf)), version
-            if seen is not None and seen[0] == version[0] and seen[1] != version[1]:
+            written = seen is not None and seen[0] == version[0] and seen[1] != version[1]
+            # A tensor the previous staging proved unchanged that has just been written is fingerprinted
+            # anyway: with its new fingerprint recorded, the next save can prove it unchanged again
+            # (store/incremental.py) instead of writing it a second time unhashed. One that changes at
+            # every save is not (the fingerprint would only ever say "changed").
+            if written and id(buf) not in self._still:
                 self._held[id(buf)] = None  # written to since: copied, not fingerprinted
                 todo.append((live, buf))
                 moved.append(buf)
@@ -164,6 +171,7 @@ class Stager:
             else:
                 check.append((live, buf))
         self.skipped = 0
+        self._still = set()
         # None: its counter moved, so it may have changed: the writer writes it without hashing it (a sync
         # save does the same with the live tensor; "unchanged" is never decided without a fingerprint).
         self.fingerprints = {_alias(buf): None for buf in moved}
@@ -174,6 +182,7 @@ class Stager:
                 self.fingerprints[_alias(buf)] = fp
             if fp is not None and self._held.get(id(buf)) == fp:
                 self.skipped += buf.numel() * buf.element_size()
+                self._still.add(id(buf))
                 continue
             self._held[id(buf)] = fp
             todo.append((live, buf))
@@ -183,7 +192,7 @@ class Stager:
         return snapshot
 
     def release(self) -> None:
-        self._held, self._seen, self._ties = {}, {}, []
+        self._held, self._seen, self._ties, self._still = {}, {}, [], set()
         self._buffers = None
         self.nbytes = 0
         if self.arena is not None:

@@ -208,6 +208,7 @@ class Round:
         changing: list[WriteItem] = []
         unchanged: list[WriteItem] = []
         prev = self.previous
+        still_before = {k for f in prev.files.values() for k in f.infos} if prev is not None else set()
         tensors: list[tuple[Key, WriteItem, torch.Tensor]] = []
         for item in items:
             if item.type == WriteItemType.BYTE_IO:
@@ -227,9 +228,13 @@ class Round:
             version = (raw.data_ptr(), raw._version)
             versions[key] = version
             seen = prev.versions.get(key) if prev is not None and self.versions else None
-            if seen is not None and seen[0] == version[0] and seen[1] != version[1]:
+            moved = seen is not None and seen[0] == version[0] and seen[1] != version[1]
+            if moved and key not in still_before:
                 # The version counter moved: written (a hint only ever spares the fingerprint of a tensor
-                # that is written anyway; "unchanged" always needs the fingerprint).
+                # that is written anyway; "unchanged" always needs the fingerprint). Not for a tensor the
+                # previous save found unchanged (in a stable group): one written once is fingerprinted, so
+                # that the next save can prove it unchanged again and group it, rather than write it a
+                # second time unhashed; one that changes at every save is not (it would only say "changed").
                 changing.append(item)
                 continue
             t = raw.detach()
