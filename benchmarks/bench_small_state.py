@@ -86,7 +86,9 @@ def loop(
     state = safepoint.TrainState(model=model, optimizer=opt)
     async_save = mode != "sync"
     writer = (
-        safepoint.WriterOptions(async_writer=mode, if_busy=if_busy) if async_save else safepoint.WriterOptions()
+        safepoint.WriterOptions(async_writer=mode, if_busy=if_busy)
+        if async_save
+        else safepoint.WriterOptions()
     )
     blocked: list[float] = []
     root = base / f"loop-{mode}"
