@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,9 +28,9 @@ from safepoint.save.writer_process import _LAUNCH
 _DEADLINE_S = 120.0  # only bounds a failure: a working gate is reached at once
 
 
-def _until(cond: object, what: str) -> None:
+def _until(cond: Callable[[], bool], what: str) -> None:
     deadline = time.monotonic() + _DEADLINE_S
-    while not cond():  # type: ignore[operator]
+    while not cond():
         assert time.monotonic() < deadline, f"never happened: {what}"
         time.sleep(0.005)
 
@@ -50,12 +51,20 @@ def test_other_threads_wait_while_it_is_held_and_its_holder_never_does() -> None
         t.start()
         _until(lambda: gate.parked == 1, "the background thread parked")
         assert not passed.is_set()  # parked on the gate: it cannot have passed
+        with gate.opened():  # the holder waiting for background work lets it run
+            t.join(_DEADLINE_S)
+        assert passed.is_set()
+        t = threading.Thread(target=background, daemon=True)
+        passed.clear()
+        t.start()
+        _until(lambda: gate.parked == 2, "parked again once the wait was over")
+        assert not passed.is_set()
     t.join(_DEADLINE_S)
     assert passed.is_set()
     with pytest.raises(RuntimeError), gate.foreground():
         raise RuntimeError("the save failed")
     gate.pause()  # released on any exit: this thread is not the holder and does not wait
-    assert gate.held == 3 and gate.parked == 1
+    assert gate.held == 3 and gate.parked == 2
 
 
 def test_a_save_beside_the_one_in_flight_is_written_while_that_one_waits(tmp_path: Path) -> None:

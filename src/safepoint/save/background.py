@@ -122,7 +122,8 @@ class BackgroundWriter:
             return 0.0
         t0 = time.perf_counter()
         try:
-            self.completed.append(self._future.result())
+            with self.gate.opened():  # the training thread holding the gate: the save must not stay parked
+                self.completed.append(self._future.result())
         except BaseException as e:
             self._failure = e
         self._future = None

@@ -64,6 +64,20 @@ class ForegroundGate:
                 self._holder = None
                 self._open.set()
 
+    @contextmanager
+    def opened(self) -> Iterator[None]:
+        """For the holder's waits on background work (which cannot finish while parked): the gate open
+        for the block. No such wait happens today (a save waits for the one in flight before it takes the
+        gate); this keeps one added later from hanging."""
+        if self._holder != threading.get_ident():
+            yield
+            return
+        self._open.set()
+        try:
+            yield
+        finally:
+            self._open.clear()
+
     def pause(self) -> None:
         """A pause point: wait while a foreground save runs (unless this thread is the one running it)."""
         if self._open.is_set() or self._holder == threading.get_ident():
