@@ -5,8 +5,10 @@
    the same model and optimizer state, interleaved, CPU time (process + children) and wall, per save.
 2. Saving every step of a training loop of ``--step-ms`` (forward, backward, AdamW step, then busy work up
    to the step time): how long the call blocks the loop, sync against async, for each ``--writers``, with
-   ``--call maybe_save`` (``save_every_steps=1``; the default ``if_busy="auto"`` skips a save that comes due
-   while the previous one still writes) or ``--call save`` (an explicit ``save()``: it waits for it).
+   ``--call maybe_save`` (``save_every_steps=1``) or ``--call save``; the async runs use
+   ``WriterOptions(if_busy=--if-busy)`` ("auto" here: a save that finds the previous one still writing is
+   written synchronously beside it; "wait" waits for it; "skip" skips it). Each run prints how many saves
+   went beside the one in flight and how many waited for it.
 
     python benchmarks/bench_small_state.py --saves 30 --steps 60 --step-ms 20
 """
