@@ -5,8 +5,10 @@
    the same model and optimizer state, interleaved, CPU time (process + children) and wall, per save.
 2. Saving every step of a training loop of ``--step-ms`` (forward, backward, AdamW step, then busy work up
    to the step time): how long the call blocks the loop, sync against async, for each ``--writers``, with
-   ``--call maybe_save`` (``save_every_steps=1``; the default ``if_busy="auto"`` skips a save that comes due
-   while the previous one still writes) or ``--call save`` (an explicit ``save()``: it waits for it).
+   ``--call maybe_save`` (``save_every_steps=1``) or ``--call save``; the async runs use
+   ``WriterOptions(if_busy=--if-busy)`` ("auto" here: a save that finds the previous one still writing is
+   written synchronously beside it; "wait" waits for it; "skip" skips it). Each run prints how many saves
+   went beside the one in flight and how many waited for it.
 
     python benchmarks/bench_small_state.py --saves 30 --steps 60 --step-ms 20
 """
@@ -79,11 +81,17 @@ def steady(base: Path, saves: int, drain: bool = False) -> None:
     )
 
 
-def loop(base: Path, mode: str, steps: int, step_ms: float, call: str) -> tuple[list[float], int]:
+def loop(
+    base: Path, mode: str, steps: int, step_ms: float, call: str, if_busy: str = "auto"
+) -> tuple[list[float], int]:
     model, opt, x = make()
     state = safepoint.TrainState(model=model, optimizer=opt)
     async_save = mode != "sync"
-    writer = safepoint.WriterOptions(async_writer=mode) if async_save else safepoint.WriterOptions()
+    writer = (
+        safepoint.WriterOptions(async_writer=mode, if_busy=if_busy)
+        if async_save
+        else safepoint.WriterOptions()
+    )
     blocked: list[float] = []
     root = base / f"loop-{mode}"
     every = 1 if call == "maybe_save" else None
@@ -104,9 +112,13 @@ def loop(base: Path, mode: str, steps: int, step_ms: float, call: str) -> tuple[
             else:
                 mgr.save(step, state)
             blocked.append(time.perf_counter() - s0)
-        synced = mgr._writer.synced if async_save else 0  # if_busy="auto": written beside the write in flight
+        # if_busy="auto": written beside the write in flight; "wait": waited for it
+        synced, waited = (mgr._writer.synced, mgr._writer.waited) if async_save else (0, 0)
     shutil.rmtree(root, ignore_errors=True)
-    print(f"  {mode} {call}(): {synced} of {steps} saves written synchronously beside the one in flight")
+    print(
+        f"  {mode} {call}(): of {steps} saves {synced} written synchronously beside the one in flight, "
+        f"{waited} waited for it"
+    )
     return blocked[5:], skipped  # past the first saves (the writer process starting, buffers allocated)
 
 
@@ -118,6 +130,7 @@ def main() -> None:
     p.add_argument("--writers", default="sync,thread,auto")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--call", default="maybe_save,save", help="maybe_save (save_every_steps=1) and/or save")
+    p.add_argument("--if-busy", default="auto", help="WriterOptions(if_busy=) of the async runs")
     p.add_argument(
         "--drain",
         action="store_true",
@@ -136,7 +149,7 @@ def main() -> None:
             for call in args.call.split(","):
                 for mode in args.writers.split(","):
                     load = load_1m()
-                    b, skipped = loop(base, mode, args.steps, args.step_ms, call)
+                    b, skipped = loop(base, mode, args.steps, args.step_ms, call, args.if_busy)
                     print(
                         f"round {r} every step of a {args.step_ms:.0f} ms loop, {mode:6s} {call}(): blocks "
                         f"median {statistics.median(b) * 1e3:.1f} ms, p90 "

@@ -8,7 +8,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 from safepoint import options as opts
 from safepoint.dist import Comm
@@ -210,6 +210,7 @@ class CheckpointManager:
                 wrap = process_writer_factory(self._process, lambda: self._stager.arena)
             bg = (self.layout, self._bg_comm, self._retainer, writer_threads)
             self._bg_saver = SyncSaver(*bg, wrap_writer=wrap, history=history, staged=self._stager)
+            self._bg_saver.pause = self._retainer.pause = self._writer.gate.pause  # save/foreground.py
         self._at_exit = self._async or durable is not None or self._retainer.in_background  # its deletes
         # The uploader's collectives get their own group too (created here: same order on every rank).
         self._tiers = SingleTier(self.layout)
@@ -306,21 +307,20 @@ class CheckpointManager:
     def _save_async(self, step: int, state: TrainState, metrics: dict[str, float]) -> Saved:
         self._check_owner(step)
         call = SaveCall(self.events, step, is_async=True)
-        if (room := self._writer.make_room(step, self._if_busy, self.comm)) != "stage":
-            # "skip"; or "sync" (if_busy="auto", the previous save still writing): written now, beside it,
-            # from the live state, as long as a sync save blocks (save/background.py says why it is safe)
-            return (True, self._save_sync(step, state, metrics)) if room == "sync" else (False, None)
-        assert self._bg_saver is not None
-        saver = self._bg_saver
-        with self._tiers.paused(), call.failing(SaveError), gc_paused():
-            call.begin()
-            staged = self._stager.stage(state.capture(self.comm.rank))
-        blocking = call.returned(bytes_written=self._stager.nbytes)  # counted when the buffers were made
-        sections, tiers = state.sections(), self._tiers
-        self._writer.submit(
-            step, lambda: tiers.committed(saver.write(step, staged, sections, metrics, {"stage_s": blocking}))
-        )
-        self._schedule.saved(step, blocking, self._stager.nbytes)
+        room = self._writer.make_room(step, self._if_busy, self.comm)  # "wait" waits here, outside the gate
+        with self._writer.gate.foreground():  # the loop's save first: background work waits (foreground.py)
+            if room != "stage":  # "skip", or "sync": beside the one in flight (background.py: why it is safe)
+                return (True, self._save_sync(step, state, metrics)) if room == "sync" else (False, None)
+            saver = cast(SyncSaver, self._bg_saver)  # set when async
+            with self._tiers.paused(), call.failing(SaveError), gc_paused():
+                call.begin()
+                staged = self._stager.stage(state.capture(self.comm.rank))
+            blocking = call.returned(bytes_written=self._stager.nbytes)  # counted when buffers were made
+            parts, tiers, times = state.sections(), self._tiers, {"stage_s": blocking}
+            self._writer.submit(
+                step, lambda: tiers.committed(saver.write(step, staged, parts, metrics, times))
+            )
+            self._schedule.saved(step, blocking, self._stager.nbytes)
         return True, None
 
     # ---- restoring -----------------------------------------------------------------------------------

@@ -46,7 +46,8 @@ class WriterOptions:
     if_busy: str = "wait"
     """With ``async_save``, what a save does while the previous one is still writing: "wait" (waits for the
     write, logging how long, then stages), "auto" (written synchronously at once, beside the write in
-    flight: it blocks as long as a sync save and no save is lost, but the newer step may commit first) or
+    flight, which waits meanwhile: it blocks as long as a sync save and no save is lost, but the newer step
+    may commit first) or
     "skip" (warns, saves nothing). Never two staged copies. See docs/async.md."""
     threads: int = 1
     """DCP writer threads per rank."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from safepoint import events as ev
 from safepoint.errors import CheckpointError, LeaseError
@@ -61,6 +62,8 @@ class Retainer:
         self._stopped = False  # the lease was lost, or a preemption notice came: no pass runs any more
         self._thread: threading.Thread | None = None
         self.keep_fallback = False
+        self.pause: Callable[[], None] = lambda: None
+        """The pause point of a background pass (set by the manager: save/foreground.py)."""
         """Incremental saves with full copies: also keep the newest step that shares no file (inode) with
         the newest step, so one damaged shared file always leaves an intact step (docs/reliability.md)."""
 
@@ -157,6 +160,11 @@ class Retainer:
                 self._claimed.discard(step)
             given = {step: self._given.pop(step) for step, _ in batch if step in self._given}
         try:
+            if self.background:
+                # On the deleter thread: wait while the training thread writes a save beside a background
+                # one (save/foreground.py). Safe here: no lock held and no step being deleted, so claim()
+                # and settle() never wait for this thread. (Inline, the saving thread runs this pass.)
+                self.pause()
             newest = [(s, i) for s, i in batch if i is not None]
             for s, i in newest:
                 self._index[s] = i
@@ -218,6 +226,8 @@ class Retainer:
                 protect.add(apart)
             doomed, deciding = self.retention.to_delete(history, protect), time.perf_counter() - t0
             for step in doomed:
+                if self.background:
+                    self.pause()  # as in _process: no lock held, no step being deleted
                 with self._cond:
                     if self._stopped:
                         return  # abandoned: the next owner's first pass judges what is left

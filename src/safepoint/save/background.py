@@ -16,6 +16,7 @@ from concurrent.futures import Future
 
 from safepoint.dist import Comm
 from safepoint.errors import SaveError
+from safepoint.save.foreground import ForegroundGate
 from safepoint.store.posix_layout import CheckpointInfo
 
 log = logging.getLogger("safepoint")
@@ -53,6 +54,8 @@ class BackgroundWriter:
         # synchronously beside it ("auto"), or waited for it ("wait").
         self.skipped = self.synced = self.waited = 0
         self._synced_for: int | None = None  # the save in flight whose sync saves were logged
+        # Held while a save is written beside the one in flight: that one's threads wait (foreground.py).
+        self.gate = ForegroundGate()
 
     @property
     def busy(self) -> bool:
@@ -96,7 +99,8 @@ class BackgroundWriter:
             # retention never deletes a step being committed (Retainer.claim) nor the newest one; the
             # incremental history links only files whose fingerprints match, from whichever step committed
             # last. It blocks the loop for a sync save's time: never longer, which waiting for the rest of
-            # the write (then staging) can be when saves come faster than they are written.
+            # the write (then staging) can be when saves come faster than they are written. The caller
+            # writes it holding ``gate``: the save in flight waits meanwhile, not competing for the GIL.
             if self._synced_for != self._step:  # one line per write in flight, not one per step
                 log.info(
                     "safepoint: saving step %d synchronously: the previous save (step %s) is still writing",
@@ -118,7 +122,8 @@ class BackgroundWriter:
             return 0.0
         t0 = time.perf_counter()
         try:
-            self.completed.append(self._future.result())
+            with self.gate.opened():  # the training thread holding the gate: the save must not stay parked
+                self.completed.append(self._future.result())
         except BaseException as e:
             self._failure = e
         self._future = None

@@ -73,6 +73,7 @@ class ProcessWriter(SafepointWriter):
             raise WriterProcessError(
                 f"the writer process answered for {len(results)} items, not the {len(plan.items)} planned"
             )
+        self.pause()  # the reply came: the rest (results, .metadata, commit) is this process's Python work
         for name, (size, crc) in files.items():
             self.recorder.record(name, size, crc)
         fut: Future[list[WriteResult]] = Future()
@@ -97,6 +98,7 @@ class ProcessWriter(SafepointWriter):
             return super()._write_entries(planner, entries)
         except WriterUnavailable:
             return super()._write_entries(planner, entries)
+        self.pause()  # as in write_data
         wanted = {item.index for _, _, items in entries for item in items}
         if len(results) != len(wanted) or {r.index for r in results} != wanted:
             raise WriterProcessError(

@@ -22,6 +22,7 @@ from safepoint.dist import Comm, PeerTimeoutError
 from safepoint.errors import CheckpointError, SaveError, describe_exception
 from safepoint.policy.retainer import Retainer
 from safepoint.policy.rules import Retention, Verdicts
+from safepoint.save.foreground import no_pause
 from safepoint.save.one_process import save_one_process
 from safepoint.save.plan_reuse import PlanRecord, ReusingSavePlanner
 from safepoint.save.staging import Stager
@@ -51,8 +52,12 @@ class SyncSaver:
         wrap_writer: Callable[[Any], Any] | None = None,
         history: History | None = None,
         staged: bool | Stager = False,
+        pause: Callable[[], None] = no_pause,
     ) -> None:
         self.layout = layout
+        # A background saver's pause points (save/foreground.py): between its phases and before each file
+        # it creates, it waits while the training thread writes a save beside it. Each lies outside any lock.
+        self.pause = pause
         # Incremental saves (store/incremental.py): what this rank's last committed save wrote, shared with
         # the manager's other saver (sync and async saves link from whichever committed last). A local root
         # links unchanged files; an object store copies them server-side (remote/incremental_copy.py).
@@ -105,6 +110,7 @@ class SyncSaver:
         manifest_extra: dict[str, Any] | None = None,
     ) -> CheckpointInfo:
         """Write a captured (or staged) state dict and commit it. Collective: every rank calls it."""
+        self.pause()
         t0 = time.perf_counter()
         self._manifest = None
         if self._leftovers:
@@ -114,6 +120,8 @@ class SyncSaver:
         writer = self.layout.make_writer(pending, thread_count=self.writer_threads)
         if self.wrap_writer is not None:
             writer = self.wrap_writer(writer)
+        if isinstance(writer, SafepointWriter):
+            writer.pause_at(self.pause)
         round_ = None
         # Writers that arrange incremental saves: SafepointWriter (local), StoreWriter (object stores).
         if self.history is not None and isinstance(writer, SafepointWriter | StoreWriterLike):
@@ -156,6 +164,7 @@ class SyncSaver:
             )
         errors = [error] if error else []
         info: CheckpointInfo | None = None
+        self.pause()
         if self.comm.is_coordinator:
             if not errors:
                 self.retainer.claim(step)  # no retention pass deletes this step number from now on

@@ -54,12 +54,17 @@ PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 # Before anything else (importing torch takes seconds, minutes on a thrashing node): ignore the group's
 # SIGINT/SIGTERM (a Ctrl-C or a scheduler's SIGTERM to the process group is the rank's to act on), and
 # where the rank's main thread started us, die with the rank (PR_SET_PDEATHSIG), then
-# check the rank did not die before that (argv[2] is its pid). The child's own poll covers the rest.
+# check the rank did not die before that (argv[2] is its pid). The child's own poll covers the rest. Then
+# take the writer's priority (argv[3]) before importing torch: that import is seconds of a core, and at the
+# rank's priority it took the CPU from training while the rank's first saves ran (issue 27: a loop saving
+# every step blocked ~2.8x a sync save for as long as it lasted; docs/benchmarks.md, round 6).
 _LAUNCH = (
     "import signal as s; s.signal(s.SIGINT, s.SIG_IGN); s.signal(s.SIGTERM, s.SIG_IGN); "
     "import os, sys; "
     "os.environ.pop('SAFEPOINT_WRITER_DEATHSIG', '') == '1' and __import__('ctypes').CDLL(None).prctl(1, 9); "
-    "os.getppid() == int(sys.argv[2]) or os._exit(1); "
+    "os.getppid() == int(sys.argv[2]) or os._exit(1)\n"
+    "try: n, p = int(sys.argv[3]), os.PRIO_PROCESS; os.getpriority(p, 0) < n and os.setpriority(p, 0, n)\n"
+    "except (OSError, AttributeError): pass  # a sandbox may forbid it: slower training, not a failed save\n"
     "from {module} import main; sys.exit(main(sys.argv))"
 )
 _POLL_S = 1.0  # how often a wait for the process checks that it is still alive

@@ -17,7 +17,7 @@ import os
 import pickle
 import queue
 import warnings
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -112,6 +112,10 @@ def read_metadata_file(path: str | os.PathLike[str]) -> Metadata:
         return safe_load_metadata(f)
 
 
+def _no_pause() -> None:
+    """The pause point of a save nothing runs beside (every sync save)."""
+
+
 class _ChecksummingFileSystem(FileSystem):
     """DCP's local FileSystem, but every write stream records its size and crc32c, and every file DCP's
     writer touches (its data files, ``.metadata``, the save's directory, a rename of DCP's own finish)
@@ -121,9 +125,13 @@ class _ChecksummingFileSystem(FileSystem):
     def __init__(self, recorder: ChecksumRecorder, root: RootDir) -> None:
         super().__init__()
         self.recorder, self.root = recorder, root
+        # A background save's pause point before each file it creates: it waits there while the training
+        # thread writes a save beside it (save/foreground.py). Holds no lock here.
+        self.pause: Callable[[], None] = _no_pause
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
+        self.pause()
         if "w" not in mode:
             with os.fdopen(self.root.open_read(Path(path)), mode) as stream:
                 yield stream  # type: ignore[misc]
@@ -218,6 +226,14 @@ class SafepointWriter(FileSystemWriter):
             cause = os_error_in_chain(error)
             raise OSError(f"{what} writing {name}: {type(cause).__name__}: {cause}") from error
         return with_files(fut, self.written_files(), self.linked_bytes())
+
+    def pause_at(self, pause: Callable[[], None]) -> None:
+        """Give this save's file creations a pause point (a background save's: save/foreground.py)."""
+        self._fs.pause = pause
+
+    def pause(self) -> None:
+        """This save's pause point (a no-op unless ``pause_at`` gave one)."""
+        self._fs.pause()
 
     def linked_bytes(self) -> int:
         """Bytes of this rank's files linked from the previous step rather than written (this save)."""
