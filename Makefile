@@ -12,8 +12,9 @@ LINT_PATHS := $(wildcard src tests benchmarks examples)
 # Measured on the 2-core VM in tests/torture/README.md ("The default suite").
 TEST_WORKERS ?= 2
 # The set-up and the checks before the suite side by side: the venv's install beside Azurite's, then
-# mypy (one core) beside ruff, import-linter and the docs build. Each target's output stays together.
-MAKEFLAGS += --jobs=2 --output-sync=target
+# mypy (one core) beside ruff, import-linter and the docs build. (No --output-sync: it would hold back the
+# suite's progress until its end.)
+MAKEFLAGS += --jobs=2
 
 TOOLS := .tools
 AZURITE_STAMP := $(TOOLS)/.azurite-3.37.0
