@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -187,3 +187,40 @@ def test_a_store_error_is_named_on_one_line_and_in_safepoints_words() -> None:
             raise RuntimeError("unexpected pos 704 vs 598") from e
     except RuntimeError as e:
         assert describe_exception(e) == "OSError: [Errno 28] No space left on device"
+
+
+class _Point(NamedTuple):
+    x: Any
+    y: Any
+
+
+class _WithTuple:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.value}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.value = sd["best"]
+
+
+def test_a_namedtuple_is_refused_in_one_line_unless_allowlisted(tmp_path: Path) -> None:
+    """A namedtuple's class is not among what ``torch.load(weights_only=True)`` rebuilds: the save fails at
+    once naming it (it used to fail with a TypeError from building the class with no fields). Allowlisted
+    with ``torch.serialization.add_safe_globals``, it is saved and restored as itself, a NumPy scalar in it
+    as a Python number (it used to fail rebuilding the tuple from a list)."""
+    import numpy as np
+
+    root = tmp_path / "ckpt"
+    with safepoint.CheckpointManager(root) as mgr:
+        with pytest.raises(safepoint.SaveError, match=r"cannot save 'scheduler\.best': a _Point "):
+            mgr.save(1, safepoint.TrainState(scheduler=_WithTuple(_Point(1.5, 2)), rng=False))
+        assert mgr.list() == []
+    with torch.serialization.safe_globals([_Point]):
+        with safepoint.CheckpointManager(root) as mgr:
+            mgr.save(1, safepoint.TrainState(scheduler=_WithTuple(_Point(np.float64(0.25), 2)), rng=False))
+        back = _WithTuple(None)
+        with safepoint.CheckpointManager(root) as mgr:
+            assert mgr.restore(safepoint.TrainState(scheduler=back, rng=False)) == 1
+    assert back.value == _Point(0.25, 2) and type(back.value) is _Point and type(back.value.x) is float

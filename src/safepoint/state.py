@@ -11,12 +11,8 @@ in the manifest (``modules.ema``), so adding one later leaves every older checkp
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
-import pickle
 import re
-import sys
-from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
@@ -28,7 +24,7 @@ from safepoint.data.module_state import module_state_dicts, set_module_state
 from safepoint.data.optim_load import in_order
 from safepoint.data.plain import PlainState, load_own_optimizer_sd, load_stateful, own_optimizer_sd
 from safepoint.data.sharded import check_not_sharded
-from safepoint.errors import SaveError, weights_only_reason
+from safepoint.restorable import restorable
 
 MODEL = "model"
 OPTIMIZER = "optimizer"
@@ -340,70 +336,6 @@ def _capture_extra(extra: dict[str, Any]) -> dict[str, Any]:
         _check_extra_value(k, v)
         out[k] = v.state_dict() if isinstance(v, Stateful) else v
     return out
-
-
-# ---- what restore can load: checked at save time (issue 13, finding 9) ----------------------------------
-
-_PLAIN = (int, float, str, bool, bytes, type(None))
-_CONTAINERS = (dict, list, tuple)
-_SAFE_CONTAINERS = (dict, list, tuple, OrderedDict)
-
-
-def restorable(value: Any, path: str = "") -> Any:
-    """``value`` (a captured state dict) as restore will load it, or SaveError naming the first item it
-    would refuse. Restore loads every non-tensor item with ``torch.load(weights_only=True)``; an item that
-    fails that would make the checkpoint unrestorable, found only after the crash it was saved for.
-
-    NumPy scalars are converted to the Python number of the same value (lossless: float64 and narrower
-    floats, every integer width, bool; ``np.float64`` from ``lr=np.float64(1e-3)`` is common); containers
-    holding one are copied, never changed in place (they may be the live optimizer's param groups). Any
-    other item is checked by the real rule: a round trip through ``torch.load(weights_only=True)``."""
-    if isinstance(value, torch.Tensor) or type(value) in _PLAIN:
-        return value
-    if isinstance(value, _CONTAINERS):
-        if type(value) not in _SAFE_CONTAINERS:  # OrderedDict (a model's state dict), a namedtuple, ...
-            _check_weights_only(type(value)(), path)  # the container type alone, never its tensors
-        # Tensors and plain values as they are, no call or path built for each (this runs every save).
-        named, pre = isinstance(value, dict), f"{path}." if path or not isinstance(value, dict) else ""
-        pairs = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
-        changed = {k: new for k, v in pairs if not (isinstance(v, torch.Tensor) or type(v) in _PLAIN)
-                   and (new := restorable(v, f"{pre}{k}")) is not v}  # fmt: skip
-        out = [changed.get(k, v) for k, v in pairs] if changed else None
-        kind: Any = type(value)  # rebuilt as it was: dict, OrderedDict, list, tuple, a namedtuple's class
-        return value if out is None else kind(zip(value, out, strict=True) if named else out)
-    plain = _numpy_scalar(value)
-    if plain is not None:
-        return plain
-    _check_weights_only(value, path)
-    return value
-
-
-def _numpy_scalar(value: Any) -> int | float | bool | None:
-    """The Python number a NumPy scalar holds exactly, or None (not NumPy, or no exact Python twin)."""
-    np = sys.modules.get("numpy")  # a NumPy scalar exists only if NumPy was imported
-    if np is None or not isinstance(value, np.generic):
-        return None
-    if isinstance(value, (np.integer, np.bool_)) or (
-        isinstance(value, np.floating) and value.dtype.itemsize <= 8
-    ):
-        item = value.item()
-        return item if type(item) in (int, float, bool) else None
-    return None
-
-
-def _check_weights_only(value: Any, path: str) -> None:
-    buf = io.BytesIO()
-    try:
-        torch.save(value, buf)
-        buf.seek(0)
-        torch.load(buf, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, TypeError, AttributeError, ValueError) as e:
-        why = weights_only_reason(e)
-        raise SaveError(
-            f"cannot save {path!r}: a {type(value).__name__} is not plain data, and restore (which loads "
-            f"with torch.load(weights_only=True)) would refuse it ({why}). Store a tensor, a number, a "
-            "string, or a list/dict of them instead (e.g. float(x), x.tolist(), torch.as_tensor(x))."
-        ) from None
 
 
 def _loader_template(loader: Any) -> Any:

@@ -44,7 +44,8 @@ from safepoint.errors import Preempted
 from safepoint.integrations.lightning_sharded import refuse_unsupported, sharded_parts, without_weights
 from safepoint.manager import CheckpointManager
 from safepoint.options import PreemptionOptions
-from safepoint.state import TrainState, restorable
+from safepoint.restorable import restorable
+from safepoint.state import TrainState
 
 log = logging.getLogger("safepoint")
 
