@@ -23,8 +23,8 @@ from safepoint.data import rng
 from safepoint.data.module_state import module_state_dicts, set_module_state
 from safepoint.data.optim_load import in_order
 from safepoint.data.plain import PlainState, load_own_optimizer_sd, load_stateful, own_optimizer_sd
+from safepoint.data.restorable import restorable
 from safepoint.data.sharded import check_not_sharded
-from safepoint.restorable import restorable
 
 MODEL = "model"
 OPTIMIZER = "optimizer"

@@ -39,12 +39,12 @@ import torch
 
 from safepoint.data import rng
 from safepoint.data.plain import PlainState
+from safepoint.data.restorable import restorable
 from safepoint.data.sampler import ResumableSampler
 from safepoint.errors import Preempted
 from safepoint.integrations.lightning_sharded import refuse_unsupported, sharded_parts, without_weights
 from safepoint.manager import CheckpointManager
 from safepoint.options import PreemptionOptions
-from safepoint.restorable import restorable
 from safepoint.state import TrainState
 
 log = logging.getLogger("safepoint")
