@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,13 +27,13 @@ import safepoint
 from safepoint.cli.main import main as safepoint_cli
 from tests.dist.tp_job import build, full_state
 from tests.helpers.example_runs import committed_steps
-from tests.helpers.rank_jobs import Job, Losses, run_rank_job
+from tests.helpers.rank_jobs import Losses, run_rank_job
 
 JOB = Path(__file__).with_name("tp_job.py")
 pytestmark = pytest.mark.timeout(600)
 
 
-def _kill_job(proc: Job, root: Path) -> None:
+def _kill_job(proc: subprocess.Popen[str], root: Path) -> None:
     for rank in (0, 1):  # torchrun starts its workers in sessions of their own
         with contextlib.suppress(FileNotFoundError, ProcessLookupError, ValueError):
             os.kill(int(Path(f"{root}.pid-{rank}").read_text()), signal.SIGKILL)

@@ -14,19 +14,14 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
 
 from tests.conftest import REPO, SUBPROCESS_ENV
-from tests.helpers.launch import Agent, agent
 
 LINE = re.compile(r"rank (\d+) step (\d+) loss (\S+)\Z")
 Losses = dict[tuple[int, int], str]
 
 
-Job = subprocess.Popen[str] | Agent
-
-
-def killpg(proc: Job) -> None:
+def killpg(proc: subprocess.Popen[str]) -> None:
     os.killpg(proc.pid, signal.SIGKILL)
 
 
@@ -35,32 +30,20 @@ def run_rank_job(
     root: Path,
     *,
     kill_at: int | None = None,
-    kill: Callable[[Job], None] = killpg,
+    kill: Callable[[subprocess.Popen[str]], None] = killpg,
 ) -> tuple[Losses, int, str]:
     """Run ``cmd`` (a session of its own, one OpenMP thread, no GPU); returns ``{(rank, step): loss}``, the
-    exit code and stderr. A ``python -m torch.distributed.run ...`` command's agent is forked from a fork
-    server (tests/helpers/launch.py); its ranks are fresh processes."""
+    exit code and stderr."""
     env = dict(SUBPROCESS_ENV, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     err_path = root.parent / f"{root.name}-{time.monotonic_ns()}.stderr"
     losses: Losses = {}
     with open(err_path, "w") as err:
-        proc: Job
-        lines: IO[str]
-        if cmd[1:3] == ["-m", "torch.distributed.run"]:
-            read, write = os.pipe()
-            try:
-                proc = agent(cmd[3:], env, write, err.fileno(), cwd=REPO)
-            finally:
-                os.close(write)  # the agent has its own: EOF once it and its ranks are gone
-            lines = open(read)  # noqa: SIM115 - closed below
-        else:
-            proc = subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=REPO, start_new_session=True
-            )
-            assert proc.stdout is not None
-            lines = proc.stdout
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=REPO, start_new_session=True
+        )
+        assert proc.stdout is not None
         try:
-            for line in lines:
+            for line in proc.stdout:
                 m = LINE.match(line.strip())
                 if m:
                     rank, step = int(m.group(1)), int(m.group(2))
@@ -72,5 +55,4 @@ def run_rank_job(
             if proc.poll() is None:
                 kill(proc)
                 proc.wait()
-            lines.close()
-    return losses, proc.returncode if proc.returncode is not None else proc.wait(), err_path.read_text()
+    return losses, proc.returncode, err_path.read_text()
