@@ -23,7 +23,14 @@ from tests.helpers import forkserver
 # The torchrun agent, forked from a fork server that imported it once (tests/helpers/forkserver.py): each
 # agent otherwise pays ~2.6 s of CPU only to import torch. Its ranks stay real processes that torchrun starts
 # (``sys.executable``, a fresh interpreter each), as on a cluster.
-AGENT_IMPORTS = ("import torch.distributed.run",)
+# Its imports, not ``torch.distributed.run`` itself: ``runpy`` runs that module fresh, as ``python -m`` does
+# (one already imported would make runpy warn on the agent's stderr).
+AGENT_IMPORTS = (
+    "import torch.distributed.launcher.api",
+    "import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
+    "import torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+    "import torch.distributed.elastic.rendezvous.static_tcp_rendezvous",
+)
 # What only the ranks read (never the agent's imports): jobs differing only in these share a fork server.
 # OMP_NUM_THREADS: the agent computes nothing; its server imports torch with one OpenMP thread (a fork needs
 # a single-threaded server) and the ranks, fresh interpreters, read the job's own setting.
