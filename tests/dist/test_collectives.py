@@ -5,27 +5,29 @@ counter and counts them around a steady-state ``mgr.save``, ``mgr.restore``, and
 ``dcp.load`` of the same state on the same group. safepoint's own traffic is one broadcast per save (rank
 0's verdict; DCP's write collective carries each rank's file list) and one per restore (the chosen step and
 its manifest; each rank's verification and the state check ride on DCP's plan collective).
+
+The torchrun agents are forked from a fork server (tests/helpers/launch.py); their ranks are fresh processes.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import PYTHON, REPO, SUBPROCESS_ENV
+from tests.conftest import REPO, SUBPROCESS_ENV
+from tests.helpers.launch import run_agent
 
 
 @pytest.mark.parametrize("ranks", [2])
 def test_save_and_restore_run_at_most_one_collective_more_than_plain_dcp(tmp_path: Path, ranks: int) -> None:
     out = tmp_path / "counts.json"
     cmd = [
-        PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+        "--standalone", f"--nproc-per-node={ranks}",
         str(REPO / "benchmarks" / "collectives.py"), str(out), str(tmp_path / "roots"),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=600)
+    proc = run_agent(cmd, SUBPROCESS_ENV, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = json.loads(out.read_text())
     total = {name: sum(calls.values()) for name, calls in counts.items() if name != "world"}
@@ -44,11 +46,11 @@ def test_a_checkpoint_damaged_for_every_rank_is_corrupt_not_a_root_that_is_not_s
     out = tmp_path / "out"
     out.mkdir()
     cmd = [
-        PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        "--standalone", "--nproc-per-node=2",
         str(REPO / "tests" / "helpers" / "procs" / "corrupt_manifest_worker.py"), str(tmp_path / "ckpt"), str(out),
         what,
     ]  # fmt: skip
-    proc = subprocess.run(cmd, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=600)
+    proc = run_agent(cmd, SUBPROCESS_ENV, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [(out / f"rank{r}").read_text() for r in (0, 1)] == ["1", "1"]  # fell back together
     assert "skipping corrupt checkpoint: step 2" in proc.stderr
@@ -63,10 +65,10 @@ def test_a_partial_restore_decides_alike_on_every_rank_when_one_cannot_read_the_
     out = tmp_path / "out"
     out.mkdir()
     cmd = [
-        PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        "--standalone", "--nproc-per-node=2",
         str(REPO / "tests" / "helpers" / "procs" / "partial_metadata_worker.py"), str(tmp_path), str(out),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=600)
+    proc = run_agent(cmd, SUBPROCESS_ENV, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     outcomes = [(out / f"rank{r}").read_text().splitlines() for r in (0, 1)]
     assert outcomes[0] == outcomes[1], outcomes
@@ -81,10 +83,10 @@ def test_init_from_a_path_missing_on_some_ranks_fails_alike_on_every_rank(tmp_pa
     out = tmp_path / "out"
     out.mkdir()
     cmd = [
-        PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        "--standalone", "--nproc-per-node=2",
         str(REPO / "tests" / "helpers" / "procs" / "warm_start_worker.py"), str(tmp_path), str(out),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=600)
+    proc = run_agent(cmd, SUBPROCESS_ENV, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     outcomes = [(out / f"rank{r}").read_text() for r in (0, 1)]
     assert outcomes[0] == outcomes[1], outcomes

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 from tests.conftest import REPO
+from tests.helpers.launch import run_agent
 
 WORKER = textwrap.dedent(
     """
@@ -54,16 +53,10 @@ WORKER = textwrap.dedent(
 def test_a_lost_lease_raises_the_same_lease_error_on_every_rank(tmp_path: Path) -> None:
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(worker)]
+    cmd = ["--standalone", "--nproc-per-node=2", str(worker)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}")
-    done = subprocess.run(
-        [*cmd, str(tmp_path / "ckpt"), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=300,
-    )
+    # The agent forked from a fork server (tests/helpers/launch.py); its ranks are fresh processes.
+    done = run_agent([*cmd, str(tmp_path / "ckpt"), str(tmp_path)], env, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stdout + done.stderr
     for rank in (0, 1):
         said = (tmp_path / f"rank{rank}.txt").read_text()

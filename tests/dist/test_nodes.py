@@ -69,20 +69,27 @@ def test_each_node_commits_and_restores_from_its_own_local_tier(
             node_of[rank] / "step-4" / f"__{rank}_0.distcp"
         ).read_bytes()
 
+    # Three restores in one launch (tests/helpers/procs/nodes_worker.py, ``restores``: each phase a fresh
+    # model and manager, as a new launch; the files removed between phases, by rank 0, between barriers).
+    lost = node_of[1]
+    restores = restore(out, durable, locals_, [
+        {"tag": "local"},
+        # A node loses its disk.
+        {"tag": "peer", "remove": [str(lost)]},
+        # And with no replica left either.
+        {"tag": "durable", "remove": [str(lost), str(node_of[0] / ".peers")]},
+    ])  # fmt: skip
+
     # Restore: each rank's own shards and .metadata from its node's local copy. DCP also spreads
     # replicated items (AdamW's step counters) over both ranks' files: what a rank reads of the other
     # rank's file comes from the replica its node keeps.
-    restored = restore(out, durable, locals_, "local")
-    for r in restored:
+    for r in restores["local"]:
         sources(r, "local", "local", "peer")
     equal(out / "saved.pt", out / "local.pt")
 
     # A node loses its disk: its rank gets its share from the other node (peer), the rest from the durable
     # tier; the other rank still reads its own disk.
-    lost = node_of[1]
-    shutil.rmtree(lost)
-    restored = restore(out, durable, locals_, "peer")
-    for r in restored:
+    for r in restores["peer"]:
         if Path(r["local"]) == lost:
             sources(r, "peer", "peer", "durable")
         else:
@@ -90,10 +97,7 @@ def test_each_node_commits_and_restores_from_its_own_local_tier(
     equal(out / "saved.pt", out / "peer.pt")
 
     # And with no replica left either: the durable tier.
-    shutil.rmtree(lost)
-    shutil.rmtree(node_of[0] / ".peers")
-    restored = restore(out, durable, locals_, "durable")
-    for r in restored:
+    for r in restores["durable"]:
         if Path(r["local"]) == lost:
             sources(r, "peer", "durable", "durable")
         else:
@@ -101,13 +105,21 @@ def test_each_node_commits_and_restores_from_its_own_local_tier(
     equal(out / "saved.pt", out / "durable.pt")
 
 
-def restore(out: Path, durable: Path, locals_: dict[str, Path], tag: str) -> list[dict[str, Any]]:
-    """A launch that only restores (rank 0 dumps the state to OUT/<tag>.pt): each rank's restore record."""
-    cfg = {"durable": str(durable), "restore_only": True, "tag": tag}
-    restored = [r for r in run(out, cfg, locals_) if r["event"] == "restored"]
-    assert sorted(r["step"] for r in restored) == [4, 4]
-    (out / f"restore-{tag}.json").write_text(json.dumps(restored))  # the timings, for benchmarks/README.md
-    return restored
+def restore(
+    out: Path, durable: Path, locals_: dict[str, Path], phases: list[dict[str, Any]]
+) -> dict[str, list[dict[str, Any]]]:
+    """A launch that only restores, once per phase (rank 0 dumps the state to OUT/<tag>.pt after each):
+    each phase's restore records, by tag."""
+    cfg = {"durable": str(durable), "restores": phases}
+    records = run(out, cfg, locals_)
+    by_tag: dict[str, list[dict[str, Any]]] = {}
+    for phase in phases:
+        restored = [r for r in records if r["event"] == "restored" and r["tag"] == phase["tag"]]
+        assert sorted(r["step"] for r in restored) == [4, 4]
+        # The timings, for benchmarks/README.md.
+        (out / f"restore-{phase['tag']}.json").write_text(json.dumps(restored))
+        by_tag[phase["tag"]] = restored
+    return by_tag
 
 
 def sources(r: dict[str, Any], metadata: str, own: str, other: str) -> None:

@@ -9,14 +9,14 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tests.conftest import PYTHON, REPO, SUBPROCESS_ENV
+from tests.conftest import REPO, SUBPROCESS_ENV
+from tests.helpers.launch import Agent, agent
 from tests.helpers.s3 import free_port
 from tests.store.test_fencing import _unshare_works
 
@@ -35,13 +35,13 @@ class Cluster:
         self.port = free_port()
         self.plan = out / f"plan-{self.port}.json"
         self.plan.write_text(json.dumps({"out": str(out), **cfg}))
-        self.agents: dict[str, subprocess.Popen[bytes]] = {}
+        self.agents: dict[str, Agent] = {}
 
-    def node(self, name: str, local_root: Path, addr: str = "127.0.0.1") -> subprocess.Popen[bytes]:
+    def node(self, name: str, local_root: Path, addr: str = "127.0.0.1") -> Agent:
         """``addr``: the agent's address (any of 127.0.0.0/8). The rendezvous numbers the nodes by address,
         then pid: agents given ascending addresses get ascending ranks, in every launch."""
         torchrun = [
-            PYTHON, "-m", "torch.distributed.run", f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc}",
+            f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc}",
             f"--max-restarts={self.max_restarts}", "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id=nodes-{self.port}",
             "--rdzv-conf=last_call_timeout=1", f"--local-addr={addr}", "--monitor-interval=0.1",
@@ -49,15 +49,14 @@ class Cluster:
         ]  # fmt: skip
         # A fresh store per rendezvous round (docs/elastic.md, "torchrun restarts").
         env = dict(SUBPROCESS_ENV, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", NODE_LOCAL_ROOT=str(local_root))
-        log = open(self.out / f"agent-{name}-{len(self.agents)}.log", "wb")  # noqa: SIM115
-        cmd = ["unshare", "--uts", "sh", "-c", f'hostname {name} && exec "$@"', "sh", *torchrun]
-        proc = subprocess.Popen(
-            cmd if UNSHARE else torchrun, stdout=log, stderr=log, env=env, start_new_session=True
-        )
+        # The agent is forked from a fork server (tests/helpers/launch.py): its own session, and where
+        # ``unshare --uts`` works its own UTS namespace and host name, which its ranks inherit.
+        with open(self.out / f"agent-{name}-{len(self.agents)}.log", "wb") as log:
+            proc = agent(torchrun, env, log.fileno(), cwd=Path.cwd(), hostname=name if UNSHARE else None)
         self.agents[f"{name}-{len(self.agents)}"] = proc
         return proc
 
-    def listening(self, agent: subprocess.Popen[bytes]) -> None:
+    def listening(self, agent: Agent) -> None:
         """Wait until the first agent hosts the rendezvous store (a later agent must never host it)."""
         deadline = time.monotonic() + 120
         while True:
@@ -120,7 +119,7 @@ def _same(x: Any, y: Any, where: str) -> None:
         assert x == y, where
 
 
-def wait_for(path: Path, agents: list[subprocess.Popen[bytes]], timeout: float = 300) -> None:
+def wait_for(path: Path, agents: list[Agent], timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
         for p in agents:

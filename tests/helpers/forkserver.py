@@ -30,6 +30,7 @@ statements to run first, e.g. ``from transformers import Trainer``: many package
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
 import os
 import runpy
@@ -49,9 +50,25 @@ def _send(sock: socket.socket, msg: dict[str, object]) -> None:
     sock.send(json.dumps(msg).encode())  # one packet, one message
 
 
+_CLONE_NEWUTS = 0x04000000
+
+
+def _own_hostname(name: str) -> None:
+    """What ``unshare --uts sh -c 'hostname NAME && exec ...'`` does: a UTS namespace of its own (its
+    children inherit it) with host name ``name``. Python 3.11 has no ``os.unshare``."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(_CLONE_NEWUTS) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUTS)")
+    socket.sethostname(name)
+
+
 def _become(request: dict[str, object], fds: list[int], sock: socket.socket, ready_w: int) -> None:
     """In the child: turn into ``python argv[0] argv[1:]`` and run it; never returns to the server loop."""
     os.setsid()
+    hostname = request.get("hostname")
+    if hostname is not None:
+        assert isinstance(hostname, str)
+        _own_hostname(hostname)
     os.close(ready_w)  # the server announces the pid only now: a killpg can no longer miss the child
     sock.close()
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -150,7 +167,7 @@ class ForkServer:
 
     def receive(self, key: str, timeout: float | None) -> int:
         self.sock.settimeout(timeout)
-        msg = self.sock.recv(1 << 16)  # TimeoutError: still busy; the next spawn replaces this server
+        msg = self.sock.recv(1 << 16)  # TimeoutError: still busy; a later spawn uses another server
         if not msg:
             self.log.seek(0)
             err = self.log.read().decode(errors="replace")[-3000:]
@@ -158,10 +175,12 @@ class ForkServer:
         value: int = json.loads(msg)[key]
         return value
 
-    def spawn(self, argv: list[str], env: dict[str, str], stdout: int, stderr: int, cwd: str) -> Child:
+    def spawn(
+        self, argv: list[str], env: dict[str, str], stdout: int, stderr: int, cwd: str, hostname: str | None
+    ) -> Child:
         """Fork ``python argv...`` with these descriptors as its stdout and stderr."""
         assert not self.busy, "one job at a time per fork server"
-        request = json.dumps({"argv": argv, "env": env, "cwd": cwd}).encode()
+        request = json.dumps({"argv": argv, "env": env, "cwd": cwd, "hostname": hostname}).encode()
         socket.send_fds(self.sock, [request], [stdout, stderr])
         self.busy = True
         return Child(self, self.receive("pid", 60))
@@ -176,23 +195,46 @@ class ForkServer:
         self.log.close()
 
 
-_servers: dict[tuple[tuple[str, ...], frozenset[tuple[str, str]]], ForkServer] = {}
+# Servers by what they imported and the environment they run under; several per key, as jobs run side by
+# side (a simulated cluster's agents): each serves one job at a time.
+_servers: dict[tuple[tuple[str, ...], frozenset[tuple[str, str]]], list[ForkServer]] = {}
 # Set by pytest for each test; read by nothing at import. Every other variable keys the server.
 _PER_TEST = ("PYTEST_CURRENT_TEST",)
 
 
 def spawn(
-    imports: tuple[str, ...], argv: list[str], env: dict[str, str], stdout: int, stderr: int, cwd: str
+    imports: tuple[str, ...],
+    argv: list[str],
+    env: dict[str, str],
+    stdout: int,
+    stderr: int,
+    cwd: str,
+    *,
+    per_run: tuple[str, ...] = (),
+    hostname: str | None = None,
+    server_env: dict[str, str] | None = None,
 ) -> Child:
     """Fork ``python argv...`` from a server that ran ``imports`` under this environment (started on
-    first use, kept for the rest of the pytest process)."""
-    key = (imports, frozenset((k, v) for k, v in env.items() if k not in _PER_TEST))
-    server = _servers.get(key)
-    if server is None or server.proc.poll() is not None or server.busy:
-        if server is not None:
-            server.close()
-        server = _servers[key] = ForkServer(imports, {k: v for k, v in env.items() if k not in _PER_TEST})
-    return server.spawn(argv, env, stdout, stderr, cwd)
+    first use, kept for the rest of the pytest process; another one is started while every such server is
+    busy with a job).
+
+    ``per_run``: variables of ``env`` that nothing reads when ``imports`` run (only the job reads them, e.g.
+    a torchrun agent's workers): they do not key the server, so jobs differing only in them share one.
+    ``server_env``: variables set for the server's imports only (the child gets ``env``), e.g.
+    ``OMP_NUM_THREADS=1`` for a torchrun agent whose ranks use the job's own setting.
+    ``hostname``: the child gets a UTS namespace of its own with this host name (as ``unshare --uts``)."""
+    fresh = {k: v for k, v in env.items() if k not in _PER_TEST and k not in per_run}
+    fresh.update(server_env or {})
+    key = (imports, frozenset(fresh.items()))
+    pool = _servers.setdefault(key, [])
+    for dead in [s for s in pool if s.proc.poll() is not None]:
+        pool.remove(dead)
+        dead.close()
+    server = next((s for s in pool if not s.busy), None)
+    if server is None:  # busy ones stay: their jobs still report to them
+        server = ForkServer(imports, fresh)
+        pool.append(server)
+    return server.spawn(argv, env, stdout, stderr, cwd, hostname)
 
 
 def run(
@@ -217,8 +259,9 @@ def run(
 
 @atexit.register
 def _close_all() -> None:
-    for server in _servers.values():
-        server.close()
+    for pool in _servers.values():
+        for server in pool:
+            server.close()
     _servers.clear()
 
 

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -17,21 +18,106 @@ from typing import Any
 import torch
 
 from tests.conftest import REPO
+from tests.helpers import forkserver
+
+# The torchrun agent, forked from a fork server that imported it once (tests/helpers/forkserver.py): each
+# agent otherwise pays ~2.6 s of CPU only to import torch. Its ranks stay real processes that torchrun starts
+# (``sys.executable``, a fresh interpreter each), as on a cluster.
+# Its imports, not ``torch.distributed.run`` itself: ``runpy`` runs that module fresh, as ``python -m`` does
+# (one already imported would make runpy warn on the agent's stderr).
+AGENT_IMPORTS = (
+    "import torch.distributed.launcher.api",
+    "import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
+    "import torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+    "import torch.distributed.elastic.rendezvous.static_tcp_rendezvous",
+)
+# What only the ranks read (never the agent's imports): jobs differing only in these share a fork server.
+# OMP_NUM_THREADS: the agent computes nothing; its server imports torch with one OpenMP thread (a fork needs
+# a single-threaded server) and the ranks, fresh interpreters, read the job's own setting.
+AGENT_PER_RUN = (
+    "NODE_LOCAL_ROOT",
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+    "CUDA_VISIBLE_DEVICES",
+    "OMP_NUM_THREADS",
+)
+
+
+class Agent:
+    """A torchrun agent (``python -m torch.distributed.run ARGS``) forked from the fork server; what the tests
+    use of ``subprocess.Popen``: ``pid`` (it leads its own session), ``poll``, ``wait``, ``returncode``."""
+
+    def __init__(
+        self,
+        args: list[str],
+        env: dict[str, str],
+        stdout: int,
+        stderr: int,
+        cwd: Path,
+        hostname: str | None = None,
+    ) -> None:
+        self.args = [sys.executable, "-m", "torch.distributed.run", *args]
+        self._child = forkserver.spawn(
+            AGENT_IMPORTS, ["-m", "torch.distributed.run", *args], env, stdout, stderr, str(cwd),
+            per_run=AGENT_PER_RUN, hostname=hostname, server_env={"OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        self.pid = self._child.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._child.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        try:
+            return self._child.wait(timeout)
+        except TimeoutError:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0) from None
+
+    def poll(self) -> int | None:
+        if self._child.returncode is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.wait(0.001)
+        return self._child.returncode
+
+
+def agent(
+    args: list[str],
+    env: dict[str, str],
+    stdout: int,
+    stderr: int | None = None,
+    cwd: Path = REPO,
+    hostname: str | None = None,
+) -> Agent:
+    """Start ``torchrun ARGS`` (in a session of its own) with these descriptors as its stdout and stderr
+    (``stderr=None``: with stdout)."""
+    return Agent(args, env, stdout, stdout if stderr is None else stderr, cwd, hostname)
+
+
+def run_agent(
+    args: list[str], env: dict[str, str], timeout: float, cwd: Path = REPO
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(torchrun ARGS, capture_output=True, text=True, timeout=...)`` with a forked agent; on
+    a timeout its whole session is killed and ``subprocess.TimeoutExpired`` raised."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = agent(args, env, out.fileno(), err.fileno(), cwd)
+        try:
+            code = proc.wait(timeout)
+        finally:
+            stop(proc)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(proc.args, code, out.read().decode(), err.read().decode())
 
 
 def start(
     worker: Path, out: Path, tag: str, jobs: list[dict[str, Any]], *, nproc: int = 2, max_restarts: int = 0
-) -> subprocess.Popen[str]:
+) -> Agent:
     """Start ``torchrun`` on ``worker`` with the plan ``jobs``; its output goes to ``out/<tag>.log``.
 
     The job runs in a session of its own, so :func:`stop` can end torchrun and its workers together."""
     out.mkdir(parents=True, exist_ok=True)
     plan = out / f"{tag}.json"
     plan.write_text(json.dumps({"out": str(out), "jobs": jobs}))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
+    args = [
         "--standalone",
         f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
@@ -40,14 +126,12 @@ def start(
         str(plan),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}")
-    # A file, not a pipe: nothing can block on a full pipe. Popen keeps its own descriptor.
+    # A file, not a pipe: nothing can block on a full pipe. The agent keeps its own descriptor.
     with open(out / f"{tag}.log", "w") as log:
-        return subprocess.Popen(
-            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=REPO, start_new_session=True
-        )
+        return agent(args, env, log.fileno())
 
 
-def finish(out: Path, tag: str, proc: subprocess.Popen[str], timeout: float = 300) -> tuple[int, str]:
+def finish(out: Path, tag: str, proc: Agent | subprocess.Popen[str], timeout: float = 300) -> tuple[int, str]:
     """Wait for the launch: its exit status and its output."""
     try:
         rc = proc.wait(timeout=timeout)
@@ -56,7 +140,7 @@ def finish(out: Path, tag: str, proc: subprocess.Popen[str], timeout: float = 30
     return rc, (out / f"{tag}.log").read_text()
 
 
-def stop(proc: subprocess.Popen[str]) -> None:
+def stop(proc: Agent | subprocess.Popen[str]) -> None:
     """SIGKILL torchrun and whatever of its session is left (a failed test must not leave workers)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
@@ -77,7 +161,7 @@ def events(out: Path, job: str, event: str, rank: int | None = None) -> list[dic
     return found
 
 
-def ready_pids(out: Path, job: str, proc: subprocess.Popen[str], timeout: float = 240) -> list[int]:
+def ready_pids(out: Path, job: str, proc: Agent | subprocess.Popen[str], timeout: float = 240) -> list[int]:
     """Wait until both ranks of ``job`` wrote their ready file (their pid): they are training."""
     files = [out / f"{job}.ready.rank{r}" for r in (0, 1)]
     deadline = time.monotonic() + timeout

@@ -8,6 +8,9 @@ until step ``end``, saving every ``save_every`` steps, then waits for its upload
 full state to OUT/<tag>.pt. Every restore and every step's samples are JSON lines in OUT/log.jsonl.
 
 - ``restore_only``: restore, log where each file came from, dump, end.
+- ``restores``: [{"tag", "remove": [PATH, ...]}, ...]: restore-only phases in one launch, each with a fresh
+  model and manager as a new launch would have; before a phase rank 0 removes its ``remove`` trees (a node
+  losing its disk), between barriers.
 - ``block_at`` K (world size ``full``, 2 by default, until OUT/blocked exists): after step K, wait for the uploads, write
   OUT/blocked (the workers' pids) and wait in a collective that only a dead peer ends (the test kills a
   node then).
@@ -19,11 +22,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,6 +64,23 @@ def main() -> None:
         with open(out / "log.jsonl", "a") as f:
             f.write(json.dumps({**record, **fields}) + "\n")
 
+    if "restores" in cfg:  # one launch, several restores: each phase as a fresh launch would restore
+        for phase in cfg["restores"]:
+            dist.barrier()  # every rank is done with the previous phase's files
+            if rank == 0:
+                for path in phase.get("remove", []):
+                    shutil.rmtree(path)  # strict: removing what is not there is the test's mistake
+            dist.barrier()
+            run(dict(cfg, restore_only=True, tag=phase["tag"]), out, log)
+    else:
+        run(cfg, out, log)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(cfg: dict[str, Any], out: Path, log: Callable[..., None]) -> None:
+    """Build the model, restore (and train unless ``restore_only``), rank 0 dumps OUT/<tag>.pt."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     width = cfg.get("width", 16)  # benchmarks/bench_node_restore.py makes it large
     model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 4))
@@ -72,6 +95,7 @@ def main() -> None:
     state = safepoint.TrainState(model=model, optimizer=opt, dataloader=sampler)
     local = os.environ["NODE_LOCAL_ROOT"]
     cluster = safepoint.ClusterOptions(collective_timeout_s=60)
+    tag = cfg.get("tag", "final")
     with safepoint.CheckpointManager(
         cfg["durable"],
         local_root=local,
@@ -83,7 +107,7 @@ def main() -> None:
         step = mgr.restore(state)
         took = time.perf_counter() - t0
         files = dict(mgr.last_restore.files) if mgr.last_restore is not None else {}
-        log("restored", step=step, files=files, seconds=took)
+        log("restored", step=step, files=files, seconds=took, tag=tag)
         if not cfg.get("restore_only"):
             step = train(cfg, out, mgr, model, opt, data, sampler, loader, state, step, log)
         mgr.wait()
@@ -93,10 +117,8 @@ def main() -> None:
         "sampler": sampler.state_dict(),
     }
     if rank == 0:
-        torch.save(sd, out / f"{cfg.get('tag', 'final')}.pt")
-    log("finished", step=step)
-    dist.barrier()
-    dist.destroy_process_group()
+        torch.save(sd, out / f"{tag}.pt")
+    log("finished", step=step, tag=tag)
 
 
 def train(cfg, out, mgr, model, opt, data, sampler, loader, state, step, log):  # type: ignore[no-untyped-def]
