@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from typing import Any
 
@@ -100,7 +101,10 @@ def main() -> None:
             loss.backward()
             opt.step()
             opt.zero_grad()
-            print(f"rank {rank} step {step} loss {loss.item()!r}", flush=True)
+            # One write per line: under PYTHONUNBUFFERED (set on CI) print() writes the text and its newline
+            # separately, and the two ranks' lines, sharing one pipe, could interleave into unreadable ones.
+            sys.stdout.write(f"rank {rank} step {step} loss {loss.item()!r}\n")
+            sys.stdout.flush()
             mgr.maybe_save(step, state)
             time.sleep(args.step_sleep)
         if step > 0:
@@ -115,7 +119,8 @@ def main() -> None:
         got = full_state(fresh, fresh_opt)
         same = restored == step and got.keys() == trained.keys()
         same = same and all(torch.equal(got[k], trained[k]) for k in trained)
-        print(f"rank {rank} restored {restored} {'bitwise' if same else 'DIFFERENT'}", flush=True)
+        sys.stdout.write(f"rank {rank} restored {restored} {'bitwise' if same else 'DIFFERENT'}\n")
+        sys.stdout.flush()
         if not same:
             raise SystemExit(3)
     if world > 1:
