@@ -128,3 +128,26 @@ def committed_steps(root: Path) -> list[int]:
     """The steps committed under ``root`` (a directory with its manifest), oldest first."""
     steps = [int(p.name[5:]) for p in root.glob("step-*") if (p / "safepoint.json").is_file()]
     return sorted(steps)
+
+
+# The fork server's preload for the suite's own safepoint jobs (tests/save/_restart_job.py, ...): one server
+# per pytest worker serves every file that uses it (same imports, same environment).
+JOB_IMPORTS = ("import torch._dynamo", "import torch.distributed.checkpoint", "import safepoint")
+
+
+def job_env() -> dict[str, str]:
+    """The environment of a forked job: this checkout's safepoint and tests, one OpenMP thread (the server
+    must stay single-threaded to fork safely)."""
+    return dict(os.environ, PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}", OMP_NUM_THREADS="1")
+
+
+def run_job(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run([python, *argv], cwd=REPO, capture_output=True, text=True)``, forked from the fork
+    server (its own session, the interpreter's own exit): for tests whose subject is not the interpreter's
+    start."""
+    return forkserver.run(JOB_IMPORTS, argv, job_env(), timeout, cwd=str(REPO))
+
+
+def spawn_job(argv: list[str], stdout: int, stderr: int) -> forkserver.Child:
+    """``Popen([python, *argv], cwd=REPO, start_new_session=True)`` with these descriptors, forked."""
+    return forkserver.spawn(JOB_IMPORTS, argv, job_env(), stdout, stderr, str(REPO))
