@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.conftest import REPO
@@ -151,3 +152,52 @@ def run_job(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]
 def spawn_job(argv: list[str], stdout: int, stderr: int) -> forkserver.Child:
     """``Popen([python, *argv], cwd=REPO, start_new_session=True)`` with these descriptors, forked."""
     return forkserver.spawn(JOB_IMPORTS, argv, job_env(), stdout, stderr, str(REPO))
+
+
+def _killpg(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def run_forked_rank_job(
+    imports: tuple[str, ...],
+    argv: list[str],
+    root: Path,
+    *,
+    kill_at: int | None = None,
+    kill: Callable[[int], None] | None = None,
+) -> tuple[dict[tuple[int, int], str], int, str]:
+    """tests/helpers/rank_jobs.py ``run_rank_job`` for ``python ARGV...``, its first process forked from the
+    fork server that ran ``imports`` (it leads its own session, as there): a job that launches its other
+    processes itself (Lightning's rank 1, torchrun's workers) still starts them as fresh interpreters. With
+    ``kill_at``, ``kill(pid)`` once rank 0 printed that step (default: kill -9 of the process group).
+    Returns ``{(rank, step): loss}``, the exit code and stderr."""
+    env = dict(job_env(), CUDA_VISIBLE_DEVICES="")
+    err_path = root.parent / f"{root.name}-{time.monotonic_ns()}.stderr"
+    losses: dict[tuple[int, int], str] = {}
+    line_re = re.compile(r"rank (\d+) step (\d+) loss (\S+)\Z")
+    with open(err_path, "w") as err:
+        out_r, out_w = os.pipe()
+        try:
+            proc = forkserver.spawn(imports, argv, env, out_w, err.fileno(), str(REPO))
+        except BaseException:
+            os.close(out_r)
+            raise
+        finally:
+            os.close(out_w)  # the job holds the write end now: EOF when all its ranks end
+        try:
+            with open(out_r) as stdout:
+                for line in stdout:
+                    m = line_re.match(line.strip())
+                    if m:
+                        rank, step = int(m.group(1)), int(m.group(2))
+                        losses[(rank, step)] = m.group(3)
+                        if (rank, step) == (0, kill_at):
+                            (kill or _killpg)(proc.pid)
+            proc.wait(timeout=300)
+        finally:
+            if proc.returncode is None:
+                (kill or _killpg)(proc.pid)
+                proc.wait()
+    assert proc.returncode is not None
+    return losses, proc.returncode, err_path.read_text()
