@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.conftest import REPO
@@ -128,3 +129,75 @@ def committed_steps(root: Path) -> list[int]:
     """The steps committed under ``root`` (a directory with its manifest), oldest first."""
     steps = [int(p.name[5:]) for p in root.glob("step-*") if (p / "safepoint.json").is_file()]
     return sorted(steps)
+
+
+# The fork server's preload for the suite's own safepoint jobs (tests/save/_restart_job.py, ...): one server
+# per pytest worker serves every file that uses it (same imports, same environment).
+JOB_IMPORTS = ("import torch._dynamo", "import torch.distributed.checkpoint", "import safepoint")
+
+
+def job_env() -> dict[str, str]:
+    """The environment of a forked job: this checkout's safepoint and tests, one OpenMP thread (the server
+    must stay single-threaded to fork safely)."""
+    return dict(os.environ, PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}", OMP_NUM_THREADS="1")
+
+
+def run_job(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run([python, *argv], cwd=REPO, capture_output=True, text=True)``, forked from the fork
+    server (its own session, the interpreter's own exit): for tests whose subject is not the interpreter's
+    start."""
+    return forkserver.run(JOB_IMPORTS, argv, job_env(), timeout, cwd=str(REPO))
+
+
+def spawn_job(argv: list[str], stdout: int, stderr: int) -> forkserver.Child:
+    """``Popen([python, *argv], cwd=REPO, start_new_session=True)`` with these descriptors, forked."""
+    return forkserver.spawn(JOB_IMPORTS, argv, job_env(), stdout, stderr, str(REPO))
+
+
+def _killpg(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def run_forked_rank_job(
+    imports: tuple[str, ...],
+    argv: list[str],
+    root: Path,
+    *,
+    kill_at: int | None = None,
+    kill: Callable[[int], None] | None = None,
+) -> tuple[dict[tuple[int, int], str], int, str]:
+    """tests/helpers/rank_jobs.py ``run_rank_job`` for ``python ARGV...``, its first process forked from the
+    fork server that ran ``imports`` (it leads its own session, as there): a job that launches its other
+    processes itself (Lightning's rank 1, torchrun's workers) still starts them as fresh interpreters. With
+    ``kill_at``, ``kill(pid)`` once rank 0 printed that step (default: kill -9 of the process group).
+    Returns ``{(rank, step): loss}``, the exit code and stderr."""
+    env = dict(job_env(), CUDA_VISIBLE_DEVICES="")
+    err_path = root.parent / f"{root.name}-{time.monotonic_ns()}.stderr"
+    losses: dict[tuple[int, int], str] = {}
+    line_re = re.compile(r"rank (\d+) step (\d+) loss (\S+)\Z")
+    with open(err_path, "w") as err:
+        out_r, out_w = os.pipe()
+        try:
+            proc = forkserver.spawn(imports, argv, env, out_w, err.fileno(), str(REPO))
+        except BaseException:
+            os.close(out_r)
+            raise
+        finally:
+            os.close(out_w)  # the job holds the write end now: EOF when all its ranks end
+        try:
+            with open(out_r) as stdout:
+                for line in stdout:
+                    m = line_re.match(line.strip())
+                    if m:
+                        rank, step = int(m.group(1)), int(m.group(2))
+                        losses[(rank, step)] = m.group(3)
+                        if (rank, step) == (0, kill_at):
+                            (kill or _killpg)(proc.pid)
+            proc.wait(timeout=300)
+        finally:
+            if proc.returncode is None:
+                (kill or _killpg)(proc.pid)
+                proc.wait()
+    assert proc.returncode is not None
+    return losses, proc.returncode, err_path.read_text()

@@ -1,14 +1,18 @@
 """Incremental saves across a restart (store/incremental_record.py): real processes, a real kill -9. The
 restarted job's first save links the frozen base from the step the killed one committed, after checking its
-bytes against that step's manifest; a tampered step is not linked from."""
+bytes against that step's manifest; a tampered step is not linked from.
+
+The jobs are forked from the fork server (tests/helpers/example_runs.py ``run_job``): a real process of its
+own, killed with a real kill -9; what is tested is the record a process leaves and the next one reads, not
+the interpreter's start (which cost ~4.5 s of CPU a job). The async job's writer process is still a fresh
+``python -c`` process."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import subprocess
-import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,23 +21,15 @@ import torch
 import safepoint
 from safepoint.cli.main import main
 from safepoint.store.storage import read_metadata_file
-from tests.conftest import REPO, SUBPROCESS_ENV
+from tests.helpers.example_runs import run_job, spawn_job
 from tests.save._restart_job import FROZEN, Job
 
-JOB = [sys.executable, "-m", "tests.save._restart_job"]
+JOB = ["-m", "tests.save._restart_job"]
 
 
 def _run(root: Path, last: int, mode: str, *flags: str) -> dict[int, int]:
     """Run the job to step ``last`` to its end; {step: bytes_skipped} of its saves."""
-    out = subprocess.run(
-        [*JOB, str(root), str(last), mode, *flags],
-        env=SUBPROCESS_ENV,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    out = run_job([*JOB, str(root), str(last), mode, *flags], timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     return _skipped(out.stdout)
 
@@ -44,25 +40,29 @@ def _skipped(stdout: str) -> dict[int, int]:
 
 def _run_and_kill(root: Path, last: int, mode: str) -> None:
     """Run the job to step ``last`` and kill -9 it once that step is committed."""
-    proc = subprocess.Popen(
-        [*JOB, str(root), str(last), mode, "hang"],
-        env=SUBPROCESS_ENV,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.strip() == "HANG":
-                break
-        else:
-            raise AssertionError(f"the job ended early: {proc.stderr.read() if proc.stderr else ''}")
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait(timeout=60)
+    out_r, out_w = os.pipe()
+    with tempfile.TemporaryFile() as err:
+        try:
+            proc = spawn_job([*JOB, str(root), str(last), mode, "hang"], out_w, err.fileno())
+        except BaseException:
+            os.close(out_r)
+            raise
+        finally:
+            os.close(out_w)
+        try:
+            with open(out_r) as stdout:
+                for line in stdout:
+                    if line.strip() == "HANG":
+                        break
+                else:
+                    err.seek(0)
+                    raise AssertionError(f"the job ended early: {err.read().decode(errors='replace')}")
+                os.kill(proc.pid, signal.SIGKILL)  # the job only: its writer process ends on its own
+                proc.wait(timeout=60)
+        finally:
+            if proc.returncode is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=60)
 
 
 def _file_of(root: Path, step: int, fqn: str) -> Path:
@@ -92,8 +92,10 @@ def test_the_first_save_after_a_kill_links_the_frozen_base(root: Path, mode: str
     assert (root / "step-3" / "rank-0.fingerprints").is_file()
     assert main(["verify", str(root), "--all"]) == 0
     # Bit for bit: the restarted run's state at step 3, and the same state reached without any restart.
+    # The straight run saves synchronously: the state it reaches does not depend on the mode, and it spares
+    # a writer process (the restarted run above is the one under test).
     other = root.parent / "straight"
-    _run(other, 3, mode)
+    _run(other, 3, "sync")
     for k, v in _restored(other).items():
         assert torch.equal(_restored(root)[k], v), k
 

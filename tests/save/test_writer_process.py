@@ -490,7 +490,11 @@ while os.environ.get("SAFEPOINT_TEST_HOLD") and os.path.exists(os.environ["SAFEP
 """
 
 
-@pytest.mark.parametrize("writer", ["auto", "process"])
+# "auto" under -m slow for the default suite's time: while the process starts, WriterProcess.write never
+# reads ``fallback`` (the only difference between the two: it matters when no process can start, covered
+# by test_auto_falls_back_to_the_thread_when_no_process_can_start); "process" runs the same path, and every
+# default async test (async_writer defaults to "auto") resolves "auto" to a writer process.
+@pytest.mark.parametrize("writer", [pytest.param("auto", marks=pytest.mark.slow), "process"])
 def test_saves_never_wait_for_the_writer_process_to_start(
     root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str
 ) -> None:
