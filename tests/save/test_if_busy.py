@@ -1,7 +1,7 @@
 """What a save does while the previous async save is still writing (``WriterOptions(if_busy=)``, docs/async.md).
 
-The default, "auto": the save is written synchronously at once, beside the write in flight, so the loop is
-blocked no longer than a sync save and no save is lost. "wait" waits for the write; "skip" saves nothing.
+"auto": the save is written synchronously at once, beside the write in flight, so the loop is blocked no
+longer than a sync save and no save is lost. "wait" (the default) waits for the write; "skip" saves nothing.
 The write in flight is held in flight for real: the writer process is stopped with SIGSTOP (nothing it does
 can finish meanwhile) and continued with SIGCONT. A call that waited for it could not return while it is
 stopped: "does not wait" is shown by the call returning, not by a clock.
