@@ -96,3 +96,44 @@ def test_paths_outside_the_root_are_refused(hostile: tuple[RootDir, Path], tmp_p
     with pytest.raises(OutsideRootError):
         fs.read(tmp_path / "outside" / "secret", 10)
     assert fs.read(fs.path / "step-1" / "data", 10) == b"0123456789"  # a Path under the root is fine
+
+
+def test_dirs_holding_answers_as_a_walk_per_name_would(tmp_path: Path) -> None:
+    """Retention's listing (Layout.committed_steps) from one descriptor of the root: the same names as
+    ``isdir(name) and isfile(name/manifest)``, so a symlinked step, a step whose manifest is a link, a FIFO or
+    a directory, and a file named like a step are never listed; names not wanted are not looked into."""
+    outside = tmp_path / "outside"
+    (outside / "step-9").mkdir(parents=True)
+    (outside / "step-9" / "m").write_text("{}")
+    root = tmp_path / "root"
+    for name in ("step-1", "step-2", "step-5", "step-6", "step-7", "other"):
+        (root / name).mkdir(parents=True)
+    (root / "step-1" / "m").write_text("{}")  # the only checkpoint
+    (root / "other" / "m").write_text("{}")  # holds one, but is not wanted
+    (root / "step-3").symlink_to(outside / "step-9")  # a symlinked step holding a real manifest
+    (root / "step-4").write_text("a file named like a step")
+    (root / "step-5" / "m").symlink_to(outside / "step-9" / "m")
+    os.mkfifo(root / "step-6" / "m")
+    (root / "step-7" / "m").mkdir()
+    fs = RootDir(root)
+
+    def wanted(name: str) -> bool:
+        return name.startswith("step-")
+
+    listed = fs.dirs_holding("m", wanted)
+    assert listed == ["step-1"]
+    assert listed == [n for n in fs.listdir() if wanted(n) and fs.isdir(n) and fs.isfile(f"{n}/m")]
+    assert RootDir(tmp_path / "missing").dirs_holding("m", wanted) == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any directory")
+def test_dirs_holding_raises_what_the_walk_raised(tmp_path: Path) -> None:
+    """An unreadable step directory is an error, as it was when each step was walked into, not a step
+    silently left out of retention's view."""
+    (tmp_path / "step-1").mkdir()
+    (tmp_path / "step-1").chmod(0)
+    try:
+        with pytest.raises(PermissionError):
+            RootDir(tmp_path).dirs_holding("m", lambda name: True)
+    finally:
+        (tmp_path / "step-1").chmod(0o755)

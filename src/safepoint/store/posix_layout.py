@@ -71,6 +71,10 @@ class Layout:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
+        # RootDir holds no descriptor (each call opens the root afresh), only the root's absolute path: one
+        # made here serves every call (a save asked for a new one ~6 times). A relative root is resolved
+        # against the working directory of each call, as before, so it gets a new one each time.
+        self._fs = RootDir(self.root) if self.root.is_absolute() else None
         # The lease this process holds on ROOT (set by ``lease()``): every commit and delete is fenced by
         # it. None for read-only users (restore on other ranks, the CLI's ls/verify), who change nothing.
         self.owner: HeartbeatLease | None = None
@@ -83,7 +87,7 @@ class Layout:
     @property
     def fs(self) -> RootDir:
         """ROOT, touched only through the guarded walk: no symlink below it followed (store/rootfs.py)."""
-        return RootDir(self.root)
+        return self._fs or RootDir(self.root)
 
     @property
     def pending_root(self) -> Path:
@@ -122,13 +126,10 @@ class Layout:
     def committed_steps(self) -> list[int]:
         """Steps whose directory holds a manifest, oldest first (manifest not yet parsed)."""
         self.check_readable()
-        steps = []
-        for name in self.fs.listdir():
-            # A symlinked step-N is never a checkpoint (it would read, and retention delete, elsewhere).
-            step = parse_step(name)
-            if step is not None and self.fs.isdir(name) and self.fs.isfile(f"{name}/{MANIFEST_NAME}"):
-                steps.append(step)
-        return sorted(steps)
+        # A symlinked step-N is never a checkpoint (it would read, and retention delete, elsewhere):
+        # dirs_holding opens each with O_NOFOLLOW, from one descriptor of the root (run after every save).
+        names = self.fs.dirs_holding(MANIFEST_NAME, lambda name: parse_step(name) is not None)
+        return sorted(s for s in map(parse_step, names) if s is not None)
 
     def read_manifest(self, step: int) -> Manifest:
         try:
@@ -344,9 +345,11 @@ class Layout:
     def remove(self, step: int) -> None:
         """Delete a committed checkpoint; crash-safe (it is listed intact, or not at all)."""
         src, fs = self.step_path(step), self.fs
-        if (problem := fs.kind(src)) not in (None, "a directory"):
+        # One lstat gives the kind and the identity (a second walk took the same stat again).
+        st = fs.lstat(src)
+        if st is not None and (problem := describe_mode(st.st_mode)) != "a directory":
             raise OSError(f"not deleting {src}: it is {problem}, not a checkpoint directory")
-        expected = _identity(src)  # before the fence: what this owner decided to delete
+        expected = None if st is None else (st.st_dev, st.st_ino)  # before the fence: what was decided
         self.fence(f"deleting step {step}")
         if not fs.isdir(PENDING_DIR):
             # In place: through a symlinked .pending it would go outside ROOT.
