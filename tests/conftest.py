@@ -52,3 +52,37 @@ def _no_leaked_heartbeat() -> Iterator[None]:
     leaked = [t.name for t in threading.enumerate() if t.name in _HEARTBEATS and t not in before]
     if leaked:
         pytest.fail(f"lease heartbeat thread(s) still running after the test: {leaked} (close the manager)")
+
+
+# The files that take longest in wall time (multi-process jobs, crash campaigns, the writer process's
+# start-up), longest first, measured per file in a whole-suite run (tests/torture/README.md). pytest-xdist
+# (`--dist loadfile`) hands files to its workers in collection order; one of these left for the end (the
+# torture campaigns are collected last) kept one worker busy for minutes while the other had nothing to do.
+# Longest first, then everything else in its usual order: the workers finish together.
+LONG_FIRST = (
+    "tests/integrations/test_lightning_ranks.py",
+    "tests/save/test_writer_process.py",
+    "tests/torture/test_torture_objstore.py",
+    "tests/preempt/test_preemption_loader.py",
+    "tests/dist/test_nodes.py",
+    "tests/save/test_incremental_restart.py",
+    "tests/integrations/test_framework_examples.py",
+    "tests/dist/test_distributed.py",
+    "tests/cli/test_demo.py",
+    "tests/dist/test_hostile_nodes.py",
+    "tests/test_examples.py",
+    "tests/remote/test_object_store.py",
+    "tests/dist/test_collectives.py",
+    "tests/save/test_incremental_process.py",
+    "tests/store/test_hostile_campaign.py",
+    "tests/remote/test_incremental_direct.py",
+    "tests/integrations/test_lightning_example.py",
+    "tests/integrations/test_accelerate_ranks.py",
+    "tests/preempt/test_preemption_grace.py",
+    "tests/torture/test_torture_faults.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    order = {path: i for i, path in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: order.get(item.nodeid.split("::")[0], len(order)))  # stable within a file

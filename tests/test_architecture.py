@@ -219,3 +219,10 @@ def test_the_raw_call_finder_finds_raw_calls() -> None:
         (3, "open"), (4, "os.rename"), (5, "shutil.rmtree"), (6, ".is_dir"), (6, "os.path.isfile"),
         (7, ".read_text"),
     ]  # fmt: skip
+
+
+def test_the_files_the_suite_starts_first_exist() -> None:
+    """tests/conftest.py LONG_FIRST names files by path: a renamed one would silently drop to the end."""
+    from tests.conftest import LONG_FIRST, REPO
+
+    assert [p for p in LONG_FIRST if not (REPO / p).is_file()] == []
