@@ -12,27 +12,35 @@ import os
 import shutil
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 
-from tests.helpers.cluster import Cluster, equal, records
+import tests.helpers.cluster as cluster_module
+from tests.conftest import REPO
+from tests.helpers.cluster import WORKER, Cluster, equal, records
 
 FILES = [".metadata", "__0_0.distcp", "__1_0.distcp", "rank-0.fingerprints", "rank-0.state"]
 FILES += ["rank-1.fingerprints", "rank-1.state"]
+HOSTILE = REPO / "tests" / "helpers" / "procs" / "hostile_worker.py"
 
 
-def _launch(out: Path, cfg: dict[str, Any], locals_: dict[str, Path], timeout: float = 240) -> list[Any]:
-    """One launch of the two-node job; a launch that does not end within ``timeout`` fails the test (a
-    blocked rank is a finding, not something to wait out)."""
+def _launch(
+    out: Path, cfg: dict[str, Any], locals_: dict[str, Path], timeout: float = 240, worker: Path = WORKER
+) -> list[Any]:
+    """One launch of the two-node job (of ``worker``); a launch that does not end within ``timeout`` fails
+    the test (a blocked rank is a finding, not something to wait out)."""
     (out / "log.jsonl").unlink(missing_ok=True)
-    cluster = Cluster(out, cfg, "2")
-    try:
-        for i, (name, local) in enumerate(sorted(locals_.items())):
-            cluster.node(name, local, addr=f"127.0.0.{i + 1}")  # nodeA: rank 0
-        cluster.wait(timeout=timeout)
-    finally:
-        cluster.kill()
-    return records(out)
+    # Cluster starts the script its module names; the phases' worker runs that script's code phase by phase.
+    with mock.patch.object(cluster_module, "WORKER", worker):
+        cluster = Cluster(out, cfg, "2")
+        try:
+            for i, (name, local) in enumerate(sorted(locals_.items())):
+                cluster.node(name, local, addr=f"127.0.0.{i + 1}")  # nodeA: rank 0
+            cluster.wait(timeout=timeout)
+        finally:
+            cluster.kill()
+    return records(out) if worker == WORKER else []  # hostile_worker.py logs in each phase's own out
 
 
 def _tree(path: Path) -> dict[str, bytes | str]:
@@ -54,15 +62,46 @@ def _victim(path: Path) -> dict[str, bytes | str]:
     return _tree(path)
 
 
+def _peers_phase(base: Path) -> tuple[dict[str, Any], dict[str, dict[str, bytes | str]]]:
+    """The symlinked-peers save: ``local_root/.peers`` a symlink to a directory outside every root."""
+    locals_, before = {"nodeA": base / "localA", "nodeB": base / "localB"}, {}
+    for name, local in locals_.items():
+        local.mkdir(parents=True)
+        before[name] = _victim(base / f"home-{name}")
+        (local / ".peers").symlink_to(base / f"home-{name}")
+    (base / "out").mkdir()
+    cfg = {
+        "out": str(base / "out"),
+        "durable": str(base / "durable"),
+        "end": 2,
+        "save_every": 2,
+        "tag": "saved",
+    }
+    return dict(cfg, locals={k: str(v) for k, v in locals_.items()}), before
+
+
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[str, bytes | str]]]:
+    """One launch, two saves of step 2 in turn (hostile_worker.py), each with roots of its own: the
+    symlinked-peers one first (as in a fresh job), then the clean one ``saved`` copies. Ranks are fresh
+    interpreters that cost seconds of CPU each, so the two saves share them."""
+    base = tmp_path_factory.mktemp("launched")
+    peers, before = _peers_phase(base / "peers")
+    saved = base / "saved"
+    (saved / "out").mkdir(parents=True)
+    locals_ = {"nodeA": saved / "localA", "nodeB": saved / "localB"}
+    clean = {"out": str(saved / "out"), "durable": str(saved / "durable"), "end": 2, "save_every": 2}
+    clean |= {"tag": "saved", "locals": {k: str(v) for k, v in locals_.items()}}
+    nodes = {name: Path(name) for name in locals_}  # the worker maps each node to its phase's local root
+    _launch(base, {"phases": [peers, clean]}, nodes, worker=HOSTILE)
+    return base, before
+
+
+@pytest.fixture(scope="module")
+def saved(launched: tuple[Path, dict[str, dict[str, bytes | str]]]) -> Path:
     """One two-node save of step 2 (durable + both nodes' local tiers and replicas), copied by each test."""
-    base = tmp_path_factory.mktemp("saved")
-    out = base / "out"
-    out.mkdir()
-    locals_ = {"nodeA": base / "localA", "nodeB": base / "localB"}
-    _launch(out, {"durable": str(base / "durable"), "end": 2, "save_every": 2, "tag": "saved"}, locals_)
-    for local in locals_.values():
+    base = launched[0] / "saved"
+    for local in (base / "localA", base / "localB"):
         assert (local / ".peers" / "step-2" / "replica.json").is_file()
     return base
 
@@ -82,20 +121,17 @@ def _restore(out: Path, durable: Path, locals_: dict[str, Path], timeout: float 
     return got
 
 
-def test_a_symlinked_peers_directory_deletes_nothing_outside_the_root(tmp_path: Path) -> None:
+def test_a_symlinked_peers_directory_deletes_nothing_outside_the_root(
+    launched: tuple[Path, dict[str, dict[str, bytes | str]]],
+) -> None:
     """Critical: ``local_root/.peers`` a symlink to a directory elsewhere. On the old code one save deleted
-    every subdirectory there (the old replica, then "the other steps")."""
-    out, durable = tmp_path / "out", tmp_path / "durable"
-    out.mkdir()
-    locals_ = {"nodeA": tmp_path / "localA", "nodeB": tmp_path / "localB"}
-    before = {}
+    every subdirectory there (the old replica, then "the other steps"). Its save is the first phase of the
+    module's launch (``launched``)."""
+    base, before = launched[0] / "peers", launched[1]
+    durable = base / "durable"
+    locals_ = {"nodeA": base / "localA", "nodeB": base / "localB"}
     for name, local in locals_.items():
-        local.mkdir()
-        before[name] = _victim(tmp_path / f"home-{name}")
-        (local / ".peers").symlink_to(tmp_path / f"home-{name}")
-    _launch(out, {"durable": str(durable), "end": 2, "save_every": 2, "tag": "saved"}, locals_)
-    for name, local in locals_.items():
-        assert _tree(tmp_path / f"home-{name}") == before[name], name
+        assert _tree(base / f"home-{name}") == before[name], name
         assert (local / ".peers").is_symlink()  # left where it is, and reported
     assert sorted(json.loads((durable / "step-2" / "safepoint.json").read_text())["files"]) == FILES
 
