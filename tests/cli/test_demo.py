@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from safepoint.demo import plot as demo_plot
+from tests.helpers.example_runs import run_job
 
 
 @dataclass
@@ -30,6 +31,9 @@ class DemoRun:
 MARKER = ".safepoint-demo"  # safepoint.demo.main.MARKER (not imported: that imports torch here)
 
 
+# The help and the refusals run in a child forked from the fork server (tests/helpers/example_runs.py
+# ``run_job``: a real process, its own exit code and stderr) rather than a fresh interpreter (~4.5 s of CPU
+# each); the demo runs themselves stay fresh ``python -m safepoint.cli demo`` processes, as `make demo` runs.
 def demo_cmd(out: Path) -> list[str]:
     return [sys.executable, "-m", "safepoint.cli", "demo", "--quick", "--out", str(out)]
 
@@ -156,9 +160,7 @@ def test_demo_timeline_is_skipped_without_matplotlib(tmp_path: Path, monkeypatch
 
 
 def test_demo_help_has_an_example() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "safepoint.cli", "demo", "--help"], capture_output=True, text=True, timeout=120
-    )
+    proc = run_job(["-m", "safepoint.cli", "demo", "--help"], timeout=120)
     assert proc.returncode == 0
     assert "safepoint demo --quick" in proc.stdout and "SIGKILL" in proc.stdout
 
@@ -168,7 +170,7 @@ def test_demo_refuses_to_replace_a_foreign_directory(tmp_path: Path, logs: bool)
     (tmp_path / "mine.txt").write_text("keep me")
     if logs:  # looks like a demo's output, but the demo never marked it as its own
         (tmp_path / "logs").mkdir()
-    proc = subprocess.run(demo_cmd(tmp_path), capture_output=True, text=True, timeout=120)
+    proc = run_job(demo_cmd(tmp_path)[1:], timeout=120)
     assert proc.returncode == 2 and "not the output of an earlier demo" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert (tmp_path / "mine.txt").read_text() == "keep me"
@@ -177,7 +179,7 @@ def test_demo_refuses_to_replace_a_foreign_directory(tmp_path: Path, logs: bool)
 
 def test_demo_refuses_an_out_that_is_a_file(tmp_path: Path) -> None:
     (tmp_path / "thesis.tex").write_text("keep me")
-    proc = subprocess.run(demo_cmd(tmp_path / "thesis.tex"), capture_output=True, text=True, timeout=120)
+    proc = run_job(demo_cmd(tmp_path / "thesis.tex")[1:], timeout=120)
     assert proc.returncode == 2 and "is not a directory" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert (tmp_path / "thesis.tex").read_text() == "keep me"

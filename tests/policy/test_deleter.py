@@ -9,15 +9,15 @@ lost lease stop the deleter, a kill -9 mid-delete leaves a root the next manager
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 import torch
@@ -26,7 +26,8 @@ import safepoint
 import safepoint.store.posix_layout as layout_module
 from safepoint.errors import LeaseError
 from safepoint.store.posix_layout import Layout
-from tests.conftest import SUBPROCESS_ENV
+from tests.helpers import forkserver
+from tests.helpers.example_runs import spawn_job
 
 BACKGROUND = safepoint.ClusterOptions(background_deletes=True)
 
@@ -234,7 +235,7 @@ def stuck(path):
     files = sorted(p for p in path.iterdir() if p.is_file())
     files[0].unlink()  # half deleted
     print("deleting", path.name, flush=True)
-    sys.stdin.read()  # held until the parent kills this process
+    open(sys.argv[2]).read()  # held until the parent kills this process
     return real(path)
 L.remove_tree = stuck
 def state(n):
@@ -244,27 +245,60 @@ mgr.save(1, state(1))
 mgr.save(2, state(2))
 mgr.save(3, state(3))
 print("saved 3", flush=True)
-sys.stdin.read()
+open(sys.argv[2]).read()
 """
 
 
+class _Child:
+    """A Python child forked from the fork server (tests/helpers/example_runs.py ``spawn_job``: a real
+    process with its own session, real signals and the interpreter's own exit, without a fresh
+    interpreter's ~4.5 s of CPU): ``stdout`` is its output; it reads its go-ahead from the FIFO ``hold``
+    (argv[2]; a forked child's stdin is /dev/null)."""
+
+    def __init__(self, proc: forkserver.Child, stdout: IO[str], hold: Path) -> None:
+        self.proc, self.stdout, self.hold = proc, stdout, hold
+
+    def release(self, line: str) -> None:
+        """Write ``line`` to the FIFO once the child opened it (ENXIO until then), failing if it ends first."""
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                fd = os.open(self.hold, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError as e:
+                if e.errno != errno.ENXIO or time.monotonic() > deadline:
+                    raise
+                with contextlib.suppress(TimeoutError):
+                    self.proc.wait(0.05)  # the server reports the child's end: never wait on a dead one
+                assert self.proc.returncode is None, f"the child ended with {self.proc.returncode}"
+        with os.fdopen(fd, "w") as f:
+            f.write(line)
+
+
 @contextlib.contextmanager
-def _child(code: str, root: Path) -> Iterator[subprocess.Popen[str]]:
-    """``code`` in a Python child (argv[1] = ``root``) with pipes to its stdin and stdout; killed on the way
-    out if it is still running (a failed assert never leaves it behind)."""
-    child = subprocess.Popen(
-        [sys.executable, "-c", code, str(root)],
-        env=SUBPROCESS_ENV,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+def _child(code: str, root: Path) -> Iterator[_Child]:
+    """``code`` in a Python child (argv[1] = ``root``, argv[2] = the FIFO it waits on) with a pipe from its
+    stdout; killed on the way out if it is still running (a failed assert never leaves it behind)."""
+    hold = root.parent / "hold.fifo"
+    os.mkfifo(hold)
+    script = root.parent / "child.py"
+    script.write_text(code)
+    out_r, out_w = os.pipe()
     try:
-        yield child
+        proc = spawn_job([str(script), str(root), str(hold)], out_w, 2)
+    except BaseException:
+        os.close(out_r)
+        raise
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+        os.close(out_w)
+    with open(out_r) as stdout:
+        try:
+            yield _Child(proc, stdout, hold)
+        finally:
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def test_kill_9_mid_background_delete_leaves_a_root_the_next_manager_cleans_and_restores(
@@ -274,8 +308,8 @@ def test_kill_9_mid_background_delete_leaves_a_root_the_next_manager_cleans_and_
         assert child.stdout is not None
         lines = {child.stdout.readline().strip() for _ in range(2)}
         assert "saved 3" in lines and any(line.startswith("deleting deleting-step-1-") for line in lines)
-        child.send_signal(signal.SIGKILL)
-        assert child.wait(60) == -signal.SIGKILL
+        os.kill(child.proc.pid, signal.SIGKILL)
+        assert child.proc.wait(60) == -signal.SIGKILL
     # Half of step 1 is left, out of the listing; nothing half-deleted looks committed.
     assert Layout(root).committed_steps() == [2, 3]
     (leftover,) = (root / ".pending").iterdir()
@@ -297,7 +331,7 @@ def say(line):  # one write per line: print() writes the text and the newline ap
 real = L.remove_tree
 def held(path):
     say("deleting")
-    sys.stdin.readline()  # held until the parent has seen the interpreter start exiting
+    open(sys.argv[2]).readline()  # held until the parent has seen the interpreter start exiting
     real(path)
     say("deleted")
 L.remove_tree = held
@@ -313,12 +347,10 @@ mgr.save(2, state(2))
 def test_a_script_that_ends_without_close_lets_the_deleter_finish(root: Path) -> None:
     """No close(), no with: the interpreter's exit waits for the delete in flight (under the lease)."""
     with _child(_EXIT_CHILD, root) as child:
-        assert child.stdin is not None and child.stdout is not None
         lines = {child.stdout.readline().strip() for _ in range(2)}
         assert lines == {"deleting", "exiting"}, lines
-        child.stdin.write("go\n")
-        child.stdin.flush()
+        child.release("go\n")
         rest = child.stdout.read()
-        assert child.wait(60) == 0
+        assert child.proc.wait(60) == 0
     assert "deleted" in rest
     assert Layout(root).committed_steps() == [2] and not list((root / ".pending").iterdir())

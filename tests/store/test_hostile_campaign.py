@@ -44,10 +44,8 @@ from safepoint.errors import CheckpointError, SaveError
 from safepoint.store.checksum import crc_hex
 from safepoint.store.manifest import MANIFEST_NAME, FileEntry, Manifest
 from safepoint.store.storage import METADATA_NAME, read_metadata_file
-from tests.conftest import SUBPROCESS_ENV
-from tests.helpers import forkserver
+from tests.helpers.example_runs import run_job
 
-CLI_IMPORTS = ("import torch", "import safepoint.cli.main")
 DATA = "__0_0.distcp"
 STEPS = (1, 2, 3)
 OLD_ATIME, OLD_MTIME = 1_000_000, 2_000_000  # atime < mtime: relatime updates atime on any read
@@ -611,10 +609,9 @@ def test_hostile_root_cli_in_a_real_process(pristine: Pristine, command: list[st
         argv = [command[0], str(w.root), *command[1:]]
         if command == ["export"]:
             argv += [str(w.base / "out.pt"), "--format", "torch"]
-        # A real process (forked from a server that imported torch and safepoint once: tests/helpers/forkserver.py)
-        # (one OpenMP thread: torch starts no thread pool at import, so the server can fork).
-        env = dict(SUBPROCESS_ENV, OMP_NUM_THREADS="1")
-        proc = forkserver.run(CLI_IMPORTS, ["-m", "safepoint.cli", *argv], env, timeout=240)
+        # A real process, forked from the suite's fork server for safepoint jobs (tests/helpers/forkserver.py;
+        # the same imports and environment as the other files' jobs, so one server per pytest worker).
+        proc = run_job(["-m", "safepoint.cli", *argv], timeout=240)
         assert proc.returncode == 1, proc.stderr
         assert "Traceback" not in proc.stderr
         if command != ["verify", "--all"]:

@@ -3,16 +3,14 @@ files only: a symlink is never followed, a FIFO never hangs, a device is never r
 moved (docs/reliability.md, "Threat model"). And a stale lease is taken over only if the file moved aside
 is the one judged stale, never a fresh lease another contender linked in meanwhile.
 
-Whatever could hang before the fix (a FIFO) runs in a subprocess with a timeout: the test fails instead of
+Whatever could hang before the fix (a FIFO) runs in a child process with a timeout (forked from the fork
+server: tests/helpers/example_runs.py ``run_job``): the test fails instead of
 hanging the suite."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import textwrap
 import threading
 from pathlib import Path
 from typing import Any
@@ -22,30 +20,15 @@ import torch
 
 import safepoint
 from safepoint.store.file_lease import MAX_LEASE_BYTES, Lease
-from tests.conftest import PYTHON, SUBPROCESS_ENV
+from tests.helpers.example_runs import run_job
 
-OPEN = textwrap.dedent(
-    """
-    import sys, warnings, torch, safepoint
-    warnings.simplefilter("ignore")
-    kw = {"save_every_seconds": "auto"} if sys.argv[2] == "auto" else {}
-    try:
-        with safepoint.CheckpointManager(sys.argv[1], **kw) as m:
-            print("restored", m.restore(safepoint.TrainState(model=torch.nn.Linear(2, 2))))
-    except safepoint.LeaseError as e:
-        print("refused:", e)
-    """
-)
+JOB = ["-m", "tests.store._own_files_job"]  # forked from the fork server: a real process, not a fresh
+# interpreter (what is tested is how safepoint opens its own files, not the interpreter's start)
 
 
 def _open_manager(root: Path, auto: bool = False) -> str:
-    done = subprocess.run(
-        [PYTHON, "-c", OPEN, str(root), "auto" if auto else "-"],
-        capture_output=True,
-        text=True,
-        env=SUBPROCESS_ENV,
-        timeout=120,  # a failsafe: before the fix a FIFO blocked the open forever
-    )
+    # timeout: a failsafe, before the fix a FIFO blocked the open forever (the child is killed on it)
+    done = run_job([*JOB, "open", str(root), "auto" if auto else "-"], timeout=120)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
@@ -73,17 +56,7 @@ def test_a_fifo_attempts_file_does_not_hang_an_adaptive_manager(root: Path) -> N
 
 def test_a_fifo_uploads_file_is_ignored(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / ".uploads.json")
-    code = (
-        "import pathlib, sys; from safepoint.policy.history import UploadHistory; "
-        "print(UploadHistory(pathlib.Path(sys.argv[1])).seconds)"
-    )
-    done = subprocess.run(
-        [PYTHON, "-c", code, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=SUBPROCESS_ENV,
-        timeout=120,
-    )
+    done = run_job([*JOB, "uploads", str(tmp_path)], timeout=120)
     assert done.stdout.strip() == "[]" and "ignoring unreadable" in done.stderr, done.stderr
 
 
@@ -95,13 +68,7 @@ def test_a_lease_symlinked_outside_root_is_never_followed_nor_judged_stale(
     outside.write_text(json.dumps({"host": "nodeX", "pid": 7, "heartbeat": 1.0, "token": "old"}))
     os.utime(outside, (1, 1))
     (root / ".lease").symlink_to(outside)
-    done = subprocess.run(
-        [sys.executable, "-m", "safepoint.cli", "prune", str(root), "--keep-last", "1"],
-        capture_output=True,
-        text=True,
-        env=SUBPROCESS_ENV,
-        timeout=120,
-    )
+    done = run_job(["-m", "safepoint.cli", "prune", str(root), "--keep-last", "1"], timeout=120)
     assert done.returncode != 0 and "is a symlink, not a regular file" in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
