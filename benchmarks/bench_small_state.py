@@ -40,6 +40,16 @@ def make() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
     return model, opt, x
 
 
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, step_ms: float) -> None:
+    """One optimizer step, then a busy wait to ``step_ms`` in all (as a GPU step keeps the loop busy)."""
+    t0 = time.perf_counter()
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    while time.perf_counter() - t0 < step_ms / 1e3:
+        pass
+
+
 def steady(base: Path, saves: int, drain: bool = False) -> None:
     model, opt, _ = make()
     state = safepoint.TrainState(model=model, optimizer=opt)
@@ -100,12 +110,7 @@ def loop(
         root, keep=safepoint.Keep(last=2), async_save=async_save, writer=writer, save_every_steps=every
     ) as mgr:
         for step in range(1, steps + 1):
-            t0 = time.perf_counter()
-            model(x).sum().backward()
-            opt.step()
-            opt.zero_grad()
-            while time.perf_counter() - t0 < step_ms / 1e3:
-                pass
+            train_step(model, opt, x, step_ms)
             s0 = time.perf_counter()
             if call == "maybe_save":
                 skipped += 0 if mgr.maybe_save(step, state) else 1

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_small_state import make
+from bench_small_state import make, train_step
 
 import safepoint
 
@@ -45,12 +45,7 @@ def run(mode: str, steps: int, step_ms: float, settle_s: float) -> None:
         with safepoint.CheckpointManager(base / "r", keep=safepoint.Keep(last=2), **kw) as mgr:  # type: ignore[arg-type]
             time.sleep(settle_s)
             for step in range(1, steps + 1):
-                t0 = time.perf_counter()
-                model(x).sum().backward()
-                opt.step()
-                opt.zero_grad()
-                while time.perf_counter() - t0 < step_ms / 1e3:
-                    pass
+                train_step(model, opt, x, step_ms)
                 beside = mgr._writer.synced
                 r0, c0, p0, w0 = _run_queue_s(), time.thread_time(), time.process_time(), time.perf_counter()
                 mgr.save(step, state)
