@@ -15,6 +15,7 @@ from torch import nn
 import safepoint
 from safepoint.remote.object_layout import RemoteLayout
 from safepoint.remote.upload import MiB
+from tests.helpers.tcpproxy import TcpProxy
 
 BASE = 4 * MiB  # the frozen tensor's bytes
 ADAPTER = 1000  # float32s that change every save: 4,000 bytes
@@ -29,6 +30,31 @@ class Frozen(nn.Module):
 
 def snapshot(model: Frozen) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def saves_counted(
+    mgr: safepoint.CheckpointManager,
+    model: Frozen,
+    proxy: TcpProxy,
+    steps: range = range(1, 5),
+    *,
+    wait: bool = False,
+) -> tuple[dict[int, int], dict[int, dict[str, torch.Tensor]]]:
+    """``steps`` of ``model``, its adapter changed before each: the bytes ``proxy`` saw go up for each save
+    (``wait``: its background write or upload counted with it) and the state each step holds."""
+    state = safepoint.TrainState(model=model)
+    up: dict[int, int] = {}
+    saved: dict[int, dict[str, torch.Tensor]] = {}
+    for step in steps:
+        with torch.no_grad():
+            model.adapter.add_(1.0)
+        proxy.reset_counts()
+        mgr.save(step, state)
+        if wait:
+            mgr.wait()
+        up[step] = proxy.up
+        saved[step] = snapshot(model)
+    return up, saved
 
 
 def assert_restores_alone(

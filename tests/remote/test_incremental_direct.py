@@ -23,7 +23,7 @@ from safepoint.remote.object_layout import RemoteLayout
 from safepoint.remote.upload import MiB, TransferOptions
 from safepoint.store.incremental import INCREMENTAL_KEY, is_stable_group
 from safepoint.store.incremental_record import side_name
-from tests.helpers.frozen_state import ADAPTER, BASE, Frozen, assert_restores_alone, snapshot
+from tests.helpers.frozen_state import ADAPTER, BASE, Frozen, assert_restores_alone, saves_counted
 from tests.helpers.stores import Store
 from tests.helpers.tcpproxy import TcpProxy, proxied, tcp_proxy
 
@@ -36,18 +36,10 @@ OVERHEAD = 256 * 1024
 def _saves(
     url: str, opts: dict[str, Any], model: Frozen, steps: range, proxy: TcpProxy, **kw: Any
 ) -> dict[int, int]:
-    """Saves ``steps`` with a new manager (a new process's history); the bytes the client sent for each."""
-    up: dict[int, int] = {}
-    state = safepoint.TrainState(model=model)
+    """Saves ``steps`` with a new manager (a new process's history); the bytes the client sent for each (an
+    async save's write too)."""
     with safepoint.CheckpointManager(url, storage_options=opts, transfer=CFG, **kw) as mgr:
-        for step in steps:
-            with torch.no_grad():
-                model.adapter.add_(1.0)
-            proxy.reset_counts()
-            mgr.save(step, state)
-            mgr.wait()  # an async save's write too
-            up[step] = proxy.up
-    return up
+        return saves_counted(mgr, model, proxy, steps, wait=True)[0]
 
 
 @pytest.mark.parametrize(
@@ -57,22 +49,12 @@ def _saves(
 )
 def test_a_steady_direct_save_copies_the_unchanged_bytes_server_side(tmp_path: Path, store: Store) -> None:
     url = store.root()
-    model = Frozen()
-    saved: dict[int, dict[str, torch.Tensor]] = {}
-    up: dict[int, int] = {}
-    state = safepoint.TrainState(model=model)
     with tcp_proxy(store.endpoint) as proxy:
         opts = proxied(store, proxy).options
         with safepoint.CheckpointManager(
             url, storage_options=opts, transfer=CFG, keep=safepoint.Keep(last=2)
         ) as mgr:
-            for step in (1, 2, 3, 4):
-                with torch.no_grad():
-                    model.adapter.add_(1.0)
-                proxy.reset_counts()
-                mgr.save(step, state)
-                up[step] = proxy.up
-                saved[step] = snapshot(model)
+            up, saved = saves_counted(mgr, Frozen(), proxy)
     # Step 1 sends the base in the changing file, step 2 in a stable group; from step 3 on the group is
     # copied by the store: what goes up is the changed bytes and a small fixed overhead.
     assert up[1] > BASE and up[2] > BASE, up

@@ -17,7 +17,7 @@ from safepoint.remote.object_layout import RemoteLayout
 from safepoint.remote.upload import MiB, TransferOptions, UploadError
 from safepoint.store.checksum import crc_hex
 from safepoint.store.incremental import is_stable_group
-from tests.helpers.frozen_state import BASE, Frozen, assert_restores_alone, snapshot
+from tests.helpers.frozen_state import BASE, Frozen, assert_restores_alone, saves_counted
 from tests.helpers.stores import Store, azure_store
 from tests.helpers.tcpproxy import proxied, tcp_proxy
 
@@ -26,23 +26,12 @@ CFG = TransferOptions(part_size=5 * MiB, concurrency=4)
 
 def test_unchanged_files_are_copied_server_side_on_gcs_and_azure(tmp_path: Path, other_store: Store) -> None:
     url = other_store.root()
-    model = Frozen()
-    state = safepoint.TrainState(model=model)
-    saved: dict[int, dict[str, torch.Tensor]] = {}
-    up: dict[int, int] = {}
     with tcp_proxy(other_store.endpoint) as proxy:
         opts = proxied(other_store, proxy).options
         with safepoint.CheckpointManager(
             url, local_root=tmp_path / "l", storage_options=opts, transfer=CFG, keep=safepoint.Keep(last=2)
         ) as mgr:
-            for step in (1, 2, 3, 4):
-                with torch.no_grad():
-                    model.adapter.add_(1.0)
-                proxy.reset_counts()
-                mgr.save(step, state)
-                mgr.wait()  # the upload too: what it sent is counted for this step
-                up[step] = proxy.up
-                saved[step] = snapshot(model)
+            up, saved = saves_counted(mgr, Frozen(), proxy, wait=True)  # the upload counted with its step
     # Step 1 wrote the base, step 2 wrote it into a stable group (uploaded); from step 3 on the stable
     # group is linked locally and copied on the store: no byte of it goes up again.
     assert up[1] > BASE and up[2] > BASE, up
