@@ -52,12 +52,12 @@ class SyncSaver:
         wrap_writer: Callable[[Any], Any] | None = None,
         history: History | None = None,
         staged: bool | Stager = False,
-        pause: Callable[[], None] = no_pause,
     ) -> None:
         self.layout = layout
-        # A background saver's pause points (save/foreground.py): between its phases and before each file
-        # it creates, it waits while the training thread writes a save beside it. Each lies outside any lock.
-        self.pause = pause
+        # A background saver's pause points (save/foreground.py; the manager sets its gate's): between its
+        # phases and before each file it creates, it waits while the training thread writes a save beside
+        # it. Each lies outside any lock.
+        self.pause: Callable[[], None] = no_pause
         # Incremental saves (store/incremental.py): what this rank's last committed save wrote, shared with
         # the manager's other saver (sync and async saves link from whichever committed last). A local root
         # links unchanged files; an object store copies them server-side (remote/incremental_copy.py).
