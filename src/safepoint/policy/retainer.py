@@ -61,9 +61,9 @@ class Retainer:
         self._closed = False
         self._stopped = False  # the lease was lost, or a preemption notice came: no pass runs any more
         self._thread: threading.Thread | None = None
-        self.keep_fallback = False
         self.pause: Callable[[], None] = lambda: None
         """The pause point of a background pass (set by the manager: save/foreground.py)."""
+        self.keep_fallback = False
         """Incremental saves with full copies: also keep the newest step that shares no file (inode) with
         the newest step, so one damaged shared file always leaves an intact step (docs/reliability.md)."""
 
