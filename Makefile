@@ -4,8 +4,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 UV := $(VENV)/bin/uv
-# Bytecode at install time: where PYTHONDONTWRITEBYTECODE is set (CI), nothing would ever cache it.
-UV_FLAGS := -q --python $(PY) --compile-bytecode
+UV_FLAGS := -q --python $(PY)
+# Bytecode is written lazily, by the first process that imports a module, for every recipe (CI sets
+# PYTHONDONTWRITEBYTECODE, under which the suite's hundreds of processes would each compile torch anew).
+# Compiling the whole environment at install time instead (uv --compile-bytecode) cost ~70 s of CPU on the
+# 2-core VM, most of it for modules no test imports; lazily, the first import of torch + DCP + Lightning
+# pays ~13 s once (measured in tests/torture/README.md).
+unexport PYTHONDONTWRITEBYTECODE
 WHEELS := $(VENV)/.wheels
 LINT_PATHS := $(wildcard src tests benchmarks examples)
 # Test processes side by side (pytest-xdist); each test file stays on one worker (module fixtures run once).
@@ -56,9 +61,7 @@ $(AZURITE_STAMP):
 
 tools: $(AZURITE_STAMP)
 
-# Bytecode for the package and the tests first: the suite starts hundreds of Python processes, and where
-# PYTHONDONTWRITEBYTECODE is set (as on our CI machines) none of them would write it, so each compiled
-# safepoint and the test helpers anew (~0.4 s of CPU each). Reading existing .pyc files is unaffected.
+# Bytecode for the package and the tests first, so the two test workers do not both compile them.
 test: lint typecheck docs tools
 	$(PY) -m compileall -q -j 0 src tests examples benchmarks >/dev/null
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
