@@ -181,3 +181,6 @@ def test_async_staging_copies_only_what_changed_to_the_host(
     snapshot = stager.stage(sd)
     assert torch.equal(snapshot["frozen"], frozen.cpu()) and torch.equal(snapshot["trained"], trained.cpu())
     assert stager.skipped == 0
+    small = {"frozen": torch.randn(1024, device="cuda")}  # under FINGERPRINT_CUDA_MIN_BYTES: copied
+    stager.stage(small)
+    assert stager.stage(small) is not None and stager.skipped == 0

@@ -203,15 +203,15 @@ def test_without_triton_fingerprints_use_the_torch_ops(
 def test_the_staging_policy_follows_the_fast_path(
     monkeypatch: pytest.MonkeyPatch, policy: bool | None
 ) -> None:
-    """``FINGERPRINT_CUDA_WHEN_STAGING``: None (default) fingerprints CUDA tensors at async staging exactly
-    where the kernel is usable; True and False force it. (The probe's verdict is seeded per device here;
-    tests/store/test_fingerprint_cuda.py checks the real one on a GPU.)"""
+    """``FINGERPRINT_CUDA_WHEN_STAGING``: None (default) fingerprints CUDA tensors of at least
+    ``FINGERPRINT_CUDA_MIN_BYTES`` at async staging exactly where the kernel is usable; True and False force
+    it. (The probe's verdict is seeded per device here; tests/store/test_fingerprint_cuda.py and
+    tests/gpu/test_cuda.py check the real one on a GPU.)"""
     monkeypatch.setattr(staging, "FINGERPRINT_CUDA_WHEN_STAGING", policy)
     # cuda:0 passed the probe (any sums function stands for the kernel's), cuda:1 did not.
     monkeypatch.setattr(
         fp, "_fast", {torch.device("cuda", 0): fp._device_sums, torch.device("cuda", 1): None}
     )
-    assert staging.FINGERPRINT_CUDA_WHEN_STAGING is policy
-    expect = {None: (True, False), True: (True, True), False: (False, False)}[policy]
-    got = tuple(staging.fingerprint_cuda_when_staging(torch.device("cuda", i)) for i in (0, 1))
-    assert got == expect
+    least = staging.FINGERPRINT_CUDA_MIN_BYTES
+    expect = {None: (least, None), True: (0, 0), False: (None, None)}[policy]
+    assert tuple(staging.cuda_fingerprint_floor(torch.device("cuda", i)) for i in (0, 1)) == expect

@@ -32,20 +32,29 @@ log = logging.getLogger("safepoint")
 FINGERPRINT_CUDA_WHEN_STAGING: bool | None = None
 """The policy for a CUDA tensor whose version counter did not move since async staging last copied it:
 prove it unchanged on the GPU (no host copy) or copy it and let the writer fingerprint the host copy in the
-background. ``None`` (the default): on the GPU exactly when the fused Triton kernel fingerprints tensors on
-that device (``fingerprint.fast_path``: Triton imports, compiles, and matches the torch ops there), which
-reads the bytes about once, far cheaper than the copy it spares; without it, copy: the torch-ops
-fingerprint reads ~15 GB/s on an H100, 3.7x slower than the pinned copy, and it runs inside the loop's
-blocking time (a 2 GiB state's async save blocked 144 ms with it against 66 ms without; docs/benchmarks.md,
-"The GPU path"). ``True``: always on the GPU (the torch ops where the kernel is not usable); ``False``:
-always copy. Sync saves fingerprint on the GPU either way (there it spares a copy *and* a host hash)."""
+background. ``None`` (the default): on the GPU when the fused Triton kernel fingerprints tensors on that
+device (``fingerprint.fast_path``: Triton imports, compiles, and matches the torch ops there), which reads
+the bytes about once, far cheaper than the copy it spares, for tensors of at least
+``FINGERPRINT_CUDA_MIN_BYTES``; without the kernel, copy: the torch-ops fingerprint reads ~15 GB/s on an
+H100, 3.7x slower than the pinned copy, and it runs inside the loop's blocking time (a 2 GiB state's async
+save blocked 144 ms with it against 66 ms without; docs/benchmarks.md, "The GPU path"). ``True``: every
+CUDA tensor on the GPU (the torch ops where the kernel is not usable); ``False``: always copy. Sync saves
+fingerprint on the GPU either way (there it spares a copy *and* a host hash)."""
+
+FINGERPRINT_CUDA_MIN_BYTES = 1 << 20
+"""Under the default policy, smaller CUDA tensors are copied, not fingerprinted: a small tensor's cost is
+the host's per-tensor work, not its bytes. A pinned copy costs ~7 us of launch plus 1 us per ~50 KB (the
+9,000-tensor state of docs/benchmarks.md: 73 ms), a fingerprint ~15 us of Python bookkeeping per tensor
+(the torch-ops path's 2,000 x 1 KiB: 44 ms) whatever its size, so fingerprinting pays from a few hundred
+KiB; 1 MiB keeps a margin. ``benchmarks/bench_fingerprint.py`` measures both per tensor on a GPU."""
 
 
-def fingerprint_cuda_when_staging(device: torch.device) -> bool:
-    """Whether async staging fingerprints a CUDA tensor on ``device`` (``FINGERPRINT_CUDA_WHEN_STAGING``)."""
+def cuda_fingerprint_floor(device: torch.device) -> int | None:
+    """The smallest CUDA tensor on ``device``, in bytes, that async staging fingerprints on the GPU rather
+    than copies (``FINGERPRINT_CUDA_WHEN_STAGING``); None: it copies them all."""
     if FINGERPRINT_CUDA_WHEN_STAGING is None:
-        return fast_path(device)
-    return FINGERPRINT_CUDA_WHEN_STAGING
+        return FINGERPRINT_CUDA_MIN_BYTES if fast_path(device) else None
+    return 0 if FINGERPRINT_CUDA_WHEN_STAGING else None
 
 
 def _cuda_devices(sd: Any) -> set[torch.device]:
@@ -160,7 +169,7 @@ class Stager:
         done: set[int] = set()
         moved: list[torch.Tensor] = []
         cuda = {live.device for live, _ in pairs if live.is_cuda}
-        on_gpu = {device: fingerprint_cuda_when_staging(device) for device in cuda}  # the policy, per device
+        floor = {device: cuda_fingerprint_floor(device) for device in cuda}  # the policy, per device
         for live, buf in pairs:
             if id(buf) in done:
                 continue  # tied: the same buffer for another key of the same tensor
@@ -176,7 +185,9 @@ class Stager:
                 self._held[id(buf)] = None  # written to since: copied, not fingerprinted
                 todo.append((live, buf))
                 moved.append(buf)
-            elif live.is_cuda and not on_gpu[live.device]:
+            elif live.is_cuda and (
+                (least := floor[live.device]) is None or live.numel() * live.element_size() < least
+            ):
                 self._held[id(buf)] = None  # copied; the writer fingerprints the host copy, off the loop
                 todo.append((live, buf))
             else:
