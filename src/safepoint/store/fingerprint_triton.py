@@ -27,6 +27,7 @@ and falls back to the torch ops when it does not import or the kernel fails to c
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -191,9 +192,18 @@ def _launch(device: torch.device, rows: list[tuple[int, int, int, int]]) -> torc
     on_device = packed.to(device)
     table_d = on_device[: n * _ROW]
     out = torch.empty((total, 2), dtype=torch.int64, device=device)
-    _lanes_kernel[(total,)](
-        table_d,
-        on_device[n * _ROW :].view(torch.int32),
+    # Triton launches on the current device (and its current stream): make it the tensors' device.
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        _run(table_d, on_device[n * _ROW :].view(torch.int32), out, total)
+    # Per piece, by differences of the running sum at each piece's last tile (int64 wraps mod 2**64).
+    at_end = out.cumsum(0).index_select(0, table_d.view(n, _ROW)[:, 5])
+    return at_end - torch.cat((torch.zeros_like(at_end[:1]), at_end[:-1]))
+
+
+def _run(table: torch.Tensor, tile_piece: torch.Tensor, out: torch.Tensor, tiles: int) -> None:
+    _lanes_kernel[(tiles,)](
+        table,
+        tile_piece,
         out,
         _ROW,
         BLOCK,
@@ -204,6 +214,3 @@ def _launch(device: torch.device, rows: list[tuple[int, int, int, int]]) -> torc
         *FMIX_B,
         num_warps=4,
     )
-    # Per piece, by differences of the running sum at each piece's last tile (int64 wraps mod 2**64).
-    at_end = out.cumsum(0).index_select(0, table_d.view(n, _ROW)[:, 5])
-    return at_end - torch.cat((torch.zeros_like(at_end[:1]), at_end[:-1]))
