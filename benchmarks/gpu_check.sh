@@ -14,6 +14,9 @@ export PYTHONPATH="$PWD/src:$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 { nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv;
   python3 -c 'import torch, sys; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0), "python", sys.version.split()[0])';
   nproc; free -g | head -2; df -h /dev/shm /tmp | tail -2; } 2>&1 | tee "$OUT/machine.txt"
+# The fused fingerprint kernel needs Triton and a C compiler (Triton builds its launcher with one); without
+# either, GPU fingerprints fall back to the torch ops and the Triton checks below fail, saying why.
+{ command -v cc gcc || echo "no C compiler"; python3 -c 'import triton; print("triton", triton.__version__)'; } >> "$OUT/machine.txt" 2>&1
 declare -A job
 timeout "${GPU_TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" --timeout 200 -v \
     ${GPU_TESTS:-tests/gpu tests/store/test_fingerprint_cuda.py} > "$OUT/gpu_tests.log" 2>&1 & job[tests]=$!

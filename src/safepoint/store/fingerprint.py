@@ -26,6 +26,11 @@ docs/benchmarks.md); on the CPU it is ~500x slower than xxh3 over the bytes, so 
 hash (``fingerprints`` below). Words are processed in chunks of ``CHUNK_BYTES`` (bounded scratch memory
 on the device); many small tensors share a chunk, so a model of thousands of tensors costs a few dozen
 kernel launches per chunk, not per tensor.
+
+So a CUDA tensor's lane sums come from a fused Triton kernel where one is usable (store/fingerprint_triton.py:
+one read of each word, the same sums bit for bit), decided once per device by ``fast_path``, which runs it
+against these torch ops on a probe first; these ops remain the specification, the CPU's path and the
+fallback (no Triton, a failed compile, a disagreement).
 """
 
 from __future__ import annotations
@@ -263,8 +268,9 @@ def _eligible(t: torch.Tensor) -> bool:
 def fingerprints(tensors: list[torch.Tensor]) -> list[bytes | None]:
     """Each tensor's fingerprint (None: not eligible, counts as changed). A CPU tensor: xxh3-128 of its
     bytes (the cheapest hash of host memory: ~50x faster than the torch-ops fingerprint on the CPU,
-    docs/benchmarks.md). Any other device: store/fingerprint.py's, computed on that device, so an
-    unchanged GPU tensor is never copied to the host; only 16 bytes per tensor come back. Both are mixed
+    docs/benchmarks.md). Any other device: store/fingerprint.py's, computed on that device (by the Triton
+    kernel where ``fast_path``), so an unchanged GPU tensor is never copied to the host; only 16 bytes per
+    tensor come back. Both are mixed
     with the dtype, shape and strides, and a scheme tag, so a tensor that moved device counts as changed."""
     out: list[bytes | None] = [None] * len(tensors)
     on_device: list[int] = []
