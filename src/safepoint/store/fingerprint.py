@@ -270,8 +270,8 @@ def fingerprints(tensors: list[torch.Tensor]) -> list[bytes | None]:
     bytes (the cheapest hash of host memory: ~50x faster than the torch-ops fingerprint on the CPU,
     docs/benchmarks.md). Any other device: store/fingerprint.py's, computed on that device (by the Triton
     kernel where ``fast_path``), so an unchanged GPU tensor is never copied to the host; only 16 bytes per
-    tensor come back. Both are mixed
-    with the dtype, shape and strides, and a scheme tag, so a tensor that moved device counts as changed."""
+    tensor come back. Both are mixed with the dtype, shape and strides, and a scheme tag, so a tensor that
+    moved device counts as changed."""
     out: list[bytes | None] = [None] * len(tensors)
     on_device: list[int] = []
     for i, t in enumerate(tensors):
