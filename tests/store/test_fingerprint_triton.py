@@ -106,7 +106,7 @@ def test_pieces_spanning_several_launches(monkeypatch: pytest.MonkeyPatch, launc
     tensor, not at 0), against the torch ops over several chunks of another size."""
     ft = _kernel()
     g = torch.Generator().manual_seed(1)
-    big = torch.randn(5 * 2048 + 1, generator=g)  # 5 tiles (8 KiB) and a word
+    big = torch.randn(5 * 2048 + 1, generator=g)  # 5 tiles (8 KiB) and a 4-byte tail
     odd = torch.randint(0, 256, (3 * 8 * 1024 + 5,), dtype=torch.uint8, generator=g)
     tensors = [big, torch.randn(3, generator=g), odd] if launch_bytes > 8 else [odd[:61], odd[:8]]
     launches: list[int] = []
@@ -149,7 +149,7 @@ def test_every_bit_flip_changes_the_kernel_digest(monkeypatch: pytest.MonkeyPatc
     flips = [(small, bit) for bit in range(13 * 8)]
     # In the big one: the first word, both sides of each tile boundary, the tail, a few anywhere.
     spots = [0, 8 * 1024 - 1, 8 * 1024, 2 * 8 * 1024 - 1, 2 * 8 * 1024, 2 * 8 * 1024 + 4]
-    spots += torch.randint(0, big.numel(), (4,), generator=g).tolist()
+    spots = sorted({*spots, *torch.randint(0, big.numel(), (4,), generator=g).tolist()})
     flips += [(big, 8 * byte + bit) for byte in spots for bit in (0, 7)]
     flipped = []
     for t, bit in flips:
