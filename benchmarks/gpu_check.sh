@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks of issues 25-27 in one run, on the GPU machine (the `device` tool): the CUDA tests, the
 # Lightning FSDP/ModelParallel script and the real torchtitan Trainer run side by side, then the GPU
-# benchmark. Results land in $OUT (or ./gpu-out). Wheels the image lacks travel in .whl/ (crc32c,
-# torchdata, torchtitan and its pure-Python needs); the image's own torch is used. docs/benchmarks.md
-# "The GPU path" has the results.
+# benchmark and the fingerprint benchmark (GPU_FP_BENCH=0 skips it). Results land in $OUT (or ./gpu-out).
+# Wheels the image lacks travel in .whl/ (crc32c, torchdata, torchtitan and its pure-Python needs); the
+# image's own torch (and the triton it comes with) is used. docs/benchmarks.md "The GPU path" has the results.
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -14,6 +14,9 @@ export PYTHONPATH="$PWD/src:$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 { nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv;
   python3 -c 'import torch, sys; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0), "python", sys.version.split()[0])';
   nproc; free -g | head -2; df -h /dev/shm /tmp | tail -2; } 2>&1 | tee "$OUT/machine.txt"
+# The fused fingerprint kernel needs Triton and a C compiler (Triton builds its launcher with one); without
+# either, GPU fingerprints fall back to the torch ops and the Triton checks below fail, saying why.
+{ command -v cc gcc || echo "no C compiler"; python3 -c 'import triton; print("triton", triton.__version__)'; } >> "$OUT/machine.txt" 2>&1
 declare -A job
 timeout "${GPU_TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" --timeout 200 -v \
     ${GPU_TESTS:-tests/gpu tests/store/test_fingerprint_cuda.py} > "$OUT/gpu_tests.log" 2>&1 & job[tests]=$!
@@ -31,5 +34,10 @@ tail -5 "$OUT/gpu_tests.log"
 if [ "${GPU_BENCH_ARGS:-}" != "none" ]; then
     timeout "${GPU_BENCH_S:-240}" python3 benchmarks/bench_gpu.py ${GPU_BENCH_ARGS:---cases 2048x300,512x3000 --rounds 3} --out "$OUT/bench_gpu.json" > "$OUT/bench_gpu.log" 2>&1
     grep -A12 '"median_blocked_s"' "$OUT/bench_gpu.log" | grep -v '^ *[{}]' | head -30
+fi
+if [ "${GPU_FP_BENCH:-1}" != "0" ]; then  # the fingerprint kernels against the pinned copy (~20-30 s)
+    timeout "${GPU_FP_BENCH_S:-120}" python3 benchmarks/bench_fingerprint.py ${GPU_FP_BENCH_ARGS:-} --out "$OUT/bench_fingerprint.json" > "$OUT/bench_fingerprint.log" 2>&1
+    echo "bench_fingerprint rc $?" >> "$OUT/summary.txt"
+    tail -30 "$OUT/bench_fingerprint.log"
 fi
 exit $rc

@@ -8,6 +8,7 @@ Every test here needs a GPU and skips without one: CI has none. They run on the 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -167,3 +168,48 @@ def test_fsdp2_over_nccl_resumes_bitwise(tmp_path: Path) -> None:
     assert diff.returncode == 0, diff.stdout[-3000:] + diff.stderr[-2000:]
     assert re.search(r"(\d+) keys: \1 identical, 0 differ", diff.stdout), diff.stdout[-2000:]
     print(diff.stdout[-1500:])
+
+
+class Frozen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(2048, 2048)  # 16 MiB, frozen
+        self.base.requires_grad_(False)
+        self.head = nn.Linear(2048, 8)
+
+
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_async_saves_skip_unchanged_cuda_tensors_and_restore_bit_for_bit(tmp_path: Path, writer: str) -> None:
+    """Issue 26's "async too": with the fused Triton fingerprint usable (the default staging policy), an
+    async save copies only what changed to the host; the frozen base is proven unchanged on the GPU, linked
+    from the previous step, and the step restores bit for bit."""
+    pytest.importorskip("triton")
+    from safepoint.save import staging
+    from safepoint.store.fingerprint import fast_path
+    from tests.store.test_fingerprint_cuda import _dtoh_bytes
+
+    assert staging.FINGERPRINT_CUDA_WHEN_STAGING is None  # the default policy
+    assert fast_path(torch.device("cuda", torch.cuda.current_device())), "the Triton kernel failed its probe"
+    torch.manual_seed(0)
+    model = Frozen().cuda()
+    state = safepoint.TrainState(model=model)
+    frozen = model.base.weight.nbytes
+    opts = safepoint.WriterOptions(async_writer=writer)
+    with safepoint.CheckpointManager(tmp_path / "root", async_save=True, writer=opts) as mgr:
+        for step in (1, 2):
+            with torch.no_grad():
+                model.head.weight.add_(1.0)
+            mgr.save(step, state)
+            mgr.wait()
+        with torch.no_grad():
+            model.head.weight.add_(1.0)
+        copied = _dtoh_bytes(lambda: mgr.save(3, state), tmp_path)  # what save() blocks for: staging
+        mgr.wait()
+    assert copied < frozen // 2, copied  # the head and the biases, not the frozen base
+    step3 = json.loads((tmp_path / "root" / "step-3" / "safepoint.json").read_text())
+    assert step3["extra"]["incremental"]["linked"] >= frozen
+    restored = Frozen().cuda()
+    with safepoint.CheckpointManager(tmp_path / "root") as mgr:
+        assert mgr.restore(safepoint.TrainState(model=restored)) == 3
+    for a, b in zip(model.state_dict().values(), restored.state_dict().values(), strict=True):
+        assert torch.equal(a, b)

@@ -22,21 +22,39 @@ from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_st
 from torch.distributed.tensor import DTensor
 
 from safepoint.save.shared_buffers import SharedArena, buffer_tensors, move_into_arena
-from safepoint.store.fingerprint import fingerprints
+from safepoint.store.fingerprint import fast_path, fingerprints
 
 Alias = tuple[Any, ...]
 """What makes two tensors the very same values: (device, data_ptr, dtype, shape, strides, conj, neg)."""
 
 log = logging.getLogger("safepoint")
 
-# Async staging of a CUDA tensor whose version counter did not move: prove it unchanged on the GPU (no
-# host copy) or copy it and let the writer fingerprint the host copy in the background. Measured on an H100
-# (docs/benchmarks.md, "The GPU path"): the torch-ops fingerprint (store/fingerprint.py) reads a tensor at
-# ~15 GB/s, 3.7x slower than the pinned copy it would spare, and it runs inside the loop's blocking time:
-# the 2 GiB state's async save blocked 144 ms with it against 66 ms without. So the copy, until a fused
-# fingerprint kernel reads at HBM speed. Sync saves still fingerprint on the GPU (no copy for an unchanged
-# tensor: there it replaces a copy *and* a host hash).
-FINGERPRINT_CUDA_WHEN_STAGING = False
+FINGERPRINT_CUDA_WHEN_STAGING: bool | None = None
+"""The policy for a CUDA tensor whose version counter did not move since async staging last copied it:
+prove it unchanged on the GPU (no host copy) or copy it and let the writer fingerprint the host copy in the
+background. ``None`` (the default): on the GPU when the fused Triton kernel fingerprints tensors on that
+device (``fingerprint.fast_path``: Triton imports, compiles, and matches the torch ops there), which reads
+the bytes about once, far cheaper than the copy it spares, for tensors of at least
+``FINGERPRINT_CUDA_MIN_BYTES``; without the kernel, copy: the torch-ops fingerprint reads ~15 GB/s on an
+H100, 3.7x slower than the pinned copy, and it runs inside the loop's blocking time (a 2 GiB state's async
+save blocked 144 ms with it against 66 ms without; docs/benchmarks.md, "The GPU path"). ``True``: every
+CUDA tensor on the GPU (the torch ops where the kernel is not usable); ``False``: always copy. Sync saves
+fingerprint on the GPU either way (there it spares a copy *and* a host hash)."""
+
+FINGERPRINT_CUDA_MIN_BYTES = 1 << 20
+"""Under the default policy, smaller CUDA tensors are copied, not fingerprinted: a small tensor's cost is
+the host's per-tensor work, not its bytes. A pinned copy costs ~7 us of launch plus 1 us per ~50 KB (the
+9,000-tensor state of docs/benchmarks.md: 73 ms), a fingerprint ~15 us of Python bookkeeping per tensor
+(the torch-ops path's 2,000 x 1 KiB: 44 ms) whatever its size, so fingerprinting pays from a few hundred
+KiB; 1 MiB keeps a margin. ``benchmarks/bench_fingerprint.py`` measures both per tensor on a GPU."""
+
+
+def cuda_fingerprint_floor(device: torch.device) -> int | None:
+    """The smallest CUDA tensor on ``device``, in bytes, that async staging fingerprints on the GPU rather
+    than copies (``FINGERPRINT_CUDA_WHEN_STAGING``); None: it copies them all."""
+    if FINGERPRINT_CUDA_WHEN_STAGING is None:
+        return FINGERPRINT_CUDA_MIN_BYTES if fast_path(device) else None
+    return 0 if FINGERPRINT_CUDA_WHEN_STAGING else None
 
 
 def _cuda_devices(sd: Any) -> set[torch.device]:
@@ -150,6 +168,8 @@ class Stager:
         check: list[tuple[torch.Tensor, torch.Tensor]] = []
         done: set[int] = set()
         moved: list[torch.Tensor] = []
+        cuda = {live.device for live, _ in pairs if live.is_cuda}
+        floor = {device: cuda_fingerprint_floor(device) for device in cuda}  # the policy, per device
         for live, buf in pairs:
             if id(buf) in done:
                 continue  # tied: the same buffer for another key of the same tensor
@@ -165,7 +185,9 @@ class Stager:
                 self._held[id(buf)] = None  # written to since: copied, not fingerprinted
                 todo.append((live, buf))
                 moved.append(buf)
-            elif live.is_cuda and not FINGERPRINT_CUDA_WHEN_STAGING:
+            elif live.is_cuda and (
+                (least := floor[live.device]) is None or live.numel() * live.element_size() < least
+            ):
                 self._held[id(buf)] = None  # copied; the writer fingerprints the host copy, off the loop
                 todo.append((live, buf))
             else:

@@ -26,26 +26,35 @@ docs/benchmarks.md); on the CPU it is ~500x slower than xxh3 over the bytes, so 
 hash (``fingerprints`` below). Words are processed in chunks of ``CHUNK_BYTES`` (bounded scratch memory
 on the device); many small tensors share a chunk, so a model of thousands of tensors costs a few dozen
 kernel launches per chunk, not per tensor.
+
+So a CUDA tensor's lane sums come from a fused Triton kernel where one is usable (store/fingerprint_triton.py:
+one read of each word, the same sums bit for bit), decided once per device by ``fast_path``, which runs it
+against these torch ops on a probe first; these ops remain the specification, the CPU's path and the
+fallback (no Triton, a failed compile, a disagreement).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import threading
+from collections.abc import Callable, Sequence
 
 import torch
 import xxhash
 
+from safepoint.store.fingerprint_spec import FMIX_A, FMIX_B, GOLDEN, KEY_SEED, LANE_B, MASK
 from safepoint.store.item_writer import tensor_bytes
 
-_MASK = (1 << 64) - 1
 # Words per chunk: scratch on the device is a few times this many bytes (CHUNK_BYTES * ~5).
 CHUNK_BYTES = 32 * 1024 * 1024
 _TAG = b"safepoint-fp1"
-GOLDEN = 0x9E3779B97F4A7C15
-KEY_SEED = 0x243F6A8885A308D3
-LANE_B = 0xD6E8FEB86659FD93
-_FMIX_A = (33, 0xFF51AFD7ED558CCD, 33, 0xC4CEB9FE1A85EC53, 33)  # murmur3 fmix64
-_FMIX_B = (30, 0xBF58476D1CE4E5B9, 27, 0x94D049BB133111EB, 31)  # splitmix64's finalizer
+_MASK = MASK
+_FMIX_A = FMIX_A  # murmur3 fmix64
+_FMIX_B = FMIX_B  # splitmix64's finalizer
+
+log = logging.getLogger("safepoint")
+Sums = Callable[[torch.device, list[tuple[int, torch.Tensor]]], list[tuple[list[int], list[list[int]]]]]
+"""(device, [(owner, flat uint8 view)]) -> per launch or chunk: (owner per piece, [A, B] per piece)."""
 
 
 def _signed(x: int) -> int:
@@ -103,15 +112,12 @@ def fingerprint_tensors(tensors: Sequence[torch.Tensor]) -> list[bytes]:
     Only the 16-byte lane sums of each tensor leave the device. Raises TypeError for tensor subclasses,
     sparse and quantized tensors."""
     views = [_as_bytes(t) for t in tensors]
-    sums: list[list[int]] = [[0, 0] for _ in tensors]
+    sums = [(0, 0)] * len(tensors)
     by_device: dict[torch.device, list[int]] = {}
     for i, v in enumerate(views):
         by_device.setdefault(v.device, []).append(i)
     for device, members in by_device.items():
-        for owners, lanes in _device_sums(device, [(i, views[i]) for i in members]):
-            for owner, (a, b) in zip(owners, lanes, strict=True):
-                sums[owner][0] = (sums[owner][0] + a) & _MASK
-                sums[owner][1] = (sums[owner][1] + b) & _MASK
+        _add(sums, _sums_for(device)(device, [(i, views[i]) for i in members]))
     out = []
     for t, (a, b) in zip(tensors, sums, strict=True):
         h = xxhash.xxh3_128(_TAG)
@@ -181,6 +187,70 @@ def _device_sums(
     return out
 
 
+_fast: dict[torch.device, Sums | None] = {}
+_fast_lock = threading.Lock()
+
+
+def fast_path(device: torch.device) -> bool:
+    """Whether tensors on ``device`` are fingerprinted by the fused Triton kernel
+    (store/fingerprint_triton.py, about one read of the bytes) rather than by the torch ops here (~70 ms/GiB
+    on an H100). Decided once per device: a CUDA device, Triton imports, the kernel compiles and runs, and
+    its lane sums equal the torch ops' on a probe (tails, several tiles, pieces over several launches, an
+    unaligned view). Anything else keeps the torch ops (no Triton, a broken install, a driver or card it
+    does not support, a miscompile): slower, never a wrong digest."""
+    return _fast_sums(device) is not None
+
+
+def _sums_for(device: torch.device) -> Sums:
+    return _fast_sums(device) or _device_sums
+
+
+def _fast_sums(device: torch.device) -> Sums | None:
+    if device.type != "cuda":
+        return None  # CPU tensors keep the host hash (``fingerprints``); the kernel is for GPU memory
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with _fast_lock:  # a sync save's thread and a writer thread may ask at once: one probe per device
+        if device not in _fast:
+            _fast[device] = _probe(device)
+        return _fast[device]
+
+
+def _probe(device: torch.device) -> Sums | None:
+    """The Triton kernel's sums if it imports, runs on ``device`` and agrees with the torch ops there."""
+    try:
+        from safepoint.store import fingerprint_triton as ft
+    except Exception as exc:  # ImportError, or an install that fails as it loads
+        log.info("safepoint: GPU fingerprints use torch ops: triton does not import (%s)", exc)
+        return None
+    try:
+        g = torch.Generator().manual_seed(26)
+        lengths = (5, 8, 13, 8 * ft.BLOCK, 8 * ft.BLOCK * 3 + 7, 4096 + 3)
+        data = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).to(device) for n in lengths]
+        probe = [*enumerate(data), (len(data), data[-1][1:])]  # the last: at an odd address
+        want = _add([(0, 0)] * len(probe), _device_sums(device, probe))
+        # Launches of two tiles: the 3-tile tensor spans two launches (position keys across pieces).
+        got = _add([(0, 0)] * len(probe), ft.device_sums(device, probe, launch_bytes=16 * ft.BLOCK))
+        if got == _add([(0, 0)] * len(probe), ft.device_sums(device, probe)) == want:
+            return ft.device_sums
+        log.warning(
+            "safepoint: the Triton fingerprint kernel disagrees with torch ops on %s: not used", device
+        )
+    except Exception as exc:  # it fails to compile or to launch: the torch ops, which always work
+        log.warning("safepoint: the Triton fingerprint kernel failed on %s (%s): not used", device, exc)
+    return None
+
+
+def _add(
+    totals: list[tuple[int, int]], chunks: list[tuple[list[int], list[list[int]]]]
+) -> list[tuple[int, int]]:
+    """Add each piece's lane sums to its owner's (A, B) in ``totals`` (wrapping mod 2**64); returns it."""
+    for owners, lanes in chunks:
+        for owner, (a, b) in zip(owners, lanes, strict=True):
+            totals[owner] = ((totals[owner][0] + a) & _MASK, (totals[owner][1] + b) & _MASK)
+    return totals
+
+
 def _eligible(t: torch.Tensor) -> bool:
     """Whether ``t``'s saved form is a function of its dtype, shape, strides and bytes only (not a subclass,
     quantized, conj/neg bits, or a view into a bigger storage): anything else counts as changed, always."""
@@ -198,9 +268,10 @@ def _eligible(t: torch.Tensor) -> bool:
 def fingerprints(tensors: list[torch.Tensor]) -> list[bytes | None]:
     """Each tensor's fingerprint (None: not eligible, counts as changed). A CPU tensor: xxh3-128 of its
     bytes (the cheapest hash of host memory: ~50x faster than the torch-ops fingerprint on the CPU,
-    docs/benchmarks.md). Any other device: store/fingerprint.py's, computed on that device, so an
-    unchanged GPU tensor is never copied to the host; only 16 bytes per tensor come back. Both are mixed
-    with the dtype, shape and strides, and a scheme tag, so a tensor that moved device counts as changed."""
+    docs/benchmarks.md). Any other device: store/fingerprint.py's, computed on that device (by the Triton
+    kernel where ``fast_path``), so an unchanged GPU tensor is never copied to the host; only 16 bytes per
+    tensor come back. Both are mixed with the dtype, shape and strides, and a scheme tag, so a tensor that
+    moved device counts as changed."""
     out: list[bytes | None] = [None] * len(tensors)
     on_device: list[int] = []
     for i, t in enumerate(tensors):
