@@ -195,8 +195,12 @@ def _launch(device: torch.device, rows: list[tuple[int, int, int, int]]) -> torc
     # Triton launches on the current device (and its current stream): make it the tensors' device.
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         _run(table_d, on_device[n * _ROW :].view(torch.int32), out, total)
-    # Per piece, by differences of the running sum at each piece's last tile (int64 wraps mod 2**64).
-    at_end = out.cumsum(0).index_select(0, table_d.view(n, _ROW)[:, 5])
+    # Per piece, by differences of the running sum at each piece's last tile (int64 wraps mod 2**64). Each
+    # lane is scanned as its own contiguous 1-D tensor: torch scans a dimension that is not the innermost
+    # one with a thread per column, serially, and ``out.cumsum(0)`` over (tiles, 2) held the whole
+    # fingerprint to ~53 GB/s on an H100 (the pinned copy's speed: 20 ms for 1 GiB, the kernel ~0.5 ms).
+    running = torch.stack((out[:, 0].contiguous().cumsum(0), out[:, 1].contiguous().cumsum(0)), dim=1)
+    at_end = running.index_select(0, table_d.view(n, _ROW)[:, 5])
     return at_end - torch.cat((torch.zeros_like(at_end[:1]), at_end[:-1]))
 
 
