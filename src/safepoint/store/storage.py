@@ -45,6 +45,7 @@ from safepoint.store.file_report import Files, skipped_per_rank, split_files, wi
 from safepoint.store.incremental import Round
 from safepoint.store.incremental_record import encode, side_name
 from safepoint.store.item_writer import write_queue
+from safepoint.store.metadata_bytes import MetadataPickle
 from safepoint.store.rootfs import RootDir
 
 METADATA_NAME = ".metadata"
@@ -156,7 +157,10 @@ class _ChecksummingFileSystem(FileSystem):
         if (problem := self.root.kind(parent)) not in (None, "a directory"):
             raise OSError(f"{parent} is {problem}, not a directory; not saving through it")
         self.root.make()  # the root's own path (and its parents) as given, as DCP's mkdir(parents=True) did
-        self.root.makedirs(Path(path))  # walked from the root: a symlink on the way is ELOOP, not followed
+        # Walked from the root (a symlink on the way is ELOOP, not followed), and held open while this
+        # writer writes into it: its files' walks start there (store/held_dirs.py). Let go when its last
+        # file is written (SafepointWriter.release_dir), whatever happens: never beyond DCP's save call.
+        self.root.hold(Path(path))
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         # DCP's own finish renames .metadata.tmp -> .metadata (SafepointWriter.finish writes .metadata in
@@ -185,6 +189,8 @@ class SafepointWriter(FileSystemWriter):
     incremental: Round | None = None
     """Set by the saver: this save's incremental arrangement (store/incremental.py); None writes all."""
     _prefix = ""
+    _pickled: MetadataPickle | None = None  # the planner's remembered .metadata head (metadata_bytes.py)
+    _coordinator = True  # set_up_storage_writer's: rank 0 writes .metadata last (finish)
 
     def __init__(
         self, path: str | os.PathLike[str], *, thread_count: int = 1, root: RootDir | None = None
@@ -208,11 +214,22 @@ class SafepointWriter(FileSystemWriter):
             plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
         return plan
 
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        self._coordinator = is_coordinator
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self._prefix = plan.storage_data.prefix  # "__<rank>_": the incremental layer names files with it
+        self._pickled = getattr(planner, "metadata_pickle", None)
         # DCP's own writer threads (thread_count > 1) start and are joined inside this call: covered too.
-        with torch_crc32_off():
-            fut = super().write_data(plan, planner)
+        done = False
+        try:
+            with torch_crc32_off():
+                fut = super().write_data(plan, planner)
+            done = True
+        finally:
+            if not (done and self._coordinator):  # rank 0 writes .metadata next (finish lets go then)
+                self.release_dir()
         results = fut.wait()
         # DCP's extra writer threads (thread_count > 1) swallow their exceptions (they only reach
         # threading.excepthook) and their items' results go missing: count them, never report success.
@@ -248,14 +265,27 @@ class SafepointWriter(FileSystemWriter):
         # directory are fsync'd (a crash before leaves a pending directory the next owner removes), and it
         # holds no older .metadata to replace (the create unlinks whatever stands there, O_EXCL). The fields
         # set and the pickle are DCP's own, so the bytes are the same; the write is checksummed as written.
+        # The pickle's unchanged head is not pickled again at every save (store/metadata_bytes.py): the bytes
+        # are pickle.dumps(metadata)'s all the same.
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
         metadata.storage_meta = self.storage_meta()
         per_rank = not self.use_collectives and self.rank is not None
         path = self._get_metadata_path(self.rank if per_rank else None)
-        with self.fs.create_stream(path, "wb") as stream:
-            pickle.dump(metadata, stream)
-            os.fsync(stream.fileno())
+        try:
+            with self.fs.create_stream(path, "wb") as stream:
+                if self._pickled is not None:
+                    stream.write(self._pickled.dumps(metadata))
+                else:
+                    pickle.dump(metadata, stream)
+                os.fsync(stream.fileno())
+        finally:
+            self.release_dir()
+
+    def release_dir(self) -> None:
+        """Let go of the save's directory, held open since ``prepare_local_plan`` made it (rootfs.hold):
+        this writer creates nothing more in it. Idempotent; the saver calls it once DCP's save returned."""
+        self._fs.root.release(Path(self.path))
 
     def _write_data(self, planner: SavePlanner, file_queue: queue.Queue[Any]) -> Future[list[WriteResult]]:
         # DCP's own loop calls torch.save once per tensor item; item_writer writes the same bytes from a
