@@ -29,8 +29,6 @@ from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
-from safepoint.store.metadata_bytes import MetadataPickle
-
 _BYTES = ("bytes",)  # the kind of a non-tensor item (a BYTE_IO WriteItem: its key is all there is)
 
 
@@ -52,9 +50,6 @@ class PlanRecord:
         self.byte_items: dict[str, tuple[bytes, bytes]] = {}
         """{key: (pickle of its value, torch.save bytes)} of the non-tensor items last written: an item
         whose value pickles alike is not serialised again (store/item_writer.py ``byte_item``)."""
-        self.metadata = MetadataPickle()
-        """``.metadata``'s head as last pickled: not pickled again while provably equal (the writer's
-        ``finish``, store/metadata_bytes.py)."""
 
 
 def structure_of(state_dict: dict[str, Any], paths: dict[str, Any], coordinator: bool) -> Structure | None:
@@ -82,7 +77,6 @@ class ReusingSavePlanner(DefaultSavePlanner):
         self._record = record
         self._structure: Structure | None = None
         self.byte_items = record.byte_items  # read by the item writer (store/item_writer.py)
-        self.metadata_pickle = record.metadata  # read by the writer's finish (store/storage.py)
 
     def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
         # DCP flattens the state dict (one walk of every value), then walks every value again for nested

@@ -45,7 +45,6 @@ from safepoint.store.file_report import Files, skipped_per_rank, split_files, wi
 from safepoint.store.incremental import Round
 from safepoint.store.incremental_record import encode, side_name
 from safepoint.store.item_writer import write_queue
-from safepoint.store.metadata_bytes import MetadataPickle
 from safepoint.store.rootfs import RootDir
 
 METADATA_NAME = ".metadata"
@@ -189,7 +188,6 @@ class SafepointWriter(FileSystemWriter):
     incremental: Round | None = None
     """Set by the saver: this save's incremental arrangement (store/incremental.py); None writes all."""
     _prefix = ""
-    _pickled: MetadataPickle | None = None  # the planner's remembered .metadata head (metadata_bytes.py)
     _coordinator = True  # set_up_storage_writer's: rank 0 writes .metadata last (finish)
 
     def __init__(
@@ -220,7 +218,6 @@ class SafepointWriter(FileSystemWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self._prefix = plan.storage_data.prefix  # "__<rank>_": the incremental layer names files with it
-        self._pickled = getattr(planner, "metadata_pickle", None)
         # DCP's own writer threads (thread_count > 1) start and are joined inside this call: covered too.
         done = False
         try:
@@ -265,8 +262,6 @@ class SafepointWriter(FileSystemWriter):
         # directory are fsync'd (a crash before leaves a pending directory the next owner removes), and it
         # holds no older .metadata to replace (the create unlinks whatever stands there, O_EXCL). The fields
         # set and the pickle are DCP's own, so the bytes are the same; the write is checksummed as written.
-        # The pickle's unchanged head is not pickled again at every save (store/metadata_bytes.py): the bytes
-        # are pickle.dumps(metadata)'s all the same.
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
         metadata.storage_meta = self.storage_meta()
@@ -274,10 +269,7 @@ class SafepointWriter(FileSystemWriter):
         path = self._get_metadata_path(self.rank if per_rank else None)
         try:
             with self.fs.create_stream(path, "wb") as stream:
-                if self._pickled is not None:
-                    stream.write(self._pickled.dumps(metadata))
-                else:
-                    pickle.dump(metadata, stream)
+                pickle.dump(metadata, stream)
                 os.fsync(stream.fileno())
         finally:
             self.release_dir()
