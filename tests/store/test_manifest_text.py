@@ -15,13 +15,12 @@ import safepoint
 from safepoint.store import manifest as manifest_module
 
 
-
 @pytest.mark.parametrize(
     "value",
     [
         {},
         {"a": []},
-        {"b": {"x": 1, "a": [1, 2.5, "é\n\"", None, True, False, {}, []]}, "a": -0.0},
+        {"b": {"x": 1, "a": [1, 2.5, 'é\n"', None, True, False, {}, []]}, "a": -0.0},
         {"nested": [[[]], [{}], {"k": [{"z": 1e300, "y": 1e-300, "x": 3}]}]},
         {"tuple": (1, 2)},  # json writes a tuple as a list: left to json
         {"big": 2**70, "neg": -5, "s": "\u2028\udc80"},

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -90,8 +90,7 @@ class ReusingSavePlanner(DefaultSavePlanner):
         finally:
             self.flatten_sharded_tensors = sharded
         if sharded and (
-            not self.flatten_state_dict
-            or any(isinstance(v, ShardedTensor) for v in self.state_dict.values())
+            not self.flatten_state_dict or any(isinstance(v, ShardedTensor) for v in self.state_dict.values())
         ):
             self.state_dict = _flatten_sharded_tensors(self.state_dict)
 

@@ -3,13 +3,12 @@ deleter thread (policy/retainer.py), so a save never waits on deletes."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -144,7 +143,7 @@ class SyncSaver:
                 own = _write_rank_file_too(writer, self.layout, pending, self.comm.rank, sections_of_rank)
             # DCP's write collective also carries each rank's file list to rank 0 (store/file_report.py),
             # and raises the same error on every rank when any rank failed.
-            with gc_paused(), _released(writer):  # no cyclic GC in DCP's per-item work (store/gc_pause.py)
+            with gc_paused():  # DCP's per-item work, without cyclic collections (store/gc_pause.py)
                 if self.comm.distributed:
                     dcp_save(
                         state_dict,
@@ -365,17 +364,6 @@ def _write_rank_file_too(
 
     writer.write_data = write_data
     return own
-
-
-@contextlib.contextmanager
-def _released(writer: Any) -> Iterator[None]:
-    """The writer's held directory (store/held_dirs.py) let go once DCP's save returns or raises: the writer
-    lets go itself when done, but not when another rank's failure ends DCP's save before its finish."""
-    try:
-        yield
-    finally:
-        if isinstance(writer, SafepointWriter):
-            writer.release_dir()
 
 
 def _forget_plans(key: str) -> None:

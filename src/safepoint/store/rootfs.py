@@ -5,18 +5,21 @@ walked component by component with ``dir_fd`` and ``O_NOFOLLOW|O_DIRECTORY``: a 
 root (``local_root/.peers`` pointing at a home directory, ``.pending`` at another job's root) is refused,
 never followed, whatever its position in the path. On top of that walk:
 
-- reads open regular files only (``O_NONBLOCK``, then ``fstat``: no FIFO, device or directory), bounded;
+- reads open regular files only (``O_NONBLOCK``, then ``fstat``: a FIFO never blocks, a device or directory
+  is refused) and whole-file reads are bounded by a size cap;
 - creates use ``O_CREAT|O_EXCL|O_NOFOLLOW`` in a walked directory (whatever stood at the name is unlinked
   first: a planted symlink is removed, not written through);
 - renames are ``rename(src_dir_fd=, dst_dir_fd=)`` between two walked directories of the same root;
 - deletes are ``shutil.rmtree(name, dir_fd=parent)``, which on Linux walks by descriptors and never follows
   a symlink (``rmtree.avoids_symlink_attacks``): nothing outside the root can be reached.
 
-The root's *own* path is the user's, opened as given (a ``/ckpt`` symlinked to ``/mnt/nvme/ckpt`` is their
-decision); the trust boundary is everything below it, which others (a hostile old owner) may have written.
+The root's *own* path is the user's to choose and is opened as given (a ``/ckpt`` that is a symlink to
+``/mnt/nvme/ckpt`` is the user's decision); the trust boundary is everything below it, which other
+processes and a previous, possibly hostile, owner may have written.
 
-Only this module and the primitives it is built on (store/guard.py, store/held_dirs.py) call ``os.open``,
-``rename``, ``rmtree``, ``Path.is_dir`` and friends under a root: tests/test_architecture.py checks it.
+Only this module and :mod:`safepoint.store.guard` (the primitives it is built on) call ``open``/``os.open``,
+``rename``, ``rmtree``, ``Path.is_dir`` and friends on paths under a root: tests/test_architecture.py fails
+on any other module that does.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from safepoint.store import held_dirs
 from safepoint.store.checksum import stream_crc32c
 from safepoint.store.fsops import rename_exchange_at
 from safepoint.store.guard import describe_mode, keep_if_regular
@@ -52,8 +54,8 @@ class OutsideRootError(OSError):
 class RootDir:
     """A checkpoint root (or any directory whose inside we own): see the module docstring.
 
-    Nothing is held open between calls (but a save's own directory while it writes: held_dirs.py): each
-    operation opens the root afresh, so a root removed and made again (a lost disk) is simply the new one."""
+    Nothing is held open between calls: each operation opens the root afresh (one ``open``), so a root
+    removed and made again while a job runs (a node that lost its disk) is simply the new one."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -68,8 +70,10 @@ class RootDir:
 
     def parts(self, rel: Rel) -> tuple[str, ...]:
         """The components of ``rel`` below the root; OutsideRootError if it is not below the root."""
-        # Strings, not pathlib (~40 us a call, dozens per save). Same answers: ``abspath`` leaves no ".",
-        # "..", or empty component; a name splits as PurePosixPath does ("", "." dropped, ".." refused).
+        # String operations, not pathlib: every guarded operation starts here (dozens per save), and
+        # pathlib's parsing cost ~40 us a call, a tenth of a small save. Same answers: ``abspath`` normalises
+        # as before (no ".", "..", or empty component is left in it), and a relative name splits on "/"
+        # as PurePosixPath does (empty and "." components dropped, ".." kept and refused below).
         if isinstance(rel, Path):
             path = os.path.abspath(rel)
             if path == self._base:
@@ -114,11 +118,7 @@ class RootDir:
             os.close(fd)
 
     def _walk(self, parts: tuple[str, ...], create: bool) -> int:
-        held = held_dirs.start(self._prefix, parts)  # a save's own directory, walked once (held_dirs.py)
-        if held is not None:
-            fd, parts = held[0], parts[held[1] :]
-        else:
-            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             for name in parts:
                 try:
@@ -191,11 +191,14 @@ class RootDir:
             return []
 
     def dirs_holding(self, filename: str, wanted: Callable[[str], object]) -> list[str]:
-        """The names in the root for which ``wanted`` is truthy that are real directories holding a regular
-        file ``filename``, sorted: ``isdir(name) and isfile(f"{name}/{filename}")`` for each name, from one
-        descriptor of the root (retention lists the root so after every save). Each candidate is opened
-        O_NOFOLLOW|O_DIRECTORY from it (a symlink or file skipped) and ``filename`` lstat'ed inside; only
-        what makes ``lstat`` say None is skipped, anything else (EACCES) raised as the walks raised it."""
+        """The names in the root for which ``wanted`` is truthy that are real directories holding a
+        regular file ``filename``, sorted: the answers of ``isdir(name) and isfile(f"{name}/{filename}")``
+        for each listed name, from one descriptor of the root and one per candidate directory instead of
+        two walks from the root per name (retention lists the root this way after every save). Safe: each
+        candidate is opened O_NOFOLLOW|O_DIRECTORY from the root's descriptor (a symlink or a file is
+        skipped, as ``isdir`` says False for it) and ``filename`` is lstat'ed inside it; only what makes
+        ``lstat`` say None (missing, a symlink or not a directory on the way) is skipped, anything else
+        (EACCES) is raised as the walks raised it."""
         found = []
         try:
             with self.dir() as fd:
@@ -298,14 +301,6 @@ class RootDir:
         with self.dir("/".join(parts), create=parents):
             pass  # opened: it is a real directory, reached without a symlink
 
-    def hold(self, rel: Rel) -> None:
-        """Make the real directory ``rel`` (parents too), held open for walks into it until :meth:`release`
-        (store/held_dirs.py: a save's own directory, while the save writes into it)."""
-        held_dirs.hold(self._prefix + self.name(rel), self._walk(self.parts(rel), True))
-
-    def release(self, rel: Rel) -> None:
-        held_dirs.release(self._prefix + self.name(rel))
-
     def move(self, src: Rel, dst: Rel, *, replace: bool = True) -> None:
         """Rename ``src`` to ``dst``, both under the root, through their walked parents (neither path can
         lead outside it). ``replace`` False refuses an existing ``dst`` (a non-empty directory is always
@@ -347,8 +342,9 @@ class RootDir:
 
     def remove_tree_from(self, rel: Rel, first: str, expected: tuple[int, int] | None) -> bool:
         """Unlink ``rel``/``first`` through a descriptor of the directory ``rel`` checked to be ``expected``
-        (device, inode), then (if that worked) :meth:`remove_tree` it. False, having deleted nothing, if
-        ``rel`` is no longer that directory; else True (also if unlinking ``first`` failed: left intact)."""
+        (device, inode), then (only if that worked) :meth:`remove_tree` it. False, having deleted nothing,
+        if ``rel`` is no longer that directory; True otherwise (also when unlinking ``first`` failed and the
+        directory was left intact)."""
         try:
             with self.dir(rel) as fd:
                 st = os.fstat(fd)
@@ -395,6 +391,7 @@ class RootDir:
 
 
 def around(path: Path, fs: RootDir | None = None) -> RootDir:
-    """``fs`` if ``path`` lies under it (walked from its root), else a RootDir of ``path``'s own directory
-    (the caller's path, like a root's); the name in it is still opened with O_NOFOLLOW, regular files only."""
+    """``fs`` if ``path`` lies under it (walked from its root), else a RootDir of ``path``'s own directory:
+    that directory's path is the caller's, like a root's (a step directory a layout named), and the name in
+    it is still opened with O_NOFOLLOW, regular files only."""
     return fs if fs is not None and fs.holds(path) else RootDir(path.parent)

@@ -156,10 +156,7 @@ class _ChecksummingFileSystem(FileSystem):
         if (problem := self.root.kind(parent)) not in (None, "a directory"):
             raise OSError(f"{parent} is {problem}, not a directory; not saving through it")
         self.root.make()  # the root's own path (and its parents) as given, as DCP's mkdir(parents=True) did
-        # Walked from the root (a symlink on the way is ELOOP, not followed), and held open while this
-        # writer writes into it: its files' walks start there (store/held_dirs.py). Let go when its last
-        # file is written (SafepointWriter.release_dir), whatever happens: never beyond DCP's save call.
-        self.root.hold(Path(path))
+        self.root.makedirs(Path(path))  # walked from the root: a symlink on the way is ELOOP, not followed
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         # DCP's own finish renames .metadata.tmp -> .metadata (SafepointWriter.finish writes .metadata in
@@ -188,7 +185,6 @@ class SafepointWriter(FileSystemWriter):
     incremental: Round | None = None
     """Set by the saver: this save's incremental arrangement (store/incremental.py); None writes all."""
     _prefix = ""
-    _coordinator = True  # set_up_storage_writer's: rank 0 writes .metadata last (finish)
 
     def __init__(
         self, path: str | os.PathLike[str], *, thread_count: int = 1, root: RootDir | None = None
@@ -212,21 +208,11 @@ class SafepointWriter(FileSystemWriter):
             plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
         return plan
 
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
-        self._coordinator = is_coordinator
-
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self._prefix = plan.storage_data.prefix  # "__<rank>_": the incremental layer names files with it
         # DCP's own writer threads (thread_count > 1) start and are joined inside this call: covered too.
-        done = False
-        try:
-            with torch_crc32_off():
-                fut = super().write_data(plan, planner)
-            done = True
-        finally:
-            if not (done and self._coordinator):  # rank 0 writes .metadata next (finish lets go then)
-                self.release_dir()
+        with torch_crc32_off():
+            fut = super().write_data(plan, planner)
         results = fut.wait()
         # DCP's extra writer threads (thread_count > 1) swallow their exceptions (they only reach
         # threading.excepthook) and their items' results go missing: count them, never report success.
@@ -267,17 +253,9 @@ class SafepointWriter(FileSystemWriter):
         metadata.storage_meta = self.storage_meta()
         per_rank = not self.use_collectives and self.rank is not None
         path = self._get_metadata_path(self.rank if per_rank else None)
-        try:
-            with self.fs.create_stream(path, "wb") as stream:
-                pickle.dump(metadata, stream)
-                os.fsync(stream.fileno())
-        finally:
-            self.release_dir()
-
-    def release_dir(self) -> None:
-        """Let go of the save's directory, held open since ``prepare_local_plan`` made it (rootfs.hold):
-        this writer creates nothing more in it. Idempotent; the saver calls it once DCP's save returned."""
-        self._fs.root.release(Path(self.path))
+        with self.fs.create_stream(path, "wb") as stream:
+            pickle.dump(metadata, stream)
+            os.fsync(stream.fileno())
 
     def _write_data(self, planner: SavePlanner, file_queue: queue.Queue[Any]) -> Future[list[WriteResult]]:
         # DCP's own loop calls torch.save once per tensor item; item_writer writes the same bytes from a
