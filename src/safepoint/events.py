@@ -119,14 +119,15 @@ class CheckpointEvent:
 
     def to_dict(self) -> dict[str, Any]:
         """The fields that are set (None left out), JSON-ready; restore events also carry Orbax's names."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        out = {k: v for k, v in out.items() if v is not None}
+        # The names taken once (dataclasses.fields builds its tuple at every call: six events per save).
+        out = {k: v for k in _FIELD_NAMES if (v := getattr(self, k)) is not None}
         if self.event_type == RESTORE and self.duration_secs is not None:
             out["checkpoint_manager_duration_secs"] = self.duration_secs
         return out
 
 
 EventSink = Callable[[CheckpointEvent], None]
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(CheckpointEvent))
 
 
 def _finite(x: float | None) -> float | None:

@@ -174,3 +174,24 @@ def test_unchanged_byte_items_are_not_serialised_again_and_changed_ones_are(
         sd: dict[str, Any] = {"model": {"w": torch.zeros(4, 4)}}
         dcp.load(sd, checkpoint_id=str(root / f"step-{step}"), no_dist=True)
         assert torch.equal(sd["model"]["w"], model.state_dict()["w"])
+
+
+def test_the_flattened_state_is_dcps_without_a_second_walk_for_sharded_tensors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DCP walks every value a second time looking for nested ShardedTensors; with none in the flattened
+    state the planner skips that walk, and its state dict is DCP's own: the same keys, order and values."""
+    from safepoint.save import plan_reuse
+
+    state = {"model": {"w": torch.ones(2), "b": [torch.zeros(1), torch.ones(1)]}, "extra": {"n": 3, "l": [1]}}
+    dcps = default_planner.DefaultSavePlanner()
+    dcps.set_up_planner(state_dict=state, is_coordinator=True)
+    walks: list[object] = []
+    real = default_planner._flatten_sharded_tensors
+    monkeypatch.setattr(default_planner, "_flatten_sharded_tensors", lambda sd: walks.append(sd) or real(sd))
+    ours = plan_reuse.ReusingSavePlanner("test-key", plan_reuse.PlanRecord())
+    ours.set_up_planner(state_dict=state, is_coordinator=True)
+    assert walks == []
+    assert list(ours.state_dict) == list(dcps.state_dict)
+    assert all(ours.state_dict[k] is v for k, v in dcps.state_dict.items())
+    assert ours.mappings == dcps.mappings and ours.flatten_sharded_tensors

@@ -315,3 +315,28 @@ def test_unreadable_lease_is_retried_then_refused_without_naming_pid_none(tmp_pa
     lease = Lease(tmp_path, stale_after_s=60)
     lease.acquire()
     lease.release()
+
+
+def test_the_fence_parses_only_bytes_it_has_not_parsed_and_sees_a_token_changed_in_place(root: Path) -> None:
+    """The fence (before every commit and delete) reuses the record of lease bytes equal to the last ones
+    parsed (store/file_lease.py ``_parse``); a takeover whose record differs only in its token, the same
+    length, rewritten in place (same inode, so no stat tells it), is still seen, and what the cache hands
+    out is a copy."""
+    root.mkdir()
+    lease = Layout(root).lease(120.0)
+    lease.acquire()
+    try:
+        lease.fence("committing")
+        first = lease._holder()
+        assert first is not None and Lease._last_parsed is not None
+        first["token"] = "changed by a caller"
+        assert lease._holder() == Lease._last_parsed[1] != first  # the cache's own record, untouched
+        raw = (root / ".lease").read_bytes()
+        token = str(lease.token)
+        other = token[:-1] + ("0" if token[-1] != "0" else "1")
+        with open(root / ".lease", "r+b") as f:  # the same length, in place
+            f.write(raw.replace(token.encode(), other.encode()))
+        with pytest.raises(safepoint.LeaseError, match="taken over"):
+            lease.fence("committing step 2")
+    finally:
+        lease.release()  # the heartbeat joined; the taker's lease is not ours: left in place

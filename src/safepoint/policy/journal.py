@@ -51,6 +51,8 @@ JOURNALED = frozenset({
     ev.RESTORE, ev.RESTORE_FALLBACK, ev.PREEMPTION, ev.EMERGENCY_SAVE,
 })  # fmt: skip
 _KINDS = JOURNALED | {PROGRESS, CARRY}
+# json.dumps(record, sort_keys=True), with its encoder made once (dumps makes one per call for sort_keys).
+_ENCODE = json.JSONEncoder(sort_keys=True).encode
 _NUMBERS = frozenset(
     f.name for f in dataclasses.fields(ev.CheckpointEvent) if f.name.endswith(("_secs", "_time", "_sec"))
 ) | {"bytes_written", "bytes_skipped", "wall_time"}
@@ -133,10 +135,10 @@ class Journal:
             )  # fmt: skip
 
     def _append(self, record: dict[str, Any]) -> None:
-        line = (json.dumps(record, sort_keys=True) + "\n").encode()
+        line = (_ENCODE(record) + "\n").encode()
         if len(line) > MAX_LINE_BYTES:  # a reason too long to keep: shortened, the line stays valid
             record["reason"] = str(record.get("reason", ""))[:500]
-            line = (json.dumps(record, sort_keys=True) + "\n").encode()
+            line = (_ENCODE(record) + "\n").encode()
 
         def write() -> None:
             if self._fd is None:

@@ -59,6 +59,9 @@ class Lease(HeartbeatLease):
     it touches the old, orphaned inode, never the new owner's, and the next beat finds the new token. The
     record itself is never rewritten, so readers never see it torn. Staleness is the file's mtime age."""
 
+    _last_parsed: tuple[bytes, dict[str, Any]] | None = None
+    """The last lease file's bytes that parsed, and the record (see ``_parse``); any lease of the process."""
+
     def __init__(
         self,
         root: Path,
@@ -215,11 +218,18 @@ class Lease(HeartbeatLease):
             raw = os.read(fd, MAX_LEASE_BYTES + 1)  # a regular file (open_regular): reads it whole
             if len(raw) > MAX_LEASE_BYTES:
                 raise ValueError(f"larger than {MAX_LEASE_BYTES} bytes")
+            # The fence reads the lease before every commit and delete (twice per save): bytes equal to
+            # the last ones parsed are that same record (parsing is a function of the bytes alone; only a
+            # record that parsed is remembered), so it is not parsed again. The read itself is never saved.
+            last = Lease._last_parsed
+            if last is not None and last[0] == raw:
+                return dict(last[1])
             data = parse_object(raw, str(path))
         except CorruptRecordError as e:
             raise Unreadable(str(e)) from None
         except (OSError, ValueError) as e:
             raise Unreadable(f"{path}: {e}") from e
+        Lease._last_parsed = (raw, dict(data))
         return data
 
     def _open(self) -> int | None:

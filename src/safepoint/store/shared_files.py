@@ -22,10 +22,12 @@ def file_identities(layout: Any, step: int, names: Iterable[str] | None = None) 
             names = layout.read_manifest(step).files
         except CheckpointError:
             return set()
-    base, found = Path(layout.step_path(step)), set()
+    # Joined as strings (retention asks this of two steps' files after every save: a Path per file cost
+    # more than its stat); the names are a manifest's bare file names, so the paths are the same.
+    base, found = os.fspath(layout.step_path(step)) + "/", set()
     for name in names:
         with contextlib.suppress(OSError):
-            st = os.stat(base / name, follow_symlinks=False)
+            st = os.stat(base + name, follow_symlinks=False)
             if stat.S_ISREG(st.st_mode):
                 found.add((st.st_dev, st.st_ino))
     return found
