@@ -131,7 +131,7 @@ class Manifest:
             "files": {k: v.to_json() for k, v in sorted(self.files.items())},
         }
         body[_SELF_CRC_KEY] = _body_crc(body)
-        return (_indented(body) + "\n").encode()
+        return (json.dumps(body, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
 
     @classmethod
     def from_json(cls, data: bytes, *, step_hint: int | None = None) -> Manifest:
@@ -253,66 +253,6 @@ def clean_metrics(metrics: dict[str, Any] | None) -> dict[str, float]:
             continue
         out[str(k)] = f
     return out
-
-
-class _Unusual(Exception):
-    """A value :func:`_encode` leaves to ``json.dumps`` (a subclass, a tuple, a non-finite float...)."""
-
-
-def _indented(body: dict[str, Any]) -> str:
-    """``json.dumps(body, indent=1, sort_keys=True, allow_nan=False)``, the same string. With ``indent``
-    json runs its pure-Python encoder, ~0.2 ms for a small checkpoint's manifest at every commit (issue
-    27); this builds the same text from the same pieces (the C string escaper, ``repr`` of ints and finite
-    floats) for the exact types a manifest holds, and leaves anything else to ``json.dumps`` itself.
-    tests/store/test_records.py compares the two on manifests and on odd values."""
-    out: list[str] = []
-    try:
-        _encode(body, "\n", out)
-    except (_Unusual, TypeError):  # TypeError: keys json cannot sort either (it raises its own)
-        return json.dumps(body, indent=1, sort_keys=True, allow_nan=False)
-    return "".join(out)
-
-
-def _encode(value: Any, newline: str, out: list[str]) -> None:
-    """Append ``value`` as json's encoder writes it with ``indent=1`` at the depth ``newline`` shows."""
-    kind = type(value)
-    if kind is str:
-        out.append(_json_str(value))
-    elif kind is dict:
-        if not value:
-            out.append("{}")
-            return
-        inner = newline + " "
-        first = True
-        for key in sorted(value):
-            if type(key) is not str:
-                raise _Unusual
-            out.append(("{" if first else ",") + inner + _json_str(key) + ": ")
-            first = False
-            _encode(value[key], inner, out)
-        out.append(newline + "}")
-    elif kind is list:
-        if not value:
-            out.append("[]")
-            return
-        inner = newline + " "
-        for i, item in enumerate(value):
-            out.append(("[" if i == 0 else ",") + inner)
-            _encode(item, inner, out)
-        out.append(newline + "]")
-    elif kind is int:
-        out.append(int.__repr__(value))
-    elif kind is float and math.isfinite(value):
-        out.append(float.__repr__(value))
-    elif kind is bool or value is None:
-        out.append("true" if value is True else "false" if value is False else "null")
-    elif isinstance(value, str):  # torch.__version__ (a TorchVersion): json writes a str subclass's text
-        out.append(_json_str(value))
-    else:
-        raise _Unusual
-
-
-_json_str = json.encoder.encode_basestring_ascii
 
 
 def _body_crc(body: dict[str, Any]) -> str:
