@@ -286,3 +286,24 @@ def test_dtensors_are_staged_and_a_changed_placement_gets_new_buffers(one_rank_g
     snapshot = stager.stage(sd)
     assert stager.allocations == 2 and snapshot["a"].placements == (Replicate(),)
     assert torch.equal(snapshot["a"].to_local(), sd["a"].to_local())
+
+
+class _Marked(torch.Tensor):
+    """A tensor subclass (as quantization and FP8 libraries make): copied by torch's own function."""
+
+
+def test_a_tensor_subclass_is_staged_by_torchs_copy_and_refreshed_every_save() -> None:
+    sd: State = {"plain": torch.randn(5), "marked": torch.randn(4, 3).as_subclass(_Marked)}
+    stager = Stager()
+    for _ in range(3):
+        with torch.no_grad():
+            sd["marked"].add_(1.0)
+            sd["plain"].add_(1.0)
+        snapshot = stager.stage(sd)
+        assert torch.equal(torch.Tensor(snapshot["marked"]), torch.Tensor(sd["marked"]))
+        assert snapshot["marked"].data_ptr() != sd["marked"].data_ptr()
+        assert torch.equal(snapshot["plain"], sd["plain"])
+    assert stager.allocations == 1
+    sd["marked"] = torch.randn(4, 4).as_subclass(_Marked)  # another shape: new buffers
+    assert torch.equal(torch.Tensor(stager.stage(sd)["marked"]), torch.Tensor(sd["marked"]))
+    assert stager.allocations == 2
