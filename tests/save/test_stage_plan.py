@@ -307,3 +307,26 @@ def test_a_tensor_subclass_is_staged_by_torchs_copy_and_refreshed_every_save() -
     sd["marked"] = torch.randn(4, 4).as_subclass(_Marked)  # another shape: new buffers
     assert torch.equal(torch.Tensor(stager.stage(sd)["marked"]), torch.Tensor(sd["marked"]))
     assert stager.allocations == 2
+
+
+def test_a_copy_that_failed_part_way_is_not_trusted_by_the_next_save(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fingerprint of a changed tensor is taken before the batched copy: if that copy fails, the buffer
+    # must not be taken for holding those bytes (the next save would skip the tensor, staging stale bytes).
+    from safepoint.save import staging
+
+    sd: State = {"a": torch.randn(100), "b": torch.randn(100)}
+    stager = Stager()
+    stager.stage(sd)
+    stager.stage(sd)  # both proven unchanged
+    sd["a"].data[0] += 1.0  # a write the version counter misses: fingerprinted, found changed, copied...
+    real = staging._copy_all
+
+    def failing(targets: list[torch.Tensor], lives: list[torch.Tensor]) -> None:
+        raise RuntimeError("copy failed")  # ... but the copy fails
+
+    monkeypatch.setattr(staging, "_copy_all", failing)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        stager.stage(sd)
+    monkeypatch.setattr(staging, "_copy_all", real)
+    snapshot = stager.stage(sd)
+    assert torch.equal(snapshot["a"], sd["a"]) and torch.equal(snapshot["b"], sd["b"])

@@ -255,6 +255,10 @@ class Plan:
         self.tokens = new
         return True
 
+    def forget(self) -> None:
+        """Drop the incremental records: the next staging fingerprints or copies every tensor afresh."""
+        self.versions, self.held, self.still = None, [None] * len(self.targets), set()
+
     def lives(self, walked: Walked) -> list[torch.Tensor]:
         """The walk's tensors in the order of ``targets``."""
         leaves = walked.leaves

@@ -105,12 +105,16 @@ class Stager:
             plan = self._allocate(sd, walked)
             walked = walk(sd, plan.slots)
         snapshot: dict[str, Any] = walked.snapshot
-        if len(plan.devices) != 1:
-            self._copy(plan, walked)
-            if plan.devices:
-                torch.cuda.synchronize()  # non_blocking D2H copies must land before the writer reads them
-            return snapshot
-        self._copy_on_side_stream(plan, walked, next(iter(plan.devices)))
+        try:
+            if len(plan.devices) != 1:
+                self._copy(plan, walked)
+                if plan.devices:
+                    torch.cuda.synchronize()  # non_blocking D2H copies must land before the writer reads
+            else:
+                self._copy_on_side_stream(plan, walked, next(iter(plan.devices)))
+        except BaseException:
+            plan.forget()  # a copy that failed part-way: what the buffers hold is not known any more
+            raise
         return snapshot
 
     def _allocate(self, sd: dict[str, Any], walked: Walked) -> Plan:
