@@ -108,10 +108,15 @@ class Runner:
         sync()
 
     def touch(self) -> None:
-        """A training step's worth of change, so incremental saves have every tensor to write."""
+        """A training step's worth of change, so incremental saves have every tensor to write: the
+        parameters, Adam's moments and its step counts, as ``opt.step()`` changes them (until the
+        ``stagefast`` round only the parameters changed, and the unchanged moments went through the
+        incremental check instead of the copy)."""
         with torch.no_grad():
-            for p in self.model.parameters():
-                p.add_(1e-3)
+            torch._foreach_add_(self.src, 1e-3)
+            steps = [s["step"] for s in self.opt.state.values() if isinstance(s.get("step"), torch.Tensor)]
+            if steps:
+                torch._foreach_add_(steps, 1.0)
         sync()
 
     def run(self, variant: str) -> dict[str, Any]:
