@@ -19,12 +19,12 @@ import torch
 from _async_train import dcp_async_save
 from _common import BenchState, MiB, load_1m, make_state, median, paired, round_label, tensors
 from rich.console import Console
-from torch.distributed._state_dict_utils import _check_state_dict_similarity, _copy_state_dict
+from torch.distributed._state_dict_utils import _check_state_dict_similarity
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import safepoint
-from safepoint.save import staging
+from safepoint.save.stage_plan import walk
 
 # Run in this order each round: the two references for safepoint-async sit right next to it in time.
 BLOCK_VARIANTS = ("copy", "safepoint-async", "safepoint-async-process", "safepoint-sync", "dcp-async")
@@ -107,19 +107,24 @@ class BlockLocation:
 
 
 def staging_breakdown(loc: BlockLocation) -> dict[str, float]:
-    """Where safepoint's staging time goes, on the async manager's own (idle, already allocated) buffers."""
+    """Where safepoint's staging time goes, on the async manager's own (idle, already allocated) buffers:
+    capture, the walk that builds the snapshot and proves the buffers still fit (save/stage_plan.py), and
+    the batched copy into them."""
     loc.async_mgr.wait()
     buffers = loc.async_mgr._stager._buffers
-    assert buffers is not None, "stage once before the breakdown"
+    plan = loc.async_mgr._stager._plan
+    assert buffers is not None and plan is not None, "stage once before the breakdown"
     state = loc.state.train_state()
     t0 = time.perf_counter()
     sd = state.capture(0)
     t1 = time.perf_counter()
-    ok = staging._similar(sd, buffers)
+    walked = walk(sd, plan.slots)
+    ok = plan.fits(walked) or plan.refit(walked)  # refit: the RNG state is a new tensor every capture
     t2 = time.perf_counter()
-    _copy_state_dict(sd, buffers, non_blocking=True, type_check=False)
+    with torch.no_grad():
+        torch._foreach_copy_(plan.targets, plan.lives(walked), non_blocking=True)
     t3 = time.perf_counter()
-    # The same bytes into the same buffers with a bare loop, right after: DCP's traversal overhead.
+    # The same bytes into the same buffers with a bare loop, right after: the batched copy's overhead.
     for src, dst in zip(tensors(sd), tensors(buffers), strict=True):
         dst.copy_(src)
     t4 = time.perf_counter()

@@ -14,8 +14,8 @@ plus Adam state shaped like a small transformer, the state of benchmarks/bench_s
   safepoint-sync   CheckpointManager(root).save(...): the whole save (write, crc32c, fsync, commit).
   copy             a bare ``dst.copy_(src)`` of every tensor into preallocated buffers: the staging limit.
 Targets: safepoint-async <= 1.2x copy and <= 0.25x safepoint-sync (paired per round, median over rounds).
-A breakdown of the safepoint staging (capture / buffer check / copy) is timed on the side, next to torch's
-``_check_state_dict_similarity``, which copies every tensor as a side effect of its check.
+A breakdown of the safepoint staging (capture / walk and buffer check / batched copy) is timed on the side,
+next to torch's ``_check_state_dict_similarity``, which copies every tensor as a side effect of its check.
 
 Part 2, training throughput: an MLP (``--train-mib`` of parameters, plus Adam state) trained on fixed random
 batches, a save every ``--every`` (K) steps. Measured in windows of one save interval: the save call, then K
@@ -111,7 +111,13 @@ def _tables(result: dict[str, Any], rich: bool) -> list[tuple[str, list[str], li
         out.append((title, [*cols, "target"], rows))
         if blk["breakdown_median"]:
             b = blk["breakdown_median"]
-            cols = ["capture", "buffer check", "copy", "bare copy, same buffers", "torch's check (copies)"]
+            cols = [
+                "capture",
+                "walk + buffer check",
+                "batched copy",
+                "bare copy, same buffers",
+                "torch's check (copies)",
+            ]
             keys = ("capture_s", "check_s", "copy_s", "bare_copy_s", "torch_check_s")
             out.append(("safepoint staging breakdown (median s)", cols, [[fmt(b[k], ".4f") for k in keys]]))
     tr = result.get("train")

@@ -33,7 +33,7 @@ cat "$OUT/summary.txt"
 tail -5 "$OUT/gpu_tests.log"
 if [ "${GPU_BENCH_ARGS:-}" != "none" ]; then
     timeout "${GPU_BENCH_S:-240}" python3 benchmarks/bench_gpu.py ${GPU_BENCH_ARGS:---cases 2048x300,512x3000 --rounds 3} --out "$OUT/bench_gpu.json" > "$OUT/bench_gpu.log" 2>&1
-    grep -A12 '"median_blocked_s"' "$OUT/bench_gpu.log" | grep -v '^ *[{}]' | head -30
+    grep -A27 '"median_blocked_s"' "$OUT/bench_gpu.log" | grep -v '^ *[{}]' | head -60
 fi
 if [ "${GPU_FP_BENCH:-1}" != "0" ]; then  # the fingerprint kernels against the pinned copy (~20-30 s)
     timeout "${GPU_FP_BENCH_S:-120}" python3 benchmarks/bench_fingerprint.py ${GPU_FP_BENCH_ARGS:-} --out "$OUT/bench_fingerprint.json" > "$OUT/bench_fingerprint.log" 2>&1

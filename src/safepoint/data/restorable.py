@@ -17,6 +17,8 @@ from safepoint.errors import SaveError, weights_only_reason
 _PLAIN = (int, float, str, bool, bytes, type(None))
 _CONTAINERS = (dict, list, tuple)
 _SAFE_CONTAINERS = (dict, list, tuple, OrderedDict)
+# What a container may hold and be returned as it is, with no call per item: plain tensors and values.
+_LEAVES = frozenset({torch.Tensor, torch.nn.Parameter, *_PLAIN})
 
 
 def restorable(value: Any, path: str = "") -> Any:
@@ -31,6 +33,9 @@ def restorable(value: Any, path: str = "") -> Any:
     if isinstance(value, torch.Tensor) or type(value) in _PLAIN:
         return value
     if isinstance(value, _CONTAINERS):
+        items = value.values() if isinstance(value, dict) else value
+        if type(value) in _SAFE_CONTAINERS and all(type(v) in _LEAVES for v in items):
+            return value  # a model's state dict, an optimizer's per-parameter state: nothing to check
         if type(value) not in _SAFE_CONTAINERS:  # OrderedDict (a model's state dict), a namedtuple, ...
             _check_weights_only(_shell(value), path)  # the container type alone, never its tensors
         # Tensors and plain values as they are, no call or path built for each (this runs every save).

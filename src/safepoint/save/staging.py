@@ -7,21 +7,22 @@ ShardedTensor, nested containers) are DCP's own, from torch.distributed._state_d
 buffers take this state?" check is ours: torch's ``_check_state_dict_similarity`` walks the state with
 the buffers as companion object, and that walk ``copy_``s every tensor into the companion as a side effect,
 so using it made every save copy the whole state twice (2x the blocking time; measured in
-benchmarks/bench_async.py).
+benchmarks/bench_async.py). It is one walk of the state per save, which also builds the snapshot and pairs
+each tensor with its buffer (save/stage_plan.py), and the copy is one ``torch._foreach_copy_``.
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-from torch.distributed.tensor import DTensor
 
-from safepoint.save.shared_buffers import SharedArena, buffer_tensors, move_into_arena
+from safepoint.save.shared_buffers import SharedArena, move_into_arena
+from safepoint.save.stage_plan import Plan, Walked, alias, cuda_devices, plain, walk
 from safepoint.store.fingerprint import fast_path, fingerprints
 
 Alias = tuple[Any, ...]
@@ -57,10 +58,6 @@ def cuda_fingerprint_floor(device: torch.device) -> int | None:
     return 0 if FINGERPRINT_CUDA_WHEN_STAGING else None
 
 
-def _cuda_devices(sd: Any) -> set[torch.device]:
-    return {t.device for t in buffer_tensors(sd) if t.is_cuda}
-
-
 def tensor_bytes(sd: Any) -> int:
     if isinstance(sd, torch.Tensor):
         local = sd.to_local() if hasattr(sd, "to_local") else sd
@@ -80,6 +77,7 @@ class Stager:
 
     def __init__(self, *, shared: bool = False, before_alloc: Callable[[], None] | None = None) -> None:
         self._buffers: dict[str, Any] | None = None
+        self._plan: Plan | None = None  # the buffers' pairing with the state they were made for
         self.allocations = 0
         # shared: the buffers live in one shared-memory segment that a writer process maps (see
         # shared_buffers.py); ``arena`` is the segment of the current buffer set.
@@ -91,14 +89,6 @@ class Stager:
         self._stream: torch.cuda.Stream | None = None  # the side stream of the device-to-host copy (CUDA)
         self.nbytes = 0
         """Tensor bytes of the current buffer set (what each ``stage`` copies), counted once per set."""
-        # Incremental staging: what each buffer holds (by id of the buffer tensor). ``_held``: the
-        # fingerprint of the bytes last copied into it; ``_seen``: (data_ptr, autograd version) of the live
-        # tensor then. Both go with the buffers.
-        self._held: dict[int, bytes | None] = {}
-        self._seen: dict[int, tuple[int, int]] = {}
-        # The buffers whose live tensor the last staging proved unchanged (not copied).
-        self._still: set[int] = set()
-        self._ties: list[tuple[int, int]] = []
         self.fingerprints: dict[Alias, bytes | None] = {}
         """Of the last ``stage``: the fingerprint of each buffer whose bytes it proved (the writer's
         incremental layer uses them instead of hashing the staged copy again: store/incremental.py), None
@@ -107,35 +97,48 @@ class Stager:
         """Bytes the last ``stage`` did not copy: tensors proven unchanged since the buffers got them."""
 
     def stage(self, sd: dict[str, Any]) -> dict[str, Any]:
-        ties = _ties(sd)
-        # The CUDA devices the state lives on (none without CUDA): pinned buffers, and the copy's stream.
-        devices = _cuda_devices(sd) if torch.cuda.is_available() else set()
-        if self._buffers is None or not _similar(sd, self._buffers) or ties != self._ties:
-            if self._buffers is not None:
-                log.info("safepoint: state changed shape; reallocating staging buffers")
-            self.release()  # drop the old set first: never two sets alive at once
-            if self._before_alloc is not None:
-                self._before_alloc()
-            pin = bool(devices)
-            if self._shared:
-                buffers = _create_cpu_state_dict(sd)  # untouched pages: re-homed below without a copy
-                _tie_buffers(sd, buffers)
-                self.arena = move_into_arena(buffers, pin=pin)
-                self._buffers = buffers
+        # One walk: the snapshot in the current buffers, and the signature that says whether they still
+        # fit (stage_plan.py); a state that changed shape is walked again into its new buffers.
+        plan = self._plan
+        walked = walk(sd, plan.slots if plan is not None else None)
+        if plan is None or not (plan.fits(walked) or plan.refit(walked)):
+            plan = self._allocate(sd, walked)
+            walked = walk(sd, plan.slots)
+        snapshot: dict[str, Any] = walked.snapshot
+        try:
+            if len(plan.devices) != 1:
+                self._copy(plan, walked)
+                if plan.devices:
+                    torch.cuda.synchronize()  # non_blocking D2H copies must land before the writer reads
             else:
-                self._buffers = _create_cpu_state_dict(sd, pin_memory=pin)
-                _tie_buffers(sd, self._buffers)
-            self._ties = ties
-            self.allocations += 1
-            self.nbytes = tensor_bytes(self._buffers)
-        if len(devices) != 1:
-            snapshot = self._copy(sd, self._buffers)
-            if devices:
-                torch.cuda.synchronize()  # non_blocking D2H copies must land before the writer reads them
-            return snapshot
-        return self._copy_on_side_stream(sd, devices.pop())
+                self._copy_on_side_stream(plan, walked, next(iter(plan.devices)))
+        except BaseException:
+            plan.forget()  # a copy that failed part-way: what the buffers hold is not known any more
+            raise
+        return snapshot
 
-    def _copy_on_side_stream(self, sd: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    def _allocate(self, sd: dict[str, Any], walked: Walked) -> Plan:
+        """A new buffer set for ``sd`` (the old one dropped first: never two sets alive at once)."""
+        if self._buffers is not None:
+            log.info("safepoint: state changed shape; reallocating staging buffers")
+        self.release()
+        if self._before_alloc is not None:
+            self._before_alloc()
+        pin = bool(cuda_devices(walked))
+        if self._shared:
+            buffers = _create_cpu_state_dict(sd)  # untouched pages: re-homed below without a copy
+            _tie_buffers(sd, buffers)
+            self.arena = move_into_arena(buffers, pin=pin)
+        else:
+            buffers = _create_cpu_state_dict(sd, pin_memory=pin)
+            _tie_buffers(sd, buffers)
+        self._buffers = buffers
+        self.allocations += 1
+        self.nbytes = tensor_bytes(buffers)
+        self._plan = Plan(walked, buffers)  # after the arena move: the buffers' final memory
+        return self._plan
+
+    def _copy_on_side_stream(self, plan: Plan, walked: Walked, device: torch.device) -> None:
         """The device-to-host copy on a stream of its own, synchronised alone.
 
         The side stream first waits for the work queued so far on the training's current stream, so the
@@ -143,78 +146,76 @@ class Stager:
         Only that stream is then synchronised: work other streams queued (a prefetch, NCCL) does not
         lengthen the block, as a ``torch.cuda.synchronize()`` would make it. The copies go into pinned
         buffers, so they are DMA transfers that need no staging copy of their own. The source
-        tensors stay referenced by ``sd`` until the stream is synchronised, so the caching allocator
+        tensors stay referenced by ``walked`` until the stream is synchronised, so the caching allocator
         cannot hand their memory to the loop while the copy still reads it.
         """
-        assert self._buffers is not None
         with torch.cuda.device(device):
             if self._stream is None or self._stream.device != device:
                 self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
             self._stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(self._stream):
                 # The fingerprints of the incremental check run here too, after the loop's queued work.
-                snapshot = self._copy(sd, self._buffers)
+                self._copy(plan, walked)
             self._stream.synchronize()
-        return snapshot
 
-    def _copy(self, sd: dict[str, Any], buffers: dict[str, Any]) -> dict[str, Any]:
-        """Copy ``sd`` into ``buffers``, except the plain tensors proven unchanged since their buffer got
-        their bytes: the version counter is a hint in one direction only (moved: copied, no fingerprint);
-        "unchanged" needs the fingerprint, computed where the tensor lives (GPU tensors on the GPU, so an
-        unchanged one costs no device-to-host copy). A tied tensor (one buffer, two keys) is copied once."""
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        snapshot: dict[str, Any] = _walk(sd, buffers, pairs)
-        todo: list[tuple[torch.Tensor, torch.Tensor]] = []
-        check: list[tuple[torch.Tensor, torch.Tensor]] = []
-        done: set[int] = set()
-        moved: list[torch.Tensor] = []
-        cuda = {live.device for live, _ in pairs if live.is_cuda}
-        floor = {device: cuda_fingerprint_floor(device) for device in cuda}  # the policy, per device
-        for live, buf in pairs:
-            if id(buf) in done:
-                continue  # tied: the same buffer for another key of the same tensor
-            done.add(id(buf))
-            version = (live.data_ptr(), live._version)
-            seen, self._seen[id(buf)] = self._seen.get(id(buf)), version
-            written = seen is not None and seen[0] == version[0] and seen[1] != version[1]
+    def _copy(self, plan: Plan, walked: Walked) -> None:
+        """Copy the walked tensors into their buffers, except the plain tensors proven unchanged since their
+        buffer got their bytes: the version counter is a hint in one direction only (moved: copied, no
+        fingerprint); "unchanged" needs the fingerprint, computed where the tensor lives (GPU tensors on the
+        GPU, so an unchanged one costs no device-to-host copy). A tied tensor (one buffer, two keys) is
+        copied once. The copies go in one ``torch._foreach_copy_`` (one call, not one per tensor)."""
+        lives, targets, held = plan.lives(walked), plan.targets, plan.held
+        # The memory of each tensor is fixed by the plan's signature: its version counter says the rest.
+        versions: list[int | None] = [t._version for t in lives]
+        seen, plan.versions = plan.versions, versions
+        self.skipped = 0
+        if seen is not None and not plan.still and None not in seen and all(map(operator.ne, versions, seen)):
+            # Every tensor written to since the last staging (a training step): all copied, none hashed,
+            # as the loop below would decide one by one.
+            plan.held = [None] * len(lives)
+            self.fingerprints = plan.unhashed.copy()  # the hashes of its keys computed once per plan
+            _copy_all(targets, lives)
+            _copy_opaque(plan, walked)
+            return
+        todo: list[int] = []
+        check: list[int] = []
+        moved: list[int] = []
+        floor = {device: cuda_fingerprint_floor(device) for device in plan.devices}  # the policy, per device
+        for i, live in enumerate(lives):
+            written = seen is not None and seen[i] not in (None, versions[i])
             # A tensor the previous staging proved unchanged that has just been written is fingerprinted
             # anyway: with its new fingerprint recorded, the next save can prove it unchanged again
             # (store/incremental.py) instead of writing it a second time unhashed. One that changes at
             # every save is not (the fingerprint would only ever say "changed").
-            if written and id(buf) not in self._still:
-                self._held[id(buf)] = None  # written to since: copied, not fingerprinted
-                todo.append((live, buf))
-                moved.append(buf)
-            elif live.is_cuda and (
-                (least := floor[live.device]) is None or live.numel() * live.element_size() < least
-            ):
-                self._held[id(buf)] = None  # copied; the writer fingerprints the host copy, off the loop
-                todo.append((live, buf))
+            if written and i not in plan.still:
+                held[i] = None  # written to since: copied, not fingerprinted
+                todo.append(i)
+                moved.append(i)
+            elif live.is_cuda and ((least := floor[live.device]) is None or plan.nbytes[i] < least):
+                held[i] = None  # copied; the writer fingerprints the host copy, off the loop
+                todo.append(i)
             else:
-                check.append((live, buf))
-        self.skipped = 0
-        self._still = set()
+                check.append(i)
+        plan.still = set()
         # None: its counter moved, so it may have changed: the writer writes it without hashing it (a sync
         # save does the same with the live tensor; "unchanged" is never decided without a fingerprint).
-        self.fingerprints = {_alias(buf): None for buf in moved}
-        for (live, buf), fp in zip(check, fingerprints([t.detach() for t, _ in check]), strict=True):
+        self.fingerprints = {plan.aliases[i]: None for i in moved}
+        for i, fp in zip(check, fingerprints([lives[i].detach() for i in check]), strict=True):
             if fp is not None:
                 # The buffer holds exactly the bytes this fingerprint proved (copied below, or already
                 # there): the writer uses it rather than hashing the staged copy again.
-                self.fingerprints[_alias(buf)] = fp
-            if fp is not None and self._held.get(id(buf)) == fp:
-                self.skipped += buf.numel() * buf.element_size()
-                self._still.add(id(buf))
+                self.fingerprints[plan.aliases[i]] = fp
+            if fp is not None and held[i] == fp:
+                self.skipped += plan.nbytes[i]
+                plan.still.add(i)
                 continue
-            self._held[id(buf)] = fp
-            todo.append((live, buf))
-        with torch.no_grad():
-            for live, buf in todo:
-                buf.copy_(live.detach(), non_blocking=True)
-        return snapshot
+            held[i] = fp
+            todo.append(i)
+        _copy_all([targets[i] for i in todo], [lives[i] for i in todo])
+        _copy_opaque(plan, walked)
 
     def release(self) -> None:
-        self._held, self._seen, self._ties, self._still = {}, {}, [], set()
+        self._plan = None  # its incremental records go with the buffers they describe
         self._buffers = None
         self.nbytes = 0
         if self.arena is not None:
@@ -222,37 +223,23 @@ class Stager:
             self.arena = None
 
 
-def _plain(t: Any) -> bool:
-    return (
-        isinstance(t, torch.Tensor)
-        and type(t) in (torch.Tensor, torch.nn.Parameter)
-        and t.layout == torch.strided
-    )
+def _copy_all(targets: list[torch.Tensor], lives: list[torch.Tensor]) -> None:
+    """``targets[i].copy_(lives[i])`` for every i, in one call. non_blocking: a CUDA source is copied on
+    the current stream, which the caller synchronises before the writer reads the buffers."""
+    if targets:
+        with torch.no_grad():  # a Parameter source must not make the buffer part of its autograd graph
+            torch._foreach_copy_(targets, lives, non_blocking=True)
 
 
-def _alias(t: torch.Tensor) -> Alias:
-    # The conj and neg bits too: ``z.conj()`` is the same memory, dtype and view as ``z`` but other values.
-    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.is_conj(), t.is_neg())
-
-
-def _walk(sd: Any, buffers: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-    """The snapshot of ``sd`` in ``buffers`` (the same structure, the buffers in place of the tensors),
-    collecting (live, buffer) for every plain tensor; anything else is copied as torch's
-    ``_copy_state_dict`` copies it (DTensor and ShardedTensor locals, non-tensor values)."""
-    if _plain(sd) and _plain(buffers):
-        pairs.append((sd, buffers))
-        return buffers
-    if isinstance(sd, dict) and isinstance(buffers, dict):
-        return {k: _walk(v, buffers[k], pairs) for k, v in sd.items()}
-    if isinstance(sd, (list, tuple)) and isinstance(buffers, (list, tuple)):
-        out = [_walk(a, b, pairs) for a, b in zip(sd, buffers, strict=True)]
-        return tuple(out) if isinstance(sd, tuple) else out
-    return _copy_state_dict({"v": sd}, {"v": buffers}, non_blocking=True, type_check=False)["v"]
+def _copy_opaque(plan: Plan, walked: Walked) -> None:
+    """The tensor items only torch's own function copies (a ShardedTensor's shards, another subclass)."""
+    for i, buf in plan.opaque:
+        _copy_state_dict({"v": walked.leaves[i]}, {"v": buf}, non_blocking=True, type_check=False)
 
 
 def _leaves(sd: Any, path: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], torch.Tensor]]:
     """(path, tensor) of every plain, non-empty tensor in dicts and lists (tuples cannot share a buffer)."""
-    if _plain(sd):
+    if plain(sd):
         return [(path, sd)] if sd.numel() else []
     if isinstance(sd, dict):
         return [leaf for k, v in sd.items() for leaf in _leaves(v, (*path, k))]
@@ -266,7 +253,7 @@ def _ties(sd: Any) -> list[tuple[int, int]]:
     first: dict[Alias, int] = {}
     out = []
     for i, (_, t) in enumerate(_leaves(sd)):
-        key = _alias(t)
+        key = alias(t)
         if key in first:
             out.append((first[key], i))
         else:
@@ -286,47 +273,3 @@ def _tie_buffers(sd: Any, buffers: Any) -> None:
         for k in path[:-1]:
             container = container[k]
         container[path[-1]] = shared
-
-
-def _similar(sd: Any, buffers: Any) -> bool:
-    """Whether ``buffers`` can receive ``sd``: same keys, lengths, tensor kinds, shapes and dtypes.
-
-    Structural only, it touches no tensor data (see the module docstring for why not torch's check).
-    Non-tensor leaves are copied by value, so any buffer entry will do for them.
-    """
-    if isinstance(sd, ShardedTensor):
-        if not isinstance(buffers, ShardedTensor):
-            return False
-        mine, theirs = sd.local_shards(), buffers.local_shards()
-        return len(mine) == len(theirs) and all(
-            _same_tensor(a.tensor, b.tensor) for a, b in zip(mine, theirs, strict=True)
-        )
-    if isinstance(sd, DTensor):
-        return (
-            isinstance(buffers, DTensor)
-            and _same_tensor(sd, buffers)
-            and _same_tensor(sd._local_tensor, buffers._local_tensor)
-        )
-    if isinstance(sd, torch.Tensor):
-        return (
-            isinstance(buffers, torch.Tensor)
-            and not isinstance(buffers, (DTensor, ShardedTensor))
-            and _same_tensor(sd, buffers)
-        )
-    if isinstance(sd, dict):
-        return (
-            isinstance(buffers, dict)
-            and sd.keys() == buffers.keys()
-            and all(_similar(v, buffers[k]) for k, v in sd.items())
-        )
-    if isinstance(sd, (list, tuple)):
-        return (
-            isinstance(buffers, (list, tuple))
-            and len(sd) == len(buffers)
-            and all(_similar(a, b) for a, b in zip(sd, buffers, strict=True))
-        )
-    return True
-
-
-def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.size() == b.size()

@@ -1,0 +1,295 @@
+"""One walk of a captured state per async save, and the (live tensor, buffer) pairing it proves still valid.
+
+An async save blocks the loop for capture and staging, and staging's Python work per tensor used to cost
+several times the copy itself with thousands of tensors (issue 27: 20x a plain copy of 9,000 tensors on
+CPU, docs/benchmarks.md): four walks of the state per save (the tie check, the structure check, the
+snapshot, the copy loop), one ``copy_`` launched per tensor. Now a save walks the state once (``walk``),
+and that walk gives both the snapshot (the buffers in place of the tensors, any other value copied as
+torch's ``_copy_state_dict`` copies it) and a **signature** of the state's structure: each container's
+kind and keys (or length), a marker for each other value, and per tensor what makes it the very same tensor
+(device, data_ptr, dtype, shape, strides, conj and neg bits; a DTensor also its mesh, placements and global
+shape). The buffers are paired with the tensors by position in the walk, in a ``Plan``, which holds the
+signature of the state it was made for; a save reuses it only when its own signature is equal, item for
+item. Any change (a tensor replaced, resized, moved, its dtype or strides changed, a key added, removed or
+reordered, a tie made or undone) makes them differ, and the stager allocates and pairs afresh: never a
+stale pairing. The data_ptr is in it because ties are found by it and the incremental check
+(save/staging.py) trusts a version counter only for the same memory.
+
+Equal signatures prove the pairing because the walk visits everything in order: the i-th tensor of two
+walks with equal signatures is at the same place in the state (the containers, their keys and lengths are
+the same up to it), so the i-th buffer was made for that place, with the same shape and dtype (what makes
+the copy exact: ``copy_`` would broadcast a smaller tensor or convert a dtype, silently), and the same ties.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from safepoint.save.shared_buffers import buffer_tensors
+
+_PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+_STRIDED = torch.strided
+_SCALARS = frozenset({int, float, str, bytes, bool, type(None)})
+# Tags of the signature's items that are not a tensor's: distinct objects, compared by identity.
+_DICT, _LIST, _TUPLE, _DTENSOR, _OPAQUE = (object() for _ in range(5))
+
+
+class Walked:
+    """One walk of a state: its snapshot, its signature, and the tensors to copy, in order."""
+
+    __slots__ = ("leaves", "opaque", "snapshot", "tokens", "wrapped")
+
+    def __init__(self) -> None:
+        self.tokens: list[Any] = []
+        """The signature (see the module docstring)."""
+        self.leaves: list[Any] = []
+        """Per tensor item, in walk order: what its copy reads or writes (the plain tensor, a DTensor's
+        local tensor) or, for an ``opaque`` one, the item itself."""
+        self.wrapped: dict[int, Any] = {}
+        """The DTensor items, by position (``leaves`` holds their local tensors)."""
+        self.opaque: list[int] = []
+        """Positions of the tensor items that are neither plain nor a DTensor over a plain local tensor
+        (a ShardedTensor, another subclass, a sparse tensor): copied by torch's ``_copy_state_dict``."""
+        self.snapshot: Any = None
+
+    def items(self) -> list[Any]:
+        """Per tensor item: the item itself (a DTensor where ``leaves`` has its local tensor)."""
+        return [self.wrapped.get(i, t) for i, t in enumerate(self.leaves)] if self.wrapped else self.leaves
+
+
+def plain(t: Any) -> bool:
+    """A tensor staged by the batched copy: a plain strided Tensor or Parameter (not a subclass)."""
+    return type(t) in _PLAIN_TYPES and t.layout is _STRIDED
+
+
+def alias(t: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two tensors the very same values: (device, data_ptr, dtype, shape, strides, conj, neg).
+    The conj and neg bits too: ``z.conj()`` is the same memory, dtype and view as ``z`` but other values."""
+    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.is_conj(), t.is_neg())
+
+
+def walk(sd: Any, slots: Sequence[Any] | None) -> Walked:
+    """Walk ``sd``: its signature, its tensor items, and its snapshot with ``slots[i]`` in place of the i-th
+    tensor item (the item itself where ``slots`` has none: a walk to be redone once buffers exist).
+
+    This runs on every async save, inside the loop's blocking time, once per item of the state: the plain
+    tensors and plain values in a dict or list are handled in its loop, without a call of their own. A
+    plain tensor's signature item is (device, data_ptr, dtype, shape, strides); its conj and neg bits
+    matter only where two items share all of those (a tie), and ``Plan.fits`` checks them there."""
+    out = Walked()
+    out.snapshot = _Walker(out, slots).visit(sd)
+    return out
+
+
+class _Walker:
+    """``walk``'s recursion (a class, not a closure: a recursive closure is a reference cycle, which would
+    keep each walk's signature, tensors and snapshot alive until the cyclic collector ran, ~40,000 objects
+    per save at 9,000 tensors, collected inside a later save's blocking time)."""
+
+    __slots__ = ("have", "out", "slots")
+
+    def __init__(self, out: Walked, slots: Sequence[Any] | None) -> None:
+        self.out, self.slots = out, slots
+        self.have = len(slots) if slots is not None else 0
+
+    def visit(self, v: Any) -> Any:
+        kind = type(v)
+        out, slots, have = self.out, self.slots, self.have
+        append, leaves = out.tokens.append, out.leaves
+        keep = leaves.append
+        if kind is dict or (kind not in _PLAIN_TYPES and isinstance(v, dict)):
+            append((_DICT, *v))
+            new = {}
+            for k, x in v.items():
+                t = type(x)
+                if t in _PLAIN_TYPES and x.layout is _STRIDED:
+                    i = len(leaves)
+                    append((x.device, x.data_ptr(), x.dtype, x.shape, x.stride()))
+                    keep(x)
+                    new[k] = slots[i] if i < have else x  # type: ignore[index]
+                elif t in _SCALARS:
+                    append(None)
+                    new[k] = x
+                else:
+                    new[k] = self.visit(x)
+            return new
+        if kind is list or kind is tuple or (kind not in _PLAIN_TYPES and isinstance(v, (list, tuple))):
+            is_tuple = isinstance(v, tuple)
+            append((_TUPLE if is_tuple else _LIST, len(v)))
+            seq = []
+            for x in v:
+                t = type(x)
+                if t in _PLAIN_TYPES and x.layout is _STRIDED:
+                    i = len(leaves)
+                    append((x.device, x.data_ptr(), x.dtype, x.shape, x.stride()))
+                    keep(x)
+                    seq.append(slots[i] if i < have else x)  # type: ignore[index]
+                elif t in _SCALARS:
+                    append(None)
+                    seq.append(x)
+                else:
+                    seq.append(self.visit(x))
+            return tuple(seq) if is_tuple else seq
+        if kind in _SCALARS:
+            append(None)
+            return v
+        i = len(leaves)
+        if kind in _PLAIN_TYPES and v.layout is _STRIDED:
+            append((v.device, v.data_ptr(), v.dtype, v.shape, v.stride()))
+            keep(v)
+        elif isinstance(v, DTensor) and plain(local := v._local_tensor):
+            append((_DTENSOR, v.device_mesh, tuple(v.placements), v.shape, v.stride(), alias(local)))
+            keep(local)
+            out.wrapped[i] = v
+        elif isinstance(v, torch.Tensor):
+            append(_opaque_token(v))
+            keep(v)
+            out.opaque.append(i)
+        else:
+            append(None)
+            # What torch's _copy_state_dict(type_check=False) does with any other value: its own copy.
+            return v if isinstance(v, io.BytesIO) else copy.deepcopy(v)
+        return slots[i] if i < have else v  # type: ignore[index]
+
+
+def _opaque_token(v: torch.Tensor) -> tuple[Any, ...]:
+    """The structure of a tensor item copied by torch's function: its kind, dtype, shape, device; a
+    ShardedTensor's local shards (offset, shape, dtype, device each)."""
+    shards = getattr(v, "local_shards", None)
+    if callable(shards):  # a ShardedTensor: its buffer holds the same local shards
+        parts = tuple((tuple(s.metadata.shard_offsets), alias(s.tensor)) for s in shards())
+        return (_OPAQUE, type(v), tuple(v.size()), parts)
+    return (_OPAQUE, type(v), v.layout, v.device, v.dtype, tuple(v.shape))
+
+
+def cuda_devices(walked: Walked) -> set[torch.device]:
+    """The CUDA devices of a walk's tensors (a ShardedTensor's: of its local shards)."""
+    out = {t.device for t in walked.leaves if isinstance(t, torch.Tensor) and t.is_cuda}
+    for i in walked.opaque:
+        out |= {t.device for t in buffer_tensors(walked.leaves[i]) if t.is_cuda}
+    return out
+
+
+class Plan:
+    """The pairing of a state's tensors with one buffer set, valid for the walks it ``fits``.
+
+    Built once per buffer set (``Stager`` makes a new one whenever it allocates); per save, ``lives`` picks
+    the walk's tensors to copy, in the order of ``targets``."""
+
+    def __init__(self, walked: Walked, buffers: Any) -> None:
+        self.tokens = walked.tokens
+        mine = walk(buffers, None)
+        if len(mine.leaves) != len(walked.leaves):
+            raise RuntimeError("staging buffers do not mirror the state (a bug in safepoint)")
+        self.slots: list[Any] = mine.items()
+        """Per tensor item: what stands in the snapshot (the buffer, or the DTensor over it)."""
+        skip = set(walked.opaque)
+        self.opaque = [(i, self.slots[i]) for i in walked.opaque]
+        """(position, buffer) of each item torch's ``_copy_state_dict`` copies (not incremental)."""
+        firsts: list[int] = []
+        self._target_of: dict[int, int] = {}  # item position -> index of its target (a tie: shared)
+        index: dict[int, int] = {}
+        for i, target in enumerate(mine.leaves):
+            if i in skip:
+                continue
+            k = index.get(id(target))
+            if k is None:  # a tied item's buffer is its first item's: copied once
+                k = index[id(target)] = len(firsts)
+                firsts.append(i)
+            self._target_of[i] = k
+        self.positions = firsts
+        self.whole = len(firsts) == len(mine.leaves)  # no ties, nothing opaque: the walk's own list
+        self.targets: list[torch.Tensor] = [mine.leaves[i] for i in firsts]
+        """The plain buffer tensors the batched copy writes, one per distinct tensor."""
+        self._leaf_of = {j: i for i, j in enumerate(_leaf_tokens(walked.tokens))}
+        self.shared = _shared(walked, self._leaf_of)
+        """The plain items that share memory and view with another (ties), grouped, with their conj and
+        neg bits: what makes them one tensor (one buffer) or two."""
+        self.devices = cuda_devices(walked)
+        """The CUDA devices the state lives on (the copy's stream); fixed by the signature."""
+        self.aliases = [alias(t) for t in self.targets]
+        self.unhashed: dict[tuple[Any, ...], bytes | None] = dict.fromkeys(self.aliases)  # none hashed
+        self.nbytes = [t.numel() * t.element_size() for t in self.targets]
+        # Incremental staging (save/staging.py), per target: the live tensor's version counter when it was
+        # last staged (None: not seen since its memory changed), and the fingerprint of the bytes the
+        # buffer holds (None: not known). ``still``: the targets the last staging proved unchanged.
+        self.versions: list[int | None] | None = None
+        self.held: list[bytes | None] = [None] * len(firsts)
+        self.still: set[int] = set()
+
+    def fits(self, walked: Walked) -> bool:
+        """Whether ``walked`` is of exactly the state this pairing was made for: the same signature, and
+        the same conj and neg bits where two items share memory and view (whether they are one tensor)."""
+        if walked.tokens != self.tokens:
+            return False
+        leaves = walked.leaves
+        return all(leaves[i].is_conj() == c and leaves[i].is_neg() == n for i, c, n in self.shared[1])
+
+    def refit(self, walked: Walked) -> bool:
+        """Take ``walked`` if its state differs from this pairing's only in where plain tensors live (a
+        tensor replaced by another of the same device, dtype and shape: its strides may differ too, the
+        copy does not care) and not in which items are one tensor: the buffers still fit, item for item.
+        The replaced tensors' version counters are forgotten (another tensor's counter says nothing about
+        this one's bytes: the next staging fingerprints them). False: new buffers are needed."""
+        new, old = walked.tokens, self.tokens
+        if len(new) != len(old):
+            return False
+        changed = [j for j, (a, b) in enumerate(zip(new, old, strict=True)) if a != b]
+        for j in changed:
+            a, b = new[j], old[j]
+            if not (_is_plain_token(a) and _is_plain_token(b)) or (a[0], a[2], a[3]) != (b[0], b[2], b[3]):
+                return False
+        if _shared(walked, self._leaf_of) != self.shared:
+            return False  # a tie made or undone: the buffers' sharing would be wrong
+        if self.versions is not None:
+            for j in changed:
+                k = self._target_of.get(self._leaf_of[j])
+                if k is not None:
+                    self.versions[k] = None
+        self.tokens = new
+        return True
+
+    def forget(self) -> None:
+        """Drop the incremental records: the next staging fingerprints or copies every tensor afresh."""
+        self.versions, self.held, self.still = None, [None] * len(self.targets), set()
+
+    def lives(self, walked: Walked) -> list[torch.Tensor]:
+        """The walk's tensors in the order of ``targets``."""
+        leaves = walked.leaves
+        return leaves if self.whole else [leaves[i] for i in self.positions]
+
+
+def _is_plain_token(token: Any) -> bool:
+    return type(token) is tuple and len(token) == 5 and type(token[0]) is torch.device
+
+
+def _leaf_tokens(tokens: list[Any]) -> list[int]:
+    """Where in a signature the tensor items are, in walk order (every item but containers' and plain
+    values')."""
+    return [
+        j for j, t in enumerate(tokens) if type(t) is tuple and t[0] is not _DICT and t[0] is not _LIST
+        and t[0] is not _TUPLE
+    ]  # fmt: skip
+
+
+Shared = tuple[list[tuple[int, ...]], list[tuple[int, bool, bool]]]
+
+
+def _shared(walked: Walked, leaf_of: dict[int, int]) -> Shared:
+    """The groups of plain items with the same (device, data_ptr, dtype, shape, strides), and the conj and
+    neg bits of each of their items: whether two items are one tensor (``alias``) is decided by these."""
+    skip = set(walked.opaque) | set(walked.wrapped)
+    groups: dict[Any, list[int]] = {}
+    tokens = walked.tokens
+    for j, i in leaf_of.items():
+        if i not in skip:
+            groups.setdefault(tokens[j], []).append(i)
+    shared = sorted(tuple(group) for group in groups.values() if len(group) > 1)
+    leaves = walked.leaves
+    return shared, [(i, leaves[i].is_conj(), leaves[i].is_neg()) for group in shared for i in group]
