@@ -249,8 +249,11 @@ class ForkServer:
 # Servers by what they imported and the environment they run under; several per key, as jobs run side by
 # side (a simulated cluster's agents): each serves one job at a time.
 _servers: dict[tuple[tuple[str, ...], frozenset[tuple[str, str]]], list[ForkServer]] = {}
-# Set by pytest for each test; read by nothing at import. Every other variable keys the server.
-_PER_TEST = ("PYTEST_CURRENT_TEST",)
+# Set by pytest for each test; read by nothing at import. TORCHINDUCTOR_CACHE_DIR: torch sets it in the
+# test process to its own default the first time something compiles, midway through a run, and reads it
+# only when it compiles (a job that runs with it set gets it in its environment all the same). Every other
+# variable keys the server.
+_PER_TEST = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
 
 
 def spawn(
