@@ -45,12 +45,17 @@ _READ_AFTER_START = frozenset(
 )  # fmt: skip
 
 
+# torchrun's own; ``accelerate launch`` sets ACCELERATE_* for its ranks, which Accelerate reads when its
+# objects are built (at import it reads only USE_TORCH_XLA).
+_READ_AFTER_START_PREFIXES = ("TORCHELASTIC_", "ACCELERATE_")
+
+
 def _forkable(args: list[str], env: dict[str, str], import_env: dict[str, str]) -> bool:
     if args[:2] != [sys.executable, "-u"]:
         return False
     names = set(env) | set(import_env)
     changed = {n for n in names if env.get(n) != import_env.get(n)}
-    return all(n in _READ_AFTER_START or n.startswith("TORCHELASTIC_") for n in changed)
+    return all(n in _READ_AFTER_START or n.startswith(_READ_AFTER_START_PREFIXES) for n in changed)
 
 
 def _fork_rank_server(
