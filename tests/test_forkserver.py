@@ -34,13 +34,15 @@ sys.exit(int(mode))
 """
 
 
-def _both(script: Path, mode: str, tmp_path: Path) -> list[subprocess.CompletedProcess[str]]:
+def _both(script: Path | str, mode: str, tmp_path: Path) -> list[subprocess.CompletedProcess[str]]:
+    """``python SCRIPT MODE`` (a str: ``python -c SCRIPT MODE``) fresh, then forked."""
     env = dict(os.environ, PROBE_VAR="yes", OMP_NUM_THREADS="1")
+    argv = [str(script), mode] if isinstance(script, Path) else ["-c", script, mode]
     fresh = subprocess.run(
-        [sys.executable, str(script), mode], capture_output=True, text=True, env=env, cwd=tmp_path,
+        [sys.executable, *argv], capture_output=True, text=True, env=env, cwd=tmp_path,
         start_new_session=True, stdin=subprocess.DEVNULL, timeout=60,
     )  # fmt: skip
-    forked = forkserver.run((), [str(script), mode], env, timeout=60, cwd=str(tmp_path))
+    forked = forkserver.run((), argv, env, timeout=60, cwd=str(tmp_path))
     return [fresh, forked]
 
 
@@ -57,6 +59,20 @@ def test_a_forked_child_looks_like_a_fresh_process(tmp_path: Path) -> None:
         if mode in ("0", "3", "raise"):  # the interpreter's own exit: atexit handlers run
             assert [r.stdout.splitlines()[-1] for r in (fresh, forked)] == ["atexit ran"] * 2
         if mode == "raise":
+            assert all(r.stderr.rstrip().endswith("ValueError: boom") for r in (fresh, forked))
+
+
+def test_a_forked_python_c_looks_like_a_fresh_one(tmp_path: Path) -> None:
+    """``python -c CODE ARGS``: argv[0] "-c", sys.path[0] "", ``__main__``, exit codes, atexit."""
+    for mode, code in (("3", 3), ("raise", 1)):
+        fresh, forked = _both(PROBE, mode, tmp_path)
+        assert (fresh.returncode, forked.returncode) == (code, code), (mode, fresh.stderr, forked.stderr)
+        seen = [json.loads(r.stdout.splitlines()[0]) for r in (fresh, forked)]
+        assert seen[0] == seen[1], mode
+        assert seen[1]["path0"] == "" and seen[1]["argv"] == [mode] and seen[1]["main"] == "__main__"
+        if mode == "3":
+            assert [r.stdout.splitlines()[-1] for r in (fresh, forked)] == ["atexit ran"] * 2
+        else:
             assert all(r.stderr.rstrip().endswith("ValueError: boom") for r in (fresh, forked))
 
 

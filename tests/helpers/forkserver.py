@@ -30,6 +30,7 @@ statements to run first, e.g. ``from transformers import Trainer``: many package
 from __future__ import annotations
 
 import atexit
+import builtins
 import contextlib
 import ctypes
 import importlib.util
@@ -43,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import types
 
 
 def _threads() -> int:
@@ -96,6 +98,14 @@ def _become(request: dict[str, object], fds: list[int], sock: socket.socket, rea
     if ranks:  # a torchrun agent whose ranks are forked (below), before torchrun starts a thread
         assert isinstance(ranks, int)
         _fork_ranks(ranks)
+    if argv[0] == "-c":  # ``python -c CODE ARGS``: argv[0] is "-c", sys.path[0] "" (the working directory)
+        sys.argv = ["-c", *(str(a) for a in argv[2:])]
+        sys.path[0] = ""
+        main = types.ModuleType("__main__")
+        main.__dict__["__builtins__"] = builtins
+        sys.modules["__main__"] = main
+        exec(compile(str(argv[1]), "<string>", "exec"), main.__dict__)
+        return
     if argv[0] == "-m":  # ``python -m MODULE ARGS``: sys.path[0] is the working directory
         sys.argv = [str(a) for a in argv[1:]]
         sys.path[0] = os.getcwd()
