@@ -259,11 +259,16 @@ class ForkServer:
 # Servers by what they imported and the environment they run under; several per key, as jobs run side by
 # side (a simulated cluster's agents): each serves one job at a time.
 _servers: dict[tuple[tuple[str, ...], frozenset[tuple[str, str]]], list[ForkServer]] = {}
-# Set by pytest for each test; read by nothing at import. TORCHINDUCTOR_CACHE_DIR: torch sets it in the
-# test process to its own default the first time something compiles, midway through a run, and reads it
-# only when it compiles (a job that runs with it set gets it in its environment all the same). Every other
-# variable keys the server.
-_PER_TEST = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
+# Variables that change midway through a run and that nothing a server imports reads at import (a job gets
+# them in its environment all the same): pytest's per test; TORCHINDUCTOR_CACHE_DIR, which torch sets in
+# the test process to its own default the first time something compiles and reads only when it compiles;
+# the object-store credentials and emulator host the store fixtures set (read by the store clients, which
+# safepoint imports only when a URL root is opened). Each started a second server per pytest process
+# (~6 s of CPU). Every other variable keys the server.
+_PER_TEST = (
+    "PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+    "AWS_DEFAULT_REGION", "STORAGE_EMULATOR_HOST",
+)  # fmt: skip
 
 
 def spawn(
