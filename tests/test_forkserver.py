@@ -100,7 +100,11 @@ sys.exit(code)
 def _probe_runs(script: Path, mode: str, tmp_path: Path) -> list[tuple[int, str, str]]:
     """``torchrun --nproc-per-node=2 SCRIPT MODE`` as a fresh process, then with a forked agent."""
     args = ["--standalone", "--nproc-per-node=2", "--monitor-interval=0.1", str(script), mode]
+    # TORCHINDUCTOR_CACHE_DIR keys no fork server (torch sets it in the test process midway through a run):
+    # the ranks' environment has it, their server's imports ran without it, and they are still forked.
+    inductor = str(tmp_path / "inductor")
     env = dict(os.environ, PROBE_VAR="yes", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
+    env["TORCHINDUCTOR_CACHE_DIR"] = inductor
     fresh = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", *args], capture_output=True, text=True, env=env,
         cwd=tmp_path, start_new_session=True, stdin=subprocess.DEVNULL, timeout=120,

@@ -142,7 +142,7 @@ def _fork_ranks(count: int) -> None:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.fork_ranks(count, serve, _IMPORT_ENV)
+    module.fork_ranks(count, serve, _IMPORT_ENV, _PER_TEST)
 
 
 def main() -> None:

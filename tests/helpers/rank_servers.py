@@ -50,12 +50,16 @@ _READ_AFTER_START = frozenset(
 _READ_AFTER_START_PREFIXES = ("TORCHELASTIC_", "ACCELERATE_")
 
 
-def _forkable(args: list[str], env: dict[str, str], import_env: dict[str, str]) -> bool:
+def _forkable(
+    args: list[str], env: dict[str, str], import_env: dict[str, str], unkeyed: tuple[str, ...]
+) -> bool:
     if args[:2] != [sys.executable, "-u"]:
         return False
     names = set(env) | set(import_env)
     changed = {n for n in names if env.get(n) != import_env.get(n)}
-    return all(n in _READ_AFTER_START or n.startswith(_READ_AFTER_START_PREFIXES) for n in changed)
+    return all(
+        n in _READ_AFTER_START or n in unkeyed or n.startswith(_READ_AFTER_START_PREFIXES) for n in changed
+    )
 
 
 def _fork_rank_server(
@@ -137,10 +141,13 @@ def _reap(servers: list[socket.socket], pids: list[int]) -> None:
                 time.sleep(0.01)
 
 
-def fork_ranks(count: int, serve: Callable[[socket.socket], None], import_env: dict[str, str]) -> None:
+def fork_ranks(
+    count: int, serve: Callable[[socket.socket], None], import_env: dict[str, str], unkeyed: tuple[str, ...]
+) -> None:
     """In a torchrun agent, before torchrun runs: fork ``count`` rank servers (``serve``: the fork server's
     loop) and have torchrun's SubprocessContext start its ranks through them. ``import_env``: the
-    environment the fork server's imports ran under."""
+    environment the fork server's imports ran under; ``unkeyed``: the variables that key no fork server
+    (forkserver.py ``_PER_TEST``: nothing imported reads them), which a rank's environment may add."""
     from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
@@ -158,7 +165,7 @@ def fork_ranks(count: int, serve: Callable[[socket.socket], None], import_env: d
 
     class Handler(SubprocessHandler):
         def _popen(self, args: tuple[str, ...], env: dict[str, str]) -> Any:
-            if not _forkable(list(args), env, import_env) or self.local_rank_id >= len(servers):
+            if not _forkable(list(args), env, import_env, unkeyed) or self.local_rank_id >= len(servers):
                 return super()._popen(args, env)
             last = ranks.get(self.local_rank_id)
             if last is not None:
