@@ -132,7 +132,7 @@ def test_a_forked_rank_looks_like_one_torchrun_started(tmp_path: Path) -> None:
         assert [p["preloaded"] for p in probes[1]] == [True, True], mode
         for p in (*probes[0], *probes[1]):
             del p["preloaded"]
-        assert probes[0] == probes[1], mode
+        assert probes[0] == probes[1], (mode, probes)
         assert all(p["session_leader"] and p["agent_session"] and p["unbuffered"] for p in probes[1])
         assert {p["env"]["RANK"] for p in probes[1]} == {"0", "1"}
         assert probes[1][0]["env"]["PROBE_VAR"] == "yes" and probes[1][0]["argv"] == [mode]
