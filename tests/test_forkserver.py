@@ -119,6 +119,16 @@ def test_a_forked_rank_looks_like_one_torchrun_started(tmp_path: Path) -> None:
     unbuffered output, the interpreter's own exit; a failed or killed rank fails the launch alike."""
     script = tmp_path / "rank_probe.py"
     script.write_text(RANK_PROBE)
+    # The fork server starts (in the first launch) while this process ignores SIGINT: a fresh rank still
+    # gets Python's handler (torchrun handles SIGINT before it execs the ranks), and so must a forked one.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _compare_ranks(script, tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _compare_ranks(script: Path, tmp_path: Path) -> None:
     for mode in ("0", "3", "9"):
         (fresh_rc, fresh_out, fresh_err), (forked_rc, forked_out, forked_err) = _probe_runs(
             script, mode, tmp_path

@@ -45,6 +45,7 @@ import sys
 import tempfile
 import threading
 import types
+from collections.abc import Callable
 
 
 def _threads() -> int:
@@ -82,6 +83,10 @@ def _become(request: dict[str, object], fds: list[int], sock: socket.socket, rea
     os.dup2(fds[1], 2)
     for fd in {devnull, *fds} - {0, 1, 2}:
         os.close(fd)
+    signals = request.get("signals")
+    if signals is not None:  # a rank: the signal state exec gives it (tests/helpers/rank_servers.py)
+        assert isinstance(signals, dict)
+        _exec_signals(signals["ignored"], signals["mask"])
     env = request["env"]
     assert isinstance(env, dict)
     os.environ.clear()
@@ -117,6 +122,22 @@ def _become(request: dict[str, object], fds: list[int], sock: socket.socket, rea
     runpy.run_path(script, run_name="__main__")
     # Returning ends the server's main in this child: the interpreter's normal exit, with status 0 (or
     # the script's SystemExit / uncaught exception, raised through here, as a fresh process would end).
+
+
+def _exec_signals(ignored: list[int], mask: list[int]) -> None:
+    """What ``exec`` of a Python interpreter does to the signal state the parent had: the mask kept, ignored
+    signals stay ignored, handled ones go back to their default; then Python's start-up: SIGINT raises
+    KeyboardInterrupt unless ignored, SIGPIPE and SIGXFSZ ignored."""
+    for n in signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}:
+        if n in ignored or n in (signal.SIGPIPE, signal.SIGXFSZ):
+            action: signal.Handlers | Callable[..., object] = signal.SIG_IGN
+        elif n == signal.SIGINT:
+            action = signal.default_int_handler
+        else:
+            action = signal.SIG_DFL
+        with contextlib.suppress(OSError, ValueError):  # signals the C library keeps (32, 33)
+            signal.signal(n, action)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def _unbuffered() -> None:

@@ -85,13 +85,22 @@ def _fork_rank_server(
     raise SystemExit(0)
 
 
+_CATCHABLE = sorted(signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP})
+
+
 class _Rank:
     """What torchrun's SubprocessContext uses of a ``Popen``, for a rank a rank server forked."""
 
     def __init__(self, sock: socket.socket, args: list[str], env: dict[str, str], out: int, err: int) -> None:
         self.args, self.sock = args, sock
-        request = json.dumps({"argv": args[1:], "env": env, "cwd": os.getcwd()}).encode()
-        socket.send_fds(sock, [request], [out, err])
+        # The signal state ``exec`` hands a rank: the agent's mask, its ignored signals ignored, every other
+        # disposition the default (torchrun handles SIGINT and SIGTERM by now; the rank server was forked
+        # before, with whatever the test process had when the fork server started).
+        ignored = [int(n) for n in _CATCHABLE if signal.getsignal(n) == signal.SIG_IGN]
+        mask = sorted(int(n) for n in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+        signals = {"ignored": ignored, "mask": mask}
+        request = {"argv": args[1:], "env": env, "cwd": os.getcwd(), "signals": signals}
+        socket.send_fds(sock, [json.dumps(request).encode()], [out, err])
         self.pid = self._receive("pid", 60)
         self.returncode: int | None = None
 
