@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,24 +25,32 @@ import torch
 import safepoint
 from safepoint.cli.main import main as safepoint_cli
 from tests.dist.tp_job import build, full_state
-from tests.helpers.example_runs import committed_steps
+from tests.helpers.example_runs import committed_steps, run_forked_rank_job
+from tests.helpers.launch import AGENT_IMPORTS
 from tests.helpers.rank_jobs import Losses, run_rank_job
 
 JOB = Path(__file__).with_name("tp_job.py")
 pytestmark = pytest.mark.timeout(600)
 
 
-def _kill_job(proc: subprocess.Popen[str], root: Path) -> None:
+def _kill_job(pid: int, root: Path) -> None:
     for rank in (0, 1):  # torchrun starts its workers in sessions of their own
         with contextlib.suppress(FileNotFoundError, ProcessLookupError, ValueError):
             os.kill(int(Path(f"{root}.pid-{rank}").read_text()), signal.SIGKILL)
-    os.killpg(proc.pid, signal.SIGKILL)
+    os.killpg(pid, signal.SIGKILL)
 
 
 def _run(root: Path, *args: str, ranks: int = 2, kill_at: int | None = None) -> tuple[Losses, int, str]:
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-    cmd = [*(launch if ranks > 1 else [sys.executable]), str(JOB), "--root", str(root), *args]
-    return run_rank_job(cmd, root, kill_at=kill_at, kill=lambda proc: _kill_job(proc, root))
+    """The job under torchrun (``ranks`` > 1), or alone. torchrun's agent and ranks are forked
+    (tests/helpers/launch.py ``Agent``: real torchrun, real rank processes and gloo groups)."""
+    if ranks == 1:
+        cmd = [sys.executable, str(JOB), "--root", str(root), *args]
+        return run_rank_job(cmd, root, kill_at=kill_at, kill=lambda proc: _kill_job(proc.pid, root))
+    argv = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(JOB)]
+    return run_forked_rank_job(
+        AGENT_IMPORTS, [*argv, "--root", str(root), *args], root, kill_at=kill_at,
+        kill=lambda pid: _kill_job(pid, root), rank_servers=ranks,
+    )  # fmt: skip
 
 
 def _same(a: Path, b: Path | dict[str, torch.Tensor]) -> None:

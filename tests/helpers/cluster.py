@@ -47,8 +47,12 @@ class Cluster:
             "--rdzv-conf=last_call_timeout=1", f"--local-addr={addr}", "--monitor-interval=0.1",
             str(WORKER), str(self.plan),
         ]  # fmt: skip
-        # A fresh store per rendezvous round (docs/elastic.md, "torchrun restarts").
+        # A fresh store per rendezvous round (docs/elastic.md, "torchrun restarts"). One OpenMP thread per
+        # rank, as tests/helpers/launch.py ``start`` gives its ranks (torchrun sets it only for more than
+        # one rank per node): the ranks are then forked from the agent's rank servers, whose torch was
+        # loaded with one (a different OMP_NUM_THREADS needs a fresh interpreter).
         env = dict(SUBPROCESS_ENV, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", NODE_LOCAL_ROOT=str(local_root))
+        env["OMP_NUM_THREADS"] = "1"
         # The agent is forked from a fork server (tests/helpers/launch.py): its own session, and where
         # ``unshare --uts`` works its own UTS namespace and host name, which its ranks inherit.
         with open(self.out / f"agent-{name}-{len(self.agents)}.log", "wb") as log:

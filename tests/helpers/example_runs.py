@@ -24,6 +24,7 @@ from pathlib import Path
 
 from tests.conftest import REPO
 from tests.helpers import forkserver
+from tests.helpers.launch import AGENT_IMPORTS, AGENT_PER_RUN
 
 EXAMPLES = REPO / "examples"
 _STEP = re.compile(r"step (\d+) loss (\S+)\Z")
@@ -132,8 +133,10 @@ def committed_steps(root: Path) -> list[int]:
 
 
 # The fork server's preload for the suite's own safepoint jobs (tests/save/_restart_job.py, ...): one server
-# per pytest worker serves every file that uses it (same imports, same environment).
-JOB_IMPORTS = ("import torch._dynamo", "import torch.distributed.checkpoint", "import safepoint")
+# per pytest worker serves every file that uses it (same imports, same environment). The torchrun agents'
+# (torch, DCP, safepoint and torchrun's launcher): an agent of tests/helpers/launch.py ``start`` has the same
+# environment, so agents and jobs share one pool of servers instead of starting one of each.
+JOB_IMPORTS = AGENT_IMPORTS
 
 
 def job_env() -> dict[str, str]:
@@ -166,12 +169,14 @@ def run_forked_rank_job(
     *,
     kill_at: int | None = None,
     kill: Callable[[int], None] | None = None,
+    rank_servers: int = 0,
 ) -> tuple[dict[tuple[int, int], str], int, str]:
     """tests/helpers/rank_jobs.py ``run_rank_job`` for ``python ARGV...``, its first process forked from the
     fork server that ran ``imports`` (it leads its own session, as there): a job that launches its other
     processes itself (Lightning's rank 1, torchrun's workers) still starts them as fresh interpreters. With
     ``kill_at``, ``kill(pid)`` once rank 0 printed that step (default: kill -9 of the process group).
-    Returns ``{(rank, step): loss}``, the exit code and stderr."""
+    ``rank_servers``: ARGV is ``-m torch.distributed.run ...`` and its ranks are forked too
+    (tests/helpers/launch.py ``Agent``). Returns ``{(rank, step): loss}``, the exit code and stderr."""
     env = dict(job_env(), CUDA_VISIBLE_DEVICES="")
     err_path = root.parent / f"{root.name}-{time.monotonic_ns()}.stderr"
     losses: dict[tuple[int, int], str] = {}
@@ -179,7 +184,12 @@ def run_forked_rank_job(
     with open(err_path, "w") as err:
         out_r, out_w = os.pipe()
         try:
-            proc = forkserver.spawn(imports, argv, env, out_w, err.fileno(), str(REPO))
+            proc = forkserver.spawn(
+                imports, argv, env, out_w, err.fileno(), str(REPO), rank_servers=rank_servers,
+                # an agent's server: keyed and started as tests/helpers/launch.py ``Agent``'s
+                per_run=AGENT_PER_RUN if rank_servers else (),
+                server_env={"OMP_NUM_THREADS": "1"} if rank_servers else None,
+            )  # fmt: skip
         except BaseException:
             os.close(out_r)
             raise

@@ -30,7 +30,11 @@ statements to run first, e.g. ``from transformers import Trainer``: many package
 from __future__ import annotations
 
 import atexit
+import builtins
+import contextlib
 import ctypes
+import importlib.util
+import io
 import json
 import os
 import runpy
@@ -40,6 +44,8 @@ import subprocess
 import sys
 import tempfile
 import threading
+import types
+from collections.abc import Callable
 
 
 def _threads() -> int:
@@ -77,6 +83,10 @@ def _become(request: dict[str, object], fds: list[int], sock: socket.socket, rea
     os.dup2(fds[1], 2)
     for fd in {devnull, *fds} - {0, 1, 2}:
         os.close(fd)
+    signals = request.get("signals")
+    if signals is not None:  # a rank: the signal state exec gives it (tests/helpers/rank_servers.py)
+        assert isinstance(signals, dict)
+        _exec_signals(signals["ignored"], signals["mask"])
     env = request["env"]
     assert isinstance(env, dict)
     os.environ.clear()
@@ -86,6 +96,21 @@ def _become(request: dict[str, object], fds: list[int], sock: socket.socket, rea
     os.chdir(cwd)
     argv = request["argv"]
     assert isinstance(argv, list)
+    if argv[0] == "-u":  # ``python -u``: torchrun starts its Python ranks so
+        argv = argv[1:]
+        _unbuffered()
+    ranks = request.get("rank_servers")
+    if ranks:  # a torchrun agent whose ranks are forked (below), before torchrun starts a thread
+        assert isinstance(ranks, int)
+        _fork_ranks(ranks)
+    if argv[0] == "-c":  # ``python -c CODE ARGS``: argv[0] is "-c", sys.path[0] "" (the working directory)
+        sys.argv = ["-c", *(str(a) for a in argv[2:])]
+        sys.path[0] = ""
+        main = types.ModuleType("__main__")
+        main.__dict__["__builtins__"] = builtins
+        sys.modules["__main__"] = main
+        exec(compile(str(argv[1]), "<string>", "exec"), main.__dict__)
+        return
     if argv[0] == "-m":  # ``python -m MODULE ARGS``: sys.path[0] is the working directory
         sys.argv = [str(a) for a in argv[1:]]
         sys.path[0] = os.getcwd()
@@ -99,8 +124,51 @@ def _become(request: dict[str, object], fds: list[int], sock: socket.socket, rea
     # the script's SystemExit / uncaught exception, raised through here, as a fresh process would end).
 
 
+def _exec_signals(ignored: list[int], mask: list[int]) -> None:
+    """What ``exec`` of a Python interpreter does to the signal state the parent had: the mask kept, ignored
+    signals stay ignored, handled ones go back to their default; then Python's start-up: SIGINT raises
+    KeyboardInterrupt unless ignored, SIGPIPE and SIGXFSZ ignored."""
+    for n in signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}:
+        if n in ignored or n in (signal.SIGPIPE, signal.SIGXFSZ):
+            action: signal.Handlers | Callable[..., object] = signal.SIG_IGN
+        elif n == signal.SIGINT:
+            action = signal.default_int_handler
+        else:
+            action = signal.SIG_DFL
+        with contextlib.suppress(OSError, ValueError):  # signals the C library keeps (32, 33)
+            signal.signal(n, action)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _unbuffered() -> None:
+    """What ``python -u`` gives: stdout and stderr unbuffered (a raw binary layer, a write-through text one)."""
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        old = getattr(sys, name)
+        raw = io.FileIO(fd, "w", closefd=False)
+        stream = io.TextIOWrapper(raw, encoding=old.encoding, errors=old.errors, write_through=True)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
+# Ranks forked for a torchrun agent (``spawn(..., rank_servers=N)``): tests/helpers/rank_servers.py. The
+# environment the server's imports ran under, for it to tell whether a rank's may differ.
+_IMPORT_ENV: dict[str, str] = {}
+
+
+def _fork_ranks(count: int) -> None:
+    """Load tests/helpers/rank_servers.py by its path (this server runs as a script: ``tests`` may not be on
+    its path) and fork the rank servers."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_servers.py")
+    spec = importlib.util.spec_from_file_location("_rank_servers", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.fork_ranks(count, serve, _IMPORT_ENV, _PER_TEST)
+
+
 def main() -> None:
     fd, *imports = sys.argv[1:]
+    _IMPORT_ENV.update(os.environ)
     for statement in imports:
         exec(statement, {})  # an import statement, written by the test suite
     assert threading.active_count() == 1 and _threads() == 1, (
@@ -108,6 +176,12 @@ def main() -> None:
     )
     sock = socket.socket(fileno=int(fd))
     _send(sock, {"ready": True})
+    serve(sock)
+
+
+def serve(sock: socket.socket) -> None:
+    """Fork one child per request until the client goes away. Returns in the server (client gone) and,
+    once its script has run, in each child (see _become)."""
     while True:
         msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
         if not msg:
@@ -124,9 +198,10 @@ def main() -> None:
         os.close(ready_w)
         os.read(ready_r, 1)  # EOF once the child leads its own session
         os.close(ready_r)
-        _send(sock, {"pid": pid})
-        _, status = os.waitpid(pid, 0)
-        _send(sock, {"status": status})
+        with contextlib.suppress(OSError):  # a rank server whose agent died: nobody to tell
+            _send(sock, {"pid": pid})
+            _, status = os.waitpid(pid, 0)
+            _send(sock, {"status": status})
 
 
 # The client side (the test process).
@@ -176,12 +251,19 @@ class ForkServer:
         return value
 
     def spawn(
-        self, argv: list[str], env: dict[str, str], stdout: int, stderr: int, cwd: str, hostname: str | None
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        stdout: int,
+        stderr: int,
+        cwd: str,
+        hostname: str | None,
+        rank_servers: int = 0,
     ) -> Child:
         """Fork ``python argv...`` with these descriptors as its stdout and stderr."""
         assert not self.busy, "one job at a time per fork server"
-        request = json.dumps({"argv": argv, "env": env, "cwd": cwd, "hostname": hostname}).encode()
-        socket.send_fds(self.sock, [request], [stdout, stderr])
+        request = {"argv": argv, "env": env, "cwd": cwd, "hostname": hostname, "rank_servers": rank_servers}
+        socket.send_fds(self.sock, [json.dumps(request).encode()], [stdout, stderr])
         self.busy = True
         return Child(self, self.receive("pid", 60))
 
@@ -198,8 +280,16 @@ class ForkServer:
 # Servers by what they imported and the environment they run under; several per key, as jobs run side by
 # side (a simulated cluster's agents): each serves one job at a time.
 _servers: dict[tuple[tuple[str, ...], frozenset[tuple[str, str]]], list[ForkServer]] = {}
-# Set by pytest for each test; read by nothing at import. Every other variable keys the server.
-_PER_TEST = ("PYTEST_CURRENT_TEST",)
+# Variables that change midway through a run and that nothing a server imports reads at import (a job gets
+# them in its environment all the same): pytest's per test; TORCHINDUCTOR_CACHE_DIR, which torch sets in
+# the test process to its own default the first time something compiles and reads only when it compiles;
+# the object-store credentials and emulator host the store fixtures set (read by the store clients, which
+# safepoint imports only when a URL root is opened). Each started a second server per pytest process
+# (~6 s of CPU). Every other variable keys the server.
+_PER_TEST = (
+    "PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+    "AWS_DEFAULT_REGION", "STORAGE_EMULATOR_HOST",
+)  # fmt: skip
 
 
 def spawn(
@@ -213,6 +303,7 @@ def spawn(
     per_run: tuple[str, ...] = (),
     hostname: str | None = None,
     server_env: dict[str, str] | None = None,
+    rank_servers: int = 0,
 ) -> Child:
     """Fork ``python argv...`` from a server that ran ``imports`` under this environment (started on
     first use, kept for the rest of the pytest process; another one is started while every such server is
@@ -222,7 +313,9 @@ def spawn(
     a torchrun agent's workers): they do not key the server, so jobs differing only in them share one.
     ``server_env``: variables set for the server's imports only (the child gets ``env``), e.g.
     ``OMP_NUM_THREADS=1`` for a torchrun agent whose ranks use the job's own setting.
-    ``hostname``: the child gets a UTS namespace of its own with this host name (as ``unshare --uts``)."""
+    ``hostname``: the child gets a UTS namespace of its own with this host name (as ``unshare --uts``).
+    ``rank_servers``: the child is a torchrun agent (``-m torch.distributed.run``) whose first this many
+    local ranks are forked from rank servers (see ``_fork_ranks``), not started as fresh interpreters."""
     fresh = {k: v for k, v in env.items() if k not in _PER_TEST and k not in per_run}
     fresh.update(server_env or {})
     key = (imports, frozenset(fresh.items()))
@@ -234,7 +327,7 @@ def spawn(
     if server is None:  # busy ones stay: their jobs still report to them
         server = ForkServer(imports, fresh)
         pool.append(server)
-    return server.spawn(argv, env, stdout, stderr, cwd, hostname)
+    return server.spawn(argv, env, stdout, stderr, cwd, hostname, rank_servers)
 
 
 def run(

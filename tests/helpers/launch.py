@@ -21,8 +21,10 @@ from tests.conftest import REPO
 from tests.helpers import forkserver
 
 # The torchrun agent, forked from a fork server that imported it once (tests/helpers/forkserver.py): each
-# agent otherwise pays ~2.6 s of CPU only to import torch. Its ranks stay real processes that torchrun starts
-# (``sys.executable``, a fresh interpreter each), as on a cluster.
+# agent otherwise pays ~2.6 s of CPU only to import torch. Its ranks are forked too, from rank servers the
+# agent forks before torchrun starts (forkserver.py ``_fork_ranks``): a rank otherwise pays ~4.5 s of CPU to
+# import torch, DCP and safepoint. torchrun stays real (rendezvous, monitoring, restarts, the signals it
+# sends), and so do the ranks: session leaders, real gloo process groups, real signals.
 # Its imports, not ``torch.distributed.run`` itself: ``runpy`` runs that module fresh, as ``python -m`` does
 # (one already imported would make runpy warn on the agent's stderr).
 AGENT_IMPORTS = (
@@ -30,6 +32,12 @@ AGENT_IMPORTS = (
     "import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
     "import torch.distributed.elastic.rendezvous.dynamic_rendezvous",
     "import torch.distributed.elastic.rendezvous.static_tcp_rendezvous",
+    # What the ranks import (the agent never uses them): numpy, torch.optim's lazy torch._dynamo (~1.6 s at
+    # a rank's first optimizer), DCP and safepoint.
+    "import numpy",
+    "import torch._dynamo",
+    "import torch.distributed.checkpoint",
+    "import safepoint",
 )
 # What only the ranks read (never the agent's imports): jobs differing only in these share a fork server.
 # OMP_NUM_THREADS: the agent computes nothing; its server imports torch with one OpenMP thread (a fork needs
@@ -40,6 +48,18 @@ AGENT_PER_RUN = (
     "CUDA_VISIBLE_DEVICES",
     "OMP_NUM_THREADS",
 )
+
+
+def _nproc(args: list[str]) -> int:
+    """torchrun's ``--nproc-per-node`` (its default 1); 0 (no forked ranks) for a value it computes."""
+    for i, arg in enumerate(args):
+        for flag in ("--nproc-per-node", "--nproc_per_node"):
+            if arg == flag:
+                arg = f"{flag}={args[i + 1]}"
+            if arg.startswith(f"{flag}="):
+                value = arg.split("=", 1)[1]
+                return int(value) if value.isdigit() else 0
+    return 1
 
 
 class Agent:
@@ -59,6 +79,7 @@ class Agent:
         self._child = forkserver.spawn(
             AGENT_IMPORTS, ["-m", "torch.distributed.run", *args], env, stdout, stderr, str(cwd),
             per_run=AGENT_PER_RUN, hostname=hostname, server_env={"OMP_NUM_THREADS": "1"},
+            rank_servers=_nproc(args),
         )  # fmt: skip
         self.pid = self._child.pid
 

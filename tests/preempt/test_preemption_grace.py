@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -28,7 +27,7 @@ from safepoint.dist import Comm
 from safepoint.policy.history import TierEstimate
 from safepoint.preempt.preemption import EmergencyPlan, Preemption
 from safepoint.remote.object_layout import RemoteLayout
-from tests.conftest import REPO
+from tests.helpers.example_runs import run_job, spawn_job
 from tests.helpers.s3 import FaultProxy, storage_options, tiered_manager
 from tests.helpers.train import Setup, train_until_preempted
 
@@ -246,27 +245,23 @@ dist.destroy_process_group()
 
 
 def test_an_unexpected_error_on_one_rank_does_not_strand_the_others(tmp_path: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1")
     store = tmp_path / "store"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _MOVE_WORKER, str(rank), str(store)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        for rank in (0, 1)
-    ]
-    outputs = []
+    # Two processes forked from the fork server (tests/helpers/example_runs.py ``spawn_job``): real
+    # processes and a real gloo group; what they start from is not what this test is about.
+    logs = [tmp_path / f"rank{rank}.out" for rank in (0, 1)]
+    procs = []
+    for rank, log in enumerate(logs):
+        with open(log, "w") as out:
+            procs.append(spawn_job(["-c", _MOVE_WORKER, str(rank), str(store)], out.fileno(), out.fileno()))
     try:
         for p in procs:
-            outputs.append(p.communicate(timeout=120)[0])
+            p.wait(timeout=120)
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
+            if p.returncode is None:
+                os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+    outputs = [log.read_text() for log in logs]
     results = []
     for text in outputs:
         lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
@@ -323,14 +318,7 @@ dist.destroy_process_group()
 
 
 def test_a_bad_argument_raises_before_any_process_group_is_created(tmp_path: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", _ARGS_WORKER, str(tmp_path / "store"), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=180,
-    )
+    proc = run_job(["-c", _ARGS_WORKER, str(tmp_path / "store"), str(tmp_path)], timeout=180)  # forked
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout + proc.stderr
     out = json.loads(lines[0][len("RESULT ") :])

@@ -8,11 +8,9 @@ directory tree needs them too)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.conftest import SUBPROCESS_ENV
+from tests.helpers.example_runs import run_job
 
 _FAULTS = """
 import os, sys, torch, safepoint
@@ -78,13 +76,9 @@ mgr.close()
 
 
 def _run(script: str, *args: str) -> list[str]:
-    out = subprocess.run(
-        [sys.executable, "-c", script, *args],
-        env=SUBPROCESS_ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    """``python -c SCRIPT ARGS`` forked from the fork server (tests/helpers/example_runs.py ``run_job``): the
+    script needs a process of its own (it exhausts its descriptors), not a fresh interpreter."""
+    out = run_job(["-c", script, *args], timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.splitlines()
 

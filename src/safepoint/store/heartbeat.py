@@ -79,14 +79,25 @@ def describe_holder(holder: dict[str, Any]) -> str:
     return f"pid {pid if pid is not None else '?'} on host {host!r}"
 
 
-def _proc_start_ticks(pid: int) -> int | None:
-    """Process start time from /proc (guards against pid reuse); None where /proc is absent."""
+def _proc_stat(pid: int) -> tuple[bytes, int] | None:
+    """Process state and start time (guards against pid reuse) from /proc; None where /proc is absent."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
-        return int(fields[19])
+        return fields[0], int(fields[19])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _proc_start_ticks(pid: int) -> int | None:
+    stat = _proc_stat(pid)
+    return None if stat is None else stat[1]
+
+
+# A killed process whose parent has not reaped it yet (a zombie; ``X``: being reaped) keeps its pid, and
+# ``kill(pid, 0)`` still succeeds, but it can never write again. Its parent may be dead too and init slow to
+# reap (seconds in containers): a restart right after a kill -9 must take over, not fail with a LeaseError.
+_DEAD_STATES = (b"Z", b"X")
 
 
 def _pid_alive(pid: int, start_ticks: int | None) -> bool:
@@ -97,8 +108,11 @@ def _pid_alive(pid: int, start_ticks: int | None) -> bool:
         return False
     except PermissionError:
         return True
-    current = _proc_start_ticks(pid)
-    return start_ticks is None or current is None or current == start_ticks
+    stat = _proc_stat(pid)
+    if stat is None:
+        return True
+    state, current = stat
+    return state not in _DEAD_STATES and (start_ticks is None or current == start_ticks)
 
 
 PID_MAX = 1 << 22
