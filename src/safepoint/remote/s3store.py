@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import crc32c
 
 from safepoint.remote.retry import DamagedInTransit, UploadError, cause_code
+from safepoint.remote.s3copy import copy_in_parts
 from safepoint.remote.s3read import S3Reader, composite, composite_value
 from safepoint.remote.upload import FileCopy, b64_crc, check_local, combine, hex_crc, read_range
 from safepoint.store.checksum import crc_hex
@@ -35,7 +36,7 @@ from safepoint.store.manifest import Parts
 log = logging.getLogger("safepoint")
 T = TypeVar("T")
 _MAX_PARTS = 10_000
-_MAX_COPY = 5 * 1024**3  # CopyObject's limit; bigger objects are copied by s3fs in parts
+_MAX_COPY = 5 * 1024**3  # CopyObject's limit; bigger objects are copied in parts (s3copy.py)
 
 
 class S3Store(S3Reader):
@@ -87,7 +88,8 @@ class S3Store(S3Reader):
 
     def copy(self, src: str, dst: str, size: int | None = None) -> None:
         if size is not None and size > _MAX_COPY:
-            super().copy(src, dst)
+            self.run(copy_in_parts, self, src, dst, size)
+            self.fs.invalidate_cache(dst)
             return
         sb, sk = self._split(src)
         db, dk = self._split(dst)
