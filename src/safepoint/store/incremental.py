@@ -259,6 +259,7 @@ class Round:
         self.record = Record(fingerprints_, {}, versions)
         results: list[WriteResult] = []
         placed: set[Key] = set()
+        keyed: dict[Key, tuple[int, WriteItem]] | None = None  # made once, when a first file is linked
         still = {item_key(i) for i in unchanged}
         if prev is not None and prev.directory is not None and not self.full:
             place = place or (
@@ -272,7 +273,9 @@ class Round:
                     placed |= set(stored.infos)
                     self.record.files[stored.name] = linked
                     self.stats["linked"] += stored.size
-                    results += _results_of(stored, items)
+                    if keyed is None:
+                        keyed = {item_key(item): (n, item) for n, item in enumerate(items)}
+                    results += _results_of(stored, keyed)
         used = {Path(path).name for path, _, _ in entries} | set(self.record.files)
         out: list[Entry] = []
         for i, bucket in enumerate(_split_by_size_and_type(threads, changing) if changing else []):
@@ -339,14 +342,15 @@ class Round:
         return out
 
 
-def _results_of(stored: StoredFile, items: list[WriteItem]) -> list[WriteResult]:
+def _results_of(stored: StoredFile, keyed: dict[Key, tuple[int, WriteItem]]) -> list[WriteResult]:
+    """The write results of the items ``stored`` holds, in the save's item order. ``keyed`` (key ->
+    (position, item)) is made once per save: a walk of every item for each linked file made a save of many
+    files quadratic (19 linked groups x 200,000 items at 50,000 parameters: ~22 % of the save)."""
     out = []
-    for item in items:
-        key = item_key(item)
-        if key in stored.infos:
-            offset, length = stored.infos[key]
-            info = _StorageInfo(stored.name, offset, length)
-            out.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
+    for key in sorted(stored.infos, key=lambda k: keyed[k][0]):
+        offset, length = stored.infos[key]
+        info = _StorageInfo(stored.name, offset, length)
+        out.append(WriteResult(index=keyed[key][1].index, size_in_bytes=length, storage_data=info))
     return out
 
 
