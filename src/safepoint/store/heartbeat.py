@@ -97,6 +97,8 @@ def _proc_start_ticks(pid: int) -> int | None:
 # A killed process whose parent has not reaped it yet (a zombie; ``X``: being reaped) keeps its pid, and
 # ``kill(pid, 0)`` still succeeds, but it can never write again. Its parent may be dead too and init slow to
 # reap (seconds in containers): a restart right after a kill -9 must take over, not fail with a LeaseError.
+# (A process whose main thread exited while others run also shows "Z"; a Python holder's main thread never
+# exits before the interpreter, which joins its threads first.)
 _DEAD_STATES = (b"Z", b"X")
 
 
