@@ -330,3 +330,29 @@ def test_a_copy_that_failed_part_way_is_not_trusted_by_the_next_save(monkeypatch
     monkeypatch.setattr(staging, "_copy_all", real)
     snapshot = stager.stage(sd)
     assert torch.equal(snapshot["a"], sd["a"]) and torch.equal(snapshot["b"], sd["b"])
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["thread", "shared"])
+def test_the_old_buffers_are_freed_before_a_new_set_is_allocated(shared: bool) -> None:
+    """A state that changed shape never has two buffer sets alive at once (pinned ones are resident)."""
+    import weakref
+
+    alive: list[bool] = []
+    refs: list[weakref.ref[torch.Tensor]] = []
+
+    def before_alloc() -> None:
+        gc.collect()
+        alive.extend(r() is not None for r in refs)
+
+    stager = Stager(shared=shared, before_alloc=before_alloc)
+    try:
+        sd: dict[str, Any] = {"w": torch.randn(256, 256)}
+        snap = stager.stage(sd)
+        refs.append(weakref.ref(snap["w"]))
+        del snap  # the writer is done with it
+        sd["w"] = torch.randn(512, 256)  # the state changed shape: new buffers
+        stager.stage(sd)
+        assert alive == [False], alive  # checked at the second allocation: the old buffer is gone
+        assert stager.allocations == 2
+    finally:
+        stager.release()

@@ -102,6 +102,9 @@ class Stager:
         plan = self._plan
         walked = walk(sd, plan.slots if plan is not None else None)
         if plan is None or not (plan.fits(walked) or plan.refit(walked)):
+            # The walk's snapshot and the old plan hold the old buffers: let go of both first, so the old
+            # set is freed before the new one is allocated (pinned memory is resident once allocated).
+            walked.snapshot = plan = None
             plan = self._allocate(sd, walked)
             walked = walk(sd, plan.slots)
         snapshot: dict[str, Any] = walked.snapshot
