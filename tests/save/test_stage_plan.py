@@ -356,3 +356,25 @@ def test_the_old_buffers_are_freed_before_a_new_set_is_allocated(shared: bool) -
         assert stager.allocations == 2
     finally:
         stager.release()
+
+
+def test_an_inference_tensor_is_fingerprinted_not_trusted_by_a_version_counter() -> None:
+    """A tensor made under ``torch.inference_mode`` has no version counter (``t._version`` raises): staging
+    fingerprints it every save instead, and each snapshot holds its value at that save."""
+    with torch.inference_mode():
+        ema = torch.randn(256, 256)
+    stager = Stager()
+    w = torch.ones(3)
+    skipped = []
+    try:
+        for change in (True, False, True):
+            if change:
+                with torch.inference_mode():
+                    ema.add_(1.0)
+            snap = stager.stage({"ema": ema, "w": w})
+            assert torch.equal(snap["ema"], ema)
+            skipped.append(stager.skipped)
+        # The first save copies both; unchanged, ema is proven so and skipped; changed, it is copied.
+        assert skipped == [0, ema.nbytes + w.nbytes, w.nbytes]
+    finally:
+        stager.release()

@@ -23,7 +23,7 @@ from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_st
 
 from safepoint.save.shared_buffers import SharedArena, move_into_arena
 from safepoint.save.stage_plan import Plan, Walked, alias, cuda_devices, plain, walk
-from safepoint.store.fingerprint import fast_path, fingerprints
+from safepoint.store.fingerprint import fast_path, fingerprints, version_counter
 
 Alias = tuple[Any, ...]
 """What makes two tensors the very same values: (device, data_ptr, dtype, shape, strides, conj, neg)."""
@@ -169,7 +169,10 @@ class Stager:
         copied once. The copies go in one ``torch._foreach_copy_`` (one call, not one per tensor)."""
         lives, targets, held = plan.lives(walked), plan.targets, plan.held
         # The memory of each tensor is fixed by the plan's signature: its version counter says the rest.
-        versions: list[int | None] = [t._version for t in lives]
+        try:
+            versions: list[int | None] = [t._version for t in lives]
+        except RuntimeError:  # an inference tensor has no version counter (fingerprinted every time)
+            versions = [version_counter(t) for t in lives]
         seen, plan.versions = plan.versions, versions
         self.skipped = 0
         if seen is not None and not plan.still and None not in seen and all(map(operator.ne, versions, seen)):

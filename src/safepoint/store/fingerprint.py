@@ -251,6 +251,16 @@ def _add(
     return totals
 
 
+def version_counter(t: torch.Tensor) -> int | None:
+    """``t``'s autograd version counter: a hint that it was written to since it was last seen. None for an
+    inference tensor (made under ``torch.inference_mode``), which has none: ``t._version`` raises there, and
+    such a tensor is then always fingerprinted (the hint is only ever allowed to spare a fingerprint)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 def _eligible(t: torch.Tensor) -> bool:
     """Whether ``t``'s saved form is a function of its dtype, shape, strides and bytes only (not a subclass,
     quantized, conj/neg bits, or a view into a bigger storage): anything else counts as changed, always."""

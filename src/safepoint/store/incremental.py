@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteIt
 from torch.distributed.checkpoint.storage import WriteResult
 
 from safepoint.store.checksum import crc_hex, fd_range_crc32c
-from safepoint.store.fingerprint import fingerprints
+from safepoint.store.fingerprint import fingerprints, version_counter
 from safepoint.store.rootfs import RootDir
 
 Key = tuple[str, tuple[int, ...]]  # (fqn, chunk offsets): one item of a rank's plan
@@ -228,7 +228,7 @@ class Round:
             if alias is not None and alias in self.known and self.known[alias] is None:
                 changing.append(item)  # staging saw it written to (the hint below, for staged copies)
                 continue
-            version = (raw.data_ptr(), raw._version)
+            version = (raw.data_ptr(), version_counter(raw))
             versions[key] = version
             seen = prev.versions.get(key) if prev is not None and self.versions else None
             moved = seen is not None and seen[0] == version[0] and seen[1] != version[1]
