@@ -228,10 +228,12 @@ class Round:
             if alias is not None and alias in self.known and self.known[alias] is None:
                 changing.append(item)  # staging saw it written to (the hint below, for staged copies)
                 continue
-            version = (raw.data_ptr(), version_counter(raw))
-            versions[key] = version
+            counter = version_counter(raw)  # None: an inference tensor, fingerprinted every save
             seen = prev.versions.get(key) if prev is not None and self.versions else None
-            moved = seen is not None and seen[0] == version[0] and seen[1] != version[1]
+            moved = False
+            if counter is not None:
+                version = versions[key] = (raw.data_ptr(), counter)
+                moved = seen is not None and seen[0] == version[0] and seen[1] != version[1]
             if moved and key not in still_before:
                 # The version counter moved: written (a hint only ever spares the fingerprint of a tensor
                 # that is written anyway; "unchanged" always needs the fingerprint). Not for a tensor the
