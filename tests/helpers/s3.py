@@ -123,7 +123,7 @@ def storage_options(endpoint: str, **extra: Any) -> dict[str, Any]:
 
 @dataclass
 class Rule:
-    action: str  # "503" | "reset" | "hold"
+    action: str  # "503" | "NoSuchUpload" (S3's words) | "reset" | "lost" (applied, answer lost) | "hold"
     method: str | None = None
     path: str | None = None  # regex searched in the request path
     count: int = -1  # how many requests it applies to; -1 = all
@@ -273,9 +273,13 @@ def _handler(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:
             if what == "reset":
                 self._reset()
                 return
-            if what == "503":
+            if what == "lost":  # the store applies it; the answer never arrives (the client retries)
+                self._forward(body, answer=False)
+                self._reset()
+                return
+            if what in ("503", "NoSuchUpload"):
                 status, headers, data = store_errors.reply(
-                    store_errors.store_of(self.path, self.headers), "503"
+                    store_errors.store_of(self.path, self.headers), what
                 )
                 self._reply(status, data, headers)
                 return

@@ -25,6 +25,14 @@ _S3_XML = '<?xml version="1.0" encoding="UTF-8"?><Error><Code>{}</Code><Message>
 _S3 = {
     "503": (503, "SlowDown", "Please reduce your request rate."),
     "403": (403, "AccessDenied", "Access Denied"),
+    # A retried CompleteMultipartUpload whose first attempt S3 applied (its answer lost): the upload is
+    # gone because it completed. moto answers such a retry 200 (idempotent), as S3 may, too.
+    "NoSuchUpload": (
+        404,
+        "NoSuchUpload",
+        "The specified upload does not exist. The upload ID may be invalid, or the upload may have been "
+        "aborted or completed.",
+    ),
 }
 _GCS = {
     "503": (503, "backendError", "We encountered an internal error. Please try again."),

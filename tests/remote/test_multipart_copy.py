@@ -22,11 +22,11 @@ import safepoint
 from safepoint.remote import s3copy, s3store
 from safepoint.remote.object_layout import RemoteLayout
 from safepoint.remote.s3store import S3Store
-from safepoint.remote.upload import MiB, TransferOptions, UploadError
+from safepoint.remote.upload import MiB, TransferOptions, UploadError, b64_crc
 from safepoint.store.checksum import crc_hex
 from safepoint.store.incremental import is_stable_group
 from tests.helpers.frozen_state import ADAPTER, BASE, Frozen, saves_counted
-from tests.helpers.s3 import storage_options
+from tests.helpers.s3 import FaultProxy, storage_options
 from tests.helpers.stores import Store
 from tests.helpers.tcpproxy import proxied, tcp_proxy
 
@@ -42,13 +42,18 @@ def small_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(s3fs.core, "MANAGED_COPY_THRESHOLD", 1 * MiB)
 
 
-def _recorded(store: S3Store, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The S3 requests ``store`` makes from here on (their names; the requests themselves go to moto)."""
+def _recorded(
+    store: S3Store, monkeypatch: pytest.MonkeyPatch, args: dict[str, dict[str, Any]] | None = None
+) -> list[str]:
+    """The S3 requests ``store`` makes from here on (their names, and into ``args`` the last arguments of
+    each; the requests themselves go to moto)."""
     calls: list[str] = []
     real = store.call
 
     async def call(method: str, **kw: Any) -> Any:
         calls.append(method)
+        if args is not None:
+            args[method] = kw
         return await real(method, **kw)
 
     monkeypatch.setattr(store, "call", call)
@@ -62,9 +67,14 @@ def test_a_copy_over_the_copy_limit_is_proven_by_its_full_object_crc32c(
     data = os.urandom(11 * MiB + 3)
     crc, src, dst = crc_hex(crc32c.crc32c(data)), f"{bucket}/a/big.bin", f"{bucket}/b/big.bin"
     store.put_bytes(src, data)
-    calls = _recorded(store, monkeypatch)
-    store.copy(src, dst, len(data))
+    args: dict[str, dict[str, Any]] = {}
+    calls = _recorded(store, monkeypatch, args)
+    store.copy(src, dst, len(data), crc)
     assert calls.count("upload_part_copy") == 3 and "copy_object" not in calls, calls  # 5 + 5 + 1 MiB
+    # Completed with the manifest's crc32c as the full-object CRC32C: S3 itself refuses a copy of other
+    # bytes at completion (moto does not check it; the comparison below does).
+    done = args["complete_multipart_upload"]
+    assert (done["ChecksumType"], done["ChecksumCRC32C"]) == ("FULL_OBJECT", b64_crc(crc)), done
     # The copy carries S3's full-object CRC32C of the bytes it copied: check() proves it without a read ...
     assert store.stored_checksum(dst) == (len(data), crc)
     assert store.check(dst, len(data), crc, read=False) is None
@@ -139,3 +149,30 @@ def test_a_part_copy_without_a_full_object_crc32c_is_deleted_and_refused(
     with pytest.raises(UploadError, match="no full-object CRC32C"):
         store.copy(f"{bucket}/a/big.bin", f"{bucket}/b/big.bin", len(data))
     assert not store.fs.exists(f"{bucket}/b/big.bin")
+
+
+def test_a_part_copy_whose_completion_answer_was_lost_is_confirmed_not_refused(
+    proxy: FaultProxy, bucket: str, small_limit: None
+) -> None:
+    """The completion of the multipart copy is applied by the store and its answer lost (the proxy resets
+    the connection); the retry is answered NoSuchUpload, as S3 may answer it, the upload being gone because
+    it completed. The copy goes through the store's one completion path (complete_mpu), which knows that
+    case, and is confirmed by a HEAD: the full-object CRC32C S3 computed of it.
+
+    Before, s3copy.py completed with its own request: the NoSuchUpload failed the copy, which was then
+    deleted and its group written again (safe, but every byte of a > 5 GiB group sent for nothing)."""
+    cfg = TransferOptions(part_size=5 * MiB, concurrency=4, backoff_s=0.0, max_backoff_s=0.0)
+    fs = s3fs.S3FileSystem(**storage_options(proxy.endpoint), skip_instance_cache=True)
+    store = S3Store(fs, cfg)
+    data = os.urandom(11 * MiB + 3)
+    crc, src, dst = crc_hex(crc32c.crc32c(data)), f"{bucket}/a/big.bin", f"{bucket}/b/big.bin"
+    store.put_bytes(src, data)
+    complete = r"/b/big\.bin\?uploadId="
+    lost = proxy.add("lost", method="POST", path=complete, count=1)
+    gone = proxy.add("NoSuchUpload", method="POST", path=complete, count=1)
+    store.copy(src, dst, len(data), crc)
+    assert (lost.hits, gone.hits) == (1, 1)
+    assert [w for m, p, w in proxy.seen if m == "POST" and "uploadId=" in p] == ["lost", "NoSuchUpload"]
+    assert store.check(dst, len(data), crc, read=False) is None  # the store's full-object CRC32C
+    assert store.get_bytes(dst) == data
+    assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")

@@ -263,7 +263,9 @@ def apply_mutations(names: list[str]) -> None:
             ) -> None:
                 final = self.step_key(manifest.step)
                 for n in sorted(manifest.files):
-                    self.store.copy(f"{staged}/{n}", f"{final}/{n}", manifest.files[n].size)
+                    self.store.copy(
+                        f"{staged}/{n}", f"{final}/{n}", manifest.files[n].size, manifest.files[n].crc32c
+                    )
                 _real(self, staged, manifest)
 
             remote.RemoteLayout._promote = promote  # type: ignore[method-assign]

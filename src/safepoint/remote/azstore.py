@@ -110,7 +110,7 @@ class AzureStore(ObjectStore):
 
     # ---- server-side copies -----------------------------------------------------------------------------
 
-    def copy(self, src: str, dst: str, size: int | None = None) -> None:
+    def copy(self, src: str, dst: str, size: int | None = None, crc: str | None = None) -> None:
         """Copy Blob within the account (no client bytes), waited for until the store reports it done.
 
         adlfs's ``copy`` only *starts* the copy: Azure may answer ``x-ms-copy-status: pending`` and finish

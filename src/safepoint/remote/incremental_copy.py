@@ -56,7 +56,7 @@ def copier(store: ObjectStore, target: str) -> Place:
     def place(source: Path, stored: StoredFile) -> StoredFile | None:
         src, dst = posixpath.join(str(source), stored.name), posixpath.join(target, stored.name)
         try:
-            store.copy(src, dst, stored.size)
+            store.copy(src, dst, stored.size, stored.crc32c)
             problem = store.check(dst, stored.size, stored.crc32c, read=False)
         except (UploadError, OSError) as e:
             problem = f"{type(e).__name__}: {e}"

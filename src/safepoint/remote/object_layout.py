@@ -223,7 +223,7 @@ class RemoteLayout:
         def one(item: tuple[str, int, str]) -> None:
             name, size, crc = item
             target = posixpath.join(pending, name)
-            self.store.copy(posixpath.join(source, name), target, size)
+            self.store.copy(posixpath.join(source, name), target, size, crc)
             if (problem := self.store.check(target, size, crc, read=False)) is not None:
                 raise UploadError(f"server-side copy of {self.store.url(target)}: {problem}")
 
@@ -277,12 +277,11 @@ class RemoteLayout:
         self._unfinished[staged] = manifest  # ... and a failure from here on must keep the staged copy
         stale = [posixpath.join(final, k) for k in self.store.sizes(final) if k not in manifest.files]
         self.store.delete(stale)
-        names = sorted(manifest.files)
+        got = manifest.files
+        copy = self.store.copy
         self.store._parallel(
-            lambda n: self.store.copy(
-                posixpath.join(staged, n), posixpath.join(final, n), manifest.files[n].size
-            ),
-            names,
+            lambda n: copy(posixpath.join(staged, n), posixpath.join(final, n), got[n].size, got[n].crc32c),
+            sorted(got),
         )
         self._confirm(final, manifest)
         if not create_if_absent(self.store, posixpath.join(final, MANIFEST_NAME), manifest.to_json()):

@@ -5,9 +5,15 @@ s3fs's own managed copy creates its upload without a checksum algorithm: the cop
 all (S3 and moto give it a CRC64NVME only), so a check of it could go by its size alone, and an incremental
 save's server-side copy of a big frozen group would be listed unproven. Here the upload is created with
 ``ChecksumAlgorithm=CRC32C`` and ``ChecksumType=FULL_OBJECT``: S3 computes each part's CRC32C from the
-source bytes it copies and combines them into the copy's full-object CRC32C, which ``check`` compares with
-the crc32c the manifest holds for the source (remote/incremental_copy.py). A completed copy without a
-full-object CRC32C (a store that ignores the request) is deleted and refused: never listed unverified.
+source bytes it copies and combines them into the copy's full-object CRC32C.
+
+The upload is completed through the store's one completion path (``S3Store.complete_mpu``), with the
+crc32c the manifest holds for the source where the caller knows it: S3 then checks the copy against it
+itself and refuses a mismatch at completion (moto does not check it; the comparison after the copy still
+does, ``check`` in remote/incremental_copy.py). complete_mpu also knows a retried completion whose first
+answer was lost (the retry finds ``NoSuchUpload`` because the upload finished): the copy is then confirmed
+by a HEAD, not refused. A completed copy without a full-object CRC32C (a store that ignores the request)
+is deleted and refused: never listed unverified.
 """
 
 from __future__ import annotations
@@ -34,6 +40,17 @@ class _Store(Protocol):
     async def _head(self, bucket: str, key: str) -> Any: ...
     async def create_mpu(self, bucket: str, key: str, what: str, *, full: bool) -> str: ...
     async def abort_mpu(self, bucket: str, key: str, upload_id: str) -> None: ...
+    async def complete_mpu(
+        self,
+        bucket: str,
+        key: str,
+        upload_id: str,
+        parts: list[dict[str, Any]],
+        crc: str | None,
+        what: str,
+        *,
+        full: bool,
+    ) -> Any: ...
     async def _delete(self, bucket: str, keys: list[str]) -> None: ...
 
 
@@ -50,9 +67,10 @@ def copy_ranges(size: int) -> list[tuple[int, int]]:
     return [(off, min(off + psize, size) - 1) for off in range(0, size, psize)]
 
 
-async def copy_in_parts(store: _Store, src: str, dst: str, size: int) -> None:
-    """Copy ``src`` (``size`` bytes) to ``dst`` by UploadPartCopy; the upload is aborted on any failure, and
-    a completed copy whose full-object CRC32C the store does not report is deleted (UploadError)."""
+async def copy_in_parts(store: _Store, src: str, dst: str, size: int, crc: str | None = None) -> None:
+    """Copy ``src`` (``size`` bytes; ``crc``: its crc32c as the manifest holds it, checked by S3 at
+    completion) to ``dst`` by UploadPartCopy; the upload is aborted on any failure, and a completed copy
+    whose full-object CRC32C the store does not report is deleted (UploadError)."""
     sb, sk = store._split(src)
     db, dk = store._split(dst)
     what = f"copy of {store.url(src)}"
@@ -82,17 +100,8 @@ async def copy_in_parts(store: _Store, src: str, dst: str, size: int) -> None:
         parts = await store._gather(
             [part(i + 1, first, last) for i, (first, last) in enumerate(copy_ranges(size))]
         )
-        answer = await store.aretry(
-            f"{what} (complete)",
-            lambda: store.call(
-                "complete_multipart_upload",
-                Bucket=db,
-                Key=dk,
-                UploadId=upload_id,
-                MultipartUpload={"Parts": parts},
-                ChecksumType="FULL_OBJECT",
-            ),
-        )
+        # None: a retry found the upload already completed (its first answer lost); the HEAD below decides.
+        answer = await store.complete_mpu(db, dk, upload_id, parts, crc, what, full=True)
     except BaseException:
         await store.abort_mpu(db, dk, upload_id)
         raise

@@ -86,14 +86,15 @@ class S3Store(S3Reader):
             **cond,
         )
 
-    def copy(self, src: str, dst: str, size: int | None = None) -> None:
+    def copy(self, src: str, dst: str, size: int | None = None, crc: str | None = None) -> None:
         if size is not None and size > _MAX_COPY:
-            self.run(copy_in_parts, self, src, dst, size)
+            self.run(copy_in_parts, self, src, dst, size, crc)
             self.fs.invalidate_cache(dst)
             return
         sb, sk = self._split(src)
         db, dk = self._split(dst)
-        # ChecksumAlgorithm on the copy: S3 computes the copy's CRC32C itself, so confirm() can check it.
+        # ChecksumAlgorithm on the copy: S3 computes the copy's CRC32C itself, so check() can compare it with
+        # ``crc`` (CopyObject takes no expected checksum: the comparison is the caller's).
         self.run(
             self.aretry,
             f"copy of {self.url(src)}",
@@ -264,19 +265,20 @@ class S3Store(S3Reader):
         key: str,
         upload_id: str,
         parts: list[dict[str, Any]],
-        crc: str,
+        crc: str | None,
         what: str,
         *,
         full: bool,
     ) -> Any:
-        """Complete the upload (``full``: with the full-object CRC32C ``crc``, which S3 checks); the store's
-        answer (None if a retry found it already completed)."""
-        attempts = 0
-        whole = {"ChecksumCRC32C": b64_crc(crc), "ChecksumType": "FULL_OBJECT"} if full else {}
+        """Complete the upload (``full``: with the full-object CRC32C ``crc``, which S3 checks, or without a
+        client value where ``crc`` is None, S3 then only computing its own); the store's answer (None if a
+        retry found it already completed). Uploads (s3store, s3writer) and multipart copies (s3copy) alike
+        complete here, so a completion whose answer was lost is handled the same way for all of them."""
+        whole: dict[str, str] = {"ChecksumType": "FULL_OBJECT"} if full else {}
+        if full and crc is not None:
+            whole["ChecksumCRC32C"] = b64_crc(crc)
 
         async def complete() -> Any:
-            nonlocal attempts
-            attempts += 1
             try:
                 return await self.call(
                     "complete_multipart_upload",
@@ -288,8 +290,10 @@ class S3Store(S3Reader):
                 )
             except Exception as e:
                 # A retry after a completion whose answer was lost: the upload is gone because it
-                # finished. aconfirm() then decides from the object itself.
-                if attempts > 1 and cause_code(e) == "NoSuchUpload":
+                # finished. The caller's HEAD then decides from the object itself (an upload that is gone
+                # for another reason leaves no object, or one of other bytes: refused there). Even on our
+                # first attempt: botocore retries a reset connection itself, inside that attempt.
+                if cause_code(e) == "NoSuchUpload":
                     return None
                 raise
 

@@ -317,8 +317,11 @@ class ObjectStore:
         """Abort the unfinished multipart uploads under ``prefix``; how many. None on a generic store."""
         return 0
 
-    def copy(self, src: str, dst: str, size: int | None = None) -> None:
-        """Server-side copy where the store has one."""
+    def copy(self, src: str, dst: str, size: int | None = None, crc: str | None = None) -> None:
+        """Server-side copy where the store has one. ``size`` and ``crc``: what the manifest holds for
+        ``src`` (a store that can check the copy against them itself does: S3's multipart copy); the
+        caller still compares the copy with them afterwards (:meth:`check`): what each store proves of a
+        copy is in docs/storage.md."""
         retry(f"copy of {self.url(src)}", lambda: self.fs.copy(src, dst), self.cfg)
 
     def open_writer(self, path: str) -> RawWriter:
