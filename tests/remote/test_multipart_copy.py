@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+from pathlib import Path
 from typing import Any
 
 import crc32c
@@ -22,7 +23,7 @@ import safepoint
 from safepoint.remote import s3copy, s3store
 from safepoint.remote.object_layout import RemoteLayout
 from safepoint.remote.s3store import S3Store
-from safepoint.remote.upload import MiB, TransferOptions, UploadError, b64_crc
+from safepoint.remote.upload import FileCopy, MiB, TransferOptions, UploadError, b64_crc
 from safepoint.store.checksum import crc_hex
 from safepoint.store.incremental import is_stable_group
 from tests.helpers.frozen_state import ADAPTER, BASE, Frozen, saves_counted
@@ -176,3 +177,22 @@ def test_a_part_copy_whose_completion_answer_was_lost_is_confirmed_not_refused(
     assert store.check(dst, len(data), crc, read=False) is None  # the store's full-object CRC32C
     assert store.get_bytes(dst) == data
     assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")
+
+
+def test_an_upload_whose_completion_answer_was_lost_is_confirmed_not_refused(
+    proxy: FaultProxy, bucket: str, tmp_path: Path
+) -> None:
+    """The same lost answer for a multipart upload of a local file (the same completion path). botocore
+    retries a reset connection itself, inside safepoint's first attempt: complete_mpu used to accept the
+    NoSuchUpload only on its own second attempt, and failed the upload here."""
+    cfg = TransferOptions(part_size=5 * MiB, concurrency=4, backoff_s=0.0, max_backoff_s=0.0)
+    fs = s3fs.S3FileSystem(**storage_options(proxy.endpoint), skip_instance_cache=True)
+    data = os.urandom(11 * MiB + 3)
+    (tmp_path / "big.bin").write_bytes(data)
+    crc = crc_hex(crc32c.crc32c(data))
+    complete = r"/up/big\.bin\?uploadId="
+    proxy.add("lost", method="POST", path=complete, count=1)
+    proxy.add("NoSuchUpload", method="POST", path=complete, count=1)
+    S3Store(fs, cfg).put_files([FileCopy(str(tmp_path / "big.bin"), f"{bucket}/up/big.bin", len(data), crc)])
+    assert [w for m, p, w in proxy.seen if m == "POST" and "uploadId=" in p] == ["lost", "NoSuchUpload"]
+    assert fs.cat_file(f"{bucket}/up/big.bin") == data
