@@ -9,10 +9,13 @@ objects while later steps keep theirs (nothing is shared, unlike a hard link).
 
 Trust: the previous step's record (``rank-<r>.fingerprints``) is read back from the store as hostile input
 (``read_previous_remote``: its size capped by the manifest and MAX_BYTES, its crc32c checked, its shape
-validated, store/incremental_record.py); a copy counts only once the store confirms it (the size, and the
-crc32c the store computes of the copy where it keeps one: S3, GCS; Azure's Copy Blob is waited for until
-it reports success, remote/azstore.py). Anything else (a missing or tampered record, a copy that fails or
-does not match) means the group is written from memory: never a stale byte.
+validated, store/incremental_record.py); a copy counts only once it is proven to hold the bytes the
+manifest lists (``proven_copy``): by the crc32c the store itself computed of the copy where it keeps one
+(S3's CRC32C, GCS's crc32c), else by reading the copy back (Azure, which keeps no crc32c and whose Copy Blob
+status proves only that the copy finished; an S3-compatible store without CRC32C). A source tampered in
+place at the same size is then never listed under the manifest's old crc32c. Anything else (a missing or
+tampered record, a copy that fails or does not match) means the group is written from memory: never a
+stale byte. What each store proves of a copy, and the trade-off of the read-back: docs/storage.md.
 """
 
 from __future__ import annotations
@@ -49,26 +52,37 @@ def read_previous_remote(layout: Any, rank: int) -> tuple[Record, int] | None:
         return None
 
 
+def proven_copy(store: ObjectStore, src: str, dst: str, size: int, crc: str) -> str | None:
+    """Copy ``src`` to ``dst`` server-side and prove the copy holds ``size`` bytes of crc32c ``crc`` (the
+    manifest's entry for ``src``); why not (the copy is then deleted), or None.
+
+    The proof is the store's own crc32c of the copy where it keeps one (no byte read), else the copy read
+    back (``check(read=True)``): a store that keeps no checksum proves nothing of the bytes it copied, so
+    its copy is never trusted by its size (a source altered in place at the same size would be listed)."""
+    try:
+        store.copy(src, dst, size, crc)
+        problem = store.check(dst, size, crc, read=True)
+    except (UploadError, OSError) as e:
+        problem = f"{type(e).__name__}: {e}"
+    if problem is not None:
+        with contextlib.suppress(UploadError, OSError):
+            store.delete([dst])  # a stray copy would lie unlisted in the step until it is deleted
+    return problem
+
+
 def copier(store: ObjectStore, target: str) -> Place:
     """``Round.arrange``'s ``place`` for a store: copy a previous step's group into ``target`` (the save's
     prefix) server-side and confirm the copy; None (the group is then written) if that cannot be done."""
 
     def place(source: Path, stored: StoredFile) -> StoredFile | None:
         src, dst = posixpath.join(str(source), stored.name), posixpath.join(target, stored.name)
-        try:
-            store.copy(src, dst, stored.size, stored.crc32c)
-            problem = store.check(dst, stored.size, stored.crc32c, read=False)
-        except (UploadError, OSError) as e:
-            problem = f"{type(e).__name__}: {e}"
-        if problem is None:
+        if (problem := proven_copy(store, src, dst, stored.size, stored.crc32c)) is None:
             return stored
         log.warning(
             "safepoint: server-side copy of %s failed (%s); writing its tensors instead",
             store.url(src),
             problem,
         )
-        with contextlib.suppress(UploadError, OSError):
-            store.delete([dst])  # a stray copy would lie unlisted in the step until it is deleted
         return None
 
     return place

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from safepoint.errors import CheckpointError, CorruptCheckpointError, LeaseError
 from safepoint.remote.conditional import create_if_absent
+from safepoint.remote.incremental_copy import proven_copy
 from safepoint.remote.io import SafeStoreReader, StoreWriter
 from safepoint.remote.open import open_store
 from safepoint.remote.upload import FileCopy, TransferOptions, UploadError
@@ -215,19 +216,19 @@ class RemoteLayout:
         done = self.store.put_files(copies)
         return {posixpath.basename(path): parts for path, parts in done.items()}
 
-    def copy_files(self, step: int, pending: str, files: list[tuple[str, int, str]]) -> None:
-        """Copy committed ``step``'s objects (name, size, crc32c) into ``pending`` server-side (S3
-        CopyObject: no client bytes), each confirmed against its size and crc32c like an upload."""
+    def copy_files(self, step: int, pending: str, files: list[tuple[str, int, str]]) -> list[str]:
+        """Copy committed ``step``'s objects (name, size, crc32c) into ``pending`` server-side, each proven
+        (incremental_copy.proven_copy); the names that could not be (the caller uploads those)."""
         source = self.step_key(step)
 
-        def one(item: tuple[str, int, str]) -> None:
+        def one(item: tuple[str, int, str]) -> str | None:
             name, size, crc = item
-            target = posixpath.join(pending, name)
-            self.store.copy(posixpath.join(source, name), target, size, crc)
-            if (problem := self.store.check(target, size, crc, read=False)) is not None:
-                raise UploadError(f"server-side copy of {self.store.url(target)}: {problem}")
+            src, dst = posixpath.join(source, name), posixpath.join(pending, name)
+            if problem := proven_copy(self.store, src, dst, size, crc):
+                log.warning("safepoint: server-side copy of %s failed (%s); uploading it", name, problem)
+            return name if problem else None
 
-        self.store._parallel(one, files)
+        return [n for n in self.store._parallel(one, files) if n]
 
     def commit(self, pending: str, manifest: Manifest, *, confirmed: bool = False) -> str:
         """Confirm every object against ``manifest``, then write the manifest (then promote if staged).

@@ -123,7 +123,11 @@ def upload_checkpoint(
             and (before[1].files[n].size, before[1].files[n].crc32c) == (files[n].size, files[n].crc32c)
         ]
         if before is not None and same:
-            durable.copy_files(before[0], pending, [(n, files[n].size, files[n].crc32c) for n in same])
+            # A copy that could not be proven (a source altered in place, say) is uploaded from here.
+            failed = durable.copy_files(
+                before[0], pending, [(n, files[n].size, files[n].crc32c) for n in same]
+            )
+            same = [n for n in same if n not in failed]
         rest = [n for n in mine if n not in same]
         todo = [(str(base / n), n, files[n].size, files[n].crc32c) for n in rest]
         return durable.put_files(pending, todo, root=str(local.root))

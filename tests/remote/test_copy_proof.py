@@ -1,0 +1,131 @@
+"""A server-side copy counts only once it is proven to hold the manifest's bytes (remote/incremental_copy.py
+``proven_copy``), whatever the store keeps of it.
+
+The threat: a stable group tampered with in place, at the same size, in an older step on the store. An
+incremental save copies that group into its new step server-side and lists it under the manifest's old
+crc32c. Where the store computes a crc32c of the copy (S3 with CRC32C, GCS) the comparison catches it; where
+it keeps none (Azure; an S3-compatible store that ignores ``ChecksumAlgorithm``, played here by moto behind
+a proxy that hides its CRC32C headers) the copy used to be accepted by its size and the new step committed
+with bytes it cannot restore. Now such a copy is read back: the tampered group is refused, its copy
+deleted, and the group written from memory (direct) or uploaded from the local tier (tiered).
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Iterator
+from pathlib import Path
+
+import crc32c
+import pytest
+import torch
+
+import safepoint
+from safepoint.remote.incremental_copy import copier
+from safepoint.remote.object_layout import RemoteLayout
+from safepoint.remote.upload import MiB, TransferOptions
+from safepoint.store.checksum import crc_hex
+from safepoint.store.incremental import StoredFile, is_stable_group
+from tests.helpers.frozen_state import ADAPTER, BASE, Frozen, saves_counted
+from tests.helpers.stores import Store, azure_store, gcs_store, s3_store
+from tests.helpers.tcpproxy import TcpProxy, proxied, tcp_proxy
+
+CFG = TransferOptions(part_size=5 * MiB, concurrency=4)
+OVERHEAD = 256 * 1024  # as in test_incremental_direct.py
+_GROUP = "__0_1000000000000000000.distcp"
+# moto's CRC32C header renamed (same length): botocore no longer sees it, as with a store that keeps none.
+_HIDE_CRC = (b"x-amz-checksum-crc32c", b"x-amz-checksum-crc32x")
+
+
+def _fixture_store(request: pytest.FixtureRequest) -> Iterator[tuple[Store, Store, TcpProxy]]:
+    """(the store as safepoint reaches it, the same store reached directly to tamper with it, the proxy in
+    between that counts the bytes)."""
+    kind = str(request.param)
+    if kind == "s3-no-crc":
+        raw = s3_store(request.getfixturevalue("moto_endpoint"))
+    elif kind == "gs":
+        raw = gcs_store(request.getfixturevalue("gcs_endpoint"))
+    else:
+        raw = azure_store(request.getfixturevalue("azurite_endpoint"))
+    with tcp_proxy(raw.endpoint) as proxy:
+        if kind == "s3-no-crc":
+            proxy.corrupt_down = _HIDE_CRC
+        yield proxied(raw, proxy), raw, proxy
+
+
+@pytest.fixture(params=["s3-no-crc", "gs", "az"])
+def stores(request: pytest.FixtureRequest) -> Iterator[tuple[Store, Store, TcpProxy]]:
+    yield from _fixture_store(request)
+
+
+def _alter_in_place(raw: Store, key: str) -> None:
+    """Rewrite the object at ``key`` through the store's own API with one byte flipped: the same size."""
+    fs = raw.fs()
+    data = bytearray(fs.cat_file(key))
+    data[-100] ^= 0xFF
+    fs.pipe_file(key, bytes(data))
+
+
+def test_a_copy_of_a_source_altered_in_place_is_refused_by_every_store(
+    tmp_path: Path, stores: tuple[Store, Store, TcpProxy]
+) -> None:
+    store, raw, _ = stores
+    url = store.root()
+    layout = RemoteLayout(url, store.options, transfer=CFG)
+    data = torch.randn(MiB // 2).numpy().tobytes()
+    (tmp_path / _GROUP).write_bytes(data)
+    entry = (_GROUP, len(data), crc_hex(crc32c.crc32c(data)))
+    layout.put_files(layout.step_key(1), [(str(tmp_path / _GROUP), *entry)])
+    src = posixpath.join(layout.step_key(1), _GROUP)
+    # An intact source: the copy is proven (by the store's crc32c, or read back) and taken.
+    assert layout.copy_files(1, layout.step_key(2), [entry]) == []
+    assert raw.fs().cat_file(posixpath.join(layout.step_key(2), _GROUP)) == data
+    _alter_in_place(raw, src)
+    # Tiered: the copy is refused and deleted; the caller uploads the group from the local tier instead.
+    assert layout.copy_files(1, layout.step_key(3), [entry]) == [_GROUP]
+    assert not raw.fs().exists(posixpath.join(layout.step_key(3), _GROUP))
+    # Direct: the copier gives the group back to be written from memory, and leaves no copy either.
+    stored = StoredFile(_GROUP, {}, entry[1], entry[2], None)
+    assert copier(layout.store, layout.step_key(4))(Path(layout.step_key(1)), stored) is None
+    assert not raw.fs().exists(posixpath.join(layout.step_key(4), _GROUP))
+
+
+@pytest.fixture(
+    params=[
+        "s3-no-crc",
+        pytest.param("gs", marks=pytest.mark.slow),
+        pytest.param("az", marks=pytest.mark.slow),
+    ]
+)
+def saving(request: pytest.FixtureRequest) -> Iterator[tuple[Store, Store, TcpProxy]]:
+    yield from _fixture_store(request)
+
+
+def test_a_stable_group_altered_in_place_is_never_committed_in_a_new_step(
+    saving: tuple[Store, Store, TcpProxy],
+) -> None:
+    """Direct saves (no local_root): step 3 copies the stable group; it is then altered in place at the
+    same size. Step 4 (a new manager) must not list the altered bytes: its copy is refused and the group
+    written from memory, so step 4 verifies and restores bit for bit; step 5 copies from step 4 again."""
+    store, raw, proxy = saving
+    url = store.root()
+    model = Frozen()
+    layout = RemoteLayout(url, raw.options, transfer=CFG)
+    with safepoint.CheckpointManager(url, storage_options=store.options, transfer=CFG) as mgr:
+        up = saves_counted(mgr, model, proxy, range(1, 4), wait=True)[0]
+    assert up[3] < ADAPTER * 4 + OVERHEAD, up  # the group was copied server-side
+    group = next(n for n in layout.read_manifest(3).files if is_stable_group(n))
+    _alter_in_place(raw, posixpath.join(layout.step_key(3), group))
+    with safepoint.CheckpointManager(url, storage_options=store.options, transfer=CFG) as mgr:
+        up, saved = saves_counted(mgr, model, proxy, range(4, 6), wait=True)
+        down = proxy.down  # what step 5's save read (its copy read back where the store keeps no crc32c)
+    assert up[4] > BASE, up  # the group written again, not copied from the altered one ...
+    assert up[5] < ADAPTER * 4 + OVERHEAD, up  # ... and copied from step 4 after that
+    print(f"{store.scheme}: steady save up {up[5]} bytes, down {down} bytes")
+    for step in (4, 5):
+        layout.verify(step)
+        fresh = Frozen()
+        with safepoint.CheckpointManager(url, storage_options=raw.options, transfer=CFG) as mgr:
+            assert mgr.restore(safepoint.TrainState(model=fresh), step=step) == step
+        assert torch.equal(fresh.base, saved[step]["base"])
+        assert torch.equal(fresh.adapter, saved[step]["adapter"])
