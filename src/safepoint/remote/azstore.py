@@ -8,6 +8,13 @@ blob is then exactly the blocks committed by ``Put Block List``, each confirmed,
 before committing, the blocks' crc32c are combined and compared with the manifest, so a local file that
 changed since it was written is never uploaded. Afterwards the blob's size is checked once more.
 
+Server-side copies: Azure keeps no crc32c of a blob, and a Copy Blob's status proves only that the copy
+finished, not which bytes it copied (a source altered in place at the same size copies "successfully").
+So a copy is proven by the source's version: the blobs this process wrote (checked as above) or read back
+are remembered by their ETag (remote/versions.py), a copy from one of them is made on the condition that
+the source still has that ETag (``x-ms-source-if-match``, which Azure checks), and the copy's own ETag is
+remembered in turn. Any other copy is read back (``prove``): once per group after a restart.
+
 Requests go through adlfs's own async Azure SDK client (its credentials, endpoint and transport), on
 fsspec's event loop; each is retried by safepoint's policy (retry.py) on top of the SDK's own retries.
 """
@@ -23,11 +30,13 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+import crc32c
 from fsspec.asyn import sync
 
 from safepoint.remote.retry import DamagedInTransit, UploadError, lower_priority, next_delay, retry
 from safepoint.remote.stream import PartWriter
 from safepoint.remote.upload import FileCopy, ObjectStore, RawWriter, check_local, combine, read_range
+from safepoint.remote.versions import ProvenVersions
 from safepoint.store.checksum import crc_hex
 
 T = TypeVar("T")
@@ -56,6 +65,8 @@ class AzureStore(ObjectStore):
         init = lower_priority if self.cfg.background else None
         # Reading parts from disk and hashing them (hashlib and crc32c release the GIL) off the event loop.
         self._pool = concurrent.futures.ThreadPoolExecutor(self.cfg.concurrency, initializer=init)
+        self.versions = ProvenVersions()
+        """The blob versions whose bytes this process proved (module docstring; remote/versions.py)."""
 
     # ---- plumbing ---------------------------------------------------------------------------------------
 
@@ -90,15 +101,33 @@ class AzureStore(ObjectStore):
             what, lambda: self.client(path).stage_block(block_id, data, length=len(data), headers=headers)
         )
 
-    async def commit_blocks(self, path: str, ids: list[str], what: str) -> None:
+    async def commit_blocks(self, path: str, ids: list[str], what: str) -> str | None:
+        """Commit the block list; the blob's new ETag (the version those blocks make)."""
         from azure.storage.blob import BlobBlock
 
         blocks = [BlobBlock(i) for i in ids]
-        await self.aretry(f"{what} (commit)", lambda: self.client(path).commit_block_list(blocks))
+        r = await self.aretry(f"{what} (commit)", lambda: self.client(path).commit_block_list(blocks))
+        return _etag(r)
 
-    async def put_blob(self, path: str, data: bytes, what: str) -> None:
+    async def put_blob(self, path: str, data: bytes, what: str) -> str | None:
+        """Put Blob with the data's Content-MD5; the blob's new ETag."""
         headers = await self._in_pool(md5_header, data)
-        await self.aretry(what, lambda: self.client(path).upload_blob(data, overwrite=True, headers=headers))
+        r = await self.aretry(
+            what, lambda: self.client(path).upload_blob(data, overwrite=True, headers=headers)
+        )
+        return _etag(r)
+
+    async def etag(self, path: str) -> str | None:
+        """The blob's ETag now (its version), or None where there is no blob."""
+        from azure.core.exceptions import ResourceNotFoundError
+
+        try:
+            props = await self.aretry(f"stat of {self.url(path)}", self.client(path).get_blob_properties)
+        except UploadError as e:
+            if isinstance(e.__cause__, ResourceNotFoundError):
+                return None
+            raise
+        return _etag(props)
 
     # ---- small objects ----------------------------------------------------------------------------------
 
@@ -115,16 +144,29 @@ class AzureStore(ObjectStore):
 
         adlfs's ``copy`` only *starts* the copy: Azure may answer ``x-ms-copy-status: pending`` and finish
         later (a large blob, a busy account), and a blob that is still being copied, or whose copy failed
-        or was aborted, must never be committed. Azure keeps no crc32c to confirm the copy against (the
-        caller checks the size), so the store's own status of this very copy (its copy id) is the proof."""
+        or was aborted, must never be committed. The status proves the copy finished, not its bytes: where
+        ``src`` is a version this process proved to hold ``size`` bytes of crc32c ``crc``, the copy is
+        made on the condition that it still is that version (Azure refuses it otherwise: UploadError), and
+        the copy's version is remembered as proven too (``prove`` then needs no read)."""
         what = f"copy of {self.url(src)}"
-        self.run(self.aretry, what, lambda: self._copy(src, dst))
+        source = self.versions.tag(src, size, crc) if size is not None and crc is not None else None
+        self.versions.forget(dst)
+        tag = self.run(self.aretry, what, lambda: self._copy(src, dst, source))
+        if source is not None and size is not None and crc is not None:
+            self.versions.remember(dst, tag, size, crc)
         self.fs.invalidate_cache(dst)
 
-    async def _copy(self, src: str, dst: str) -> None:
+    async def _copy(self, src: str, dst: str, source: str | None) -> str | None:
+        """Copy ``src`` (on the condition that its ETag is ``source``, where given) to ``dst``; the ETag of
+        the copy once Azure reports it done."""
+        from azure.core import MatchConditions
+
         target = self.client(dst)
-        started = await target.start_copy_from_url(self.client(src).url)
-        copy_id, status = started.get("copy_id"), started.get("copy_status")
+        cond: dict[str, Any] = {}
+        if source is not None:
+            cond = {"source_etag": source, "source_match_condition": MatchConditions.IfNotModified}
+        started = await target.start_copy_from_url(self.client(src).url, **cond)
+        copy_id, status, tag = started.get("copy_id"), started.get("copy_status"), _etag(started)
         delay, deadline = COPY_POLL_S, asyncio.get_running_loop().time() + COPY_WAIT_S
         while status == "pending":
             if asyncio.get_running_loop().time() > deadline:
@@ -136,9 +178,22 @@ class AzureStore(ObjectStore):
             props = await target.get_blob_properties()
             if props.copy.id != copy_id:
                 raise DamagedInTransit(f"another copy replaced this one at {self.url(dst)}")
-            status = props.copy.status
+            status, tag = props.copy.status, _etag(props)
         if status != "success":  # failed or aborted: transient, copied again (then UploadError)
             raise DamagedInTransit(f"the store reports the copy to {self.url(dst)} as {status}")
+        return tag
+
+    def prove(self, path: str, size: int, crc: str) -> str | None:
+        """Why the blob at ``path`` is not proven to hold ``size`` bytes of crc32c ``crc``, or None: by its
+        version where this process proved that (one properties request), else read back, and its version
+        remembered where it did not change while it was read (an ETag is never reused)."""
+        before = self.run(self.etag, path)
+        if before is not None and self.versions.tag(path, size, crc) == before:
+            return None
+        problem = self.check(path, size, crc, read=True)
+        if problem is None and before is not None and self.run(self.etag, path) == before:
+            self.versions.remember(path, before, size, crc)
+        return problem
 
     # ---- files ------------------------------------------------------------------------------------------
 
@@ -147,20 +202,22 @@ class AzureStore(ObjectStore):
 
         # The whole file again if the blob turns out other than sent (DamagedInTransit from confirm).
         def once() -> None:
-            self.run(self._put_file, item, what)
+            self.versions.forget(item.remote)
+            tag = self.run(self._put_file, item, what)
             self.confirm(item)
+            self.versions.remember(item.remote, tag, item.size, item.crc32c)
 
         retry(what, once, self.cfg)
 
-    async def _put_file(self, item: FileCopy, what: str) -> None:
+    async def _put_file(self, item: FileCopy, what: str) -> str | None:
+        """Upload ``item`` (its blocks checked by Azure, their crc32c by the manifest); the blob's ETag."""
         psize = self.cfg.part_size
         if item.size <= psize:
             async with self.sem:
                 await self._in_pool(self.pass_gate)
                 data, crc = await self._in_pool(read_range, item.local, 0, item.size, item.root)
                 check_local(item, crc_hex(crc))
-                await self.put_blob(item.remote, data, what)
-            return
+                return await self.put_blob(item.remote, data, what)
         upload = uuid.uuid4().hex[:12]
 
         async def block(n: int, off: int) -> tuple[str, int, int]:
@@ -180,7 +237,7 @@ class AzureStore(ObjectStore):
             await asyncio.gather(*tasks, return_exceptions=True)
             raise  # staged blocks that are never committed are dropped by Azure (after a week)
         check_local(item, combine([(crc, n) for _, crc, n in done]))
-        await self.commit_blocks(item.remote, [i for i, _, _ in done], what)
+        return await self.commit_blocks(item.remote, [i for i, _, _ in done], what)
 
     def open_writer(self, path: str) -> RawWriter:
         return AzureWriter(self, path)
@@ -203,10 +260,22 @@ class AzureWriter(PartWriter):
         await self._s.stage(self._path, block_id, data, f"{self._what} (block {n})")
         return block_id
 
+    # The blob is the bytes streamed in, each block checked by Azure's Content-MD5: its version is proven
+    # to hold the crc32c of those bytes (the one DCP's stream records for the manifest).
     def _whole(self, data: bytes) -> None:
-        self._s.run(self._s.put_blob, self._path, data, self._what)
+        self._s.versions.forget(self._path)
+        tag = self._s.run(self._s.put_blob, self._path, data, self._what)
+        self._s.versions.remember(self._path, tag, len(data), crc_hex(crc32c.crc32c(data)))
         self._s.fs.invalidate_cache(self._path)
 
     def _finish(self, sent: list[str]) -> None:
-        self._s.run(self._s.commit_blocks, self._path, sent, self._what)
+        self._s.versions.forget(self._path)
+        tag = self._s.run(self._s.commit_blocks, self._path, sent, self._what)
+        self._s.versions.remember(self._path, tag, sum(n for _, n in self._crcs), combine(self._crcs))
         self._s.fs.invalidate_cache(self._path)
+
+
+def _etag(answer: Any) -> str | None:
+    """The ETag in an Azure SDK answer (a dict, or a BlobProperties)."""
+    tag = answer.get("etag") if isinstance(answer, dict) else getattr(answer, "etag", None)
+    return tag if isinstance(tag, str) and tag else None

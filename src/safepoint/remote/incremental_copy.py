@@ -56,12 +56,13 @@ def proven_copy(store: ObjectStore, src: str, dst: str, size: int, crc: str) -> 
     """Copy ``src`` to ``dst`` server-side and prove the copy holds ``size`` bytes of crc32c ``crc`` (the
     manifest's entry for ``src``); why not (the copy is then deleted), or None.
 
-    The proof is the store's own crc32c of the copy where it keeps one (no byte read), else the copy read
-    back (``check(read=True)``): a store that keeps no checksum proves nothing of the bytes it copied, so
-    its copy is never trusted by its size (a source altered in place at the same size would be listed)."""
+    The proof is the store's own crc32c of the copy where it keeps one (no byte read); on Azure, the copy
+    made from a blob version this process proved (remote/versions.py); else the copy read back
+    (``store.prove``): a store that keeps no checksum proves nothing of the bytes it copied, so its copy is
+    never trusted by its size (a source altered in place at the same size would be listed)."""
     try:
         store.copy(src, dst, size, crc)
-        problem = store.check(dst, size, crc, read=True)
+        problem = store.prove(dst, size, crc)
     except (UploadError, OSError) as e:
         problem = f"{type(e).__name__}: {e}"
     if problem is not None:
