@@ -94,8 +94,8 @@ async def copy_in_parts(store: _Store, src: str, dst: str, size: int, crc: str |
             result = r["CopyPartResult"]
             # S3 returns the part's CRC32C it computed (an upload made with a checksum algorithm needs each
             # part's at completion); moto leaves it off and computes the whole object's at completion.
-            crc = {"ChecksumCRC32C": result["ChecksumCRC32C"]} if "ChecksumCRC32C" in result else {}
-            return {"PartNumber": n, "ETag": result["ETag"], **crc}
+            got = {"ChecksumCRC32C": result["ChecksumCRC32C"]} if "ChecksumCRC32C" in result else {}
+            return {"PartNumber": n, "ETag": result["ETag"], **got}
 
         parts = await store._gather(
             [part(i + 1, first, last) for i, (first, last) in enumerate(copy_ranges(size))]
