@@ -168,3 +168,20 @@ def test_a_stable_group_altered_in_place_is_never_committed_in_a_new_step(
             assert mgr.restore(safepoint.TrainState(model=fresh), step=step) == step
         assert torch.equal(fresh.base, saved[step]["base"])
         assert torch.equal(fresh.adapter, saved[step]["adapter"])
+
+
+def test_proven_versions_are_bounded_and_bound_to_size_and_crc() -> None:
+    """The remembered versions stay bounded (the oldest go first: such a group is read back once more), a
+    version vouches only for the size and crc32c it was proven with, and a path written again is forgotten
+    until its new version is proven."""
+    from safepoint.remote.versions import ProvenVersions
+
+    known = ProvenVersions(limit=2)
+    known.remember("a", '"1"', 10, "00000001")
+    known.remember("b", '"2"', 10, "00000002")
+    assert known.tag("a", 10, "00000001") == '"1"'
+    assert known.tag("a", 10, "00000002") is None and known.tag("a", 11, "00000001") is None
+    known.remember("c", '"3"', 10, "00000003")  # over the limit: "a", the oldest, goes
+    assert known.tag("a", 10, "00000001") is None and known.tag("c", 10, "00000003") == '"3"'
+    known.remember("b", None, 10, "00000002")  # written again, no version known: forgotten
+    assert known.tag("b", 10, "00000002") is None
