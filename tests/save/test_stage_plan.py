@@ -8,12 +8,10 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from safepoint.save.staging import Stager
@@ -253,17 +251,6 @@ def test_no_growth_and_no_cyclic_garbage_across_saves(stager: Stager) -> None:
         if was:
             gc.enable()
     assert stager.allocations == 1 and _buffers(stager.stage(sd)) == buffers
-
-
-@pytest.fixture()
-def one_rank_group(tmp_path: Path) -> Iterator[None]:
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_dtensors_are_staged_and_a_changed_placement_gets_new_buffers(one_rank_group: None) -> None:

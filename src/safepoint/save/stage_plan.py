@@ -24,7 +24,6 @@ the copy exact: ``copy_`` would broadcast a smaller tensor or convert a dtype, s
 from __future__ import annotations
 
 import copy
-import io
 from collections.abc import Sequence
 from typing import Any
 
@@ -153,8 +152,9 @@ class _Walker:
             out.opaque.append(i)
         else:
             append(None)
-            # What torch's _copy_state_dict(type_check=False) does with any other value: its own copy.
-            return v if isinstance(v, io.BytesIO) else copy.deepcopy(v)
+            # Its own copy, as torch's _copy_state_dict(type_check=False) makes of any other value; a BytesIO
+            # too (position and all), which torch passes on as it is: no later write may reach the snapshot.
+            return copy.deepcopy(v)
         return slots[i] if i < have else v  # type: ignore[index]
 
 

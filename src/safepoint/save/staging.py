@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
 from safepoint.save.shared_buffers import SharedArena, move_into_arena
@@ -128,13 +129,11 @@ class Stager:
         if self._before_alloc is not None:
             self._before_alloc()
         pin = bool(cuda_devices(walked))
+        # Shared: untouched pages, re-homed below without a copy.
+        buffers = _own_copies(sd, _create_cpu_state_dict(sd, pin_memory=pin and not self._shared))
+        _tie_buffers(sd, buffers)
         if self._shared:
-            buffers = _create_cpu_state_dict(sd)  # untouched pages: re-homed below without a copy
-            _tie_buffers(sd, buffers)
             self.arena = move_into_arena(buffers, pin=pin)
-        else:
-            buffers = _create_cpu_state_dict(sd, pin_memory=pin)
-            _tie_buffers(sd, buffers)
         self._buffers = buffers
         self.allocations += 1
         self.nbytes = tensor_bytes(buffers)
@@ -265,6 +264,33 @@ def _ties(sd: Any) -> list[tuple[int, int]]:
         else:
             first[key] = i
     return out
+
+
+def _own_copies(sd: Any, buffers: Any) -> Any:
+    """``buffers`` with every tensor item that is the live item itself replaced by a private host copy.
+
+    torch's ``_create_cpu_state_dict`` returns a 0-d DTensor as it is (an FSDP2 / tensor-parallel scalar
+    parameter, its Adam moments): staged into itself, the snapshot then *was* the live DTensor, and the
+    next optimizer step, run while the background write was still reading it, reached the committed
+    checkpoint (a value from a later step: a bitwise resume broken without a sign). Every other item it
+    allocates anew (0-d and zero-size plain tensors, DTensors with an empty local shard, ShardedTensors
+    with local shards); a ShardedTensor without local shards is returned as is too, and kept: this rank
+    holds none of its bytes, so it writes nothing of it (``_create_cpu_state_dict`` cannot build one
+    either). Walked once per buffer set (at allocation), never per save."""
+    if isinstance(buffers, torch.Tensor):
+        if buffers is sd and not isinstance(buffers, ShardedTensor):
+            return buffers.detach().to("cpu", copy=True)  # a DTensor stays one (same mesh and placements)
+        return buffers
+    if isinstance(buffers, dict):
+        for k, b in buffers.items():
+            buffers[k] = _own_copies(sd[k], b)
+        return buffers
+    if isinstance(buffers, list):
+        buffers[:] = [_own_copies(s, b) for s, b in zip(sd, buffers, strict=True)]
+        return buffers
+    if isinstance(buffers, tuple):
+        return tuple(_own_copies(s, b) for s, b in zip(sd, buffers, strict=True))
+    return buffers
 
 
 def _tie_buffers(sd: Any, buffers: Any) -> None:
