@@ -183,19 +183,29 @@ class Plan:
     the walk's tensors to copy, in the order of ``targets``."""
 
     def __init__(self, walked: Walked, buffers: Any) -> None:
-        self.tokens = walked.tokens
         mine = walk(buffers, None)
         if len(mine.leaves) != len(walked.leaves):
             raise RuntimeError("staging buffers do not mirror the state (a bug in safepoint)")
-        self.slots: list[Any] = mine.items()
+        self._pair(walked.tokens, mine.leaves, mine.items(), walked.opaque, cuda_devices(walked))
+        self.shared = _shared(walked, self._leaf_of)
+        """The plain items that share memory and view with another (ties), grouped, with their conj and
+        neg bits: what makes them one tensor (one buffer) or two."""
+
+    def _pair(
+        self, tokens: list[Any], leaves: list[Any], slots: list[Any], opaque: list[int], devices: Any
+    ) -> None:
+        """Pair the items of a state of signature ``tokens`` with the buffers: ``leaves[i]`` is what the i-th
+        item's copy writes (``walk``'s leaves of the buffers), ``slots[i]`` what stands in its snapshot."""
+        self.tokens = tokens
+        self.slots: list[Any] = slots
         """Per tensor item: what stands in the snapshot (the buffer, or the DTensor over it)."""
-        skip = set(walked.opaque)
-        self.opaque = [(i, self.slots[i]) for i in walked.opaque]
+        skip = set(opaque)
+        self.opaque = [(i, slots[i]) for i in opaque]
         """(position, buffer) of each item torch's ``_copy_state_dict`` copies (not incremental)."""
         firsts: list[int] = []
         self._target_of: dict[int, int] = {}  # item position -> index of its target (a tie: shared)
         index: dict[int, int] = {}
-        for i, target in enumerate(mine.leaves):
+        for i, target in enumerate(leaves):
             if i in skip:
                 continue
             k = index.get(id(target))
@@ -204,14 +214,11 @@ class Plan:
                 firsts.append(i)
             self._target_of[i] = k
         self.positions = firsts
-        self.whole = len(firsts) == len(mine.leaves)  # no ties, nothing opaque: the walk's own list
-        self.targets: list[torch.Tensor] = [mine.leaves[i] for i in firsts]
+        self.whole = len(firsts) == len(leaves)  # no ties, nothing opaque: the walk's own list
+        self.targets: list[torch.Tensor] = [leaves[i] for i in firsts]
         """The plain buffer tensors the batched copy writes, one per distinct tensor."""
-        self._leaf_of = {j: i for i, j in enumerate(_leaf_tokens(walked.tokens))}
-        self.shared = _shared(walked, self._leaf_of)
-        """The plain items that share memory and view with another (ties), grouped, with their conj and
-        neg bits: what makes them one tensor (one buffer) or two."""
-        self.devices = cuda_devices(walked)
+        self._leaf_of = {j: i for i, j in enumerate(_leaf_tokens(tokens))}
+        self.devices = devices
         """The CUDA devices the state lives on (the copy's stream); fixed by the signature."""
         self.aliases = [alias(t) for t in self.targets]
         self.unhashed: dict[tuple[Any, ...], bytes | None] = dict.fromkeys(self.aliases)  # none hashed
@@ -222,6 +229,33 @@ class Plan:
         self.versions: list[int | None] | None = None
         self.held: list[bytes | None] = [None] * len(firsts)
         self.still: set[int] = set()
+
+    def rekeyed(self, walked: Walked) -> Plan | None:
+        """This pairing for the state it was made for with its dicts' keys in ``walked``'s order: the same
+        buffers, each still paired with the item at the key path it was made for, and the incremental
+        records with them. None where ``walked`` differs by more than the order of keys (another key, a
+        container or a list length): then no pairing by key exists. Whether the reordered pairing takes
+        ``walked`` is, as for this one, for ``fits`` or ``refit`` to say."""
+        found = _rekeyed(self.tokens, walked.tokens)
+        if found is None:
+            return None
+        tokens, perm = found  # perm[i]: the position in this pairing of the new i-th item
+        new = {p: i for i, p in enumerate(perm)}
+        opaque = dict(self.opaque)
+        leaves = [opaque[p] if p in opaque else self.targets[self._target_of[p]] for p in perm]
+        plan = Plan.__new__(Plan)
+        plan._pair(
+            tokens, leaves, [self.slots[p] for p in perm], sorted(new[p] for p in opaque), self.devices
+        )
+        groups = sorted(tuple(sorted(new[p] for p in group)) for group in self.shared[0])
+        bits = {new[p]: (c, n) for p, c, n in self.shared[1]}
+        plan.shared = groups, [(i, *bits[i]) for group in groups for i in group]
+        was = {id(t): k for k, t in enumerate(self.targets)}
+        ks = [was[id(t)] for t in plan.targets]  # the same buffers (a tie's first item may have changed)
+        plan.versions = None if self.versions is None else [self.versions[k] for k in ks]
+        plan.held = [self.held[k] for k in ks]
+        plan.still = {i for i, k in enumerate(ks) if k in self.still}
+        return plan
 
     def fits(self, walked: Walked) -> bool:
         """Whether ``walked`` is of exactly the state this pairing was made for: the same signature, and
@@ -276,6 +310,62 @@ def _leaf_tokens(tokens: list[Any]) -> list[int]:
         j for j, t in enumerate(tokens) if type(t) is tuple and t[0] is not _DICT and t[0] is not _LIST
         and t[0] is not _TUPLE
     ]  # fmt: skip
+
+
+def _container(token: Any) -> Any:
+    """The tag of a container's signature item (``_DICT``, ``_LIST``, ``_TUPLE``), None for any other."""
+    if type(token) is tuple and token and (token[0] is _DICT or token[0] is _LIST or token[0] is _TUPLE):
+        return token[0]
+    return None
+
+
+def _rekeyed(old: list[Any], new: list[Any]) -> tuple[list[Any], list[int]] | None:
+    """``old`` (a signature) with the entries of each dict in the order of the same dict in ``new``, and
+    where each tensor item went (result position -> position in ``old``); None where the two differ by more
+    than the order of dict keys: another key set, container kind or length, or a container for a leaf.
+    Leaves are ``old``'s own: whether they are ``new``'s is left to the comparison that follows."""
+    if len(old) != len(new):
+        return None
+    ends = list(range(1, len(old) + 1))  # where the item starting at each position ends
+    for j in range(len(old) - 1, -1, -1):
+        tag = _container(old[j])
+        if tag is not None:
+            end = j + 1
+            for _ in range(len(old[j]) - 1 if tag is _DICT else old[j][1]):
+                end = ends[end]
+            ends[j] = end
+    leaf_at = {j: i for i, j in enumerate(_leaf_tokens(old))}
+    out: list[Any] = []
+    perm: list[int] = []
+    pending = [0]  # the positions in ``old`` of the items ``new`` has next, the next one last
+    for token in new:
+        if not pending:
+            return None
+        j = pending.pop()
+        was, tag = old[j], _container(token)
+        if tag is None:
+            if _container(was) is not None:
+                return None
+            out.append(was)
+            if j in leaf_at:
+                perm.append(leaf_at[j])
+            continue
+        if _container(was) is not tag:
+            return None
+        starts, at = [], j + 1
+        for _ in range(len(was) - 1 if tag is _DICT else was[1]):
+            starts.append(at)
+            at = ends[at]
+        if tag is _DICT:
+            where = dict(zip(was[1:], starts, strict=True))
+            if len(token) != len(was) or not all(k in where for k in token[1:]):
+                return None
+            starts = [where[k] for k in token[1:]]
+        elif token != was:
+            return None  # another length
+        out.append(token)
+        pending.extend(reversed(starts))
+    return (out, perm) if not pending else None
 
 
 Shared = tuple[list[tuple[int, ...]], list[tuple[int, bool, bool]]]

@@ -99,14 +99,20 @@ class Stager:
 
     def stage(self, sd: dict[str, Any]) -> dict[str, Any]:
         # One walk: the snapshot in the current buffers, and the signature that says whether they still
-        # fit (stage_plan.py); a state that changed shape is walked again into its new buffers.
+        # fit (stage_plan.py); a state whose dicts only list their keys in another order is paired with the
+        # same buffers by key; one that changed shape gets new buffers. Either is walked again.
         plan = self._plan
         walked = walk(sd, plan.slots if plan is not None else None)
         if plan is None or not (plan.fits(walked) or plan.refit(walked)):
-            # The walk's snapshot and the old plan hold the old buffers: let go of both first, so the old
-            # set is freed before the new one is allocated (pinned memory is resident once allocated).
-            walked.snapshot = plan = None
-            plan = self._allocate(sd, walked)
+            walked.snapshot = None  # paired by position: wrong now
+            plan = plan.rekeyed(walked) if plan is not None else None
+            if plan is not None and (plan.fits(walked) or plan.refit(walked)):
+                self._plan = plan
+            else:
+                # The old plans hold the old buffers: let go of them first, so the old set is freed before
+                # the new one is allocated (pinned memory is resident once allocated).
+                plan = None
+                plan = self._allocate(sd, walked)
             walked = walk(sd, plan.slots)
         snapshot: dict[str, Any] = walked.snapshot
         try:
