@@ -4,21 +4,32 @@ An async save blocks the loop for capture and staging, and staging's Python work
 several times the copy itself with thousands of tensors (issue 27: 20x a plain copy of 9,000 tensors on
 CPU, docs/benchmarks.md): four walks of the state per save (the tie check, the structure check, the
 snapshot, the copy loop), one ``copy_`` launched per tensor. Now a save walks the state once (``walk``),
-and that walk gives both the snapshot (the buffers in place of the tensors, any other value copied as
-torch's ``_copy_state_dict`` copies it) and a **signature** of the state's structure: each container's
-kind and keys (or length), a marker for each other value, and per tensor what makes it the very same tensor
-(device, data_ptr, dtype, shape, strides, conj and neg bits; a DTensor also its mesh, placements and global
-shape). The buffers are paired with the tensors by position in the walk, in a ``Plan``, which holds the
-signature of the state it was made for; a save reuses it only when its own signature is equal, item for
-item. Any change (a tensor replaced, resized, moved, its dtype or strides changed, a key added, removed or
-reordered, a tie made or undone) makes them differ, and the stager allocates and pairs afresh: never a
-stale pairing. The data_ptr is in it because ties are found by it and the incremental check
+and that walk gives both the snapshot (the buffers in place of the tensors, any other value a copy of its
+own, a BytesIO too: no value of a snapshot is the live object) and a **signature** of the state's
+structure: each container's kind and keys (or length), a marker for each other value, and per tensor what
+makes it the very same tensor (device, data_ptr, dtype, shape, strides, conj and neg bits; a DTensor also
+its mesh, placements and global shape). The buffers are paired with the tensors by position in the walk, in
+a ``Plan``, which holds the signature of the state it was made for; a save reuses it when its own signature
+is equal, item for item (``fits``), or differs only in where plain tensors live, not in their device, dtype,
+shape or ties (``refit``: a tensor replaced by another like it). Any other change (a tensor resized, moved,
+its dtype changed, a key added or removed, a tie made or undone) and the stager allocates and pairs
+afresh: never a stale pairing. The data_ptr is in it because ties are found by it and the incremental check
 (save/staging.py) trusts a version counter only for the same memory.
 
 Equal signatures prove the pairing because the walk visits everything in order: the i-th tensor of two
 walks with equal signatures is at the same place in the state (the containers, their keys and lengths are
 the same up to it), so the i-th buffer was made for that place, with the same shape and dtype (what makes
 the copy exact: ``copy_`` would broadcast a smaller tensor or convert a dtype, silently), and the same ties.
+
+A dict whose keys come in another order (the same keys: a state dict rebuilt in another order each step)
+changes the signature at the dict and moves every item after it, so by position alone it got new buffers
+at every save. Before allocating, ``Plan.rekeyed`` re-pairs by key instead: it rewrites the plan's own
+signature with each dict's entries in the new order (each leaf's token still the one of the state the
+buffers were made for, moved with its key path) and moves every buffer, slot, tie and incremental record
+with its key path. That plan describes exactly the old state reordered, so the same ``fits``/``refit``
+then decide, as for any plan: a reorder alone keeps every buffer and what the last staging proved, and a
+reorder with any other change is judged as that change would be (tests/save/test_stage_plan.py). It costs
+nothing while the order stays: it runs only where the signature already differs.
 """
 
 from __future__ import annotations

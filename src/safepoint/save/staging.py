@@ -9,6 +9,12 @@ the buffers as companion object, and that walk ``copy_``s every tensor into the 
 so using it made every save copy the whole state twice (2x the blocking time; measured in
 benchmarks/bench_async.py). It is one walk of the state per save, which also builds the snapshot and pairs
 each tensor with its buffer (save/stage_plan.py), and the copy is one ``torch._foreach_copy_``.
+
+Every value of a snapshot is a copy that no later write to the live state reaches: the writer reads it after
+``save()`` has returned, while training goes on. torch's ``_create_cpu_state_dict`` returns a 0-d DTensor as
+it is (a DTensor-wrapped scalar parameter and its Adam moments under FSDP2 or tensor parallelism), and it
+was once staged into itself, so the next optimizer step reached the checkpoint being written; such an item
+now gets a private host copy when the buffers are made (``_own_copies``), at no per-save cost.
 """
 
 from __future__ import annotations
@@ -280,9 +286,10 @@ def _own_copies(sd: Any, buffers: Any) -> Any:
     next optimizer step, run while the background write was still reading it, reached the committed
     checkpoint (a value from a later step: a bitwise resume broken without a sign). Every other item it
     allocates anew (0-d and zero-size plain tensors, DTensors with an empty local shard, ShardedTensors
-    with local shards); a ShardedTensor without local shards is returned as is too, and kept: this rank
-    holds none of its bytes, so it writes nothing of it (``_create_cpu_state_dict`` cannot build one
-    either). Walked once per buffer set (at allocation), never per save."""
+    with local shards; a tensor on 'meta' gets a zero CPU buffer, and its copy then fails the save: there
+    are no bytes to save). A ShardedTensor without local shards is returned as is too, and kept: this rank
+    holds none of its bytes, so it writes nothing of it (untested: in a world of one, every ShardedTensor
+    has local shards). Walked once per buffer set (at allocation), never per save."""
     if isinstance(buffers, torch.Tensor):
         if buffers is sd and not isinstance(buffers, ShardedTensor):
             return buffers.detach().to("cpu", copy=True)  # a DTensor stays one (same mesh and placements)
