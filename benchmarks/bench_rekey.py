@@ -9,7 +9,8 @@ training step). Variants, interleaved and rotated each round, each with a stager
 - ``same-order``: the state as it is (the plan fits; the reference);
 - ``reordered``: every dict's keys reversed before each save (the same tensors).
 
-Reported: the median ``Stager.stage`` time of each, the ratio reordered / same-order (median of the per-round
+Reported: the median ``Stager.stage`` time of each (wall, and CPU time of the staging thread: steadier on a
+loaded machine), the ratio reordered / same-order (median of the per-round
 ratios), the allocations each stager made, the load average. Run::
 
     PYTHONPATH=src python benchmarks/bench_rekey.py --params 2250 --rounds 9
@@ -61,21 +62,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     stagers = {v: Stager() for v in states}
     live = {v: [t for t in _tensors(sd)] for v, sd in states.items()}
     runs: dict[str, list[float]] = {v: [] for v in states}
+    cpus: dict[str, list[float]] = {v: [] for v in states}
     for r in range(args.rounds + 2):  # two warm-up rounds: the first staging allocates
         for v in list(states)[r % 2 :] + list(states)[: r % 2]:
             with torch.no_grad():
                 torch._foreach_add_(live[v], 1e-3)
             if v == "reordered":
                 states[v] = reversed_keys(states[v])
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             stagers[v].stage(states[v])
-            took = time.perf_counter() - t0
+            took, cpu = time.perf_counter() - t0, time.thread_time() - c0
             if r >= 2:
                 runs[v].append(took)
+                cpus[v].append(cpu)
     ratio = statistics.median(a / b for a, b in zip(runs["reordered"], runs["same-order"], strict=True))
     print(json.dumps({
         "tensors": len(live["same-order"]),
         "median_stage_ms": {v: round(1e3 * statistics.median(xs), 2) for v, xs in runs.items()},
+        "median_stage_cpu_ms": {v: round(1e3 * statistics.median(xs), 2) for v, xs in cpus.items()},
         "reordered_x_same_order": round(ratio, 2),
         "allocations": {v: s.allocations for v, s in stagers.items()},
         "loadavg": [load0, os.getloadavg()[0]],

@@ -198,6 +198,7 @@ class Plan:
         if len(mine.leaves) != len(walked.leaves):
             raise RuntimeError("staging buffers do not mirror the state (a bug in safepoint)")
         self._pair(walked.tokens, mine.leaves, mine.items(), walked.opaque, cuda_devices(walked))
+        self._sized([alias(t) for t in self.targets], [t.numel() * t.element_size() for t in self.targets])
         self.shared = _shared(walked, self._leaf_of)
         """The plain items that share memory and view with another (ties), grouped, with their conj and
         neg bits: what makes them one tensor (one buffer) or two."""
@@ -231,9 +232,8 @@ class Plan:
         self._leaf_of = {j: i for i, j in enumerate(_leaf_tokens(tokens))}
         self.devices = devices
         """The CUDA devices the state lives on (the copy's stream); fixed by the signature."""
-        self.aliases = [alias(t) for t in self.targets]
-        self.unhashed: dict[tuple[Any, ...], bytes | None] = dict.fromkeys(self.aliases)  # none hashed
-        self.nbytes = [t.numel() * t.element_size() for t in self.targets]
+        self.aliases: list[tuple[Any, ...]] = []
+        self.nbytes: list[int] = []
         # Incremental staging (save/staging.py), per target: the live tensor's version counter when it was
         # last staged (None: not seen since its memory changed), and the fingerprint of the bytes the
         # buffer holds (None: not known). ``still``: the targets the last staging proved unchanged.
@@ -241,13 +241,18 @@ class Plan:
         self.held: list[bytes | None] = [None] * len(firsts)
         self.still: set[int] = set()
 
+    def _sized(self, aliases: list[tuple[Any, ...]], nbytes: list[int]) -> None:
+        """Per target: its alias (the fingerprints' key) and its size in bytes."""
+        self.aliases, self.nbytes = aliases, nbytes
+        self.unhashed: dict[tuple[Any, ...], bytes | None] = dict.fromkeys(aliases)  # none hashed
+
     def rekeyed(self, walked: Walked) -> Plan | None:
         """This pairing for the state it was made for with its dicts' keys in ``walked``'s order: the same
         buffers, each still paired with the item at the key path it was made for, and the incremental
         records with them. None where ``walked`` differs by more than the order of keys (another key, a
         container or a list length): then no pairing by key exists. Whether the reordered pairing takes
         ``walked`` is, as for this one, for ``fits`` or ``refit`` to say."""
-        found = _rekeyed(self.tokens, walked.tokens)
+        found = _rekeyed(self.tokens, walked.tokens, self._leaf_of)
         if found is None:
             return None
         tokens, perm = found  # perm[i]: the position in this pairing of the new i-th item
@@ -263,6 +268,7 @@ class Plan:
         plan.shared = groups, [(i, *bits[i]) for group in groups for i in group]
         was = {id(t): k for k, t in enumerate(self.targets)}
         ks = [was[id(t)] for t in plan.targets]  # the same buffers (a tie's first item may have changed)
+        plan._sized([self.aliases[k] for k in ks], [self.nbytes[k] for k in ks])
         plan.versions = None if self.versions is None else [self.versions[k] for k in ks]
         plan.held = [self.held[k] for k in ks]
         plan.still = {i for i, k in enumerate(ks) if k in self.still}
@@ -330,22 +336,23 @@ def _container(token: Any) -> Any:
     return None
 
 
-def _rekeyed(old: list[Any], new: list[Any]) -> tuple[list[Any], list[int]] | None:
+def _rekeyed(old: list[Any], new: list[Any], leaf_at: dict[int, int]) -> tuple[list[Any], list[int]] | None:
     """``old`` (a signature) with the entries of each dict in the order of the same dict in ``new``, and
     where each tensor item went (result position -> position in ``old``); None where the two differ by more
     than the order of dict keys: another key set, container kind or length, or a container for a leaf.
-    Leaves are ``old``'s own: whether they are ``new``'s is left to the comparison that follows."""
+    Leaves are ``old``'s own: whether they are ``new``'s is left to the comparison that follows.
+    ``leaf_at``: the position of each tensor item's token in ``old`` -> its position among the items."""
     if len(old) != len(new):
         return None
+    tags = [_container(t) for t in old]
     ends = list(range(1, len(old) + 1))  # where the item starting at each position ends
     for j in range(len(old) - 1, -1, -1):
-        tag = _container(old[j])
+        tag = tags[j]
         if tag is not None:
             end = j + 1
             for _ in range(len(old[j]) - 1 if tag is _DICT else old[j][1]):
                 end = ends[end]
             ends[j] = end
-    leaf_at = {j: i for i, j in enumerate(_leaf_tokens(old))}
     out: list[Any] = []
     perm: list[int] = []
     pending = [0]  # the positions in ``old`` of the items ``new`` has next, the next one last
@@ -355,13 +362,13 @@ def _rekeyed(old: list[Any], new: list[Any]) -> tuple[list[Any], list[int]] | No
         j = pending.pop()
         was, tag = old[j], _container(token)
         if tag is None:
-            if _container(was) is not None:
+            if tags[j] is not None:
                 return None
             out.append(was)
             if j in leaf_at:
                 perm.append(leaf_at[j])
             continue
-        if _container(was) is not tag:
+        if tags[j] is not tag:
             return None
         starts, at = [], j + 1
         for _ in range(len(was) - 1 if tag is _DICT else was[1]):
