@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import safepoint
 from safepoint.save.staging import Stager
@@ -33,17 +35,12 @@ def stager(request: pytest.FixtureRequest) -> Iterator[Stager]:
     s.release()
 
 
-def _tensors(v: Any) -> list[torch.Tensor]:
-    """The plain tensors holding an item's data (a DTensor's local tensor)."""
-    from torch.distributed.tensor import DTensor
-
-    return [v._local_tensor if isinstance(v, DTensor) else v]
+def _data(v: Any) -> torch.Tensor:
+    """The plain tensor holding an item's data (a DTensor's local tensor)."""
+    return v._local_tensor if isinstance(v, DTensor) else v
 
 
 def _kinds() -> dict[str, Callable[[], Any]]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-
     mesh = init_device_mesh("cpu", (1,))
     return {
         "dtensor-0d": lambda: distribute_tensor(torch.tensor(2.5), mesh, [Replicate()]),
@@ -75,8 +72,6 @@ KINDS = [
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_no_write_after_staging_reaches_the_snapshot(one_rank_group: None, stager: Stager, kind: str) -> None:
-    from torch.distributed.tensor import DTensor
-
     make = _kinds()[kind]
     sd: dict[str, Any] = {
         "x": make(),
@@ -87,19 +82,18 @@ def test_no_write_after_staging_reaches_the_snapshot(one_rank_group: None, stage
     for _ in range(2):  # the first staging allocates, the second reuses the buffers
         snap = stager.stage(sd)
         staged = [snap["x"], snap["nested"]["y"], snap["nested"]["seq"][0], snap["nested"]["seq"][1][0]]
-        want = [_tensors(v)[0].clone() for v in items]
+        want = [_data(v).clone() for v in items]
         for live, got in zip(items, staged, strict=True):
             assert got is not live and isinstance(got, DTensor) == isinstance(live, DTensor), kind
             if isinstance(live, DTensor):
                 assert (got.placements, got.shape) == (live.placements, live.shape), kind
-            for a, b in zip(_tensors(live), _tensors(got), strict=True):
-                assert b is not a and (a.numel() == 0 or b.data_ptr() != a.data_ptr()), kind
+            a, b = _data(live), _data(got)
+            assert b is not a and (a.numel() == 0 or b.data_ptr() != a.data_ptr()), kind
         with torch.no_grad():  # the next training step writes the live state in place
             for v in items:
-                for t in _tensors(v):
-                    t.fill_(99)
+                _data(v).fill_(99)
         for got, w in zip(staged, want, strict=True):
-            assert torch.equal(_tensors(got)[0], w), kind
+            assert torch.equal(_data(got), w), kind
     assert stager.allocations == 1
 
 
@@ -120,9 +114,6 @@ class _Scaled(nn.Module):
     moments of it 0-d DTensors too."""
 
     def __init__(self) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Replicate, distribute_tensor
-
         super().__init__()
         mesh = init_device_mesh("cpu", (1,))
         self.scale = nn.Parameter(distribute_tensor(torch.tensor(2.0), mesh, [Replicate()]))
