@@ -21,15 +21,13 @@ walks with equal signatures is at the same place in the state (the containers, t
 the same up to it), so the i-th buffer was made for that place, with the same shape and dtype (what makes
 the copy exact: ``copy_`` would broadcast a smaller tensor or convert a dtype, silently), and the same ties.
 
-A dict whose keys come in another order (the same keys: a state dict rebuilt in another order each step)
-changes the signature at the dict and moves every item after it, so by position alone it got new buffers
-at every save. Before allocating, ``Plan.rekeyed`` re-pairs by key instead: it rewrites the plan's own
-signature with each dict's entries in the new order (each leaf's token still the one of the state the
-buffers were made for, moved with its key path) and moves every buffer, slot, tie and incremental record
-with its key path. That plan describes exactly the old state reordered, so the same ``fits``/``refit``
-then decide, as for any plan: a reorder alone keeps every buffer and what the last staging proved, and a
-reorder with any other change is judged as that change would be (tests/save/test_stage_plan.py). It costs
-nothing while the order stays: it runs only where the signature already differs.
+A dict whose keys come in another order (the same keys) moves every item after it, so by position alone it
+got new buffers at every save. ``Plan.rekeyed`` re-pairs by key first: it rewrites the plan's own signature
+in the new key order (each leaf's token still that of the state the buffers were made for, moved with its
+key path), and every buffer, slot, tie and incremental record with it. That plan describes exactly the old
+state reordered, so ``fits``/``refit`` decide as for any plan: a reorder alone keeps every buffer and what
+the last staging proved; with any other change it is judged as that change would be. It runs only where
+the signature already differs.
 """
 
 from __future__ import annotations
@@ -331,9 +329,8 @@ def _leaf_tokens(tokens: list[Any]) -> list[int]:
 
 def _container(token: Any) -> Any:
     """The tag of a container's signature item (``_DICT``, ``_LIST``, ``_TUPLE``), None for any other."""
-    if type(token) is tuple and token and (token[0] is _DICT or token[0] is _LIST or token[0] is _TUPLE):
-        return token[0]
-    return None
+    tag = token[0] if type(token) is tuple and token else None
+    return tag if tag is _DICT or tag is _LIST or tag is _TUPLE else None
 
 
 def _rekeyed(old: list[Any], new: list[Any], leaf_at: dict[int, int]) -> tuple[list[Any], list[int]] | None:
