@@ -274,3 +274,40 @@ def test_async_saves_skip_unchanged_cuda_tensors_and_restore_bit_for_bit(tmp_pat
         assert mgr.restore(safepoint.TrainState(model=restored)) == 3
     for a, b in zip(model.state_dict().values(), restored.state_dict().values(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["thread-buffers", "process-arena"])
+def test_a_cuda_0d_dtensor_is_staged_into_a_host_copy_of_its_own(tmp_path: Path, shared: bool) -> None:
+    """torch's ``_create_cpu_state_dict`` returns a 0-d DTensor as it is: the snapshot was the live CUDA
+    DTensor, and a write after staging reached it (tests/save/test_private_snapshot.py on CPU)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group(
+        "cpu:gloo,cuda:nccl", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1
+    )
+    stager = Stager(shared=shared)
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        sd = {
+            "scale": distribute_tensor(torch.tensor(2.5, device="cuda"), mesh, [Replicate()]),
+            "w": distribute_tensor(torch.randn(64, 8, device="cuda"), mesh, [Replicate()]),
+        }
+        for value in (3.5, 4.5):  # the first staging allocates, the second reuses the buffers
+            snap = stager.stage(sd)
+            want = {k: v.to_local().cpu() for k, v in sd.items()}
+            for k, v in snap.items():
+                assert isinstance(v, DTensor) and v is not sd[k] and v.to_local().device.type == "cpu", k
+            with torch.no_grad():
+                for v in sd.values():
+                    v.to_local().fill_(value)
+            torch.cuda.synchronize()
+            for k, v in snap.items():
+                assert torch.equal(v.to_local(), want[k]), k
+        assert stager.allocations == 1
+    finally:
+        stager.release()
+        dist.destroy_process_group()

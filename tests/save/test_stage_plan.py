@@ -8,12 +8,10 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from safepoint.save.staging import Stager
@@ -172,6 +170,104 @@ def test_a_replaced_tensor_keeps_its_buffer_and_is_staged(
     assert_snapshot(stager.stage(sd), sd)
 
 
+def _reordered(sd: Any) -> Any:
+    """The same state, the same objects, with every dict's keys in reverse order."""
+    if isinstance(sd, dict):
+        return {k: _reordered(sd[k]) for k in reversed(list(sd))}
+    if isinstance(sd, list):
+        return [_reordered(v) for v in sd]
+    if isinstance(sd, tuple):
+        return tuple(_reordered(v) for v in sd)
+    return sd
+
+
+def _buffer_of(snapshot: State) -> dict[str, int]:
+    return {p: t.data_ptr() for p, t in _leaves(snapshot) if isinstance(t, torch.Tensor)}
+
+
+def test_reordered_keys_keep_their_buffers_and_incremental_records(stager: Stager) -> None:
+    # A state whose dicts list the same keys in another order (a dict rebuilt in another order each step):
+    # the same buffers, paired by key, not a new set at every save; nothing proven unchanged is copied again.
+    sd = _state()
+    sd["marked"] = torch.randn(3, 2).as_subclass(_Marked)  # copied by torch's function, paired too
+    first = _buffer_of(stager.stage(sd))
+    stager.stage(sd)
+    proven = stager.skipped
+    assert proven > 0
+    for i in range(4):  # reversed, back, reversed... every save another order
+        sd = _reordered(sd)
+        snapshot = stager.stage(sd)
+        assert stager.allocations == 1 and _buffer_of(snapshot) == first
+        assert stager.skipped == proven, i  # the records went with their buffers: nothing copied
+        assert_snapshot(snapshot, sd)
+    with torch.no_grad():
+        sd["w"].add_(1.0)
+        sd["head"].mul_(2.0)  # tied: both keys
+        sd["opt"]["state"]["p0"]["exp_avg"].data[0, 0] += 1.0  # a write the version counter misses
+    sd = _reordered(sd)
+    assert_snapshot(stager.stage(sd), sd)
+    assert stager.allocations == 1
+
+
+@pytest.mark.parametrize("change", list(RESHAPED.values()), ids=list(RESHAPED))
+def test_reordered_and_changed_in_structure_gets_new_buffers(
+    stager: Stager, change: Callable[[State], None]
+) -> None:
+    sd = _state()
+    stager.stage(sd)
+    stager.stage(sd)
+    sd = _reordered(sd)
+    change(sd)
+    assert_snapshot(stager.stage(sd), sd)
+    assert stager.allocations == 2
+
+
+@pytest.mark.parametrize("change", list(REPLACED.values()), ids=list(REPLACED))
+def test_reordered_and_replaced_keeps_its_buffers_and_is_staged(
+    stager: Stager, change: Callable[[State], None]
+) -> None:
+    sd = _state()
+    first = _buffer_of(stager.stage(sd))
+    stager.stage(sd)
+    sd = _reordered(sd)
+    change(sd)
+    snapshot = stager.stage(sd)
+    assert stager.allocations == 1 and _buffer_of(snapshot) == first
+    assert_snapshot(snapshot, sd)
+    assert_snapshot(stager.stage(sd), sd)
+
+
+def test_reordered_keys_whose_values_traded_places_never_reuse_a_stale_pairing(stager: Stager) -> None:
+    # Keys reordered and their tensors swapped: each key path now holds another shape (new buffers) or
+    # another tensor of the same shape (the same buffers, its bytes staged afresh), never the old pairing.
+    a, b, c = torch.randn(3), torch.randn(4), torch.randn(4)
+    stager.stage({"a": a, "b": b, "c": c, "n": {"x": a.clone(), "y": 1.0}})
+    snapshot = stager.stage({"c": b, "b": c, "a": a, "n": {"y": 1.0, "x": a.clone()}})
+    assert stager.allocations == 1
+    assert torch.equal(snapshot["c"], b) and torch.equal(snapshot["b"], c)
+    sd: State = {"b": a, "a": b, "c": c, "n": {"y": 1.0, "x": a}}  # "a" and "b" now other shapes
+    assert_snapshot(stager.stage(sd), sd)
+    assert stager.allocations == 2
+    sd = {"b": a, "a": b, "c": c, "n": {"y": torch.ones(1), "x": a}}  # a value for a tensor's key path
+    sd2 = {"b": a, "a": b, "c": c, "n": {"x": 1.0, "y": a}}
+    assert_snapshot(stager.stage(sd2), sd2)
+    assert stager.allocations == 3
+    assert_snapshot(stager.stage(sd), sd)
+    assert stager.allocations == 4
+
+
+def test_a_reordered_tie_keeps_one_buffer_and_a_reordered_conj_view_gets_its_own() -> None:
+    z = torch.randn(4, 3, dtype=torch.complex64)
+    stager = Stager()
+    first = stager.stage({"z": z, "zc": z, "r": z.real})
+    snapshot = stager.stage({"r": z.real, "zc": z, "z": z})
+    assert stager.allocations == 1 and snapshot["z"] is snapshot["zc"] is first["z"]
+    sd: State = {"r": z.real, "zc": z.conj(), "z": z}  # reordered, and the tie undone by a conj view
+    snapshot = stager.stage(sd)
+    assert stager.allocations == 2 and snapshot["z"] is not snapshot["zc"]
+    assert_snapshot(snapshot, sd)
+
+
 def test_a_replaced_tensor_with_the_same_bytes_is_proven_and_skipped() -> None:
     # Its version counter is another tensor's: the replacement is fingerprinted, never trusted by counter.
     sd = _state()
@@ -231,7 +327,8 @@ def test_the_copy_is_one_batched_call() -> None:
     assert copies == ["aten._foreach_copy_.default"], ops.seen
 
 
-def test_no_growth_and_no_cyclic_garbage_across_saves(stager: Stager) -> None:
+@pytest.mark.parametrize("reorder", [False, True], ids=["same-order", "reordered"])
+def test_no_growth_and_no_cyclic_garbage_across_saves(stager: Stager, reorder: bool) -> None:
     sd = _state()
     stager.stage(sd)
     buffers = _buffers(stager.stage(sd))
@@ -241,6 +338,8 @@ def test_no_growth_and_no_cyclic_garbage_across_saves(stager: Stager) -> None:
     try:
         before = len(gc.get_objects())
         for _ in range(20):
+            if reorder:  # re-paired by key at every save (an even count: the first order at the end)
+                sd = _reordered(sd)
             with torch.no_grad():
                 sd["w"].add_(1.0)
             snapshot = stager.stage(sd)
@@ -253,17 +352,6 @@ def test_no_growth_and_no_cyclic_garbage_across_saves(stager: Stager) -> None:
         if was:
             gc.enable()
     assert stager.allocations == 1 and _buffers(stager.stage(sd)) == buffers
-
-
-@pytest.fixture()
-def one_rank_group(tmp_path: Path) -> Iterator[None]:
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_dtensors_are_staged_and_a_changed_placement_gets_new_buffers(one_rank_group: None) -> None:
@@ -282,6 +370,9 @@ def test_dtensors_are_staged_and_a_changed_placement_gets_new_buffers(one_rank_g
         assert torch.equal(snapshot["a"].to_local(), sd["a"].to_local())
         assert snapshot["a"].to_local().data_ptr() != sd["a"].to_local().data_ptr()
     assert stager.allocations == 1
+    sd = {"b": sd["b"], "a": sd["a"]}  # reordered: the DTensor keeps its buffer
+    snapshot = stager.stage(sd)
+    assert stager.allocations == 1 and torch.equal(snapshot["a"].to_local(), sd["a"].to_local())
     sd["a"] = distribute_tensor(sd["a"].full_tensor(), mesh, [Replicate()])  # same local shape, new layout
     snapshot = stager.stage(sd)
     assert stager.allocations == 2 and snapshot["a"].placements == (Replicate(),)

@@ -9,6 +9,12 @@ the buffers as companion object, and that walk ``copy_``s every tensor into the 
 so using it made every save copy the whole state twice (2x the blocking time; measured in
 benchmarks/bench_async.py). It is one walk of the state per save, which also builds the snapshot and pairs
 each tensor with its buffer (save/stage_plan.py), and the copy is one ``torch._foreach_copy_``.
+
+Every value of a snapshot is a copy that no later write to the live state reaches: the writer reads it after
+``save()`` has returned, while training goes on. torch's ``_create_cpu_state_dict`` returns a 0-d DTensor as
+it is (a DTensor-wrapped scalar parameter and its Adam moments under FSDP2 or tensor parallelism), and it
+was once staged into itself, so the next optimizer step reached the checkpoint being written; such an item
+now gets a private host copy when the buffers are made (``_own_copies``), at no per-save cost.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
 from safepoint.save.shared_buffers import SharedArena, move_into_arena
@@ -98,14 +105,20 @@ class Stager:
 
     def stage(self, sd: dict[str, Any]) -> dict[str, Any]:
         # One walk: the snapshot in the current buffers, and the signature that says whether they still
-        # fit (stage_plan.py); a state that changed shape is walked again into its new buffers.
+        # fit (stage_plan.py); a state whose dicts only list their keys in another order is paired with the
+        # same buffers by key; one that changed shape gets new buffers. Either is walked again.
         plan = self._plan
         walked = walk(sd, plan.slots if plan is not None else None)
         if plan is None or not (plan.fits(walked) or plan.refit(walked)):
-            # The walk's snapshot and the old plan hold the old buffers: let go of both first, so the old
-            # set is freed before the new one is allocated (pinned memory is resident once allocated).
-            walked.snapshot = plan = None
-            plan = self._allocate(sd, walked)
+            walked.snapshot = None  # paired by position: wrong now
+            plan = plan.rekeyed(walked) if plan is not None else None
+            if plan is not None and (plan.fits(walked) or plan.refit(walked)):
+                self._plan = plan
+            else:
+                # The old plans hold the old buffers: let go of them first, so the old set is freed before
+                # the new one is allocated (pinned memory is resident once allocated).
+                plan = None
+                plan = self._allocate(sd, walked)
             walked = walk(sd, plan.slots)
         snapshot: dict[str, Any] = walked.snapshot
         try:
@@ -128,13 +141,11 @@ class Stager:
         if self._before_alloc is not None:
             self._before_alloc()
         pin = bool(cuda_devices(walked))
+        # Shared: untouched pages, re-homed below without a copy.
+        buffers = _own_copies(sd, _create_cpu_state_dict(sd, pin_memory=pin and not self._shared))
+        _tie_buffers(sd, buffers)
         if self._shared:
-            buffers = _create_cpu_state_dict(sd)  # untouched pages: re-homed below without a copy
-            _tie_buffers(sd, buffers)
             self.arena = move_into_arena(buffers, pin=pin)
-        else:
-            buffers = _create_cpu_state_dict(sd, pin_memory=pin)
-            _tie_buffers(sd, buffers)
         self._buffers = buffers
         self.allocations += 1
         self.nbytes = tensor_bytes(buffers)
@@ -265,6 +276,34 @@ def _ties(sd: Any) -> list[tuple[int, int]]:
         else:
             first[key] = i
     return out
+
+
+def _own_copies(sd: Any, buffers: Any) -> Any:
+    """``buffers`` with every tensor item that is the live item itself replaced by a private host copy.
+
+    torch's ``_create_cpu_state_dict`` returns a 0-d DTensor as it is (an FSDP2 / tensor-parallel scalar
+    parameter, its Adam moments): staged into itself, the snapshot then *was* the live DTensor, and the
+    next optimizer step, run while the background write was still reading it, reached the committed
+    checkpoint (a value from a later step: a bitwise resume broken without a sign). Every other item it
+    allocates anew (0-d and zero-size plain tensors, DTensors with an empty local shard, ShardedTensors
+    with local shards; a tensor on 'meta' gets a zero CPU buffer, and its copy then fails the save: there
+    are no bytes to save). A ShardedTensor without local shards is returned as is too, and kept: this rank
+    holds none of its bytes, so it writes nothing of it (untested: in a world of one, every ShardedTensor
+    has local shards). Walked once per buffer set (at allocation), never per save."""
+    if isinstance(buffers, torch.Tensor):
+        if buffers is sd and not isinstance(buffers, ShardedTensor):
+            return buffers.detach().to("cpu", copy=True)  # a DTensor stays one (same mesh and placements)
+        return buffers
+    if isinstance(buffers, dict):
+        for k, b in buffers.items():
+            buffers[k] = _own_copies(sd[k], b)
+        return buffers
+    if isinstance(buffers, list):
+        buffers[:] = [_own_copies(s, b) for s, b in zip(sd, buffers, strict=True)]
+        return buffers
+    if isinstance(buffers, tuple):
+        return tuple(_own_copies(s, b) for s, b in zip(sd, buffers, strict=True))
+    return buffers
 
 
 def _tie_buffers(sd: Any, buffers: Any) -> None:

@@ -1,0 +1,21 @@
+"""Fixtures for the save tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+
+@pytest.fixture()
+def one_rank_group(tmp_path: Path) -> Iterator[None]:
+    """A real gloo process group of world size 1 in this process (DTensors need one)."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
