@@ -104,6 +104,33 @@ def test_failed_save_commits_nothing_and_keeps_older(root: Path) -> None:
         assert mgr.restore(st) == 1
 
 
+def test_an_async_save_whose_staging_fails_raises_the_save_error_a_sync_save_raises(root: Path) -> None:
+    """A tensor the staging copy cannot read (here on ``meta``): the sync save raised SaveError, the async
+    one the copy's raw NotImplementedError. Now both the same one line; nothing committed, one
+    ``save_failed`` event, and the next save of a good state commits."""
+    model = torch.nn.Linear(2, 2)
+    good = safepoint.TrainState(model=model)
+    model.register_buffer("lost", torch.empty(3, device="meta"))
+    events: list[str] = []
+    writer = safepoint.WriterOptions(async_writer="thread")
+    with safepoint.CheckpointManager(
+        root, async_save=True, writer=writer, on_event=lambda e: events.append(e.event_type)
+    ) as mgr:
+        for mode in ("sync", "async"):
+            sync = mode == "sync"
+            with pytest.raises(safepoint.SaveError) as e:
+                (mgr._save_sync(1, good, {}) if sync else mgr.save(1, good))
+            text = str(e.value)
+            assert "save of step 1 failed and was not committed" in text, (mode, text)
+            assert "meta" in text and "\n" not in text, (mode, text)
+        assert events.count("save_failed") == 2, events
+        assert mgr.list() == []
+        del model.lost
+        mgr.save(2, good)
+        mgr.wait()
+        assert [c.step for c in mgr.list()] == [2]
+
+
 def test_exception_in_user_state_dict_commits_nothing(root: Path) -> None:
     class Broken:
         def state_dict(self) -> dict[str, object]:

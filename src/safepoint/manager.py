@@ -314,7 +314,7 @@ class CheckpointManager:
             saver = cast(SyncSaver, self._bg_saver)  # set when async
             with self._tiers.paused(), call.failing(SaveError), gc_paused():
                 call.begin()
-                staged = self._stager.stage(state.capture(self.comm.rank))
+                staged = self._stager.stage(state.capture(self.comm.rank), call, self.comm.rank)
             blocking = call.returned(bytes_written=self._stager.nbytes)  # counted when buffers were made
             parts, tiers, times = state.sections(), self._tiers, {"stage_s": blocking}
             self._writer.submit(

@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import logging
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
+from safepoint.errors import SaveError, describe_exception
+from safepoint.events import SaveCall
 from safepoint.save.shared_buffers import SharedArena, move_into_arena
 from safepoint.save.stage_plan import Plan, Walked, alias, cuda_devices, plain, walk
 from safepoint.store.fingerprint import fast_path, fingerprints, version_counter
@@ -76,6 +79,24 @@ def tensor_bytes(sd: Any) -> int:
     return 0
 
 
+@contextmanager
+def staging_failed(call: SaveCall, rank: int) -> Iterator[None]:
+    """An async save whose staging failed (a tensor that cannot be copied, such as one on ``meta``; no
+    memory for the buffers) raises the SaveError a sync save of that state raises, one line naming the
+    cause, instead of the raw exception out of the copy: the caller's ``except SaveError`` is the same for
+    both modes. Nothing was submitted, so nothing is committed. The ``save_failed`` event is ``call``'s."""
+    try:
+        with call.failing(SaveError):
+            yield
+    except SaveError:
+        raise
+    except Exception as e:
+        why = f"rank {rank}: {describe_exception(e)}"
+        raise SaveError(
+            f"save of step {call.step} failed and was not committed ({why}). Older checkpoints are intact."
+        ) from e
+
+
 class Stager:
     """Holds one set of host buffers; ``stage`` returns a consistent snapshot living in them.
 
@@ -103,7 +124,15 @@ class Stager:
         self.skipped = 0
         """Bytes the last ``stage`` did not copy: tensors proven unchanged since the buffers got them."""
 
-    def stage(self, sd: dict[str, Any]) -> dict[str, Any]:
+    def stage(self, sd: dict[str, Any], call: SaveCall | None = None, rank: int = 0) -> dict[str, Any]:
+        """The snapshot of ``sd`` in the buffers. With ``call`` (the manager's save), a failure raises the
+        SaveError a sync save raises (``staging_failed``)."""
+        if call is None:
+            return self._stage(sd)
+        with staging_failed(call, rank):
+            return self._stage(sd)
+
+    def _stage(self, sd: dict[str, Any]) -> dict[str, Any]:
         # One walk: the snapshot in the current buffers, and the signature that says whether they still
         # fit (stage_plan.py); a state whose dicts only list their keys in another order is paired with the
         # same buffers by key; one that changed shape gets new buffers. Either is walked again.
