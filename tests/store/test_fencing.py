@@ -211,16 +211,27 @@ def test_a_deleted_root_is_never_recreated_and_committed_to_without_a_lease(root
 
 
 def test_s3_commits_and_deletes_are_fenced(
-    moto_endpoint: str, bucket: str, no_beat: safepoint.ClusterOptions
+    moto_endpoint: str, bucket: str, no_beat: safepoint.ClusterOptions, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import boto3
+
+    from safepoint.tiers import journal_mirror
 
     url, opts = f"s3://{bucket}/run", storage_options(moto_endpoint)
     s3 = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
     theirs: dict[str, Any] = {"host": "nodeB", "pid": 7, "heartbeat": 0.0, "token": "theirs"}
+    # The run journal's mirror reads the lease before each copy (fenced like every write): a copy after
+    # the takeover below would find the lease lost first, and save 2 be refused before it writes (also
+    # safe, but not the commit fence this test is about). So its one copy (after step 1's commit) is
+    # waited for, and no periodic one comes during the test. (A CI run with three workers hit that race.)
+    monkeypatch.setattr(journal_mirror, "DEFAULT_INTERVAL_S", 3600.0)
     mgr = safepoint.CheckpointManager(url, storage_options=opts, cluster=no_beat)
     try:
         mgr.save(1, safepoint.TrainState(rng=False, extra={"n": 1}))
+        deadline = time.monotonic() + 120
+        while s3.list_objects_v2(Bucket=bucket, Prefix="run/.run/").get("KeyCount", 0) == 0:
+            assert time.monotonic() < deadline, "the journal mirror never copied after step 1's commit"
+            time.sleep(0.05)
         s3.put_object(Bucket=bucket, Key="run/.lease", Body=json.dumps(theirs).encode())
         with pytest.raises(safepoint.SaveError, match="not committing step 2: .*taken over by pid 7"):
             mgr.save(2, safepoint.TrainState(rng=False, extra={"n": 2}))
