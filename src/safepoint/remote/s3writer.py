@@ -36,6 +36,7 @@ class S3Writer(PartWriter):
 
     def _begin(self) -> None:
         s = self._s
+        s.versions.forget(self._path)
         self._upload_id = s.run(
             functools.partial(s.create_mpu, self._bucket, self._key, self._what, full=self._full)
         )
@@ -46,17 +47,22 @@ class S3Writer(PartWriter):
         async with s.sem:
             return await s.send_part(self._bucket, self._key, upload_id, n, data, crc, self._what)
 
+    # The object holds the bytes streamed in, whose crc32c (the one the manifest records) was computed as
+    # they were sent; where the store keeps no CRC32C to confirm them, its version is remembered instead.
     def _whole(self, data: bytes) -> None:
         s, crc = self._s, crc_hex(crc32c.crc32c(data))
-        s.run(s.aretry, self._what, lambda: s._put(self._bucket, self._key, data, crc, {}))
-        s.run(s.aconfirm, self._path, len(data), crc, self._what)
+        s.versions.forget(self._path)
+        answer = s.run(s.aretry, self._what, lambda: s._put(self._bucket, self._key, data, crc, {}))
+        checked = s.run(s.aconfirm, self._path, len(data), crc, self._what)
+        s.wrote(self._path, answer, len(data), crc, checked)
 
     def _finish(self, sent: list[dict[str, Any]]) -> None:
         s, crc = self._s, combine(self._crcs)
         complete = functools.partial(s.complete_mpu, full=self._full)
-        s.run(complete, self._bucket, self._key, self._upload_id, sent, crc, self._what)
+        answer = s.run(complete, self._bucket, self._key, self._upload_id, sent, crc, self._what)
         size = sum(n for _, n in self._crcs)
-        s.run(s.aconfirm, self._path, size, crc, self._what, [c for c, _ in self._crcs])
+        checked = s.run(s.aconfirm, self._path, size, crc, self._what, [c for c, _ in self._crcs])
+        s.wrote(self._path, answer, size, crc, checked)
 
     def _drop(self) -> None:
         if self._upload_id is not None:
