@@ -177,3 +177,28 @@ def test_steady_direct_saves_read_nothing_back_and_an_altered_group_is_written(
         assert mgr.restore(safepoint.TrainState(model=fresh), step=4) == 4
     assert torch.equal(fresh.base, more[4]["base"]) and torch.equal(fresh.adapter, more[4]["adapter"])
     assert torch.equal(fresh.base, saved[1]["base"])
+
+
+def test_an_upload_damaged_on_the_way_in_proves_no_version(
+    tmp_path: Path, no_crc: tuple[Store, Store, TcpProxy]
+) -> None:
+    """moto keeps a PUT's (and a part's) CRC32C without checking it, and the proxy hides it: bytes damaged
+    on the way in are stored, confirmed by their size only. Their ETag is not the one the bytes sent make
+    (their MD5s), so the version is not remembered: the next copy is read back and refused, never taken."""
+    store, raw, proxy = no_crc
+    layout = RemoteLayout(store.root(), store.options, transfer=CFG)
+    key = layout.step_key
+    marker = b"safepoint-marker"  # in every kilobyte: every chunk the proxy forwards has one to alter
+    body = (marker + os.urandom(1008)) * (6 * MiB // 1024 + 1)
+    blobs = {_SMALL: body[: MiB // 2], _BIG: body}  # a PUT; 2 parts of an upload
+    entries = [(n, len(d), crc_hex(crc32c.crc32c(d))) for n, d in blobs.items()]
+    for name, data in blobs.items():
+        (tmp_path / name).write_bytes(data)
+    proxy.corrupt = (marker, b"safepoint-marked")
+    layout.put_files(key(1), [(str(tmp_path / n), n, size, crc) for n, size, crc in entries])
+    proxy.corrupt = None
+    for name, data in blobs.items():
+        assert raw.fs().cat_file(posixpath.join(key(1), name)) != data, name  # stored damaged
+    proxy.reset_counts()
+    assert sorted(layout.copy_files(1, key(2), entries)) == sorted(blobs)
+    assert proxy.down > sum(map(len, blobs.values()))  # read back, not taken by a remembered version

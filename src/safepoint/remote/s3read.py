@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import os
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
@@ -25,6 +26,7 @@ from safepoint.store.manifest import Parts
 T = TypeVar("T")
 
 NOT_FOUND = ("404", "NoSuchKey", "NotFound")
+MD5 = "_md5"  # a sent part's MD5 beside S3's fields (S3Store.send_part); never sent to S3
 
 
 class S3Reader(ObjectStore):
@@ -133,14 +135,16 @@ class S3Reader(ObjectStore):
     async def _head(self, bucket: str, key: str) -> Any:
         return await self.call("head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED")
 
-    def wrote(self, path: str, answer: Any, size: int, crc: str, checked: bool) -> None:
-        """After a write of ``path`` (``size`` bytes whose crc32c ``crc`` the client computed of what it sent
-        and compared with the manifest; ``answer``: the PUT's, the completion's or the copy's): remember the
-        version (its ETag) as proven where the store keeps no CRC32C to prove it (not ``checked``)."""
+    def wrote(self, path: str, answer: Any, size: int, crc: str, checked: bool, sent: str | None) -> None:
+        """After an upload of ``path`` (``size`` bytes whose crc32c ``crc`` the client computed of what it
+        sent and compared with the manifest; ``answer``: the PUT's or the completion's): where the store
+        keeps no CRC32C that confirmed it (not ``checked``), remember its version (the answer's ETag) as
+        proven if that is ``sent``, the ETag S3 gives the bytes sent (``sent_etag``): the store then holds
+        what was sent, as Azure's Content-MD5 shows. Another ETag (damaged on the way in, or not an MD5:
+        SSE-KMS, SSE-C, a store of its own kind) proves nothing; the object's copies are then read back."""
         tag = answer.get("ETag") if isinstance(answer, dict) else None
-        if isinstance(answer, dict) and isinstance(answer.get("CopyObjectResult"), dict):
-            tag = answer["CopyObjectResult"].get("ETag")
-        self.versions.remember(path, None if checked or not isinstance(tag, str) else tag, size, crc)
+        proven = not checked and sent is not None and tag == sent
+        self.versions.remember(path, tag if proven else None, size, crc)
 
     def prove(self, path: str, size: int, crc: str) -> str | None:
         """Why ``path`` is not proven to hold ``size`` bytes of crc32c ``crc``, or None: by S3's own CRC32C
@@ -185,6 +189,13 @@ class S3Reader(ObjectStore):
             return True
         self.versions.forget(path)
         return False
+
+    async def answer_md5(self, answer: Any, data: bytes) -> bytes | None:
+        """The MD5 of ``data`` where the store's ``answer`` to its upload carries no CRC32C (the ETag is then
+        what can show the store holds what was sent: ``wrote``); None where it does (no cost on S3)."""
+        if isinstance(answer, dict) and "ChecksumCRC32C" in answer:
+            return None
+        return await self._in_pool(md5_of, data)
 
     async def _get_range(self, bucket: str, key: str, off: int, n: int, tag: str | None = None) -> bytes:
         cond = {"IfMatch": tag} if tag else {}
@@ -241,6 +252,20 @@ class S3Reader(ObjectStore):
             errors = [e for e in eg.exceptions if not isinstance(e, asyncio.CancelledError)]
             raise (errors or list(eg.exceptions))[0] from None
         return [t.result() for t in tasks]
+
+
+def md5_of(data: bytes) -> bytes:
+    return hashlib.md5(data, usedforsecurity=False).digest()
+
+
+def sent_etag(md5s: Sequence[bytes | None], multipart: bool) -> str | None:
+    """The ETag S3 gives an object of the bytes sent, from their MD5 (``md5s``: of the one body, or of
+    each part in order: the MD5 of their digests, "-<parts>"); None where a part's MD5 is unknown."""
+    if not md5s or any(m is None for m in md5s):
+        return None
+    if not multipart:
+        return f'"{md5s[0].hex()}"' if md5s[0] is not None else None
+    return f'"{hashlib.md5(b"".join(m for m in md5s if m is not None)).hexdigest()}-{len(md5s)}"'
 
 
 def composite_value(crcs: Sequence[int]) -> str:

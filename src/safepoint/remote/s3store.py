@@ -28,7 +28,7 @@ import crc32c
 
 from safepoint.remote.retry import DamagedInTransit, UploadError, cause_code
 from safepoint.remote.s3copy import copy_in_parts
-from safepoint.remote.s3read import S3Reader, composite, composite_value
+from safepoint.remote.s3read import MD5, S3Reader, composite, composite_value, sent_etag
 from safepoint.remote.upload import FileCopy, b64_crc, check_local, combine, hex_crc, read_range
 from safepoint.store.checksum import crc_hex
 from safepoint.store.manifest import Parts
@@ -115,7 +115,8 @@ class S3Store(S3Reader):
                 ),
             )
         if source is not None and size is not None and crc is not None and self.unchanged(src, source):
-            self.wrote(dst, answer, size, crc, checked=False)
+            result = answer.get("CopyObjectResult", answer) if isinstance(answer, dict) else {}
+            self.versions.remember(dst, result.get("ETag"), size, crc)  # the copy's own version
         self.fs.invalidate_cache(dst)
 
     def delete(self, paths: Sequence[str]) -> None:
@@ -202,12 +203,14 @@ class S3Store(S3Reader):
         psize = max(self.cfg.part_size, -(-item.size // _MAX_PARTS))
         full = self.cfg.full_object_checksum is True
         part_crcs: list[int] = []
+        md5s: list[bytes | None] = []
         if item.size <= psize:
             async with self.sem:
                 await self._gate()
                 data, crc = await self._in_pool(read_range, item.local, 0, item.size, item.root)
                 check_local(item, crc_hex(crc))
                 answer = await self.aretry(what, lambda: self._put(bucket, key, data, item.crc32c, {}))
+                md5s = [await self.answer_md5(answer, data)]
             sent.set()
         else:
             upload_id = await self.create_mpu(bucket, key, what, full=full)
@@ -225,6 +228,7 @@ class S3Store(S3Reader):
                 )
                 sent.set()
                 part_crcs = [crc for _, crc, _ in done]
+                md5s = [p.get(MD5) for p, _, _ in done]
                 check_local(item, combine([(crc, n) for _, crc, n in done]))
                 answer = await self.complete_mpu(
                     bucket, key, upload_id, [p for p, _, _ in done], item.crc32c, what, full=full
@@ -236,7 +240,7 @@ class S3Store(S3Reader):
         checked = _answer_confirms(answer, item.crc32c, part_crcs if parts else None)
         if not checked:
             checked = await self.aconfirm(item.remote, item.size, item.crc32c, what, part_crcs)
-        self.wrote(item.remote, answer, item.size, item.crc32c, checked)
+        self.wrote(item.remote, answer, item.size, item.crc32c, checked, sent_etag(md5s, bool(part_crcs)))
         return parts
 
     async def create_mpu(self, bucket: str, key: str, what: str, *, full: bool) -> str:
@@ -270,7 +274,8 @@ class S3Store(S3Reader):
                 ChecksumCRC32C=b64,
             ),
         )
-        return {"PartNumber": n, "ETag": r["ETag"], "ChecksumCRC32C": b64}
+        md5 = await self.answer_md5(r, data)
+        return {"PartNumber": n, "ETag": r["ETag"], "ChecksumCRC32C": b64, **({MD5: md5} if md5 else {})}
 
     async def complete_mpu(
         self,
@@ -298,7 +303,7 @@ class S3Store(S3Reader):
                     Bucket=bucket,
                     Key=key,
                     UploadId=upload_id,
-                    MultipartUpload={"Parts": parts},
+                    MultipartUpload={"Parts": [{k: v for k, v in p.items() if k != MD5} for p in parts]},
                     **whole,
                 )
             except Exception as e:

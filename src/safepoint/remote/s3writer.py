@@ -13,6 +13,7 @@ from typing import Any
 
 import crc32c
 
+from safepoint.remote.s3read import MD5, sent_etag
 from safepoint.remote.s3store import S3Store
 from safepoint.remote.stream import PartWriter
 from safepoint.remote.upload import ObjectStore, RawWriter, combine
@@ -54,7 +55,8 @@ class S3Writer(PartWriter):
         s.versions.forget(self._path)
         answer = s.run(s.aretry, self._what, lambda: s._put(self._bucket, self._key, data, crc, {}))
         checked = s.run(s.aconfirm, self._path, len(data), crc, self._what)
-        s.wrote(self._path, answer, len(data), crc, checked)
+        md5 = s.run(s.answer_md5, answer, data) if not checked else None
+        s.wrote(self._path, answer, len(data), crc, checked, sent_etag([md5], multipart=False))
 
     def _finish(self, sent: list[dict[str, Any]]) -> None:
         s, crc = self._s, combine(self._crcs)
@@ -62,7 +64,7 @@ class S3Writer(PartWriter):
         answer = s.run(complete, self._bucket, self._key, self._upload_id, sent, crc, self._what)
         size = sum(n for _, n in self._crcs)
         checked = s.run(s.aconfirm, self._path, size, crc, self._what, [c for c, _ in self._crcs])
-        s.wrote(self._path, answer, size, crc, checked)
+        s.wrote(self._path, answer, size, crc, checked, sent_etag([p.get(MD5) for p in sent], True))
 
     def _drop(self) -> None:
         if self._upload_id is not None:
