@@ -14,7 +14,8 @@ S3 the same way (s3read.py, s3store.py), where the store keeps no CRC32C of an o
 keeps using it, and nothing is remembered): an object's ETag is the MD5 of its bytes (of its parts' MD5s
 for a multipart upload) or a new value at every write, and CopyObject and UploadPartCopy take the condition
 ``CopySourceIfMatch``. A version is proven where this process wrote it (the crc32c of the bytes sent
-compared with the manifest; the ETag the PUT or the completion answered) or read it back under one ETag
+compared with the manifest, and the ETag the PUT or the completion answered the one those bytes make, from
+their MD5s: what Azure's Content-MD5 shows) or read it back under one ETag
 (every ranged GET ``If-Match``); the copy's own ETag is CopyObject's or the completion's answer. Since a
 store may ignore the condition (moto does), the source must also still be that version after the copy.
 
