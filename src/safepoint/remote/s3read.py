@@ -178,8 +178,8 @@ class S3Reader(ObjectStore):
 
         After a copy made on the condition ``CopySourceIfMatch`` = ``tag``: where the store checks the
         condition that is already certain, but moto ignores it (5.2), and so may an S3-compatible store.
-        The source still being that version after the copy then leaves only an alteration undone again
-        during the copy unseen (an ETag here is the MD5 of the bytes, so the same ETag is the same bytes)."""
+        The source still being that version after the copy then leaves unseen only an alteration made and
+        put back while the copy ran (docs/reliability.md): the copy could hold it, and load would find it."""
         bucket, key = self._split(path)
         try:
             head = self.run(self.aretry, f"stat of {self.url(path)}", lambda: self._head(bucket, key))

@@ -49,7 +49,8 @@ class S3Writer(PartWriter):
             return await s.send_part(self._bucket, self._key, upload_id, n, data, crc, self._what)
 
     # The object holds the bytes streamed in, whose crc32c (the one the manifest records) was computed as
-    # they were sent; where the store keeps no CRC32C to confirm them, its version is remembered instead.
+    # they were sent; where the store keeps no CRC32C to confirm them, its version is remembered instead if
+    # its ETag is the one those bytes make (S3Reader.wrote).
     def _whole(self, data: bytes) -> None:
         s, crc = self._s, crc_hex(crc32c.crc32c(data))
         s.versions.forget(self._path)
