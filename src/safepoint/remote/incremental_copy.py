@@ -11,8 +11,9 @@ Trust: the previous step's record (``rank-<r>.fingerprints``) is read back from 
 (``read_previous_remote``: its size capped by the manifest and MAX_BYTES, its crc32c checked, its shape
 validated, store/incremental_record.py); a copy counts only once it is proven to hold the bytes the
 manifest lists (``proven_copy``): by the crc32c the store itself computed of the copy where it keeps one
-(S3's CRC32C, GCS's crc32c), else by reading the copy back (Azure, which keeps no crc32c and whose Copy Blob
-status proves only that the copy finished; an S3-compatible store without CRC32C). A source tampered in
+(S3's CRC32C, GCS's crc32c), else (Azure, which keeps no crc32c and whose Copy Blob status proves only that
+the copy finished; an S3-compatible store without CRC32C) by the source's version this process proved
+(remote/versions.py), or by reading the copy back. A source tampered in
 place at the same size is then never listed under the manifest's old crc32c. Anything else (a missing or
 tampered record, a copy that fails or does not match) means the group is written from memory: never a
 stale byte. What each store proves of a copy, and the trade-off of the read-back: docs/storage.md.
@@ -56,8 +57,9 @@ def proven_copy(store: ObjectStore, src: str, dst: str, size: int, crc: str) -> 
     """Copy ``src`` to ``dst`` server-side and prove the copy holds ``size`` bytes of crc32c ``crc`` (the
     manifest's entry for ``src``); why not (the copy is then deleted), or None.
 
-    The proof is the store's own crc32c of the copy where it keeps one (no byte read); on Azure, the copy
-    made from a blob version this process proved (remote/versions.py); else the copy read back
+    The proof is the store's own crc32c of the copy where it keeps one (no byte read); on Azure and on S3
+    without CRC32C, the copy made from a version this process proved (remote/versions.py); else the copy
+    read back
     (``store.prove``): a store that keeps no checksum proves nothing of the bytes it copied, so its copy is
     never trusted by its size (a source altered in place at the same size would be listed)."""
     try:

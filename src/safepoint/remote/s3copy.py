@@ -67,10 +67,16 @@ def copy_ranges(size: int) -> list[tuple[int, int]]:
     return [(off, min(off + psize, size) - 1) for off in range(0, size, psize)]
 
 
-async def copy_in_parts(store: _Store, src: str, dst: str, size: int, crc: str | None = None) -> None:
+async def copy_in_parts(
+    store: _Store, src: str, dst: str, size: int, crc: str | None = None, source: str | None = None
+) -> str | None:
     """Copy ``src`` (``size`` bytes; ``crc``: its crc32c as the manifest holds it, checked by S3 at
     completion) to ``dst`` by UploadPartCopy; the upload is aborted on any failure, and a completed copy
-    whose full-object CRC32C the store does not report is deleted (UploadError)."""
+    whose full-object CRC32C the store does not report is deleted (UploadError), unless ``source`` names
+    the version of ``src`` this process proved (remote/versions.py): every part is then copied on the
+    condition ``CopySourceIfMatch`` = ``source``, so the copy is of that version or refused. The copy's
+    ETag (None where a retried completion lost its answer)."""
+    cond = {"CopySourceIfMatch": source} if source is not None else {}
     sb, sk = store._split(src)
     db, dk = store._split(dst)
     what = f"copy of {store.url(src)}"
@@ -89,6 +95,7 @@ async def copy_in_parts(store: _Store, src: str, dst: str, size: int, crc: str |
                         PartNumber=n,
                         CopySource={"Bucket": sb, "Key": sk},
                         CopySourceRange=f"bytes={first}-{last}",
+                        **cond,
                     ),
                 )
             result = r["CopyPartResult"]
@@ -105,11 +112,13 @@ async def copy_in_parts(store: _Store, src: str, dst: str, size: int, crc: str |
     except BaseException:
         await store.abort_mpu(db, dk, upload_id)
         raise
-    if not _full_crc(answer):
+    tag = answer.get("ETag") if isinstance(answer, dict) else None
+    if not _full_crc(answer) and source is None:
         head = await store.aretry(f"{what} (confirm)", lambda: store._head(db, dk))
         if not _full_crc(head):
             await store.aretry(f"delete of {store.url(dst)}", lambda: store._delete(db, [dk]))
             raise UploadError(f"{what}: the store reports no full-object CRC32C of the copy; not trusted")
+    return tag if isinstance(tag, str) else None
 
 
 def _full_crc(answer: Any) -> bool:

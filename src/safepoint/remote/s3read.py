@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import os
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
@@ -18,12 +19,14 @@ from fsspec.asyn import sync
 
 from safepoint.remote.retry import TransferOptions, UploadError, cause_code, lower_priority, next_delay
 from safepoint.remote.upload import ObjectStore, b64_crc, combine, hex_crc, write_at
+from safepoint.remote.versions import ProvenVersions
 from safepoint.store.checksum import crc_hex
 from safepoint.store.manifest import Parts
 
 T = TypeVar("T")
 
 NOT_FOUND = ("404", "NoSuchKey", "NotFound")
+MD5 = "_md5"  # a sent part's MD5 beside S3's fields (S3Store.send_part); never sent to S3
 
 
 class S3Reader(ObjectStore):
@@ -38,6 +41,9 @@ class S3Reader(ObjectStore):
             "safepoint-s3io",
             initializer=lower_priority if self.cfg.background else None,
         )
+        self.versions = ProvenVersions()
+        """The object versions (ETags) whose bytes this process proved where the store keeps no CRC32C of
+        them (remote/versions.py; ``prove`` and S3Store's writes and copies): nothing otherwise."""
 
     def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         result: T = sync(self.fs.loop, fn, *args)
@@ -129,8 +135,71 @@ class S3Reader(ObjectStore):
     async def _head(self, bucket: str, key: str) -> Any:
         return await self.call("head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED")
 
-    async def _get_range(self, bucket: str, key: str, off: int, n: int) -> bytes:
-        r = await self.call("get_object", Bucket=bucket, Key=key, Range=f"bytes={off}-{off + n - 1}")
+    def wrote(self, path: str, answer: Any, size: int, crc: str, checked: bool, sent: str | None) -> None:
+        """After an upload of ``path`` (``size`` bytes whose crc32c ``crc`` the client computed of what it
+        sent and compared with the manifest; ``answer``: the PUT's or the completion's): where the store
+        keeps no CRC32C that confirmed it (not ``checked``), remember its version (the answer's ETag) as
+        proven if that is ``sent``, the ETag S3 gives the bytes sent (``sent_etag``): the store then holds
+        what was sent, as Azure's Content-MD5 shows. Another ETag (damaged on the way in, or not an MD5:
+        SSE-KMS, SSE-C, a store of its own kind) proves nothing; the object's copies are then read back."""
+        tag = answer.get("ETag") if isinstance(answer, dict) else None
+        proven = not checked and sent is not None and tag == sent
+        self.versions.remember(path, tag if proven else None, size, crc)
+
+    def prove(self, path: str, size: int, crc: str) -> str | None:
+        """Why ``path`` is not proven to hold ``size`` bytes of crc32c ``crc``, or None: by S3's own CRC32C
+        (one HEAD), else by its version (the HEAD's ETag) where this process proved that one, else read back
+        under that one ETag (every ranged GET ``If-Match``: a version replaced midway fails the read, never
+        mixes two) and that version remembered (remote/versions.py)."""
+        bucket, key = self._split(path)
+        try:
+            head = self.run(self.aretry, f"stat of {self.url(path)}", lambda: self._head(bucket, key))
+        except UploadError as e:
+            if cause_code(e) in NOT_FOUND:
+                return "file is missing"
+            raise
+        tag, stored = head.get("ETag"), head.get("ChecksumCRC32C")
+        if int(head["ContentLength"]) != size:
+            return f"size {head['ContentLength']} != {size} (truncated or extended)"
+        value = hex_crc(stored) if isinstance(stored, str) and not composite(head) else None
+        if value is not None:  # S3's own CRC32C of the bytes it holds: no version needed
+            return None if value == crc else f"crc32c {value} != {crc} (contents altered)"
+        if not isinstance(tag, str):
+            return self.check(path, size, crc, read=True)
+        if self.versions.tag(path, size, crc) == tag:
+            return None
+        if (got := self.read_crc(path, size, tag)) != crc:
+            return f"crc32c {got} != {crc} (contents altered)"
+        self.versions.remember(path, tag, size, crc)
+        return None
+
+    def unchanged(self, path: str, tag: str) -> bool:
+        """Whether ``path`` still is version ``tag`` (a HEAD); forgotten as proven where it is not.
+
+        After a copy made on the condition ``CopySourceIfMatch`` = ``tag``: where the store checks the
+        condition that is already certain, but moto ignores it (5.2), and so may an S3-compatible store.
+        The source still being that version after the copy then leaves unseen only an alteration made and
+        put back while the copy ran (docs/reliability.md): the copy could hold it, and load would find it."""
+        bucket, key = self._split(path)
+        try:
+            head = self.run(self.aretry, f"stat of {self.url(path)}", lambda: self._head(bucket, key))
+        except UploadError:
+            head = {}
+        if head.get("ETag") == tag:
+            return True
+        self.versions.forget(path)
+        return False
+
+    async def answer_md5(self, answer: Any, data: bytes) -> bytes | None:
+        """The MD5 of ``data`` where the store's ``answer`` to its upload carries no CRC32C (the ETag is then
+        what can show the store holds what was sent: ``wrote``); None where it does (no cost on S3)."""
+        if isinstance(answer, dict) and "ChecksumCRC32C" in answer:
+            return None
+        return await self._in_pool(md5_of, data)
+
+    async def _get_range(self, bucket: str, key: str, off: int, n: int, tag: str | None = None) -> bytes:
+        cond = {"IfMatch": tag} if tag else {}
+        r = await self.call("get_object", Bucket=bucket, Key=key, Range=f"bytes={off}-{off + n - 1}", **cond)
         async with r["Body"] as body:
             data = bytes(await body.read())
         if len(data) != n:
@@ -141,13 +210,14 @@ class S3Reader(ObjectStore):
         p = self.cfg.part_size
         return [(off, min(p, size - off)) for off in range(0, size, p)]
 
-    def read_crc(self, path: str, size: int) -> str:
+    def read_crc(self, path: str, size: int, tag: str | None = None) -> str:
+        """crc32c of the object (``tag``: of that version only; another fails the read, UploadError)."""
         bucket, key = self._split(path)
         what = f"read of {self.url(path)}"
 
         async def one(off: int, n: int) -> tuple[int, int]:
             async with self.sem:
-                data = await self.aretry(what, lambda: self._get_range(bucket, key, off, n))
+                data = await self.aretry(what, lambda: self._get_range(bucket, key, off, n, tag))
                 return await self._in_pool(crc32c.crc32c, data), n
 
         return combine(self.run(self._gather, [one(o, n) for o, n in self._ranges(size)]))
@@ -182,6 +252,20 @@ class S3Reader(ObjectStore):
             errors = [e for e in eg.exceptions if not isinstance(e, asyncio.CancelledError)]
             raise (errors or list(eg.exceptions))[0] from None
         return [t.result() for t in tasks]
+
+
+def md5_of(data: bytes) -> bytes:
+    return hashlib.md5(data, usedforsecurity=False).digest()
+
+
+def sent_etag(md5s: Sequence[bytes | None], multipart: bool) -> str | None:
+    """The ETag S3 gives an object of the bytes sent, from their MD5 (``md5s``: of the one body, or of
+    each part in order: the MD5 of their digests, "-<parts>"); None where a part's MD5 is unknown."""
+    if not md5s or any(m is None for m in md5s):
+        return None
+    if not multipart:
+        return f'"{md5s[0].hex()}"' if md5s[0] is not None else None
+    return f'"{hashlib.md5(b"".join(m for m in md5s if m is not None)).hexdigest()}-{len(md5s)}"'
 
 
 def composite_value(crcs: Sequence[int]) -> str:

@@ -28,7 +28,7 @@ import crc32c
 
 from safepoint.remote.retry import DamagedInTransit, UploadError, cause_code
 from safepoint.remote.s3copy import copy_in_parts
-from safepoint.remote.s3read import S3Reader, composite, composite_value
+from safepoint.remote.s3read import MD5, S3Reader, composite, composite_value, sent_etag
 from safepoint.remote.upload import FileCopy, b64_crc, check_local, combine, hex_crc, read_range
 from safepoint.store.checksum import crc_hex
 from safepoint.store.manifest import Parts
@@ -87,25 +87,36 @@ class S3Store(S3Reader):
         )
 
     def copy(self, src: str, dst: str, size: int | None = None, crc: str | None = None) -> None:
+        """CopyObject (UploadPartCopy parts above 5 GiB, s3copy.py). Where the store keeps no CRC32C and
+        ``src`` is a version this process proved to hold ``size`` bytes of crc32c ``crc`` (remote/
+        versions.py), the copy is made on the condition ``CopySourceIfMatch`` = that version's ETag (S3
+        refuses another: UploadError) and the copy's own version is remembered as proven in turn."""
+        source = self.versions.tag(src, size, crc) if size is not None and crc is not None else None
+        self.versions.forget(dst)
         if size is not None and size > _MAX_COPY:
-            self.run(copy_in_parts, self, src, dst, size, crc)
-            self.fs.invalidate_cache(dst)
-            return
-        sb, sk = self._split(src)
-        db, dk = self._split(dst)
-        # ChecksumAlgorithm on the copy: S3 computes the copy's CRC32C itself, so check() can compare it with
-        # ``crc`` (CopyObject takes no expected checksum: the comparison is the caller's).
-        self.run(
-            self.aretry,
-            f"copy of {self.url(src)}",
-            lambda: self.call(
-                "copy_object",
-                Bucket=db,
-                Key=dk,
-                CopySource={"Bucket": sb, "Key": sk},
-                ChecksumAlgorithm="CRC32C",
-            ),
-        )
+            tag = self.run(copy_in_parts, self, src, dst, size, crc, source)
+            answer: Any = {"ETag": tag}
+        else:
+            sb, sk = self._split(src)
+            db, dk = self._split(dst)
+            cond = {"CopySourceIfMatch": source} if source is not None else {}
+            # ChecksumAlgorithm: S3 computes the copy's CRC32C itself, so prove() can compare it with
+            # ``crc`` (CopyObject takes no expected checksum: the comparison is the caller's).
+            answer = self.run(
+                self.aretry,
+                f"copy of {self.url(src)}",
+                lambda: self.call(
+                    "copy_object",
+                    Bucket=db,
+                    Key=dk,
+                    CopySource={"Bucket": sb, "Key": sk},
+                    ChecksumAlgorithm="CRC32C",
+                    **cond,
+                ),
+            )
+        if source is not None and size is not None and crc is not None and self.unchanged(src, source):
+            result = answer.get("CopyObjectResult", answer) if isinstance(answer, dict) else {}
+            self.versions.remember(dst, result.get("ETag"), size, crc)  # the copy's own version
         self.fs.invalidate_cache(dst)
 
     def delete(self, paths: Sequence[str]) -> None:
@@ -187,16 +198,19 @@ class S3Store(S3Reader):
         stored checksum is a composite one (the manifest records them, so that the object can be verified
         later without reading it), else None."""
         bucket, key = self._split(item.remote)
+        self.versions.forget(item.remote)
         # Deterministic parts (the configured size, or more for a file of over 10,000 of them).
         psize = max(self.cfg.part_size, -(-item.size // _MAX_PARTS))
         full = self.cfg.full_object_checksum is True
         part_crcs: list[int] = []
+        md5s: list[bytes | None] = []
         if item.size <= psize:
             async with self.sem:
                 await self._gate()
                 data, crc = await self._in_pool(read_range, item.local, 0, item.size, item.root)
                 check_local(item, crc_hex(crc))
                 answer = await self.aretry(what, lambda: self._put(bucket, key, data, item.crc32c, {}))
+                md5s = [await self.answer_md5(answer, data)]
             sent.set()
         else:
             upload_id = await self.create_mpu(bucket, key, what, full=full)
@@ -214,6 +228,7 @@ class S3Store(S3Reader):
                 )
                 sent.set()
                 part_crcs = [crc for _, crc, _ in done]
+                md5s = [p.get(MD5) for p, _, _ in done]
                 check_local(item, combine([(crc, n) for _, crc, n in done]))
                 answer = await self.complete_mpu(
                     bucket, key, upload_id, [p for p, _, _ in done], item.crc32c, what, full=full
@@ -222,8 +237,10 @@ class S3Store(S3Reader):
                 await self.abort_mpu(bucket, key, upload_id)
                 raise
         parts = None if full or not part_crcs else Parts(size=psize, crc32c=tuple(map(crc_hex, part_crcs)))
-        if not _answer_confirms(answer, item.crc32c, part_crcs if parts else None):
-            await self.aconfirm(item.remote, item.size, item.crc32c, what, part_crcs)
+        checked = _answer_confirms(answer, item.crc32c, part_crcs if parts else None)
+        if not checked:
+            checked = await self.aconfirm(item.remote, item.size, item.crc32c, what, part_crcs)
+        self.wrote(item.remote, answer, item.size, item.crc32c, checked, sent_etag(md5s, bool(part_crcs)))
         return parts
 
     async def create_mpu(self, bucket: str, key: str, what: str, *, full: bool) -> str:
@@ -257,7 +274,8 @@ class S3Store(S3Reader):
                 ChecksumCRC32C=b64,
             ),
         )
-        return {"PartNumber": n, "ETag": r["ETag"], "ChecksumCRC32C": b64}
+        md5 = await self.answer_md5(r, data)
+        return {"PartNumber": n, "ETag": r["ETag"], "ChecksumCRC32C": b64, **({MD5: md5} if md5 else {})}
 
     async def complete_mpu(
         self,
@@ -285,7 +303,7 @@ class S3Store(S3Reader):
                     Bucket=bucket,
                     Key=key,
                     UploadId=upload_id,
-                    MultipartUpload={"Parts": parts},
+                    MultipartUpload={"Parts": [{k: v for k, v in p.items() if k != MD5} for p in parts]},
                     **whole,
                 )
             except Exception as e:
@@ -318,25 +336,27 @@ class S3Store(S3Reader):
 
         return int(self.run(self.aretry, f"listing of open uploads under {self.url(prefix)}", abort_all))
 
-    async def aconfirm(self, path: str, size: int, crc: str, what: str, parts: Sequence[int] = ()) -> None:
+    async def aconfirm(self, path: str, size: int, crc: str, what: str, parts: Sequence[int] = ()) -> bool:
         """HEAD the object: its size, and its CRC32C against ``crc`` (or, for a composite checksum, against
-        the one ``parts``' checksums make: crc32c of their big-endian bytes, "-<number of parts>")."""
+        the one ``parts``' checksums make: crc32c of their big-endian bytes, "-<number of parts>"). Whether
+        a CRC32C of the store's confirmed it (False: the store keeps none, confirmed by its size only)."""
         bucket, key = self._split(path)
         head = await self.aretry(f"{what} (confirm)", lambda: self._head(bucket, key))
         if int(head["ContentLength"]) != size:
             raise UploadError(f"{what}: the store holds {head['ContentLength']} bytes, expected {size}")
         stored = head.get("ChecksumCRC32C")
-        if composite(head):
+        if composite(head) and isinstance(stored, str):
             # S3 spells it "<b64>-<parts>" (moto's HEAD leaves the suffix off): compare the value part.
             expected = composite_value(parts)
             if parts and str(stored).split("-")[0] != expected:
                 raise DamagedInTransit(f"the store reports composite crc32c {stored}, expected {expected}")
-            return
+            return bool(parts)
         value = hex_crc(stored) if isinstance(stored, str) else None
         if value is not None and value != crc:
             raise DamagedInTransit(f"the store reports crc32c {value}, expected {crc}")
         if value is None:
             log.debug("safepoint: %s: the store reports no full-object CRC32C; confirmed by size", what)
+        return value is not None
 
 
 class KeyDeleteError(Exception):

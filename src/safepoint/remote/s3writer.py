@@ -13,6 +13,7 @@ from typing import Any
 
 import crc32c
 
+from safepoint.remote.s3read import MD5, sent_etag
 from safepoint.remote.s3store import S3Store
 from safepoint.remote.stream import PartWriter
 from safepoint.remote.upload import ObjectStore, RawWriter, combine
@@ -36,6 +37,7 @@ class S3Writer(PartWriter):
 
     def _begin(self) -> None:
         s = self._s
+        s.versions.forget(self._path)
         self._upload_id = s.run(
             functools.partial(s.create_mpu, self._bucket, self._key, self._what, full=self._full)
         )
@@ -46,17 +48,24 @@ class S3Writer(PartWriter):
         async with s.sem:
             return await s.send_part(self._bucket, self._key, upload_id, n, data, crc, self._what)
 
+    # The object holds the bytes streamed in, whose crc32c (the one the manifest records) was computed as
+    # they were sent; where the store keeps no CRC32C to confirm them, its version is remembered instead if
+    # its ETag is the one those bytes make (S3Reader.wrote).
     def _whole(self, data: bytes) -> None:
         s, crc = self._s, crc_hex(crc32c.crc32c(data))
-        s.run(s.aretry, self._what, lambda: s._put(self._bucket, self._key, data, crc, {}))
-        s.run(s.aconfirm, self._path, len(data), crc, self._what)
+        s.versions.forget(self._path)
+        answer = s.run(s.aretry, self._what, lambda: s._put(self._bucket, self._key, data, crc, {}))
+        checked = s.run(s.aconfirm, self._path, len(data), crc, self._what)
+        md5 = s.run(s.answer_md5, answer, data) if not checked else None
+        s.wrote(self._path, answer, len(data), crc, checked, sent_etag([md5], multipart=False))
 
     def _finish(self, sent: list[dict[str, Any]]) -> None:
         s, crc = self._s, combine(self._crcs)
         complete = functools.partial(s.complete_mpu, full=self._full)
-        s.run(complete, self._bucket, self._key, self._upload_id, sent, crc, self._what)
+        answer = s.run(complete, self._bucket, self._key, self._upload_id, sent, crc, self._what)
         size = sum(n for _, n in self._crcs)
-        s.run(s.aconfirm, self._path, size, crc, self._what, [c for c, _ in self._crcs])
+        checked = s.run(s.aconfirm, self._path, size, crc, self._what, [c for c, _ in self._crcs])
+        s.wrote(self._path, answer, size, crc, checked, sent_etag([p.get(MD5) for p in sent], True))
 
     def _drop(self) -> None:
         if self._upload_id is not None:

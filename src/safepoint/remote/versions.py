@@ -1,5 +1,6 @@
 """Which object versions this process has proven to hold which bytes: the proof a store that keeps no
-crc32c (Azure) can still give for a server-side copy without the client reading it.
+crc32c (Azure; an S3-compatible store without CRC32C) can still give for a server-side copy without the
+client reading it.
 
 Azure gives a blob a new ETag at every write (of its bytes, its block list, its properties or metadata),
 and its Copy Blob takes a condition on the source's ETag (``x-ms-source-if-match``) that it checks itself.
@@ -8,6 +9,15 @@ Content-MD5 and their crc32c combined and compared with the manifest; or it read
 unchanged ETag), a copy made from that very version (the condition refused otherwise) holds the same bytes,
 and so does the copy's own version (the ETag the copy answers with). A version altered in place since has
 another ETag: it is never taken for the proven one.
+
+S3 the same way (s3read.py, s3store.py), where the store keeps no CRC32C of an object (a store that does
+keeps using it, and nothing is remembered): an object's ETag is the MD5 of its bytes (of its parts' MD5s
+for a multipart upload) or a new value at every write, and CopyObject and UploadPartCopy take the condition
+``CopySourceIfMatch``. A version is proven where this process wrote it (the crc32c of the bytes sent
+compared with the manifest, and the ETag the PUT or the completion answered the one those bytes make, from
+their MD5s: what Azure's Content-MD5 shows) or read it back under one ETag
+(every ranged GET ``If-Match``); the copy's own ETag is CopyObject's or the completion's answer. Since a
+store may ignore the condition (moto does), the source must also still be that version after the copy.
 
 In memory only, per process: nothing read back from the store vouches for a version (a record there could
 be rewritten along with the blob), so after a restart the first copy of each group is read back once
