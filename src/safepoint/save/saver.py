@@ -32,6 +32,7 @@ from safepoint.store.gc_pause import gc_paused
 from safepoint.store.incremental import INCREMENTAL_KEY, History
 from safepoint.store.incremental_record import StoreWriterLike, read_previous
 from safepoint.store.manifest import FileEntry, Manifest
+from safepoint.store.metadata_bytes import MetadataPickle
 from safepoint.store.node_map import NODES_KEY, NodeMap
 from safepoint.store.posix_layout import CheckpointInfo, CheckpointStore, Layout
 from safepoint.store.storage import SafepointWriter
@@ -83,6 +84,7 @@ class SyncSaver:
         # manager for a 4-tensor model; a plan of 10,000 items is MBs). They go with this saver.
         weakref.finalize(self, _forget_plans, self._plan_key)
         self._plan_record = PlanRecord()  # the structure of the local plan cached under that key
+        self._metadata_pickle = MetadataPickle()  # .metadata's head, pickled once per cached plan
         self._session: str | None = None
         self._saves = 0
         self.nodes: NodeMap | None = None
@@ -122,6 +124,7 @@ class SyncSaver:
             writer = self.wrap_writer(writer)
         if isinstance(writer, SafepointWriter):
             writer.pause_at(self.pause)
+            writer.metadata_pickle = self._metadata_pickle
         round_ = None
         # Writers that arrange incremental saves: SafepointWriter (local), StoreWriter (object stores).
         if self.history is not None and isinstance(writer, SafepointWriter | StoreWriterLike):
