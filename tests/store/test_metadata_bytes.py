@@ -111,9 +111,7 @@ def test_a_head_is_used_only_for_its_own_metadata_and_plan_fields(root: Path) ->
     assert cache.dumps(md) == pickle.dumps(md) and cache.spliced == 1
 
 
-def test_a_metadata_over_one_frame_is_never_spliced(
-    root: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_metadata_over_one_frame_is_never_spliced(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     md = _saved_md(root)
     monkeypatch.setattr(metadata_bytes, "_FRAME_MAX", 64)  # as if its pickle spanned several frames
     cache = MetadataPickle()

@@ -297,9 +297,8 @@ def _resolve_tensor(
     planner: SavePlanner, item: WriteItem, flat: dict[str, Any] | None = None
 ) -> torch.Tensor:
     # What DCP's _SerialCpuLoader hands to torch.save: detached, on the CPU, with a minimal storage.
-    tensor = plain_tensor(flat, item) if flat is not None else None
-    if tensor is None:
-        tensor = planner.resolve_data(item)
+    found = plain_tensor(flat, item) if flat is not None else None
+    tensor = planner.resolve_data(item) if found is None else found
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"item {item.index.fqn!r}: expected a tensor, got {type(tensor).__name__}")
     tensor = tensor.detach().cpu()

@@ -32,6 +32,7 @@ import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from safepoint.store import held_dirs
 from safepoint.store.checksum import stream_crc32c
 from safepoint.store.fsops import rename_exchange_at
 from safepoint.store.guard import describe_mode, keep_if_regular
@@ -118,9 +119,15 @@ class RootDir:
             os.close(fd)
 
     def _walk(self, parts: tuple[str, ...], create: bool) -> int:
-        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        # Inside held_dirs.holding (one save's writes): from the deepest held directory on the way.
+        fd, done = held_dirs.start(dirs, self._base, parts) if (dirs := held_dirs.current()) else (-1, 0)
+        if fd < 0:
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            if dirs:
+                held_dirs.reached(dirs, self._base, fd)
         try:
-            for name in parts:
+            for n in range(done, len(parts)):
+                name = parts[n]
                 try:
                     nxt = os.open(name, _DIR_FLAGS, dir_fd=fd)
                 except FileNotFoundError:
@@ -131,6 +138,8 @@ class RootDir:
                     nxt = os.open(name, _DIR_FLAGS, dir_fd=fd)
                 os.close(fd)
                 fd = nxt
+                if dirs:
+                    held_dirs.reached(dirs, os.path.join(self._base, *parts[: n + 1]), fd)
         except BaseException:
             os.close(fd)
             raise
