@@ -53,11 +53,13 @@ def holding(*paths: str | os.PathLike[str]) -> Iterator[None]:
 def start(dirs: dict[str, int], base: str, parts: tuple[str, ...]) -> tuple[int, int]:
     """(a new descriptor of the deepest held directory on the way to ``base``/``parts``, the number of
     ``parts`` it stands for), or (-1, 0) where none is held: the walk then opens ``base`` itself."""
-    for n in range(len(parts), -1, -1):
-        fd = dirs.get(os.path.join(base, *parts[:n]) if n else base, _UNOPENED)
+    prefix = base if base.endswith("/") else base + "/"
+    for n in range(len(parts), 0, -1):
+        fd = dirs.get(prefix + "/".join(parts[:n]), _UNOPENED)
         if fd >= 0:
             return os.dup(fd), n
-    return -1, 0
+    fd = dirs.get(base, _UNOPENED)
+    return (os.dup(fd), 0) if fd >= 0 else (-1, 0)
 
 
 def reached(dirs: dict[str, int], path: str, fd: int) -> None:

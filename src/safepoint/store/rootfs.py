@@ -35,7 +35,7 @@ from pathlib import Path
 from safepoint.store import held_dirs
 from safepoint.store.checksum import stream_crc32c
 from safepoint.store.fsops import rename_exchange_at
-from safepoint.store.guard import describe_mode, keep_if_regular
+from safepoint.store.guard import describe_mode, keep_if_regular, remove_flat
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -139,7 +139,7 @@ class RootDir:
                 os.close(fd)
                 fd = nxt
                 if dirs:
-                    held_dirs.reached(dirs, os.path.join(self._base, *parts[: n + 1]), fd)
+                    held_dirs.reached(dirs, self._prefix + "/".join(parts[: n + 1]), fd)
         except BaseException:
             os.close(fd)
             raise
@@ -270,6 +270,9 @@ class RootDir:
         O_EXCL|O_NOFOLLOW refuses anything put there meanwhile. A directory in the way is an error.
         ``exclusive``: nothing is unlinked; FileExistsError if anything stands there (a lease's create)."""
         with self.parent(rel, create=parents) as (dfd, name):
+            if not exclusive:  # nothing there (every save's files): created at once, no stat to fail
+                with contextlib.suppress(FileExistsError):
+                    return os.open(name, _CREATE_FLAGS, 0o666, dir_fd=dfd)
             with contextlib.suppress(FileNotFoundError):
                 if exclusive:
                     return os.open(name, _CREATE_FLAGS, 0o666, dir_fd=dfd)
@@ -385,7 +388,8 @@ class RootDir:
                 except FileNotFoundError:
                     return None
                 if stat.S_ISDIR(mode):
-                    shutil.rmtree(name, ignore_errors=True, dir_fd=dfd)
+                    if not remove_flat(name, dfd):  # a subdirectory in it: rmtree's generic walk
+                        shutil.rmtree(name, ignore_errors=True, dir_fd=dfd)
                 elif stat.S_ISLNK(mode):
                     os.unlink(name, dir_fd=dfd)
                 else:
