@@ -82,6 +82,14 @@ def test_a_held_directory_is_the_one_walked_to_even_after_a_swap(root: Path, tmp
 def test_nested_holds_and_missing_directories(root: Path) -> None:
     root.mkdir()
     fs = RootDir(root)
+    before = _fds()
+    fs.makedirs("sub")
+    with holding(root / "sub"):
+        with holding(root):
+            fs.write("sub/x", b"")  # reaches the outer block's "sub" first: this block opened it, closes it
+        outer = current()
+        assert outer is not None and outer[str(root / "sub")] < 0
+    assert _fds() <= before
     with holding(root / "missing"):
         with pytest.raises(FileNotFoundError):
             fs.write("missing/x", b"")  # never reached: nothing held, the walk fails as before

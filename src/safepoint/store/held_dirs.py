@@ -38,16 +38,16 @@ def holding(*paths: str | os.PathLike[str]) -> Iterator[None]:
     """Hold ``paths`` (directories under a root) open for this thread's walks inside the block."""
     outer = current()
     dirs = dict(outer) if outer else {}  # nested: the outer block's descriptors stay the outer's to close
-    mine = {os.path.abspath(p) for p in paths} - set(dirs)
-    dirs.update(dict.fromkeys(mine, _UNOPENED))
+    for path in paths:
+        dirs.setdefault(os.path.abspath(path), _UNOPENED)
     _tls.dirs = dirs
     try:
         yield
     finally:
         _tls.dirs = outer
-        for path in mine:
-            if dirs[path] >= 0:
-                os.close(dirs[path])
+        for path, fd in dirs.items():  # every descriptor this block opened, an outer one's path included
+            if fd >= 0 and (outer is None or outer.get(path) != fd):
+                os.close(fd)
 
 
 def start(dirs: dict[str, int], base: str, parts: tuple[str, ...]) -> tuple[int, int]:
