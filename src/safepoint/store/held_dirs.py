@@ -65,4 +65,7 @@ def start(dirs: dict[str, int], base: str, parts: tuple[str, ...]) -> tuple[int,
 def reached(dirs: dict[str, int], path: str, fd: int) -> None:
     """A walk of this thread opened ``path`` as ``fd``: kept (a copy) if it is asked for and not held yet."""
     if dirs.get(path) == _UNOPENED:
-        dirs[path] = os.dup(fd)
+        try:
+            dirs[path] = os.dup(fd)
+        except OSError:  # out of descriptors: not held, and the walk that got here is not failed for it
+            pass
