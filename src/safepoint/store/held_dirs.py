@@ -18,6 +18,7 @@ after the hold ended. Nothing outlives the ``with`` block: every descriptor is c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Iterator
@@ -65,7 +66,6 @@ def start(dirs: dict[str, int], base: str, parts: tuple[str, ...]) -> tuple[int,
 def reached(dirs: dict[str, int], path: str, fd: int) -> None:
     """A walk of this thread opened ``path`` as ``fd``: kept (a copy) if it is asked for and not held yet."""
     if dirs.get(path) == _UNOPENED:
-        try:
+        # Out of descriptors: not held, and the walk that got here does not fail for it.
+        with contextlib.suppress(OSError):
             dirs[path] = os.dup(fd)
-        except OSError:  # out of descriptors: not held, and the walk that got here is not failed for it
-            pass
