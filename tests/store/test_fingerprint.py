@@ -164,3 +164,25 @@ def test_subclasses_and_other_layouts_are_refused() -> None:
     with pytest.raises(TypeError):
         fingerprint_tensor(torch.quantize_per_tensor(torch.zeros(3), 0.1, 0, torch.quint8))
     assert len(fingerprint_tensor(torch.nn.Parameter(torch.zeros(3)))) == 16
+
+
+def test_a_cpu_fingerprint_starts_from_its_own_headers_state_whatever_the_cache_holds() -> None:
+    """The xxh3 states seeded with a header are cached by (dtype, shape, strides): each digest still equals
+    xxh3-128 of its own header then its bytes, and a tensor of the same bytes in another dtype, shape or
+    strides (its header met before or not) never gets another's."""
+    from safepoint.store.fingerprint import fingerprints
+    from safepoint.store.item_writer import tensor_bytes
+
+    def reference(t: torch.Tensor) -> bytes:
+        h = xxhash.xxh3_128(repr((str(t.dtype), tuple(t.shape), t.stride())).encode())
+        h.update(tensor_bytes(t))
+        return h.digest()
+
+    base = torch.arange(24, dtype=torch.float32)
+    kinds = [base, base.view(4, 6), base.view(6, 4), base.view(torch.int32), base.view(2, 3, 4)]
+    for _ in range(2):  # the second round finds every header cached
+        got = fingerprints(kinds)
+        assert got == [reference(t) for t in kinds]
+        assert len(set(got)) == len(kinds)
+    wide = torch.zeros(4, 12)[:, :6].contiguous()  # the (4, 6) shape again, another tensor's bytes
+    assert fingerprints([wide]) == [reference(wide)]

@@ -137,3 +137,36 @@ def test_dirs_holding_raises_what_the_walk_raised(tmp_path: Path) -> None:
             RootDir(tmp_path).dirs_holding("m", lambda name: True)
     finally:
         (tmp_path / "step-1").chmod(0o755)
+
+
+def test_a_flat_step_is_deleted_entry_by_entry_and_its_links_never_followed(
+    hostile: tuple[RootDir, Path],
+) -> None:
+    """``remove_tree`` of a directory without subdirectories unlinks each entry from a descriptor of it
+    (guard.remove_flat): a FIFO and a symlink inside go, the symlink's target stays; one with a
+    subdirectory (remove_flat gives up at it) is finished by rmtree, a link inside it still not followed."""
+    fs, outside = hostile
+    before = _tree(outside)
+    assert fs.remove_tree("step-1") is None and not fs.lexists("step-1")
+    fs.makedirs("step-2/sub")
+    fs.write("step-2/a", b"1")
+    fs.write("step-2/sub/b", b"2")
+    (fs.path / "step-2" / "sub" / "out").symlink_to(outside)
+    assert fs.remove_tree("step-2") is None and not fs.lexists("step-2")
+    assert _tree(outside) == before
+
+
+def test_a_create_over_each_kind_of_entry_is_as_before(hostile: tuple[RootDir, Path]) -> None:
+    """The create tries O_EXCL first: nothing there, it is made at once; a file or a symlink there is
+    unlinked (never written through), a directory refused, FileExistsError when ``exclusive``."""
+    fs, outside = hostile
+    fs.write("step-1/new", b"n")
+    fs.write("step-1/data", b"replaced")
+    fs.write("step-1/fifo", b"no fifo now")
+    assert fs.read("step-1/new", 10) == b"n" and fs.read("step-1/data", 10) == b"replaced"
+    assert fs.read("step-1/fifo", 20) == b"no fifo now" and (outside / "secret").read_text() == "not ours"
+    fs.makedirs("step-1/dir")
+    with pytest.raises(IsADirectoryError):
+        fs.create("step-1/dir")
+    with pytest.raises(FileExistsError):
+        fs.create("step-1/new", exclusive=True)

@@ -29,9 +29,11 @@ from safepoint.save.staging import Stager
 from safepoint.store import rank_state
 from safepoint.store.file_report import with_files
 from safepoint.store.gc_pause import gc_paused
+from safepoint.store.held_dirs import holding
 from safepoint.store.incremental import INCREMENTAL_KEY, History
 from safepoint.store.incremental_record import StoreWriterLike, read_previous
 from safepoint.store.manifest import FileEntry, Manifest
+from safepoint.store.metadata_bytes import MetadataPickle
 from safepoint.store.node_map import NODES_KEY, NodeMap
 from safepoint.store.posix_layout import CheckpointInfo, CheckpointStore, Layout
 from safepoint.store.storage import SafepointWriter
@@ -83,6 +85,7 @@ class SyncSaver:
         # manager for a 4-tensor model; a plan of 10,000 items is MBs). They go with this saver.
         weakref.finalize(self, _forget_plans, self._plan_key)
         self._plan_record = PlanRecord()  # the structure of the local plan cached under that key
+        self._metadata_pickle = MetadataPickle()  # .metadata's head, pickled once per cached plan
         self._session: str | None = None
         self._saves = 0
         self.nodes: NodeMap | None = None
@@ -122,6 +125,7 @@ class SyncSaver:
             writer = self.wrap_writer(writer)
         if isinstance(writer, SafepointWriter):
             writer.pause_at(self.pause)
+            writer.metadata_pickle = self._metadata_pickle
         round_ = None
         # Writers that arrange incremental saves: SafepointWriter (local), StoreWriter (object stores).
         if self.history is not None and isinstance(writer, SafepointWriter | StoreWriterLike):
@@ -143,7 +147,9 @@ class SyncSaver:
                 own = _write_rank_file_too(writer, self.layout, pending, self.comm.rank, sections_of_rank)
             # DCP's write collective also carries each rank's file list to rank 0 (store/file_report.py),
             # and raises the same error on every rank when any rank failed.
-            with gc_paused():  # DCP's per-item work, without cyclic collections (store/gc_pause.py)
+            # DCP's per-item work without cyclic collections (store/gc_pause.py); the files it writes into
+            # ``pending`` walked from the held directory, not from the root each (store/held_dirs.py).
+            with gc_paused(), holding(*_own_dirs(self.layout, pending)):
                 if self.comm.distributed:
                     dcp_save(
                         state_dict,
@@ -364,6 +370,11 @@ def _write_rank_file_too(
 
     writer.write_data = write_data
     return own
+
+
+def _own_dirs(layout: CheckpointStore, pending: Any) -> tuple[Path, ...]:
+    """What a local save holds open while it writes: its root, ``.pending`` and its own directory."""
+    return (layout.root, layout.pending_root, pending) if isinstance(layout, Layout) else ()
 
 
 def _forget_plans(key: str) -> None:

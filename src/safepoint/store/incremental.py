@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from safepoint.store.checksum import crc_hex, fd_range_crc32c
 from safepoint.store.fingerprint import fingerprints, version_counter
+from safepoint.store.item_writer import default_lookup, plain_tensor
 from safepoint.store.rootfs import RootDir
 
 Key = tuple[str, tuple[int, ...]]  # (fqn, chunk offsets): one item of a rank's plan
@@ -206,9 +207,10 @@ class Round:
         sizes: dict[Key, int] = {}
         primaries: dict[tuple[Any, ...], Key] = {}
         changing: list[WriteItem] = []
-        unchanged: list[WriteItem] = []
+        unchanged: list[tuple[Key, WriteItem]] = []
         prev = self.previous
         still_before = {k for f in prev.files.values() for k in f.infos} if prev is not None else set()
+        flat = default_lookup(planner)  # a plain tensor looked up by name, not by resolve_data's 4 calls
         # (key, item, tensor as written, its alias key): the alias key of the tensor as written is taken once
         # (seven attribute reads of torch per call; it was asked three times per item). Safe: a pure function
         # of the tensor's storage and view, which nothing changes between here and the loops below.
@@ -218,7 +220,9 @@ class Round:
                 changing.append(item)
                 continue
             key = item_key(item)
-            raw = resolve_raw(planner, item)
+            raw = plain_tensor(flat, item) if flat is not None else None
+            if raw is None:
+                raw = resolve_raw(planner, item)
             if (alias := _alias_key(raw)) is not None:
                 if alias in primaries:
                     self._aliases[key] = (primaries[alias], item)
@@ -242,10 +246,12 @@ class Round:
                 # second time unhashed; one that changes at every save is not (it would only say "changed").
                 changing.append(item)
                 continue
-            t = raw.detach()
+            # A plain tensor needing no grad is hashed as it is: its detach() has the same storage, view and
+            # dtype, so the same bytes and alias key. Anything else is detached, its alias key taken again.
+            t = raw if alias is not None and not raw.requires_grad else raw.detach()
             if t.untyped_storage().nbytes() != t.nbytes:
                 t = t.clone()  # as the writer saves it (a minimal storage); a GPU tensor's clone stays there
-            tensors.append((key, item, t, _alias_key(t)))
+            tensors.append((key, item, t, alias if t is raw else _alias_key(t)))
         # Where each tensor lives: a GPU tensor is fingerprinted on the GPU (no copy to the host; only the
         # files left to write copy their tensors, in the writer).
         todo = [t for _, _, t, alias in tensors if alias not in self.known]
@@ -255,24 +261,24 @@ class Round:
             if fp is not None:
                 fingerprints_[key] = fp
             if fp is not None and prev is not None and prev.fingerprints.get(key) == fp:
-                unchanged.append(item)
+                unchanged.append((key, item))
             else:
                 changing.append(item)
         self.record = Record(fingerprints_, {}, versions)
         results: list[WriteResult] = []
         placed: set[Key] = set()
         keyed: dict[Key, tuple[int, WriteItem]] | None = None  # made once, when a first file is linked
-        still = {item_key(i) for i in unchanged}
+        still = {key for key, _ in unchanged}
         if prev is not None and prev.directory is not None and not self.full:
             place = place or (
                 lambda source, stored: link_into(source / stored.name, directory / stored.name, stored)
             )
             for stored in prev.files.values():
-                if not set(stored.infos) <= still:
+                if not still.issuperset(stored.infos):
                     continue
                 linked = place(prev.directory, stored)
                 if linked is not None:
-                    placed |= set(stored.infos)
+                    placed.update(stored.infos)
                     self.record.files[stored.name] = linked
                     self.stats["linked"] += stored.size
                     if keyed is None:
@@ -283,10 +289,10 @@ class Round:
         for i, bucket in enumerate(_split_by_size_and_type(threads, changing) if changing else []):
             out.append((str(directory / f"{prefix}{i}.distcp"), f"{prefix}{i}.distcp", bucket))
         groups: list[tuple[list[WriteItem], int]] = []
-        for item in unchanged:
-            if item_key(item) in placed:
+        for key, item in unchanged:
+            if key in placed:
                 continue
-            size = sizes[item_key(item)]
+            size = sizes[key]
             if not groups or groups[-1][1] + size > GROUP_BYTES:
                 groups.append(([], 0))
             groups[-1][0].append(item)

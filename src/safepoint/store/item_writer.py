@@ -222,7 +222,7 @@ def write_items(
     )
     ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
     ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
-    flat = _default_lookup(planner)
+    flat = default_lookup(planner)
     cache: dict[str, tuple[bytes, bytes]] | None = getattr(planner, "byte_items", None)
     for item in ordered:
         offset = out.pos
@@ -268,7 +268,7 @@ def byte_item(
     return data.getbuffer()
 
 
-def _default_lookup(planner: SavePlanner) -> dict[str, Any] | None:
+def default_lookup(planner: SavePlanner) -> dict[str, Any] | None:
     """The planner's flattened state dict if it resolves items as DefaultSavePlanner does, else None."""
     if not isinstance(planner, DefaultSavePlanner):
         return None
@@ -282,16 +282,23 @@ def _default_lookup(planner: SavePlanner) -> dict[str, Any] | None:
     return None
 
 
+def plain_tensor(flat: dict[str, Any], item: WriteItem) -> torch.Tensor | None:
+    """The whole plain tensor ``item`` stands for in ``flat`` (a ``default_lookup``), or None: ask the
+    planner. It is what DefaultSavePlanner.resolve_data returns for it (find_tensor_shard: the tensor
+    itself when the item's offset is all zeros), found without its per-item checks."""
+    tensor = flat.get(item.index.fqn)
+    offset = item.index.offset
+    if type(tensor) is not torch.Tensor or offset is None or len(offset) != tensor.dim() or any(offset):
+        return None
+    return tensor
+
+
 def _resolve_tensor(
     planner: SavePlanner, item: WriteItem, flat: dict[str, Any] | None = None
 ) -> torch.Tensor:
     # What DCP's _SerialCpuLoader hands to torch.save: detached, on the CPU, with a minimal storage.
-    # A whole plain tensor is what DefaultSavePlanner.resolve_data returns for it (find_tensor_shard: the
-    # tensor itself when the item's offset is all zeros), found here without its per-item checks.
-    tensor = flat.get(item.index.fqn) if flat is not None else None
-    offset = item.index.offset
-    if type(tensor) is not torch.Tensor or offset is None or len(offset) != tensor.dim() or any(offset):
-        tensor = planner.resolve_data(item)
+    found = plain_tensor(flat, item) if flat is not None else None
+    tensor = planner.resolve_data(item) if found is None else found
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"item {item.index.fqn!r}: expected a tensor, got {type(tensor).__name__}")
     tensor = tensor.detach().cpu()

@@ -39,6 +39,7 @@ from safepoint.store.guard import (
     read_up_to,
 )
 from safepoint.store.heartbeat import HeartbeatLease
+from safepoint.store.held_dirs import holding
 from safepoint.store.manifest import MANIFEST_NAME, Manifest
 from safepoint.store.metadata_check import load_checked_metadata
 from safepoint.store.protocol import CheckpointInfo as CheckpointInfo  # re-exported: its old home
@@ -57,9 +58,8 @@ _REPLACED_PREFIX = "replaced-"
 _DELETING_PREFIX = "deleting-"
 # A manifest lists each file in ~100 bytes: 64 MiB is far beyond any real one (and bounds what is read).
 MAX_MANIFEST_BYTES = 64 << 20
-# Concurrent readers when verifying: big files are split into ranges so the disk sees several requests
-# at once (cold-cache reads measured ~2x faster than one sequential reader); crc32c releases the GIL.
-_VERIFY_THREADS = 8
+# Concurrent readers when verifying: big files split into ranges so the disk sees several requests at once
+_VERIFY_THREADS = 8  # (cold-cache reads measured ~2x faster than one sequential reader; crc32c frees the GIL)
 
 
 def step_name(step: int) -> str:
@@ -213,6 +213,10 @@ class Layout:
 
     def commit(self, pending: Path, manifest: Manifest) -> Path:
         """Write the manifest into ``pending`` and move it into place as step-N, durably."""
+        with holding(self.root, self.pending_root):  # walks from them (held_dirs.py): renames are inside
+            return self._commit(pending, manifest)
+
+    def _commit(self, pending: Path, manifest: Manifest) -> Path:
         write_file_durably(pending / MANIFEST_NAME, manifest.to_json())
         fsync_dir(pending)
         final = self.step_path(manifest.step)
@@ -344,6 +348,10 @@ class Layout:
 
     def remove(self, step: int) -> None:
         """Delete a committed checkpoint; crash-safe (it is listed intact, or not at all)."""
+        with holding(self.root, self.pending_root):  # as commit's
+            self._remove(step)
+
+    def _remove(self, step: int) -> None:
         src, fs = self.step_path(step), self.fs
         # One lstat gives the kind and the identity (a second walk took the same stat again).
         st = fs.lstat(src)

@@ -22,7 +22,9 @@ from typing import Any
 
 import torch
 
+from safepoint.store import crc_switch
 from safepoint.store.crc_switch import torch_crc32_off
+from safepoint.store.item_writer import tensor_bytes
 
 _LOCAL = struct.Struct("<4s5H3I2H")  # a zip local file header
 _MAX_BYTES = 1 << 20  # larger tensors (none in an RNG state): torch.save's fixed cost is noise there
@@ -35,24 +37,25 @@ _lock = threading.Lock()
 
 def saved_bytes(payload: dict[str, Any]) -> bytes:
     """What ``torch.save(payload)`` writes with torch's CRC-32 off (see the module docstring)."""
-    with torch_crc32_off():
-        leaves: list[torch.Tensor] = []
-        structure = _structure(payload, leaves)
-        if structure is None or len({t.data_ptr() for t in leaves}) != len(leaves):
-            return _saved(payload)  # not plain tensors, or two sharing memory: torch.save itself
-        # torch's settings that shape the file are part of the key (a template made with CRC-32 off is
-        # not what torch.save writes with it on; nor with another storage alignment).
-        settings = (torch.serialization.get_crc32_options(), torch.serialization._get_storage_alignment())
-        key = (structure, settings)
-        try:
-            template = _templates[key]
-        except KeyError:
-            template = _make(payload, leaves)
-            with _lock:
-                if len(_templates) >= _MAX_TEMPLATES:
-                    _templates.clear()
-                _templates[key] = template
-        return _saved(payload) if template is None else _fill(template, leaves)
+    leaves: list[torch.Tensor] = []
+    structure = _structure(payload, leaves)
+    if structure is None or len({t.data_ptr() for t in leaves}) != len(leaves):
+        return _saved(payload)  # not plain tensors, or two sharing memory: torch.save itself
+    # torch's settings that shape the file are part of the key (a template made with CRC-32 off is not
+    # what torch.save writes with it on; nor with another storage alignment): the CRC-32 setting as
+    # torch_crc32_off leaves it, read without switching it (a filled template runs no torch.save: the
+    # switch, ~15 us, is taken only to make a template or to save through torch.save).
+    crc = torch.serialization.get_crc32_options() and not crc_switch.SKIP_TORCH_CRC32
+    key = (structure, (crc, torch.serialization._get_storage_alignment()))
+    try:
+        template = _templates[key]
+    except KeyError:
+        template = _make(payload, leaves)
+        with _lock:
+            if len(_templates) >= _MAX_TEMPLATES:
+                _templates.clear()
+            _templates[key] = template
+    return _saved(payload) if template is None else _fill(template, leaves)
 
 
 def _structure(value: Any, leaves: list[torch.Tensor]) -> tuple[Any, ...] | None:
@@ -89,12 +92,14 @@ def _structure(value: Any, leaves: list[torch.Tensor]) -> tuple[Any, ...] | None
 
 def _saved(payload: Any) -> bytes:
     buf = io.BytesIO()
-    torch.save(payload, buf)
+    with torch_crc32_off():
+        torch.save(payload, buf)
     return buf.getvalue()
 
 
 def _data(t: torch.Tensor) -> memoryview:
-    return t.reshape(-1).view(torch.uint8).numpy().data
+    # A contiguous CPU tensor at offset 0 (_structure): its memory as it lies, without four view calls.
+    return tensor_bytes(t) if t.nbytes else memoryview(b"")
 
 
 def _fill(template: Template, leaves: list[torch.Tensor]) -> bytes:

@@ -32,9 +32,10 @@ import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from safepoint.store import held_dirs
 from safepoint.store.checksum import stream_crc32c
 from safepoint.store.fsops import rename_exchange_at
-from safepoint.store.guard import describe_mode, keep_if_regular
+from safepoint.store.guard import describe_mode, keep_if_regular, remove_flat
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -118,9 +119,15 @@ class RootDir:
             os.close(fd)
 
     def _walk(self, parts: tuple[str, ...], create: bool) -> int:
-        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        # Inside held_dirs.holding (one save's writes): from the deepest held directory on the way.
+        fd, done = held_dirs.start(dirs, self._base, parts) if (dirs := held_dirs.current()) else (-1, 0)
+        if fd < 0:
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            if dirs:
+                held_dirs.reached(dirs, self._base, fd)
         try:
-            for name in parts:
+            for n in range(done, len(parts)):
+                name = parts[n]
                 try:
                     nxt = os.open(name, _DIR_FLAGS, dir_fd=fd)
                 except FileNotFoundError:
@@ -131,6 +138,8 @@ class RootDir:
                     nxt = os.open(name, _DIR_FLAGS, dir_fd=fd)
                 os.close(fd)
                 fd = nxt
+                if dirs:
+                    held_dirs.reached(dirs, self._prefix + "/".join(parts[: n + 1]), fd)
         except BaseException:
             os.close(fd)
             raise
@@ -261,6 +270,9 @@ class RootDir:
         O_EXCL|O_NOFOLLOW refuses anything put there meanwhile. A directory in the way is an error.
         ``exclusive``: nothing is unlinked; FileExistsError if anything stands there (a lease's create)."""
         with self.parent(rel, create=parents) as (dfd, name):
+            if not exclusive:  # nothing there (every save's files): created at once, no stat to fail
+                with contextlib.suppress(FileExistsError):
+                    return os.open(name, _CREATE_FLAGS, 0o666, dir_fd=dfd)
             with contextlib.suppress(FileNotFoundError):
                 if exclusive:
                     return os.open(name, _CREATE_FLAGS, 0o666, dir_fd=dfd)
@@ -376,7 +388,8 @@ class RootDir:
                 except FileNotFoundError:
                     return None
                 if stat.S_ISDIR(mode):
-                    shutil.rmtree(name, ignore_errors=True, dir_fd=dfd)
+                    if not remove_flat(name, dfd):  # a subdirectory in it: rmtree's generic walk
+                        shutil.rmtree(name, ignore_errors=True, dir_fd=dfd)
                 elif stat.S_ISLNK(mode):
                     os.unlink(name, dir_fd=dfd)
                 else:

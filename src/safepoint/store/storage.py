@@ -45,6 +45,7 @@ from safepoint.store.file_report import Files, skipped_per_rank, split_files, wi
 from safepoint.store.incremental import Round
 from safepoint.store.incremental_record import encode, side_name
 from safepoint.store.item_writer import write_queue
+from safepoint.store.metadata_bytes import MetadataPickle
 from safepoint.store.rootfs import RootDir
 
 METADATA_NAME = ".metadata"
@@ -184,6 +185,8 @@ class SafepointWriter(FileSystemWriter):
     """Every rank's bytes linked rather than written, in rank order: set on the coordinator by finish."""
     incremental: Round | None = None
     """Set by the saver: this save's incremental arrangement (store/incremental.py); None writes all."""
+    metadata_pickle: MetadataPickle | None = None
+    """Set by the saver: ``.metadata``'s pickle, its unchanged head kept (store/metadata_bytes.py)."""
     _prefix = ""
 
     def __init__(
@@ -253,8 +256,11 @@ class SafepointWriter(FileSystemWriter):
         metadata.storage_meta = self.storage_meta()
         per_rank = not self.use_collectives and self.rank is not None
         path = self._get_metadata_path(self.rank if per_rank else None)
+        # pickle.dump's bytes; the saver's MetadataPickle pickles only what changed since its last save.
+        cached = self.metadata_pickle
+        data = pickle.dumps(metadata) if cached is None else cached.dumps(metadata)
         with self.fs.create_stream(path, "wb") as stream:
-            pickle.dump(metadata, stream)
+            stream.write(data)
             os.fsync(stream.fileno())
 
     def _write_data(self, planner: SavePlanner, file_queue: queue.Queue[Any]) -> Future[list[WriteResult]]:
