@@ -155,19 +155,25 @@ def test_sigkill_during_save_200_times(tmp_path: Path) -> None:
 
 
 def test_kill_mid_delete_leaves_no_half_checkpoint(tmp_path: Path) -> None:
-    """Retention moves a step out of sight in one rename, then deletes: a kill between the two leaves
-    nothing that looks valid, and the next owner cleans up."""
+    """Retention moves a step out of sight in one rename, then deletes: a kill midway through the deletes
+    (one file of the step gone) leaves nothing that looks valid, and the next owner cleans up."""
     root = tmp_path / "ckpt"
+    # A step directory holds no subdirectory, so it is deleted entry by entry (rootfs: guard.remove_flat),
+    # not by rmtree (which once carried this hook: the kill then never came, and the test saw exit 0).
     script = f"""
-import os, signal, shutil, torch, safepoint, safepoint.store.posix_layout as L
+import os, signal, shutil, torch, safepoint, safepoint.store.rootfs as R
 m = torch.nn.Linear(4, 4)
 with safepoint.CheckpointManager({str(root)!r}, keep=safepoint.Keep(last=1)) as mgr:
     st = safepoint.TrainState(model=m)
     mgr.save(1, st)
+    def die_midway(name, dfd):
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
+        os.unlink(sorted(os.listdir(fd))[0], dir_fd=fd)
+        os.kill(os.getpid(), signal.SIGKILL)
     def die(*a, **k):
         os.kill(os.getpid(), signal.SIGKILL)
     die.avoids_symlink_attacks = True  # the deleter refuses an rmtree that could follow symlinks
-    shutil.rmtree = die
+    R.remove_flat, shutil.rmtree = die_midway, die
     mgr.save(2, st)
 """
     proc = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=str(REPO / "src")))
