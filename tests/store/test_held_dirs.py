@@ -100,3 +100,25 @@ def test_nested_holds_and_missing_directories(root: Path) -> None:
         outer = current()
         assert outer is not None and str(root) not in outer  # the inner block's, closed with it
     assert fs.read("x", 10) == b"1"
+
+
+def test_a_directory_opened_by_its_own_path_is_never_held_for_the_root(root: Path, tmp_path: Path) -> None:
+    """A RootDir made on a path under a held root (``around``, ``read_metadata_file``: a step or pending
+    directory named by the caller) opens that path as given, following a symlink: what it reaches must never
+    become the held directory that the root's own walks start from (they refuse that symlink)."""
+    root.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "save").mkdir(parents=True)
+    os.symlink(elsewhere, root / ".pending")  # planted: .pending is a link out of the root
+    fs = RootDir(root)
+    before = _fds()
+    with holding(root, root / ".pending", root / ".pending" / "save"):
+        with RootDir(root / ".pending").dir("save"):  # its own path followed, as outside a hold
+            pass
+        with RootDir(root / ".pending" / "save").dir(""):
+            pass
+        for rel in (".pending/save/f", ".pending/g"):
+            with pytest.raises(OSError):  # ELOOP: the root's walk meets the symlink, as outside a hold
+                fs.write(rel, b"x")
+    assert _fds() <= before
+    assert os.listdir(elsewhere / "save") == [] and sorted(os.listdir(elsewhere)) == ["save"]

@@ -7,7 +7,8 @@ save creates, links and checks a dozen files in its pending directory, one walk 
 a descriptor of it, and every later walk whose way passes through a held directory starts from a copy of
 that descriptor (``os.dup``), walking only what lies below it.
 
-Safe, because a held descriptor is one the guarded walk itself opened (no symlink followed on the way) and
+Safe, because a held descriptor is one the guarded walk itself opened (no symlink followed on the way: a
+walk whose own base lies below a held path, opened by that path, holds nothing, ``below_held``) and
 a directory stays that directory while open: later operations reach the very directory the first walk
 checked, even if a name on its way were swapped for a symlink meanwhile (they would have refused it then;
 they now keep to the real one). Only what the save itself names is held (its root, ``.pending``, its own
@@ -61,6 +62,18 @@ def start(dirs: dict[str, int], base: str, parts: tuple[str, ...]) -> tuple[int,
             return os.dup(fd), n
     fd = dirs.get(base, _UNOPENED)
     return (os.dup(fd), 0) if fd >= 0 else (-1, 0)
+
+
+def below_held(dirs: dict[str, int], base: str) -> bool:
+    """Whether ``base`` lies strictly below a held path: a walk that opened ``base`` by its own path then
+    holds nothing it reaches. That open follows symlinks (a root's own path is its user's: store/rootfs.py),
+    so ``ROOT/.pending`` planted as a link out of ROOT and opened as a RootDir's base (``around``) would
+    otherwise become the descriptor every later walk of ROOT's starts from, past the symlink they refuse."""
+    for path in dirs:
+        prefix = path if path.endswith("/") else path + "/"
+        if base != path and base.startswith(prefix):
+            return True
+    return False
 
 
 def reached(dirs: dict[str, int], path: str, fd: int) -> None:

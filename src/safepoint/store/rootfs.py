@@ -123,7 +123,9 @@ class RootDir:
         fd, done = held_dirs.start(dirs, self._base, parts) if (dirs := held_dirs.current()) else (-1, 0)
         if fd < 0:
             fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            if dirs:
+            if dirs and held_dirs.below_held(dirs, self._base):
+                dirs = None  # its base opened by path, through any symlink: nothing reached from it is held
+            elif dirs:
                 held_dirs.reached(dirs, self._base, fd)
         try:
             for n in range(done, len(parts)):
