@@ -169,6 +169,8 @@ def test_a_part_copy_whose_completion_answer_was_lost_is_confirmed_not_refused(
 
     Before, s3copy.py completed with its own request: the NoSuchUpload failed the copy, which was then
     deleted and its group written again (safe, but every byte of a > 5 GiB group sent for nothing)."""
+    import s3fs
+
     cfg = TransferOptions(part_size=5 * MiB, concurrency=4, backoff_s=0.0, max_backoff_s=0.0)
     fs = s3fs.S3FileSystem(**storage_options(proxy.endpoint), skip_instance_cache=True)
     store = S3Store(fs, cfg)
@@ -192,6 +194,8 @@ def test_an_upload_whose_completion_answer_was_lost_is_confirmed_not_refused(
     """The same lost answer for a multipart upload of a local file (the same completion path). botocore
     retries a reset connection itself, inside safepoint's first attempt: complete_mpu used to accept the
     NoSuchUpload only on its own second attempt, and failed the upload here."""
+    import s3fs
+
     cfg = TransferOptions(part_size=5 * MiB, concurrency=4, backoff_s=0.0, max_backoff_s=0.0)
     fs = s3fs.S3FileSystem(**storage_options(proxy.endpoint), skip_instance_cache=True)
     data = os.urandom(11 * MiB + 3)
