@@ -281,10 +281,10 @@ def import_time_imports(source: str, package: str = "") -> list[tuple[int, str]]
 
 def _module_file(module: str) -> Path | None:
     """The file of ``module`` if it is one of this checkout's (``tests.*`` or ``safepoint.*``)."""
-    base = _REPO if module.split(".")[0] == "tests" else SRC.parent
-    if module.split(".")[0] not in ("tests", "safepoint"):
+    top = module.split(".")[0]
+    if top not in ("tests", "safepoint"):
         return None
-    path = base.joinpath(*module.split("."))
+    path = (_REPO if top == "tests" else SRC.parent).joinpath(*module.split("."))
     for candidate in (path.with_suffix(".py"), path / "__init__.py"):
         if candidate.is_file():
             return candidate
@@ -354,3 +354,11 @@ def test_the_import_finder_finds_what_runs_at_import() -> None:
         (4, "torchtitan.components"), (8, "tests.integrations"), (8, "tests.integrations.parts"),
         (10, "s3fs"), (12, "boto3"), (14, "accelerate"), (14, "accelerate.Accelerator"),
     ]  # fmt: skip
+    # Through this checkout's modules: a helper that imports lightning itself, and a job script that imports
+    # torchtitan through safepoint's integration.
+    found = costly_collection_imports(
+        ["tests.integrations.lightning_parts", "tests.integrations.torchtitan_job"]
+    )
+    assert any(f.startswith("tests/integrations/lightning_parts.py:") and ": lightning (" in f for f in found)
+    via = "(via tests.integrations.torchtitan_job -> safepoint.integrations.torchtitan)"
+    assert any(f.startswith("src/safepoint/integrations/torchtitan.py:") and f.endswith(via) for f in found)
