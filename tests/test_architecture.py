@@ -325,7 +325,10 @@ def test_collecting_the_suite_imports_no_framework() -> None:
         if p.name.startswith("test_") or p.name == "conftest.py"
     ]
     assert len(starts) > 100, starts  # the search finds the test modules
-    assert costly_collection_imports(starts) == []
+    offenders = costly_collection_imports(starts)
+    assert offenders == [], "imported when pytest collects (import it inside the tests):\n" + "\n".join(
+        offenders
+    )
 
 
 def test_the_import_finder_finds_what_runs_at_import() -> None:
