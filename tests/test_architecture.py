@@ -226,3 +226,142 @@ def test_the_files_the_suite_starts_first_exist() -> None:
     from tests.conftest import LONG_FIRST, REPO
 
     assert [p for p in LONG_FIRST if not (REPO / p).is_file()] == []
+
+
+# ---- collecting the suite imports no framework -------------------------------------------------------------
+# pytest-xdist's workers each import every test module (and conftest) to collect it, so a package imported at
+# a test module's top is paid by every worker, though one worker runs that module's tests: lightning costs
+# ~3 s of CPU a worker, transformers with peft ~3 s (tests/torture/README.md, "Collection"). Those imports
+# go inside the tests, or into a helper module the tests import (tests/integrations/lightning_parts.py).
+_COSTLY = {
+    "accelerate", "aiobotocore", "boto3", "botocore", "lightning", "lightning_fabric", "matplotlib", "moto",
+    "peft", "pytorch_lightning", "s3fs", "torchmetrics", "torchtitan", "transformers",
+}  # fmt: skip
+_REPO = SRC.parents[1]
+
+
+def import_time_imports(source: str, package: str = "") -> list[tuple[int, str]]:
+    """(line, module) of each import that running ``source`` does: at module level and in class bodies, not
+    in functions nor under ``if TYPE_CHECKING:``; ``pytest.importorskip("m")`` imports m. For ``from a import
+    b`` both ``a`` and ``a.b`` (b may be a module). ``package``: where a relative import starts."""
+    found: set[tuple[int, str]] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.Import):
+                found.update((node.lineno, alias.name) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1]) if node.level else ""
+                module = ".".join(p for p in (base, node.module or "") if p)
+                found.add((node.lineno, module))
+                found.update((node.lineno, f"{module}.{alias.name}") for alias in node.names)
+            elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+            elif isinstance(node, ast.Expr | ast.Assign | ast.AnnAssign):
+                for call in ast.walk(node):
+                    if (
+                        isinstance(call, ast.Call)
+                        and ast.unparse(call.func) == "pytest.importorskip"
+                        and call.args
+                        and isinstance(call.args[0], ast.Constant)
+                    ):
+                        found.add((call.lineno, str(call.args[0].value)))
+            elif isinstance(node, ast.ClassDef | ast.If | ast.With | ast.For | ast.While | ast.Try):
+                # run at import (a function's body is not): every block of the statement
+                visit(node.body)
+                visit(getattr(node, "orelse", []))
+                visit(getattr(node, "finalbody", []))
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+
+    visit(ast.parse(source).body)
+    return sorted(found)
+
+
+def _module_file(module: str) -> Path | None:
+    """The file of ``module`` if it is one of this checkout's (``tests.*`` or ``safepoint.*``)."""
+    top = module.split(".")[0]
+    if top not in ("tests", "safepoint"):
+        return None
+    path = (_REPO if top == "tests" else SRC.parent).joinpath(*module.split("."))
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def costly_collection_imports(starts: list[str]) -> list[str]:
+    """Each import of a ``_COSTLY`` package that importing the modules ``starts`` runs, following the imports
+    of this checkout's own modules (and the packages above them): ``file:line: package (via chain)``."""
+    via: dict[str, str] = {m: "" for m in starts}
+    todo, offenders = list(starts), []
+    while todo:
+        module = todo.pop()
+        path = _module_file(module)
+        if path is None:
+            continue
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        chain = f"{via[module]} -> {module}" if via[module] else module
+        for line, name in import_time_imports(path.read_text(), package):
+            where = f"{path.relative_to(_REPO)}:{line}: "
+            if name.split(".")[0] in _COSTLY and not any(o.startswith(where) for o in offenders):
+                offenders.append(f"{where}{name} (via {chain})")  # the line's first (shortest) name
+            parents = name.split(".")
+            for depth in range(1, len(parents) + 1):
+                dotted = ".".join(parents[:depth])
+                if dotted not in via:
+                    via[dotted] = chain
+                    todo.append(dotted)
+    return sorted(offenders)
+
+
+def test_collecting_the_suite_imports_no_framework() -> None:
+    """No test module or conftest imports a framework or an object-store client when pytest collects it:
+    every xdist worker collects every module (see _COSTLY)."""
+    starts = [
+        ".".join(p.relative_to(_REPO).with_suffix("").parts)
+        for p in sorted((_REPO / "tests").rglob("*.py"))
+        if p.name.startswith("test_") or p.name == "conftest.py"
+    ]
+    assert len(starts) > 100, starts  # the search finds the test modules
+    offenders = costly_collection_imports(starts)
+    assert offenders == [], "imported when pytest collects (import it inside the tests):\n" + "\n".join(
+        offenders
+    )
+
+
+def test_the_import_finder_finds_what_runs_at_import() -> None:
+    snippet = (
+        "import os, lightning.pytorch as L\n"
+        "from typing import TYPE_CHECKING\n"
+        "import pytest\n"
+        "pytest.importorskip('torchtitan.components')\n"
+        "if TYPE_CHECKING:\n"
+        "    import transformers\n"
+        "else:\n"
+        "    from . import parts\n"
+        "try:\n"
+        "    import s3fs\n"
+        "except ImportError:\n"
+        "    import boto3\n"
+        "class A:\n"
+        "    from accelerate import Accelerator\n"
+        "    def f(self):\n"
+        "        import peft\n"
+        "def g():\n"
+        "    import moto\n"
+    )
+    assert import_time_imports(snippet, "tests.integrations") == [
+        (1, "lightning.pytorch"), (1, "os"), (2, "typing"), (2, "typing.TYPE_CHECKING"), (3, "pytest"),
+        (4, "torchtitan.components"), (8, "tests.integrations"), (8, "tests.integrations.parts"),
+        (10, "s3fs"), (12, "boto3"), (14, "accelerate"), (14, "accelerate.Accelerator"),
+    ]  # fmt: skip
+    # Through this checkout's modules: a helper that imports lightning itself, and a job script that imports
+    # torchtitan through safepoint's integration.
+    found = costly_collection_imports(
+        ["tests.integrations.lightning_parts", "tests.integrations.torchtitan_job"]
+    )
+    assert any(f.startswith("tests/integrations/lightning_parts.py:") and ": lightning (" in f for f in found)
+    via = "(via tests.integrations.torchtitan_job -> safepoint.integrations.torchtitan)"
+    assert any(f.startswith("src/safepoint/integrations/torchtitan.py:") and f.endswith(via) for f in found)

@@ -8,7 +8,6 @@ import json
 import signal
 from pathlib import Path
 
-import boto3
 import pytest
 import torch
 
@@ -29,6 +28,8 @@ def _saves(lines: list[str]) -> list[int]:
 
 
 def _keys(endpoint: str, bucket: str) -> list[str]:
+    import boto3
+
     s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
     return sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="run/.run/").get("Contents", []))
 
@@ -65,6 +66,8 @@ def test_report_of_a_bucket_root_after_a_kill(
 def test_the_report_reads_the_store_as_hostile_input(
     moto_endpoint: str, bucket: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import boto3
+
     url = f"s3://{bucket}/run"
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_endpoint)
     assert cli(["report", url]) == 2  # nothing there: one line, no traceback

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
-from accelerate import Accelerator
 from torch import nn
 
 import safepoint
 from safepoint.integrations.accelerate import ReplayLoader, accelerate_state
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+# accelerate is imported where an Accelerator is made: every xdist worker imports this module to collect
+# it, and only the one that runs it should pay for the framework (safepoint's integration imports none).
 
 
 class Counter:
@@ -28,6 +33,8 @@ class Counter:
 
 
 def build() -> tuple[Accelerator, list[Any], Counter]:
+    from accelerate import Accelerator
+
     acc = Accelerator(cpu=True)
     gen, disc = nn.Linear(4, 4), nn.Linear(4, 1)
     opt_g = torch.optim.AdamW(gen.parameters(), lr=0.1)
@@ -78,6 +85,8 @@ def test_models_optimizers_schedulers_registered_objects_and_step_round_trip(tmp
 
 
 def test_refuses_an_accelerator_with_nothing_prepared() -> None:
+    from accelerate import Accelerator
+
     with pytest.raises(ValueError, match="prepared no model"):
         accelerate_state(Accelerator(cpu=True))
     acc, prepared, _ = build()

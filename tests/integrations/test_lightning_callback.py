@@ -5,45 +5,20 @@ checkpoint only once it is committed (Lightning #17915), DeepSpeed refused with 
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import Logger
-from lightning.pytorch.strategies import DeepSpeedStrategy
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import safepoint
-from safepoint.integrations.lightning import SafepointCallback
+
+# lightning is imported inside each test (tests/integrations/lightning_parts.py): every xdist worker imports
+# this module to collect it, and only the one that runs it should pay for the framework.
 
 N = 40
-
-
-def _net_class(base: Any) -> Any:
-    """The same tiny module on ``lightning``'s or ``pytorch_lightning``'s LightningModule."""
-
-    class Net(base):  # type: ignore[misc,valid-type]
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.Linear(8, 1))
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            return nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-    return Net
-
-
-Net = _net_class(L.LightningModule)
 
 
 def _loader(sampler: bool = True) -> DataLoader[Any]:
@@ -54,31 +29,14 @@ def _loader(sampler: bool = True) -> DataLoader[Any]:
     return DataLoader(data, batch_size=4, shuffle=True)
 
 
-def _trainer(callbacks: list[Any], steps: int = 6, **kw: Any) -> L.Trainer:
-    options: dict[str, Any] = dict(
-        max_steps=steps, accelerator="cpu", devices=1, enable_checkpointing=False, logger=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
-    return L.Trainer(callbacks=callbacks, **(options | kw))
-
-
 def _committed(root: Path) -> list[int]:
     return sorted(int(p.name[5:]) for p in root.glob("step-*") if (p / "safepoint.json").exists())
 
 
-class SigtermAt(L.Callback):
-    """Sends SIGTERM to this process in ``hook`` at ``step`` (after the callbacks before it ran)."""
-
-    def __init__(self, hook: str, step: int = 0) -> None:
-        self.hook, self.step = hook, step
-        setattr(self, hook, self._fire)
-
-    def _fire(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
 def test_a_sigterm_after_the_batchs_save_still_saves_and_exits_143(root: Path) -> None:
+    from tests.integrations.lightning_parts import Net, SafepointCallback, SigtermAt
+    from tests.integrations.lightning_parts import trainer as _trainer
+
     # Lightning 2.6 alone: its handler flags the signal and raises SIGTERMException (exit code 0) at the
     # end of this batch, after the save of this batch was decided: nothing saved, the job "succeeded".
     killer = SigtermAt("on_train_batch_end", step=3)  # after SafepointCallback's maybe_save of step 3
@@ -93,6 +51,9 @@ def test_a_sigterm_after_the_batchs_save_still_saves_and_exits_143(root: Path) -
 
 
 def test_a_sigterm_while_lightnings_own_handler_is_installed_exits_143(root: Path) -> None:
+    from tests.integrations.lightning_parts import Net, SafepointCallback, SigtermAt
+    from tests.integrations.lightning_parts import trainer as _trainer
+
     # Sent from on_train_start before SafepointCallback's: Lightning's handler (notifier + safepoint's) is the
     # one installed then; the notice still ends in an emergency save at the first batch's end.
     killer = SigtermAt("on_train_start")
@@ -102,33 +63,10 @@ def test_a_sigterm_while_lightnings_own_handler_is_installed_exits_143(root: Pat
     assert caught.value.code == 143 and _committed(root) == [1]
 
 
-class Recorder(Logger):
-    """Records, at each after_save_checkpoint, the checkpoint it is told of and whether it is committed."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[tuple[str, bool]] = []
-
-    @property
-    def name(self) -> str:
-        return "recorder"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
-        path = Path(checkpoint_callback.last_model_path)
-        self.seen.append((path.name, (path / "safepoint.json").is_file()))
-
-
 def test_loggers_hear_of_a_checkpoint_only_once_it_is_committed(root: Path) -> None:
+    from tests.integrations.lightning_parts import Net, Recorder, SafepointCallback
+    from tests.integrations.lightning_parts import trainer as _trainer
+
     recorder = Recorder()
     cb = SafepointCallback(str(root), save_every_steps=2, async_save=True)
     trainer = _trainer([cb], steps=7, logger=recorder)
@@ -138,6 +76,8 @@ def test_loggers_hear_of_a_checkpoint_only_once_it_is_committed(root: Path) -> N
 
 
 def test_deepspeed_is_refused_saying_why(root: Path) -> None:
+    from tests.integrations.lightning_parts import DeepSpeedStrategy, Net, SafepointCallback
+
     # FSDP and ModelParallel go through DCP (test_lightning_ranks.py); DeepSpeed's ZeRO state cannot. The
     # package is not installed here, so its strategy cannot be constructed: an instance without __init__.
     trainer = SimpleNamespace(strategy=DeepSpeedStrategy.__new__(DeepSpeedStrategy))
@@ -148,6 +88,9 @@ def test_deepspeed_is_refused_saying_why(root: Path) -> None:
 
 
 def test_a_loader_without_a_reported_position_is_named(root: Path) -> None:
+    from tests.integrations.lightning_parts import Net, SafepointCallback
+    from tests.integrations.lightning_parts import trainer as _trainer
+
     trainer = _trainer([SafepointCallback(str(root), save_every_steps=100)], steps=2)
     with pytest.warns(
         UserWarning, match=r"sampler \(RandomSampler, num_workers=0\) does not report its position"
@@ -160,6 +103,7 @@ def test_the_pytorch_lightning_package_resumes_the_whole_state(root: Path) -> No
     import pytorch_lightning as pl
 
     from safepoint.integrations.lightning_pl import SafepointCallback as PLCallback
+    from tests.integrations.lightning_parts import net_class as _net_class
 
     def fit(steps: int) -> tuple[pl.Trainer, Any]:
         model = _net_class(pl.LightningModule)()
@@ -184,6 +128,8 @@ def test_an_object_store_root_with_a_local_tier(tmp_path: Path, moto_endpoint: s
     whose local disk is empty resumes from the durable copy."""
     from safepoint.remote.object_layout import RemoteLayout
     from tests.helpers.s3 import storage_options
+    from tests.integrations.lightning_parts import L, Net, SafepointCallback
+    from tests.integrations.lightning_parts import trainer as _trainer
 
     url, opts = f"s3://{bucket}/run", storage_options(moto_endpoint)
 

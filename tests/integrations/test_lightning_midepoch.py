@@ -9,36 +9,21 @@ ended that many batches early (the next epoch's batches came in, and every later
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-import lightning as L
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import safepoint
-from safepoint.integrations.lightning import SafepointCallback
 
+# lightning is imported inside _fit (tests/integrations/lightning_parts.py): every xdist worker imports this
+# module to collect it, and only the one that runs it should pay for the framework.
 N, BATCH = 24, 4  # 6 batches an epoch
 
 
-class Net(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.Linear(8, 1))
-        self.losses: dict[int, float] = {}
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = nn.functional.mse_loss(self.net(x), y)
-        self.losses[self.global_step + 1] = loss.item()
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-
 def _fit(root: Path, steps: int) -> dict[int, float]:
+    from tests.integrations.lightning_parts import L, SafepointCallback
+    from tests.integrations.lightning_parts import LossRecordingNet as Net
+
     L.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(N, 4, generator=g), torch.randn(N, 1, generator=g))

@@ -27,22 +27,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-pytest.importorskip("torchtitan.components.checkpointer.base")
-
 import torch
 from torch import nn
-from torchtitan.components.checkpointer.base import BaseCheckpointManager
-from torchtitan.components.optimizer import LRSchedulersContainer
-from torchtitan.components.optimizer.optimizer import default_adamw
 
-from safepoint.integrations.torchtitan import SafepointCheckpointManager
 from tests.conftest import REPO
 from tests.helpers.example_runs import Run, committed_steps, run_example
-from tests.integrations.torchtitan_job import TrainState, build_loader
 
 JOB = "../tests/integrations/torchtitan_job.py"  # run_example runs examples/<script>
 STEPS, SAVE_EVERY = 12, 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _needs_torchtitan() -> None:
+    # Asked when a test of this module runs, not at its import: every xdist worker imports each test module
+    # to collect it, and only the worker that runs these tests should pay for torchtitan.
+    pytest.importorskip("torchtitan.components.checkpointer.base")
 
 
 def _check(run: Run, reference: dict[int, str]) -> None:
@@ -84,6 +83,11 @@ def test_sigterm_then_kill9_resume_bit_for_bit(tmp_path: Path) -> None:
 
 def _objects(seed: int) -> dict[str, Any]:
     """What torchtitan's trainer builds and hands its checkpointer, from ``seed``."""
+    from torchtitan.components.optimizer import LRSchedulersContainer
+    from torchtitan.components.optimizer.optimizer import default_adamw
+
+    from tests.integrations.torchtitan_job import TrainState, build_loader
+
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
     optimizers = default_adamw(lr=1e-2, implementation="for-loop").build(model_parts=[model])
@@ -130,6 +134,10 @@ def _assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 
 def test_fresh_objects_load_the_state_bit_for_bit(tmp_path: Path) -> None:
+    from torchtitan.components.checkpointer.base import BaseCheckpointManager
+
+    from safepoint.integrations.torchtitan import SafepointCheckpointManager
+
     config = SafepointCheckpointManager.Config(enable=True, interval=2, keep_latest_k=2)
     assert isinstance(config, BaseCheckpointManager.Config)
     trained = _objects(0)
@@ -153,6 +161,8 @@ def test_fresh_objects_load_the_state_bit_for_bit(tmp_path: Path) -> None:
 
 
 def test_exclude_from_loading_leaves_that_part(tmp_path: Path) -> None:
+    from safepoint.integrations.torchtitan import SafepointCheckpointManager
+
     trained = _objects(0)
     ckpt = SafepointCheckpointManager.Config(enable=True, interval=2).build(
         **trained, base_folder=str(tmp_path)
@@ -172,6 +182,8 @@ def test_exclude_from_loading_leaves_that_part(tmp_path: Path) -> None:
 
 
 def test_torchtitans_command_line_sets_the_config() -> None:
+    from safepoint.integrations.torchtitan import SafepointCheckpointManager
+
     tyro = pytest.importorskip("tyro")
     args = ["--enable", "--interval", "7", "--no-async-save", "--keep-latest-k", "3"]
     config = tyro.cli(SafepointCheckpointManager.Config, args=args)
@@ -179,6 +191,8 @@ def test_torchtitans_command_line_sets_the_config() -> None:
 
 
 def test_disabled_and_refused_options(tmp_path: Path) -> None:
+    from safepoint.integrations.torchtitan import SafepointCheckpointManager
+
     off = SafepointCheckpointManager.Config().build(**_objects(0), base_folder=str(tmp_path))
     assert off.save(10) is False and off.load() is False
     off.close()

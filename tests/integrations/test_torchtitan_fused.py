@@ -24,21 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-pytest.importorskip("torchtitan.components.checkpointer.base")
-
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torchtitan.components.checkpointer.base import ModelWrapper
-from torchtitan.components.checkpointer.dcp import CheckpointManager
-from torchtitan.components.optimizer import LRSchedulersContainer
-from torchtitan.components.optimizer.optimizer import default_adamw
 
 import safepoint
-from safepoint.integrations.torchtitan import SafepointCheckpointManager
 from tests.conftest import REPO, SUBPROCESS_ENV
-from tests.integrations.torchtitan_job import TrainState, build_loader
 from tests.integrations.torchtitan_models import debug_model, train_step
 
 STEP = 2
@@ -47,8 +38,20 @@ FUSED = "layers.0.attention.qkv_linear.wqkv.weight"
 SPLIT = [f"layers.0.attention.qkv_linear.{w}.weight" for w in ("wq", "wk", "wv")]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _needs_torchtitan() -> None:
+    # Asked when a test of this module runs, not at its import: every xdist worker imports each test module
+    # to collect it, and only the worker that runs these tests should pay for torchtitan.
+    pytest.importorskip("torchtitan.components.checkpointer.base")
+
+
 def _objects(seed: int) -> dict[str, Any]:
     """What torchtitan's trainer hands its checkpointer, around the fused debug model."""
+    from torchtitan.components.optimizer import LRSchedulersContainer
+    from torchtitan.components.optimizer.optimizer import default_adamw
+
+    from tests.integrations.torchtitan_job import TrainState, build_loader
+
     model = debug_model(seed, layers=LAYERS)
     optimizers = default_adamw(lr=1e-3, implementation="for-loop").build(model_parts=[model])
     return {
@@ -83,6 +86,11 @@ def _equal(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 
 
 def test_fused_debug_model_saves_as_torchtitan_does_and_resumes_bit_for_bit(tmp_path: Path) -> None:
+    from torchtitan.components.checkpointer.base import ModelWrapper
+    from torchtitan.components.checkpointer.dcp import CheckpointManager
+
+    from safepoint.integrations.torchtitan import SafepointCheckpointManager
+
     trained = _objects(0)
     model = trained["model_parts"][0]
     assert FUSED in dict(model.named_parameters()) and set(SPLIT) <= model.state_dict().keys()

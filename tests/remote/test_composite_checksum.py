@@ -16,7 +16,6 @@ from typing import Any
 
 import crc32c
 import pytest
-import s3fs
 
 import safepoint
 from safepoint.errors import CorruptCheckpointError
@@ -34,6 +33,8 @@ CFG = TransferOptions(part_size=5 * MiB, concurrency=4)
 
 
 def _fs(endpoint: str) -> Any:
+    import s3fs
+
     return s3fs.S3FileSystem(**storage_options(endpoint), skip_instance_cache=True)
 
 

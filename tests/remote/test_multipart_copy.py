@@ -16,7 +16,6 @@ from typing import Any
 
 import crc32c
 import pytest
-import s3fs
 import torch
 
 import safepoint
@@ -38,6 +37,8 @@ OVERHEAD = 256 * 1024  # as in test_incremental_direct.py
 @pytest.fixture
 def small_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     """Objects over 1 MiB are "over 5 GiB", copied in parts of 5 MiB (moto's minimum but for the last)."""
+    import s3fs
+
     monkeypatch.setattr(s3store, "_MAX_COPY", 1 * MiB)
     monkeypatch.setattr(s3copy, "COPY_PART", 5 * MiB)
     monkeypatch.setattr(s3fs.core, "MANAGED_COPY_THRESHOLD", 1 * MiB)
@@ -64,6 +65,8 @@ def _recorded(
 def test_a_copy_over_the_copy_limit_is_proven_by_its_full_object_crc32c(
     moto_endpoint: str, bucket: str, small_limit: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import s3fs
+
     store = S3Store(s3fs.S3FileSystem(**storage_options(moto_endpoint), skip_instance_cache=True), CFG)
     data = os.urandom(11 * MiB + 3)
     crc, src, dst = crc_hex(crc32c.crc32c(data)), f"{bucket}/a/big.bin", f"{bucket}/b/big.bin"
@@ -90,6 +93,8 @@ def test_a_copy_over_the_copy_limit_is_proven_by_its_full_object_crc32c(
 
 
 def test_a_failed_part_copy_aborts_the_upload(moto_endpoint: str, bucket: str, small_limit: None) -> None:
+    import s3fs
+
     store = S3Store(s3fs.S3FileSystem(**storage_options(moto_endpoint), skip_instance_cache=True), CFG)
     dst = f"{bucket}/b/big.bin"
     # A source shorter than the size given: the last part's range lies past its end and S3 refuses it.
@@ -138,6 +143,8 @@ def test_a_part_copy_without_a_full_object_crc32c_is_deleted_and_refused(
 ) -> None:
     """A store that ignores the full-object request (here: the upload created COMPOSITE, so moto keeps a
     composite CRC32C, which proves no file crc32c without the parts) leaves no unproven copy behind."""
+    import s3fs
+
     store = S3Store(s3fs.S3FileSystem(**storage_options(moto_endpoint), skip_instance_cache=True), CFG)
     data = os.urandom(6 * MiB)
     store.put_bytes(f"{bucket}/a/big.bin", data)
@@ -162,6 +169,8 @@ def test_a_part_copy_whose_completion_answer_was_lost_is_confirmed_not_refused(
 
     Before, s3copy.py completed with its own request: the NoSuchUpload failed the copy, which was then
     deleted and its group written again (safe, but every byte of a > 5 GiB group sent for nothing)."""
+    import s3fs
+
     cfg = TransferOptions(part_size=5 * MiB, concurrency=4, backoff_s=0.0, max_backoff_s=0.0)
     fs = s3fs.S3FileSystem(**storage_options(proxy.endpoint), skip_instance_cache=True)
     store = S3Store(fs, cfg)
@@ -185,6 +194,8 @@ def test_an_upload_whose_completion_answer_was_lost_is_confirmed_not_refused(
     """The same lost answer for a multipart upload of a local file (the same completion path). botocore
     retries a reset connection itself, inside safepoint's first attempt: complete_mpu used to accept the
     NoSuchUpload only on its own second attempt, and failed the upload here."""
+    import s3fs
+
     cfg = TransferOptions(part_size=5 * MiB, concurrency=4, backoff_s=0.0, max_backoff_s=0.0)
     fs = s3fs.S3FileSystem(**storage_options(proxy.endpoint), skip_instance_cache=True)
     data = os.urandom(11 * MiB + 3)

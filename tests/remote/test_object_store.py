@@ -15,7 +15,6 @@ from typing import Any
 
 import crc32c
 import pytest
-import s3fs
 import torch
 
 import safepoint
@@ -31,6 +30,8 @@ MiB = 1024 * 1024
 
 
 def _fs(endpoint: str) -> Any:
+    import s3fs
+
     return s3fs.S3FileSystem(skip_instance_cache=True, **storage_options(endpoint))
 
 

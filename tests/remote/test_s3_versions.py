@@ -19,7 +19,6 @@ from typing import Any
 
 import crc32c
 import pytest
-import s3fs
 import torch
 
 import safepoint
@@ -128,6 +127,8 @@ def test_a_multipart_copy_of_a_proven_version_is_conditional_on_every_part(
     """Over CopyObject's limit (1 MiB here) a store without CRC32C gives the copy no full-object CRC32C:
     a copy of an unproven version is refused (the group is written), one of a proven version is made of
     UploadPartCopy parts each on the condition ``CopySourceIfMatch`` and taken without a read."""
+    import s3fs  # here, not at the top: every xdist worker imports this module (tests/test_architecture.py)
+
     monkeypatch.setattr(s3store, "_MAX_COPY", 1 * MiB)
     monkeypatch.setattr(s3copy, "COPY_PART", 5 * MiB)
     monkeypatch.setattr(s3fs.core, "MANAGED_COPY_THRESHOLD", 1 * MiB)
