@@ -43,11 +43,13 @@ def _durable(proxy: FaultProxy, bucket: str) -> list[int]:
     return RemoteLayout(f"s3://{bucket}/run", storage_options(proxy.endpoint)).committed_steps()
 
 
-def _let_the_abandoned_upload_go(mgr: safepoint.CheckpointManager) -> None:
+def _let_the_abandoned_upload_go(mgr: safepoint.CheckpointManager, *, abandoned: bool = True) -> None:
     """After an abandon, no transfer thread may stay parked at the shut gate: interpreter exit joins the
     pools' workers, so one parked there forever would hang the job instead of exiting with the preempted
-    code. They must leave by themselves (the gate stays shut)."""
-    assert not mgr._tiers.durable.store.gate.is_set()  # type: ignore[attr-defined]
+    code. They must leave by themselves (the gate stays shut). ``abandoned=False``: nothing was abandoned
+    (nothing was uploading at the grace's end); no thread is parked either."""
+    if abandoned:
+        assert not mgr._tiers.durable.store.gate.is_set()  # type: ignore[attr-defined]
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         parked = [
@@ -134,7 +136,12 @@ def test_preemption_makes_no_store_request_and_exits_within_the_grace_when_the_s
     finally:
         release.cancel()
         proxy.clear()
-        _let_the_abandoned_upload_go(mgr)
+        # The emergency plan uploads step 7 too when the last uploads were fast: that upload then meets
+        # the 503s and is abandoned at the grace's end. When they were slow (a loaded machine: 2.4 s
+        # expected against the 2 s grace), step 7 stays local-only and there is nothing to abandon.
+        local_only = "not uploading step(s) [7]" in caplog.text
+        _let_the_abandoned_upload_go(mgr, abandoned=not local_only)
+    assert mgr._tiers._grace.gave_up is not local_only  # type: ignore[attr-defined]
     assert isinstance(e, safepoint.Preempted), e
     assert (e.step, e.saved_step, e.resume_step, e.code) == (7, 7, 7, 143)
     # No listing, no manifest read: only the uploader's own requests (it may start on step 7) went out.
