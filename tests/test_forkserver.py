@@ -77,8 +77,10 @@ def test_a_forked_python_c_looks_like_a_fresh_one(tmp_path: Path) -> None:
 
 
 RANK_PROBE = """
-import atexit, json, os, signal, sys
+import atexit, json, os, signal, sys, time
 preloaded = "safepoint" in sys.modules  # forked from a rank server that imported it; a fresh one did not
+# Registered first, so it runs last: rank 0 is done, its atexit line written (see the end).
+atexit.register(lambda: open(f"done-{os.environ['RANK']}", "w").close())
 atexit.register(lambda: sys.stdout.write(f"rank {os.environ['RANK']} atexit ran\\n"))
 keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "OMP_NUM_THREADS", "PROBE_VAR")
 seen = {
@@ -91,6 +93,10 @@ seen = {
 }
 sys.stdout.write(json.dumps({"preloaded": preloaded, **seen}) + "\\n")
 code = int(sys.argv[1]) if os.environ["RANK"] == "1" else 0
+if code:  # torchrun stops the other rank when this one fails: only once rank 0 has finished on its own
+    deadline = time.monotonic() + 120
+    while not os.path.exists("done-0") and time.monotonic() < deadline:
+        time.sleep(0.01)
 if code == 9:
     os.kill(os.getpid(), signal.SIGKILL)
 sys.exit(code)
@@ -105,10 +111,14 @@ def _probe_runs(script: Path, mode: str, tmp_path: Path) -> list[tuple[int, str,
     inductor = str(tmp_path / "inductor")
     env = dict(os.environ, PROBE_VAR="yes", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
     env["TORCHINDUCTOR_CACHE_DIR"] = inductor
+    for done in tmp_path.glob("done-*"):
+        done.unlink()
     fresh = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", *args], capture_output=True, text=True, env=env,
         cwd=tmp_path, start_new_session=True, stdin=subprocess.DEVNULL, timeout=120,
     )  # fmt: skip
+    for done in tmp_path.glob("done-*"):
+        done.unlink()  # a rank 1 that fails waits for rank 0's, of its own launch
     forked = launch.run_agent(args, env, timeout=120, cwd=tmp_path)
     return [(r.returncode, r.stdout, r.stderr) for r in (fresh, forked)]
 
@@ -150,6 +160,7 @@ def _compare_ranks(script: Path, tmp_path: Path) -> None:
         assert atexit == {line for line in fresh_out.splitlines() if "atexit" in line}, mode
         if mode == "0":
             assert atexit == {"rank 0 atexit ran", "rank 1 atexit ran"}
-        else:  # torchrun reports the failed rank the same way
+        else:  # torchrun reports the failed rank the same way; rank 0 had finished before rank 1 failed
+            assert "rank 0 atexit ran" in atexit, mode
             want = "exitcode  : 3" if mode == "3" else "Signal 9 (SIGKILL)"
             assert want in fresh_err and want in forked_err, (fresh_err[-2000:], forked_err[-2000:])
