@@ -185,3 +185,30 @@ def test_proven_versions_are_bounded_and_bound_to_size_and_crc() -> None:
     assert known.tag("a", 10, "00000001") is None and known.tag("c", 10, "00000003") == '"3"'
     known.remember("b", None, 10, "00000002")  # written again, no version known: forgotten
     assert known.tag("b", 10, "00000002") is None
+
+
+def test_a_replacement_finished_from_a_staged_copy_altered_in_place_is_never_committed(
+    tmp_path: Path, stores: tuple[Store, Store, TcpProxy]
+) -> None:
+    """A re-save of a committed step (``overwrite=True``) is staged under .pending, then copied over the
+    step server-side (RemoteLayout._promote); a process that died midway leaves the staged copy for the
+    next owner to finish the job with (``_roll_forward``). That owner proved no version of the staged
+    objects: where the store keeps no crc32c, its copies must be proven like any other (read back), not
+    taken by their size, or a staged object altered in place at the same size is committed as step 3."""
+    from safepoint.store.manifest import FileEntry, Manifest
+
+    store, raw, _ = stores
+    url = store.root()
+    data = torch.randn(MiB // 2).numpy().tobytes()
+    (tmp_path / _GROUP).write_bytes(data)
+    entry = (_GROUP, len(data), crc_hex(crc32c.crc32c(data)))
+    manifest = Manifest(step=3, files={_GROUP: FileEntry(size=entry[1], crc32c=entry[2])})
+    writer = RemoteLayout(url, store.options, transfer=CFG)
+    staged = writer._p(".pending", "step-3-abc123")
+    writer.put_files(staged, [(str(tmp_path / _GROUP), *entry)])
+    _alter_in_place(raw, posixpath.join(staged, _GROUP))  # after the writer died, before the promotion
+    owner = RemoteLayout(url, store.options, transfer=CFG)  # a new process: nothing proven yet
+    with pytest.raises(safepoint.UploadError, match="contents altered"):
+        owner._promote(staged, manifest)
+    assert not raw.fs().exists(posixpath.join(owner.step_key(3), "safepoint.json"))
+    assert owner._unfinished == {staged: manifest}  # kept: finished only once its copy is proven
