@@ -212,3 +212,32 @@ def test_a_replacement_finished_from_a_staged_copy_altered_in_place_is_never_com
         owner._promote(staged, manifest)
     assert not raw.fs().exists(posixpath.join(owner.step_key(3), "safepoint.json"))
     assert owner._unfinished == {staged: manifest}  # kept: finished only once its copy is proven
+
+
+def test_a_new_owner_proves_a_staged_copy_before_it_finishes_a_replacement_with_it(
+    tmp_path: Path, stores: tuple[Store, Store, TcpProxy]
+) -> None:
+    """``clean_pending`` finds a staged re-save of step 3 whose promotion never started (no step-3 manifest):
+    it proves the staged objects (read back where the store keeps no crc32c) before promoting them. One
+    altered in place at the same size makes the staged copy unusable: removed, step 3 never committed."""
+    from safepoint.store.manifest import FileEntry, Manifest
+
+    store, raw, _ = stores
+    url = store.root()
+    data = torch.randn(MiB // 2).numpy().tobytes()
+    (tmp_path / _GROUP).write_bytes(data)
+    entry = (_GROUP, len(data), crc_hex(crc32c.crc32c(data)))
+    meta = b"not read here"
+    (tmp_path / ".metadata").write_bytes(meta)
+    head = (".metadata", len(meta), crc_hex(crc32c.crc32c(meta)))
+    files = {name: FileEntry(size=size, crc32c=crc) for name, size, crc in (entry, head)}
+    manifest = Manifest(step=3, files=files)
+    writer = RemoteLayout(url, store.options, transfer=CFG)
+    staged = writer._p(".pending", "step-3-abc123")
+    writer.put_files(staged, [(str(tmp_path / e[0]), *e) for e in (entry, head)])
+    writer.store.put_bytes(posixpath.join(staged, "safepoint.json"), manifest.to_json())
+    _alter_in_place(raw, posixpath.join(staged, _GROUP))
+    owner = RemoteLayout(url, store.options, transfer=CFG)  # a new process: nothing proven yet
+    assert owner.clean_pending() == ["removed abandoned .pending/step-3-abc123"]
+    assert owner.committed_steps() == [] and owner._unfinished == {}
+    assert not raw.fs().exists(posixpath.join(owner.step_key(3), _GROUP))
