@@ -241,3 +241,27 @@ def test_a_new_owner_proves_a_staged_copy_before_it_finishes_a_replacement_with_
     assert owner.clean_pending() == ["removed abandoned .pending/step-3-abc123"]
     assert owner.committed_steps() == [] and owner._unfinished == {}
     assert not raw.fs().exists(posixpath.join(owner.step_key(3), _GROUP))
+
+
+def test_dcps_metadata_rename_is_a_proven_copy(stores: tuple[Store, Store, TcpProxy]) -> None:
+    """DCP writes .metadata.tmp and renames it: on a store, a server-side copy. It is proven to hold the
+    bytes this writer streamed (their recorded size and crc32c) like any copy, so a .metadata.tmp altered
+    in place at the same size before the rename makes the rename fail (the save then fails) and leaves no
+    .metadata: never committed by its size where the store keeps no crc32c."""
+    from safepoint.remote.io import _StoreFileSystem
+    from safepoint.store.checksum import ChecksumRecorder
+
+    store, raw, _ = stores
+    layout = RemoteLayout(store.root(), store.options, transfer=CFG)
+    dcp_fs = _StoreFileSystem(layout.store, ChecksumRecorder())
+    prefix = layout.step_key(1)
+    body = torch.randn(64 * 1024).numpy().tobytes()
+    for name in ("a.tmp", "b.tmp"):
+        with dcp_fs.create_stream(posixpath.join(prefix, name), "wb") as out:
+            out.write(body)
+    dcp_fs.rename(posixpath.join(prefix, "a.tmp"), posixpath.join(prefix, "a"))
+    assert raw.fs().cat_file(posixpath.join(prefix, "a")) == body
+    _alter_in_place(raw, posixpath.join(prefix, "b.tmp"))
+    with pytest.raises(safepoint.UploadError, match="contents altered|ConditionNotMet"):  # Azure refuses
+        dcp_fs.rename(posixpath.join(prefix, "b.tmp"), posixpath.join(prefix, "b"))
+    assert not raw.fs().exists(posixpath.join(prefix, "b"))
