@@ -11,6 +11,7 @@ after the copy, s3read.py ``unchanged``, then the read back); S3's own 412 is un
 
 from __future__ import annotations
 
+import asyncio
 import os
 import posixpath
 from collections.abc import Iterator
@@ -202,3 +203,33 @@ def test_an_upload_damaged_on_the_way_in_proves_no_version(
     proxy.reset_counts()
     assert sorted(layout.copy_files(1, key(2), entries)) == sorted(blobs)
     assert proxy.down > sum(map(len, blobs.values()))  # read back, not taken by a remembered version
+
+
+def test_a_source_altered_for_the_copy_and_put_back_before_the_head_is_refused(
+    tmp_path: Path, no_crc: tuple[Store, Store, TcpProxy], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """moto ignores ``CopySourceIfMatch``, as an S3-compatible store may: a proven source altered before the
+    copy and put back (the same bytes: the same ETag) before the HEAD that follows it looks unchanged. The
+    copy of a single-part version proves itself instead: its ETag is the MD5 of the bytes copied, equal to
+    the source's version only where those are the bytes proven. Here it is not: the copy is read back,
+    refused and deleted, never listed under the manifest's crc32c."""
+    store, raw, _ = no_crc
+    layout = RemoteLayout(store.root(), store.options, transfer=CFG)
+    key = layout.step_key
+    data = os.urandom(MiB // 2)
+    (tmp_path / _SMALL).write_bytes(data)
+    entry = (_SMALL, len(data), crc_hex(crc32c.crc32c(data)))
+    layout.put_files(key(1), [(str(tmp_path / _SMALL), *entry)])
+    src = posixpath.join(key(1), _SMALL)
+    _alter_in_place(raw, src)
+    real = layout.store.call  # type: ignore[attr-defined]
+
+    async def call(method: str, **kw: Any) -> Any:
+        answer = await real(method, **kw)
+        if method == "copy_object":  # the copy is made: the source is put back before anyone looks
+            await asyncio.to_thread(raw.fs().pipe_file, src, data)  # (off fsspec's loop thread)
+        return answer
+
+    monkeypatch.setattr(layout.store, "call", call)
+    assert layout.copy_files(1, key(2), [entry]) == [_SMALL]
+    assert not raw.fs().exists(posixpath.join(key(2), _SMALL))

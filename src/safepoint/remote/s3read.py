@@ -190,6 +190,16 @@ class S3Reader(ObjectStore):
         self.versions.forget(path)
         return False
 
+    def copied_from(self, src: str, source: str, got: Any) -> bool:
+        """Whether a copy whose ETag is ``got`` holds the bytes of ``src``'s proven version ``source``. A
+        single-part version's ETag is the MD5 of its bytes, and so is CopyObject's copy's: equal proves it,
+        another refuses it, whatever the store did with ``CopySourceIfMatch`` (moto ignores it), a source
+        altered for the copy and put back before a HEAD included. A multipart one's ("-<parts>") is not its
+        bytes' MD5: the source still being that version after the copy (a HEAD) stands in for it."""
+        if isinstance(got, str) and "-" not in source and "-" not in got:
+            return got == source
+        return self.unchanged(src, source)
+
     async def answer_md5(self, answer: Any, data: bytes) -> bytes | None:
         """The MD5 of ``data`` where the store's ``answer`` to its upload carries no CRC32C (the ETag is then
         what can show the store holds what was sent: ``wrote``); None where it does (no cost on S3)."""
