@@ -170,6 +170,10 @@ class S3Reader(ObjectStore):
             return None
         if (got := self.read_crc(path, size, tag)) != crc:
             return f"crc32c {got} != {crc} (contents altered)"
+        # A store that ignores If-Match on a GET (as moto ignores CopySourceIfMatch) could serve another
+        # version than ``tag``: remembered only if it still is ``tag`` after the read, as on Azure.
+        if not self.unchanged(path, tag):
+            return "replaced while it was read back"
         self.versions.remember(path, tag, size, crc)
         return None
 
