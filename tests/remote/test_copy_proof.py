@@ -16,6 +16,7 @@ from __future__ import annotations
 import posixpath
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import crc32c
 import pytest
@@ -265,3 +266,46 @@ def test_dcps_metadata_rename_is_a_proven_copy(stores: tuple[Store, Store, TcpPr
     with pytest.raises(safepoint.UploadError, match="contents altered|ConditionNotMet"):  # Azure refuses
         dcp_fs.rename(posixpath.join(prefix, "b.tmp"), posixpath.join(prefix, "b"))
     assert not raw.fs().exists(posixpath.join(prefix, "b"))
+
+
+def test_a_new_owner_proves_a_staged_multipart_upload_by_its_composite_checksum_without_a_read(
+    tmp_path: Path, moto_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On S3 a staged object uploaded in parts has a composite CRC32C that the parts the manifest records
+    vouch for (as ``check`` uses it): proving the staged copy before promoting it reads none of its bytes
+    (read back whole before: ``prove`` ignored the parts)."""
+    from safepoint.store.manifest import FileEntry, Manifest
+
+    raw = s3_store(moto_endpoint)
+    data = torch.randn(3 * MiB).numpy().tobytes()  # 12 MiB: three parts of 5 MiB, a composite CRC32C
+    meta = b"not read here"
+    (tmp_path / _GROUP).write_bytes(data)
+    (tmp_path / ".metadata").write_bytes(meta)
+    entries = [(n, len(b), crc_hex(crc32c.crc32c(b))) for n, b in ((_GROUP, data), (".metadata", meta))]
+    with tcp_proxy(raw.endpoint) as proxy:
+        store = proxied(raw, proxy)
+        url = store.root()
+        writer = RemoteLayout(url, store.options, transfer=CFG)
+        staged = writer._p(".pending", "step-3-abc123")
+        parts = writer.put_files(staged, [(str(tmp_path / e[0]), *e) for e in entries])
+        assert _GROUP in parts  # uploaded in parts, its composite checksum recorded
+        files = {n: FileEntry(size=s, crc32c=c, parts=parts.get(n)) for n, s, c in entries}
+        writer.store.put_bytes(
+            posixpath.join(staged, "safepoint.json"), Manifest(step=3, files=files).to_json()
+        )
+        owner = RemoteLayout(url, store.options, transfer=CFG)
+        reads: list[str] = []
+        real = owner.store.call  # type: ignore[attr-defined]
+
+        async def call(method: str, **kw: Any) -> Any:
+            if method == "get_object":
+                reads.append(str(kw["Key"]))
+            return await real(method, **kw)
+
+        monkeypatch.setattr(owner.store, "call", call)
+        assert owner.clean_pending() == ["finished the interrupted replacement of step-3"]
+    # The staged object: vouched by its parts, no byte read. (Its promoted copy is read back here: moto
+    # labels the CRC32C it computes of a copy COMPOSITE, where S3 gives a full-object one.)
+    assert not [k for k in reads if "/.pending/" in k and k.endswith(_GROUP)], reads
+    assert owner.committed_steps() == [3]
+    assert raw.fs().cat_file(posixpath.join(owner.step_key(3), _GROUP)) == data

@@ -263,7 +263,7 @@ class RemoteLayout:
         def check(name: str) -> str | None:
             e, path = manifest.files[name], posixpath.join(prefix, name)
             if prove:
-                return self.store.prove(path, e.size, e.crc32c)
+                return self.store.prove(path, e.size, e.crc32c, e.parts)
             return self.store.check(path, e.size, e.crc32c, read=False, parts=e.parts)
 
         for name, problem in zip(names, self.store._parallel(check, names), strict=True):

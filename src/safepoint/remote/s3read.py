@@ -146,7 +146,7 @@ class S3Reader(ObjectStore):
         proven = not checked and sent is not None and tag == sent
         self.versions.remember(path, tag if proven else None, size, crc)
 
-    def prove(self, path: str, size: int, crc: str) -> str | None:
+    def prove(self, path: str, size: int, crc: str, parts: Parts | None = None) -> str | None:
         """Why ``path`` is not proven to hold ``size`` bytes of crc32c ``crc``, or None: by S3's own CRC32C
         (one HEAD), else by its version (the HEAD's ETag) where this process proved that one, else read back
         under that one ETag (every ranged GET ``If-Match``: a version replaced midway fails the read, never
@@ -162,6 +162,8 @@ class S3Reader(ObjectStore):
         if int(head["ContentLength"]) != size:
             return f"size {head['ContentLength']} != {size} (truncated or extended)"
         value = hex_crc(stored) if isinstance(stored, str) and not composite(head) else None
+        if isinstance(stored, str) and composite(head) and parts is not None:  # as the upload's parts vouch
+            value = vouched(stored, parts, size)
         if value is not None:  # S3's own CRC32C of the bytes it holds: no version needed
             return None if value == crc else f"crc32c {value} != {crc} (contents altered)"
         if not isinstance(tag, str):
