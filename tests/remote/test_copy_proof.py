@@ -16,6 +16,7 @@ from __future__ import annotations
 import posixpath
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import crc32c
 import pytest
@@ -185,3 +186,126 @@ def test_proven_versions_are_bounded_and_bound_to_size_and_crc() -> None:
     assert known.tag("a", 10, "00000001") is None and known.tag("c", 10, "00000003") == '"3"'
     known.remember("b", None, 10, "00000002")  # written again, no version known: forgotten
     assert known.tag("b", 10, "00000002") is None
+
+
+def test_a_replacement_finished_from_a_staged_copy_altered_in_place_is_never_committed(
+    tmp_path: Path, stores: tuple[Store, Store, TcpProxy]
+) -> None:
+    """A re-save of a committed step (``overwrite=True``) is staged under .pending, then copied over the
+    step server-side (RemoteLayout._promote); a process that died midway leaves the staged copy for the
+    next owner to finish the job with (``_roll_forward``). That owner proved no version of the staged
+    objects: where the store keeps no crc32c, its copies must be proven like any other (read back), not
+    taken by their size, or a staged object altered in place at the same size is committed as step 3."""
+    from safepoint.store.manifest import FileEntry, Manifest
+
+    store, raw, _ = stores
+    url = store.root()
+    data = torch.randn(MiB // 2).numpy().tobytes()
+    (tmp_path / _GROUP).write_bytes(data)
+    entry = (_GROUP, len(data), crc_hex(crc32c.crc32c(data)))
+    manifest = Manifest(step=3, files={_GROUP: FileEntry(size=entry[1], crc32c=entry[2])})
+    writer = RemoteLayout(url, store.options, transfer=CFG)
+    staged = writer._p(".pending", "step-3-abc123")
+    writer.put_files(staged, [(str(tmp_path / _GROUP), *entry)])
+    _alter_in_place(raw, posixpath.join(staged, _GROUP))  # after the writer died, before the promotion
+    owner = RemoteLayout(url, store.options, transfer=CFG)  # a new process: nothing proven yet
+    with pytest.raises(safepoint.UploadError, match="contents altered"):
+        owner._promote(staged, manifest)
+    assert not raw.fs().exists(posixpath.join(owner.step_key(3), "safepoint.json"))
+    assert owner._unfinished == {staged: manifest}  # kept: finished only once its copy is proven
+
+
+def test_a_new_owner_proves_a_staged_copy_before_it_finishes_a_replacement_with_it(
+    tmp_path: Path, stores: tuple[Store, Store, TcpProxy]
+) -> None:
+    """``clean_pending`` finds a staged re-save of step 3 whose promotion never started (no step-3 manifest):
+    it proves the staged objects (read back where the store keeps no crc32c) before promoting them. One
+    altered in place at the same size makes the staged copy unusable: removed, step 3 never committed."""
+    from safepoint.store.manifest import FileEntry, Manifest
+
+    store, raw, _ = stores
+    url = store.root()
+    data = torch.randn(MiB // 2).numpy().tobytes()
+    (tmp_path / _GROUP).write_bytes(data)
+    entry = (_GROUP, len(data), crc_hex(crc32c.crc32c(data)))
+    meta = b"not read here"
+    (tmp_path / ".metadata").write_bytes(meta)
+    head = (".metadata", len(meta), crc_hex(crc32c.crc32c(meta)))
+    files = {name: FileEntry(size=size, crc32c=crc) for name, size, crc in (entry, head)}
+    manifest = Manifest(step=3, files=files)
+    writer = RemoteLayout(url, store.options, transfer=CFG)
+    staged = writer._p(".pending", "step-3-abc123")
+    writer.put_files(staged, [(str(tmp_path / e[0]), *e) for e in (entry, head)])
+    writer.store.put_bytes(posixpath.join(staged, "safepoint.json"), manifest.to_json())
+    _alter_in_place(raw, posixpath.join(staged, _GROUP))
+    owner = RemoteLayout(url, store.options, transfer=CFG)  # a new process: nothing proven yet
+    assert owner.clean_pending() == ["removed abandoned .pending/step-3-abc123"]
+    assert owner.committed_steps() == [] and owner._unfinished == {}
+    assert not raw.fs().exists(posixpath.join(owner.step_key(3), _GROUP))
+
+
+def test_dcps_metadata_rename_is_a_proven_copy(stores: tuple[Store, Store, TcpProxy]) -> None:
+    """DCP writes .metadata.tmp and renames it: on a store, a server-side copy. It is proven to hold the
+    bytes this writer streamed (their recorded size and crc32c) like any copy, so a .metadata.tmp altered
+    in place at the same size before the rename makes the rename fail (the save then fails) and leaves no
+    .metadata: never committed by its size where the store keeps no crc32c."""
+    from safepoint.remote.io import _StoreFileSystem
+    from safepoint.store.checksum import ChecksumRecorder
+
+    store, raw, _ = stores
+    layout = RemoteLayout(store.root(), store.options, transfer=CFG)
+    dcp_fs = _StoreFileSystem(layout.store, ChecksumRecorder())
+    prefix = layout.step_key(1)
+    body = torch.randn(64 * 1024).numpy().tobytes()
+    for name in ("a.tmp", "b.tmp"):
+        with dcp_fs.create_stream(posixpath.join(prefix, name), "wb") as out:
+            out.write(body)
+    dcp_fs.rename(posixpath.join(prefix, "a.tmp"), posixpath.join(prefix, "a"))
+    assert raw.fs().cat_file(posixpath.join(prefix, "a")) == body
+    _alter_in_place(raw, posixpath.join(prefix, "b.tmp"))
+    with pytest.raises(safepoint.UploadError, match="contents altered|ConditionNotMet"):  # Azure refuses
+        dcp_fs.rename(posixpath.join(prefix, "b.tmp"), posixpath.join(prefix, "b"))
+    assert not raw.fs().exists(posixpath.join(prefix, "b"))
+
+
+def test_a_new_owner_proves_a_staged_multipart_upload_by_its_composite_checksum_without_a_read(
+    tmp_path: Path, moto_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On S3 a staged object uploaded in parts has a composite CRC32C that the parts the manifest records
+    vouch for (as ``check`` uses it): proving the staged copy before promoting it reads none of its bytes
+    (read back whole before: ``prove`` ignored the parts)."""
+    from safepoint.store.manifest import FileEntry, Manifest
+
+    raw = s3_store(moto_endpoint)
+    data = torch.randn(3 * MiB).numpy().tobytes()  # 12 MiB: three parts of 5 MiB, a composite CRC32C
+    meta = b"not read here"
+    (tmp_path / _GROUP).write_bytes(data)
+    (tmp_path / ".metadata").write_bytes(meta)
+    entries = [(n, len(b), crc_hex(crc32c.crc32c(b))) for n, b in ((_GROUP, data), (".metadata", meta))]
+    with tcp_proxy(raw.endpoint) as proxy:
+        store = proxied(raw, proxy)
+        url = store.root()
+        writer = RemoteLayout(url, store.options, transfer=CFG)
+        staged = writer._p(".pending", "step-3-abc123")
+        parts = writer.put_files(staged, [(str(tmp_path / e[0]), *e) for e in entries])
+        assert _GROUP in parts  # uploaded in parts, its composite checksum recorded
+        files = {n: FileEntry(size=s, crc32c=c, parts=parts.get(n)) for n, s, c in entries}
+        writer.store.put_bytes(
+            posixpath.join(staged, "safepoint.json"), Manifest(step=3, files=files).to_json()
+        )
+        owner = RemoteLayout(url, store.options, transfer=CFG)
+        reads: list[str] = []
+        real = owner.store.call  # type: ignore[attr-defined]
+
+        async def call(method: str, **kw: Any) -> Any:
+            if method == "get_object":
+                reads.append(str(kw["Key"]))
+            return await real(method, **kw)
+
+        monkeypatch.setattr(owner.store, "call", call)
+        assert owner.clean_pending() == ["finished the interrupted replacement of step-3"]
+    # The staged object: vouched by its parts, no byte read. (Its promoted copy is read back here: moto
+    # labels the CRC32C it computes of a copy COMPOSITE, where S3 gives a full-object one.)
+    assert not [k for k in reads if "/.pending/" in k and k.endswith(_GROUP)], reads
+    assert owner.committed_steps() == [3]
+    assert raw.fs().cat_file(posixpath.join(owner.step_key(3), _GROUP)) == data

@@ -11,6 +11,7 @@ after the copy, s3read.py ``unchanged``, then the read back); S3's own 412 is un
 
 from __future__ import annotations
 
+import asyncio
 import os
 import posixpath
 from collections.abc import Iterator
@@ -203,3 +204,62 @@ def test_an_upload_damaged_on_the_way_in_proves_no_version(
     proxy.reset_counts()
     assert sorted(layout.copy_files(1, key(2), entries)) == sorted(blobs)
     assert proxy.down > sum(map(len, blobs.values()))  # read back, not taken by a remembered version
+
+
+def test_a_source_altered_for_the_copy_and_put_back_before_the_head_is_refused(
+    tmp_path: Path, no_crc: tuple[Store, Store, TcpProxy], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """moto ignores ``CopySourceIfMatch``, as an S3-compatible store may: a proven source altered before the
+    copy and put back (the same bytes: the same ETag) before the HEAD that follows it looks unchanged. The
+    copy of a single-part version proves itself instead: its ETag is the MD5 of the bytes copied, equal to
+    the source's version only where those are the bytes proven. Here it is not: the copy is read back,
+    refused and deleted, never listed under the manifest's crc32c."""
+    store, raw, _ = no_crc
+    layout = RemoteLayout(store.root(), store.options, transfer=CFG)
+    key = layout.step_key
+    data = os.urandom(MiB // 2)
+    (tmp_path / _SMALL).write_bytes(data)
+    entry = (_SMALL, len(data), crc_hex(crc32c.crc32c(data)))
+    layout.put_files(key(1), [(str(tmp_path / _SMALL), *entry)])
+    src = posixpath.join(key(1), _SMALL)
+    _alter_in_place(raw, src)
+    real = layout.store.call  # type: ignore[attr-defined]
+
+    async def call(method: str, **kw: Any) -> Any:
+        answer = await real(method, **kw)
+        if method == "copy_object":  # the copy is made: the source is put back before anyone looks
+            await asyncio.to_thread(raw.fs().pipe_file, src, data)  # (off fsspec's loop thread)
+        return answer
+
+    monkeypatch.setattr(layout.store, "call", call)
+    assert layout.copy_files(1, key(2), [entry]) == [_SMALL]
+    assert not raw.fs().exists(posixpath.join(key(2), _SMALL))
+
+
+def test_a_version_read_back_from_a_store_that_ignores_if_match_is_pinned_by_a_head(
+    no_crc: tuple[Store, Store, TcpProxy], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store that ignores If-Match on a GET (played by the proxy renaming the header) serves whatever the
+    object is now. An object altered (version B) and put back (A) between the HEAD and the read is read as
+    A's bytes: version B must not be remembered as proven, or B put again later would be copied on the
+    condition B and its copy taken without a read. The version is pinned by a HEAD after the read."""
+    store, raw, proxy = no_crc
+    layout = RemoteLayout(store.root(), store.options, transfer=CFG)
+    path = posixpath.join(layout.step_key(1), _SMALL)
+    good = os.urandom(MiB // 2)
+    bad = bytearray(good)
+    bad[-100] ^= 0xFF
+    raw.fs().pipe_file(path, bytes(bad))
+    altered = _etag(raw, path)
+    proxy.corrupt = (b"If-Match:", b"If-Mbtch:")  # the store no longer sees the condition
+    real = layout.store.call  # type: ignore[attr-defined]
+
+    async def call(method: str, **kw: Any) -> Any:
+        if method == "get_object" and kw.get("IfMatch") == altered:  # put back before the read
+            await asyncio.to_thread(raw.fs().pipe_file, path, good)
+        return await real(method, **kw)
+
+    monkeypatch.setattr(layout.store, "call", call)
+    crc = crc_hex(crc32c.crc32c(good))
+    assert layout.store.prove(path, len(good), crc) == "replaced while it was read back"
+    assert layout.store.versions.tag(path, len(good), crc) is None  # type: ignore[attr-defined]

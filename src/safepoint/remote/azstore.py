@@ -38,6 +38,7 @@ from safepoint.remote.stream import PartWriter
 from safepoint.remote.upload import FileCopy, ObjectStore, RawWriter, check_local, combine, read_range
 from safepoint.remote.versions import ProvenVersions
 from safepoint.store.checksum import crc_hex
+from safepoint.store.manifest import Parts
 
 T = TypeVar("T")
 # A Copy Blob Azure reports "pending" is polled from this interval (doubling to 1 s) for at most this long.
@@ -183,7 +184,7 @@ class AzureStore(ObjectStore):
             raise DamagedInTransit(f"the store reports the copy to {self.url(dst)} as {status}")
         return tag
 
-    def prove(self, path: str, size: int, crc: str) -> str | None:
+    def prove(self, path: str, size: int, crc: str, parts: Parts | None = None) -> str | None:
         """Why the blob at ``path`` is not proven to hold ``size`` bytes of crc32c ``crc``, or None: by its
         version where this process proved that (one properties request), else read back, and its version
         remembered where it did not change while it was read (an ETag is never reused)."""

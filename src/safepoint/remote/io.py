@@ -35,9 +35,9 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from safepoint.remote.incremental_copy import copier, read_previous_remote
+from safepoint.remote.incremental_copy import copier, proven_copy, read_previous_remote
 from safepoint.remote.s3writer import open_writer
-from safepoint.remote.upload import ObjectStore
+from safepoint.remote.upload import ObjectStore, UploadError
 from safepoint.store.checksum import ChecksummingWriter, ChecksumRecorder, ReadCoverage
 from safepoint.store.file_report import Files, skipped_per_rank, split_files, with_files
 from safepoint.store.incremental import Record, Round
@@ -78,10 +78,16 @@ class _StoreFileSystem(FsspecFileSystem):
         stream.close()  # the upload completes (and is confirmed) here; only then is the file recorded
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
-        # DCP writes .metadata.tmp and renames it. A store copies server-side (recomputing its checksum)
-        # and deletes; nothing is visible to readers before our manifest anyway.
+        # DCP writes .metadata.tmp and renames it. A store copies server-side and deletes; nothing is
+        # visible to readers before our manifest anyway. The copy is proven to hold what this writer
+        # streamed (size, crc32c recorded), as any copy is: never taken by its size where the store keeps no
+        # crc32c (Azure; S3 without CRC32C), so the file altered in place meanwhile is never committed.
         src, dst = os.fspath(path), os.fspath(new_path)
-        self.store.copy(src, dst)
+        known = None if self.recorder is None else self.recorder.snapshot().get(posixpath.basename(src))
+        if known is None:
+            self.store.copy(src, dst)
+        elif problem := proven_copy(self.store, src, dst, *known):
+            raise UploadError(f"copy of {self.store.url(src)} to {posixpath.basename(dst)}: {problem}")
         self.store.delete([src])
         if self.recorder is not None:
             self.recorder.rename(posixpath.basename(src), posixpath.basename(dst))

@@ -12,8 +12,9 @@ the same ``Manifest`` as on a local disk.
 
 Re-saving a committed step cannot overwrite it in place. The new copy is written under
 ``.pending/step-N-<id>/`` with its own manifest; then the old manifest is deleted, the objects are copied
-server-side into ``step-N/``, and the new manifest is written. In that window step N is not listed, but a
-complete copy always exists, and a new owner finishes the promotion (``clean_pending``).
+server-side into ``step-N/`` and proven as any copy is (never by size), and the new manifest is written. In
+that window step N is not listed, but a complete copy always exists, and a new owner finishes the promotion
+(``clean_pending``).
 """
 
 from __future__ import annotations
@@ -68,9 +69,8 @@ class RemoteLayout:
         self.deep_verify = deep_verify
         self.unguarded = False
         self.owner: Any = None  # the lease this process holds here (set by ``lease()``): fences changes
-        # Replacements of a committed step that failed after its old manifest was deleted: staged prefix ->
-        # the new copy's manifest. Only rolling forward can bring the step back (its old data is being
-        # overwritten), so the staged copy is kept, and the next save (or listing, or owner) finishes it.
+        # Replacements that failed after the old manifest was deleted: staged prefix -> its manifest. Only
+        # rolling forward brings the step back (its old data is overwritten): the next save finishes it.
         self._unfinished: dict[str, Manifest] = {}
         # In-place save prefixes whose step another writer committed meanwhile (commit found its manifest).
         self._not_ours: set[str] = set()
@@ -256,13 +256,15 @@ class RemoteLayout:
                 "meanwhile; left as it is"
             )
 
-    def _confirm(self, prefix: str, manifest: Manifest) -> None:
+    def _confirm(self, prefix: str, manifest: Manifest, *, prove: bool = False) -> None:
+        """``prefix`` matches ``manifest`` (uploads: checked as they went up); ``prove``: as any copy is."""
         names = sorted(manifest.files)
 
         def check(name: str) -> str | None:
-            # Objects went up with their crc32c checked by us (and by S3): size + the store's checksum.
-            e = manifest.files[name]
-            return self.store.check(posixpath.join(prefix, name), e.size, e.crc32c, read=False, parts=e.parts)
+            e, path = manifest.files[name], posixpath.join(prefix, name)
+            if prove:
+                return self.store.prove(path, e.size, e.crc32c, e.parts)
+            return self.store.check(path, e.size, e.crc32c, read=False, parts=e.parts)
 
         for name, problem in zip(names, self.store._parallel(check, names), strict=True):
             if problem:
@@ -284,7 +286,7 @@ class RemoteLayout:
             lambda n: copy(posixpath.join(staged, n), posixpath.join(final, n), got[n].size, got[n].crc32c),
             sorted(got),
         )
-        self._confirm(final, manifest)
+        self._confirm(final, manifest, prove=True)
         if not create_if_absent(self.store, posixpath.join(final, MANIFEST_NAME), manifest.to_json()):
             self._unfinished.pop(staged, None)  # another writer committed step N meanwhile: theirs stays
             self.fence(f"committing step {manifest.step}")
@@ -379,7 +381,7 @@ class RemoteLayout:
             if m and m.group(1) not in committed and f"{PENDING_DIR}/{name}/{MANIFEST_NAME}" in objects:
                 try:
                     manifest = Manifest.from_json(self.store.get_bytes(posixpath.join(prefix, MANIFEST_NAME)))
-                    self._confirm(prefix, manifest)
+                    self._confirm(prefix, manifest, prove=True)  # read once where unproven
                     self._promote(prefix, manifest)
                     committed.add(m.group(1))
                     done.append(f"finished the interrupted replacement of {m.group(1)}")
@@ -397,9 +399,7 @@ class RemoteLayout:
             done.append(f"removed uncommitted {name} (an interrupted save or upload)")
         try:
             if aborted := self.store.abort_uploads(self.base):
-                done.append(
-                    f"aborted {aborted} multipart upload(s) left open by an interrupted save or upload"
-                )
+                done.append(f"aborted {aborted} multipart upload(s) left open by an interrupted save/upload")
         except UploadError as e:
             log.warning("safepoint: could not abort unfinished multipart uploads under %s: %s", self.root, e)
         return done

@@ -146,7 +146,7 @@ class S3Reader(ObjectStore):
         proven = not checked and sent is not None and tag == sent
         self.versions.remember(path, tag if proven else None, size, crc)
 
-    def prove(self, path: str, size: int, crc: str) -> str | None:
+    def prove(self, path: str, size: int, crc: str, parts: Parts | None = None) -> str | None:
         """Why ``path`` is not proven to hold ``size`` bytes of crc32c ``crc``, or None: by S3's own CRC32C
         (one HEAD), else by its version (the HEAD's ETag) where this process proved that one, else read back
         under that one ETag (every ranged GET ``If-Match``: a version replaced midway fails the read, never
@@ -162,6 +162,8 @@ class S3Reader(ObjectStore):
         if int(head["ContentLength"]) != size:
             return f"size {head['ContentLength']} != {size} (truncated or extended)"
         value = hex_crc(stored) if isinstance(stored, str) and not composite(head) else None
+        if isinstance(stored, str) and composite(head) and parts is not None:  # as the upload's parts vouch
+            value = vouched(stored, parts, size)
         if value is not None:  # S3's own CRC32C of the bytes it holds: no version needed
             return None if value == crc else f"crc32c {value} != {crc} (contents altered)"
         if not isinstance(tag, str):
@@ -170,6 +172,10 @@ class S3Reader(ObjectStore):
             return None
         if (got := self.read_crc(path, size, tag)) != crc:
             return f"crc32c {got} != {crc} (contents altered)"
+        # A store that ignores If-Match on a GET (as moto ignores CopySourceIfMatch) could serve another
+        # version than ``tag``: remembered only if it still is ``tag`` after the read, as on Azure.
+        if not self.unchanged(path, tag):
+            return "replaced while it was read back"
         self.versions.remember(path, tag, size, crc)
         return None
 
@@ -189,6 +195,16 @@ class S3Reader(ObjectStore):
             return True
         self.versions.forget(path)
         return False
+
+    def copied_from(self, src: str, source: str, got: Any) -> bool:
+        """Whether a copy whose ETag is ``got`` holds the bytes of ``src``'s proven version ``source``. A
+        single-part version's ETag is the MD5 of its bytes, and so is CopyObject's copy's: equal proves it,
+        another refuses it, whatever the store did with ``CopySourceIfMatch`` (moto ignores it), a source
+        altered for the copy and put back before a HEAD included. A multipart one's ("-<parts>") is not its
+        bytes' MD5: the source still being that version after the copy (a HEAD) stands in for it."""
+        if isinstance(got, str) and "-" not in source and "-" not in got:
+            return got == source
+        return self.unchanged(src, source)
 
     async def answer_md5(self, answer: Any, data: bytes) -> bytes | None:
         """The MD5 of ``data`` where the store's ``answer`` to its upload carries no CRC32C (the ETag is then

@@ -114,9 +114,10 @@ class S3Store(S3Reader):
                     **cond,
                 ),
             )
-        if source is not None and size is not None and crc is not None and self.unchanged(src, source):
+        if source is not None and size is not None and crc is not None:
             result = answer.get("CopyObjectResult", answer) if isinstance(answer, dict) else {}
-            self.versions.remember(dst, result.get("ETag"), size, crc)  # the copy's own version
+            if self.copied_from(src, source, result.get("ETag")):
+                self.versions.remember(dst, result.get("ETag"), size, crc)  # the copy's own version
         self.fs.invalidate_cache(dst)
 
     def delete(self, paths: Sequence[str]) -> None:

@@ -265,10 +265,10 @@ class ObjectStore:
             return f"crc32c {stored_crc} != {crc} (contents altered)"
         return None
 
-    def prove(self, path: str, size: int, crc: str) -> str | None:
+    def prove(self, path: str, size: int, crc: str, parts: Parts | None = None) -> str | None:
         """:meth:`check` that never takes an object by its size: the store's own crc32c, else the bytes read
         back (what a server-side copy must pass; AzureStore also knows the versions it proved)."""
-        return self.check(path, size, crc, read=True)
+        return self.check(path, size, crc, read=True, parts=parts)
 
     def stored_checksum(self, path: str, parts: Parts | None = None) -> tuple[int, str | None]:
         """(size, crc32c the store computed) without reading the object; crc None if it has none. ``parts``:

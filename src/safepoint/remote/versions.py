@@ -15,9 +15,10 @@ keeps using it, and nothing is remembered): an object's ETag is the MD5 of its b
 for a multipart upload) or a new value at every write, and CopyObject and UploadPartCopy take the condition
 ``CopySourceIfMatch``. A version is proven where this process wrote it (the crc32c of the bytes sent
 compared with the manifest, and the ETag the PUT or the completion answered the one those bytes make, from
-their MD5s: what Azure's Content-MD5 shows) or read it back under one ETag
-(every ranged GET ``If-Match``); the copy's own ETag is CopyObject's or the completion's answer. Since a
-store may ignore the condition (moto does), the source must also still be that version after the copy.
+their MD5s: what Azure's Content-MD5 shows) or read it back under one ETag (every ranged GET ``If-Match``,
+and still that ETag after the read); the copy's own ETag is CopyObject's or the completion's answer. Since
+a store may ignore the condition (moto does), a single-part version's copy must answer the source's ETag
+(the MD5 of the bytes copied), and a multipart version must still be the source after the copy (a HEAD).
 
 In memory only, per process: nothing read back from the store vouches for a version (a record there could
 be rewritten along with the blob), so after a restart the first copy of each group is read back once
