@@ -27,6 +27,7 @@ import torch
 from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 _BYTES = ("bytes",)  # the kind of a non-tensor item (a BYTE_IO WriteItem: its key is all there is)
@@ -78,7 +79,15 @@ class ReusingSavePlanner(DefaultSavePlanner):
         self._structure: Structure | None = None
         self.byte_items = record.byte_items  # read by the item writer (store/item_writer.py)
 
-    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        storage_meta: StorageMeta | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        # DCP's own signature, ``storage_meta`` named: dcp.save inspects it and, where that name is missing,
+        # warns on every save and calls it positionally, (state_dict, is_coordinator), so a ``*args``
+        # pass-through handed is_coordinator to storage_meta and False to is_coordinator on every rank.
         # DCP flattens the state dict (one walk of every value), then walks every value again for nested
         # ShardedTensors, copying each into a new dict by its path. On a flattened dict without one that
         # second walk gives an equal dict, the same keys in the same order (every value is a leaf: lists
@@ -86,7 +95,7 @@ class ReusingSavePlanner(DefaultSavePlanner):
         # small state's save, issue 27).
         sharded, self.flatten_sharded_tensors = self.flatten_sharded_tensors, False
         try:
-            super().set_up_planner(*args, **kwargs)
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
         finally:
             self.flatten_sharded_tensors = sharded
         if sharded and (
