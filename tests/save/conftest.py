@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+
+from safepoint.save.staging import Stager
 
 
 @pytest.fixture()
@@ -19,3 +22,13 @@ def one_rank_group(tmp_path: Path) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(params=[False, True], ids=["thread", "process"])
+def stager(request: pytest.FixtureRequest) -> Iterator[Stager]:
+    """A Stager for each writer: the thread's private buffers, and the process's shared segment (Linux)."""
+    if request.param and not hasattr(os, "memfd_create"):
+        pytest.skip("shared staging is Linux-only")
+    s = Stager(shared=request.param)
+    yield s
+    s.release()

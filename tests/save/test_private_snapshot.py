@@ -10,9 +10,8 @@ with the background write held open while the next optimizer step runs."""
 from __future__ import annotations
 
 import io
-import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +23,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import safepoint
 from safepoint.save.staging import Stager
-
-
-@pytest.fixture(params=[False, True], ids=["thread", "process"])
-def stager(request: pytest.FixtureRequest) -> Iterator[Stager]:
-    if request.param and not hasattr(os, "memfd_create"):
-        pytest.skip("shared staging is Linux-only")
-    s = Stager(shared=request.param)
-    yield s
-    s.release()
 
 
 def _data(v: Any) -> torch.Tensor:

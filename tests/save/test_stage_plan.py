@@ -6,7 +6,6 @@ snapshot equals the live tensors bit for bit; the copy is one batched call; noth
 from __future__ import annotations
 
 import gc
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -67,15 +66,6 @@ def assert_snapshot(snapshot: State, sd: State) -> None:
 
 def _buffers(snapshot: State) -> list[int]:
     return [t.data_ptr() for _, t in _leaves(snapshot) if isinstance(t, torch.Tensor)]
-
-
-@pytest.fixture(params=[False, True], ids=["thread", "process"])
-def stager(request: pytest.FixtureRequest) -> Iterator[Stager]:
-    if request.param and not hasattr(os, "memfd_create"):
-        pytest.skip("shared staging is Linux-only")
-    s = Stager(shared=request.param)
-    yield s
-    s.release()
 
 
 def _set(path: tuple[Any, ...], value: Any) -> Callable[[State], None]:
