@@ -43,6 +43,11 @@ class UnsafeCheckpointError(CorruptCheckpointError):
 class SaveError(CheckpointError):
     """A save failed; nothing was committed and older checkpoints are intact."""
 
+    @classmethod
+    def not_committed(cls, step: int, why: str) -> SaveError:
+        """The one line a failed save of ``step`` raises, sync or async alike (``why``: per rank)."""
+        return cls(f"save of step {step} failed and was not committed ({why}). Older checkpoints are intact.")
+
 
 class Preempted(SystemExit):
     """Raised by ``maybe_save`` after a preemption notice, once the emergency save is committed (or skipped).

@@ -232,9 +232,7 @@ class SyncSaver:
         if errors or info is None:
             why = "; ".join(dict.fromkeys(errors))
             self.events.emit(ev.SAVE_FAILED, step, reason=why)
-            raise SaveError(
-                f"save of step {step} failed and was not committed ({why}). Older checkpoints are intact."
-            )
+            raise SaveError.not_committed(step, why)
         # What this save wrote and what it linked from an older step: together, the checkpoint's size.
         done = {"bytes_written": info.bytes - skipped, "bytes_skipped": skipped}
         seconds = time.perf_counter() - t0

@@ -91,10 +91,7 @@ def staging_failed(call: SaveCall, rank: int) -> Iterator[None]:
     except SaveError:
         raise
     except Exception as e:
-        why = f"rank {rank}: {describe_exception(e)}"
-        raise SaveError(
-            f"save of step {call.step} failed and was not committed ({why}). Older checkpoints are intact."
-        ) from e
+        raise SaveError.not_committed(call.step, f"rank {rank}: {describe_exception(e)}") from e
 
 
 class Stager:
