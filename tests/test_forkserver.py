@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO
 from tests.helpers import forkserver, launch
 
@@ -123,7 +125,13 @@ def _probe_runs(script: Path, mode: str, tmp_path: Path) -> list[tuple[int, str,
     return [(r.returncode, r.stdout, r.stderr) for r in (fresh, forked)]
 
 
-def test_a_forked_rank_looks_like_one_torchrun_started(tmp_path: Path) -> None:
+# The default suite compares a killed rank (kill -9: the case the crash tests lean on, and it runs rank 0's
+# normal exit too); a clean exit and an exit code are -m slow (time bar: each mode is two torchrun launches,
+# one of them with fresh interpreters).
+@pytest.mark.parametrize(
+    "modes", [("9",), pytest.param(("0", "3"), marks=pytest.mark.slow)], ids=["kill9", "exits"]
+)
+def test_a_forked_rank_looks_like_one_torchrun_started(tmp_path: Path, modes: tuple[str, ...]) -> None:
     """A forked agent's ranks come from its rank servers (they find safepoint imported) and otherwise look
     like the fresh ``python -u SCRIPT`` torchrun starts: their own session, torchrun's environment, argv,
     unbuffered output, the interpreter's own exit; a failed or killed rank fails the launch alike."""
@@ -133,13 +141,13 @@ def test_a_forked_rank_looks_like_one_torchrun_started(tmp_path: Path) -> None:
     # gets Python's handler (torchrun handles SIGINT before it execs the ranks), and so must a forked one.
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        _compare_ranks(script, tmp_path)
+        _compare_ranks(script, tmp_path, modes)
     finally:
         signal.signal(signal.SIGINT, previous)
 
 
-def _compare_ranks(script: Path, tmp_path: Path) -> None:
-    for mode in ("0", "3", "9"):
+def _compare_ranks(script: Path, tmp_path: Path, modes: tuple[str, ...]) -> None:
+    for mode in modes:
         (fresh_rc, fresh_out, fresh_err), (forked_rc, forked_out, forked_err) = _probe_runs(
             script, mode, tmp_path
         )

@@ -247,7 +247,8 @@ def test_tiering_reports_each_tier_and_the_report_its_durability_lag(
     assert report.durable_lag_max_s == pytest.approx(max(e.lag_secs for e in durable), abs=1e-3)  # type: ignore[type-var]
 
 
-@pytest.mark.parametrize("async_writer", [None, "process"])
+# "process" under -m slow (time bar): tests/save/test_incremental_process.py checks what the process links
+@pytest.mark.parametrize("async_writer", [None, pytest.param("process", marks=pytest.mark.slow)])
 def test_bytes_skipped_are_the_bytes_an_incremental_save_linked(root: Path, async_writer: str | None) -> None:
     """A frozen base is linked from the third save on: the events say how many bytes that spared (sync, and
     async with the writer process), written + skipped is the checkpoint's size, and the run report sums it."""

@@ -52,6 +52,10 @@ def _run(root: Path, kill_at: int | None = None, fresh: bool = False) -> tuple[L
     )
 
 
+# -m slow (time bar of the default suite: three 2-process launches); the default suite runs Accelerate in
+# tests/integrations/test_framework_examples.py (examples/accelerate_train.py: SIGTERM, kill -9, bitwise) and
+# two-rank kill -9 resumes through torchrun (tests/dist/test_distributed.py) and Lightning (test_lightning_ranks).
+@pytest.mark.slow
 def test_two_processes_kill9_resume_bitwise(tmp_path: Path) -> None:
     # The uninterrupted reference as a user runs it; the killed and resumed runs forked must equal it.
     ref, code, err = _run(tmp_path / "reference", fresh=True)

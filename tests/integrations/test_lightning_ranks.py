@@ -9,9 +9,10 @@ kill -9 of the whole process group and started again (tests/integrations/lightni
   through the sharded DCP path, each rank its shards; restored on one rank). Lightning refuses
   ``FSDPStrategy`` on the CPU only by an exact type check; the job's ``CPUFSDPStrategy`` (an empty subclass)
   and a wrap with ``device_id=cpu`` in ``configure_model`` run Lightning's own strategy on CPU ranks (the
-  job says why each is needed). The default suite runs the sharded kill -9 and resume against the
-  ModelParallel run's uninterrupted reference (FSDP1 and FSDP2 train this model to the same losses and
-  state, bit for bit); the slow tests run both kinds against FSDP's own reference, with the one-rank restore.
+  job says why each is needed). Under ``-m slow`` (the default suite's time bar: the ModelParallel test
+  runs the same callback path): the sharded kill -9 and resume against the ModelParallel run's uninterrupted
+  reference (FSDP1 and FSDP2 train this model to the same losses and state, bit for bit), and both kinds
+  against FSDP's own reference, with the one-rank restore.
   tests/integrations/gpu_lightning_fsdp.py is the same check on a GPU (Lightning's own wrap, NCCL).
 - ``DDPStrategy``: the same kill -9 and bitwise resume on two ranks (slow).
 
@@ -121,6 +122,7 @@ def test_model_parallel_kill9_resumes_bitwise_and_reshards_to_one_rank(
     _reshards_to_one_rank(tmp_path, root, "mp", mp_reference[1])
 
 
+@pytest.mark.slow  # time bar of the default suite: the ModelParallel (FSDP2) test above is the same callback path
 def test_fsdp_sharded_kill9_resumes_bitwise(tmp_path: Path, mp_reference: Reference) -> None:
     """Lightning's FSDPStrategy (FSDP1, state_dict_type="sharded") on CPU ranks (the job's CPUFSDPStrategy
     says how), against the ModelParallel run's losses and state."""

@@ -65,7 +65,10 @@ def _term_group(tmp_path: Path, context: str, shield: str, *extra: str) -> tuple
     return proc.returncode, err, workers
 
 
-@pytest.mark.parametrize(("context", "hold"), [("fork", ""), ("spawn", ""), ("fork", "hold")])
+# spawn under -m slow (time bar: two fresh worker interpreters); the shield is the same for both contexts
+@pytest.mark.parametrize(
+    ("context", "hold"), [("fork", ""), pytest.param("spawn", "", marks=pytest.mark.slow), ("fork", "hold")]
+)
 def test_group_sigterm_with_loader_workers_saves_and_exits_143(
     tmp_path: Path, context: str, hold: str
 ) -> None:

@@ -124,7 +124,10 @@ def _bypass_numpy(t: torch.Tensor) -> None:
     t.detach().numpy()[123] += 1.0
 
 
-@pytest.mark.parametrize("bypass", [_bypass_data, _bypass_numpy], ids=["data", "numpy"])
+# .data under -m slow (time bar): tests/store/test_incremental.py runs every bypass through the writer thread
+@pytest.mark.parametrize(
+    "bypass", [pytest.param(_bypass_data, marks=pytest.mark.slow), _bypass_numpy], ids=["data", "numpy"]
+)
 def test_a_write_the_version_counter_misses_is_rewritten(root: Path, bypass: object) -> None:
     model, opt, state = _setup()
     with _manager(root) as mgr:

@@ -565,7 +565,8 @@ def _unblock_fifos(root: Path) -> None:
 
 
 CAMPAIGN = settings(
-    max_examples=60,
+    # 20 in the default suite (its time bar): with the explicit examples below; the long campaign is -m slow.
+    max_examples=20,
     deadline=None,
     derandomize=True,  # the same inputs every run: never flaky
     suppress_health_check=list(HealthCheck),
