@@ -11,14 +11,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import subprocess
-import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 import pytest
 
-from tests.conftest import REPO, SUBPROCESS_ENV
+from tests.conftest import REPO
+from tests.helpers import forkserver
+from tests.helpers.example_runs import spawn_job
 from tests.helpers.launch import assert_bitwise, events, finish, load, ready_pids, start
 
 CHILD = REPO / "tests" / "helpers" / "procs" / "loader_term.py"
@@ -41,28 +43,41 @@ def _alive(pid: int) -> bool:
 def _term_group(tmp_path: Path, context: str, shield: str, *extra: str) -> tuple[int, str, list[int]]:
     out = tmp_path / "out"
     out.mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, str(CHILD), str(tmp_path / "root"), str(out), context, shield, *extra],
-        env=SUBPROCESS_ENV,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    # Forked from the suite's fork server (its own session and group, the interpreter's own exit): the
+    # subject is the group's SIGTERM, not the interpreter's start (a fresh one costs ~5 s of CPU).
+    with tempfile.TemporaryFile() as log:
+        proc = spawn_job(
+            [str(CHILD), str(tmp_path / "root"), str(out), context, shield, *extra], 1, log.fileno()
+        )
+        try:
+            while not (out / "ready").exists():
+                assert not _ended(proc), _read(log)
+                time.sleep(0.02)
+            workers = [int(p.name.split(".")[1]) for p in out.glob("worker.*")]
+            assert len(workers) == 2
+            os.killpg(proc.pid, signal.SIGTERM)  # the rank and its workers together, as torchrun's agent does
+            # Bounded only to fail instead of hanging forever: a worker that ignores its parent's terminate()
+            # makes multiprocessing's exit handler join it forever.
+            code = proc.wait(timeout=120)
+        finally:
+            if proc.returncode is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        return code, _read(log), workers
+
+
+def _ended(proc: forkserver.Child) -> bool:
+    """Whether a forked job has ended (without waiting)."""
     try:
-        while not (out / "ready").exists():
-            assert proc.poll() is None, proc.communicate()[1]
-            time.sleep(0.02)
-        workers = [int(p.name.split(".")[1]) for p in out.glob("worker.*")]
-        assert len(workers) == 2
-        os.killpg(proc.pid, signal.SIGTERM)  # the rank and its workers together, as torchrun's agent does
-        # Bounded only to fail instead of hanging forever: a worker that ignores its parent's terminate()
-        # makes multiprocessing's exit handler join it forever.
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode, err, workers
+        proc.wait(timeout=0.001)
+    except TimeoutError:
+        return False
+    return True
+
+
+def _read(f: IO[bytes]) -> str:
+    f.seek(0)
+    return f.read().decode(errors="replace")
 
 
 # spawn under -m slow (time bar: two fresh worker interpreters); the shield is the same for both contexts
@@ -85,25 +100,25 @@ def test_parent_sigterm_merged_into_a_pending_group_sigterm_still_ends_the_worke
     # SIGTERM does not queue: the exit handler's terminate() merges into the group's SIGTERM if the
     # worker's waiter has not taken that one yet (a thread unscheduled under load). The helper makes the
     # merge certain; the rank's join must still end. Bounded only to fail instead of hanging.
-    proc = subprocess.Popen(
-        [sys.executable, str(MERGE)],
-        env=SUBPROCESS_ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        assert proc.stdout is not None
-        worker = proc.stdout.readline()
-        assert worker, proc.communicate()[1]
-        os.kill(int(worker), signal.SIGTERM)  # from this process: neither the rank nor the worker's parent
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0 and "rank exiting" in err, err[-3000:]
+    r, w = os.pipe()
+    with tempfile.TemporaryFile() as log, os.fdopen(r) as lines:
+        try:
+            proc = spawn_job([str(MERGE)], w, log.fileno())  # forked, as in _term_group
+        finally:
+            os.close(w)
+        try:
+            worker = lines.readline()
+            assert worker, _read(log)
+            os.kill(
+                int(worker), signal.SIGTERM
+            )  # from this process: neither the rank nor the worker's parent
+            code = proc.wait(timeout=60)
+        finally:
+            if proc.returncode is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        err = _read(log)
+    assert code == 0 and "rank exiting" in err, err[-3000:]
     assert not _alive(int(worker))
 
 

@@ -6,6 +6,7 @@ mid-write, and a real kernel limit (RLIMIT_FSIZE, inherited by the writer proces
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -18,6 +19,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 import psutil
 import pytest
@@ -26,6 +28,8 @@ import torch
 import safepoint
 from safepoint.save import background, ipc, writer_process
 from tests.conftest import SUBPROCESS_ENV
+from tests.helpers import forkserver
+from tests.helpers.example_runs import spawn_job
 from tests.helpers.train import Setup, assert_bitwise_equal, big_state
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the process writer is Linux-only")
@@ -248,24 +252,42 @@ def test_writer_process_exits_when_its_rank_is_killed(root: Path) -> None:
         "print(mgr._process.pid, flush=True)\n"
         "import time; time.sleep(600)\n"
     )
-    rank = subprocess.Popen(
-        [sys.executable, "-c", script], env=SUBPROCESS_ENV, stdout=subprocess.PIPE, text=True
-    )
+    rank, lines = _rank(script)
     try:
-        assert rank.stdout is not None
-        writer_pid = int(rank.stdout.readline())
+        writer_pid = int(lines.readline())
         _wait_for_shard(root, 1)
-        rank.kill()  # SIGKILL: no close(), no atexit
+        os.kill(rank.pid, signal.SIGKILL)  # no close(), no atexit
         rank.wait()
         deadline = time.monotonic() + 10
         while _alive(writer_pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _alive(writer_pid), "the writer process outlived its rank"
     finally:
-        rank.kill()
-        rank.wait()
+        _end(rank, lines)
     with safepoint.CheckpointManager(root) as mgr:
         assert mgr.list() == []  # the half-written save never committed
+
+
+def _rank(script: str) -> tuple[forkserver.Child, IO[str]]:
+    """A rank running ``python -c SCRIPT``, forked from the suite's fork server (its own session; the
+    subject is the writer process it starts, a fresh interpreter as always), and a reader of its stdout."""
+    r, w = os.pipe()
+    try:
+        rank = spawn_job(["-c", script], w, 2)
+    except BaseException:
+        os.close(r)
+        raise
+    finally:
+        os.close(w)
+    return rank, os.fdopen(r)
+
+
+def _end(rank: forkserver.Child, lines: IO[str]) -> None:
+    if rank.returncode is None:  # once waited for, its pid may be another process's
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rank.pid, signal.SIGKILL)
+        rank.wait()
+    lines.close()
 
 
 def _maps_torch(pid: int) -> bool:
@@ -285,33 +307,25 @@ def test_a_writer_process_still_starting_dies_with_its_rank(root: Path) -> None:
         f"mgr = safepoint.CheckpointManager({str(root)!r}, async_save=True, "
         "writer=safepoint.WriterOptions(async_writer='process'))\n"
         "print(mgr._process.pid, flush=True)\n"
-        "sys.stdin.readline()\n"
+        "import time; time.sleep(600)\n"
     )
-    rank = subprocess.Popen(
-        [sys.executable, "-c", script],
-        env=SUBPROCESS_ENV,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    rank, lines = _rank(script)
     writer_pid = 0
     try:
-        assert rank.stdout is not None
-        writer_pid = int(rank.stdout.readline())
+        writer_pid = int(lines.readline())
         deadline = time.monotonic() + 120
         while not _maps_torch(writer_pid):  # past the launch line: importing torch now
             assert _alive(writer_pid) and time.monotonic() < deadline, "the writer never began its import"
             time.sleep(0.02)
         os.kill(writer_pid, signal.SIGSTOP)
-        rank.kill()
+        os.kill(rank.pid, signal.SIGKILL)
         rank.wait()
         deadline = time.monotonic() + 30
         while _alive(writer_pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _alive(writer_pid), "a writer process frozen in its start outlived its rank"
     finally:
-        rank.kill()
-        rank.wait()
+        _end(rank, lines)
         if writer_pid and _alive(writer_pid):
             os.kill(writer_pid, signal.SIGKILL)
 

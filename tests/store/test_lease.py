@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from safepoint.store.file_lease import Lease
 from safepoint.store.heartbeat import UNREADABLE_WAIT_S, namespace_identity
 from safepoint.store.posix_layout import Layout
 from tests.conftest import REPO
+from tests.helpers.example_runs import spawn_job
 
 
 def test_second_live_writer_is_refused_in_process(root: Path) -> None:
@@ -37,28 +39,25 @@ def test_second_live_writer_is_refused_in_process(root: Path) -> None:
 
 
 def test_live_writer_in_another_process_is_refused(root: Path) -> None:
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"import safepoint, sys; m = safepoint.CheckpointManager({str(root)!r}); print('ok', flush=True); "
-            "sys.stdin.read()",
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO / "src")),
-    )
+    # The holder is forked from the suite's fork server (its own process; a fresh start is not the subject).
+    code = f"import safepoint, time; m = safepoint.CheckpointManager({str(root)!r}); print('ok', flush=True); time.sleep(600)"
+    r, w = os.pipe()
     try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "ok"
-        with pytest.raises(safepoint.LeaseError, match=rf"pid {holder.pid} on host '{socket.gethostname()}'"):
-            safepoint.CheckpointManager(root)
-        # Read-only use needs no lease.
-        assert Layout(root).committed_steps() == []
+        holder = spawn_job(["-c", code], w, 2)
     finally:
-        assert holder.stdin is not None
-        holder.stdin.close()
-        holder.wait(timeout=30)
+        os.close(w)
+    with os.fdopen(r) as out:
+        try:
+            assert out.readline().strip() == "ok"
+            with pytest.raises(
+                safepoint.LeaseError, match=rf"pid {holder.pid} on host '{socket.gethostname()}'"
+            ):
+                safepoint.CheckpointManager(root)
+            # Read-only use needs no lease.
+            assert Layout(root).committed_steps() == []
+        finally:
+            os.kill(holder.pid, signal.SIGKILL)
+            holder.wait(timeout=30)
 
 
 def test_stale_lease_of_dead_process_is_taken_over(root: Path) -> None:
