@@ -7,8 +7,6 @@ import logging
 import math
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,7 @@ from safepoint.policy.history import ATTEMPTS_NAME, RunHistory, summarize
 from safepoint.policy.rules import AdaptiveInterval, AdaptiveSeconds, daly_interval, learned_mtbf
 from safepoint.store.posix_layout import Layout
 from tests.conftest import REPO
+from tests.helpers.example_runs import run_job
 from tests.helpers.train import Setup
 
 MIN = 60.0
@@ -107,7 +106,7 @@ os.kill(os.getpid(), signal.SIGKILL)   # dies without close(): the next attempt 
 
 def test_restarts_are_recorded_and_teach_the_mtbf(root: Path, caplog: pytest.LogCaptureFixture) -> None:
     code = CRASH.format(src=str(REPO / "src"), repo=str(REPO), root=str(root))
-    crashed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    crashed = run_job(["-c", code], timeout=120)  # forked from the suite's fork server: a kill, not a start
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     step1_time = json.loads((root / "step-1" / "safepoint.json").read_text())["time"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
+import signal
 import sys
 from pathlib import Path
 
@@ -18,6 +18,7 @@ from torch import nn
 import safepoint
 from safepoint.cli.main import main
 from safepoint.store.storage import read_metadata_file
+from tests.helpers.example_runs import run_job, spawn_job
 
 VOCAB, DIM = 512, 64
 
@@ -140,16 +141,19 @@ def _bypass_collective(t: torch.Tensor) -> None:
     import torch.distributed as dist
 
     store_dir = Path(os.environ["SP_TEST_TMP"]) / f"store-{os.getpid()}"
-    peer = subprocess.Popen(
-        [sys.executable, "-c", _PEER, str(store_dir), str(t.numel())],
-        env=dict(os.environ, PYTHONPATH=_path()),
-    )
-    dist.init_process_group("gloo", init_method=f"file://{store_dir}", rank=0, world_size=2)
+    # The peer rank is forked from the suite's fork server (a fresh interpreter is not the subject).
+    peer = spawn_job(["-c", _PEER, str(store_dir), str(t.numel())], 1, 2)
     try:
-        dist.broadcast(t.detach(), src=1)
-    finally:
-        dist.destroy_process_group()
+        dist.init_process_group("gloo", init_method=f"file://{store_dir}", rank=0, world_size=2)
+        try:
+            dist.broadcast(t.detach(), src=1)
+        finally:
+            dist.destroy_process_group()
         assert peer.wait(timeout=120) == 0
+    finally:
+        if peer.returncode is None:
+            os.killpg(peer.pid, signal.SIGKILL)
+            peer.wait()
 
 
 _PEER = """
@@ -255,7 +259,9 @@ def test_the_previous_step_gone_means_written_again(tmp_path: Path) -> None:
     assert torch.equal(_read_extra(root, 3, holder.frozen), holder.frozen)
 
 
-def test_a_damaged_shared_file_leaves_an_older_intact_step(tmp_path: Path) -> None:
+def test_a_damaged_shared_file_leaves_an_older_intact_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """full_every=3, keep_last=3: one flipped byte in the newest step's largest shared file damages every
     step holding that inode; retention kept a step sharing nothing with the newest, restore falls back to
     it, and verify names every step that shares the damaged file."""
@@ -274,16 +280,12 @@ def test_a_damaged_shared_file_leaves_an_older_intact_step(tmp_path: Path) -> No
         b = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([b[0] ^ 0xFF]))
-    result = subprocess.run(
-        [sys.executable, "-m", "safepoint.cli", "verify", str(root), "--all"],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, PYTHONPATH=_path(), COLUMNS="200"),
-    )
-    assert result.returncode == 1, result.stdout + result.stderr
+    capsys.readouterr()
+    assert main(["verify", str(root), "--all"]) == 1  # in-process: the CLI's process boundary is tests/cli's
+    out = capsys.readouterr().out
     for s in sharing:
-        assert f"step {s}" in result.stdout
-    assert f"in step {sharing[0]}" in result.stdout or f"step {sharing[0]}," in result.stdout
+        assert f"step {s}" in out
+    assert f"in step {sharing[0]}" in out or f"step {sharing[0]}," in out
     fresh = Tied()
     opt = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad])
     with pytest.warns(UserWarning), safepoint.CheckpointManager(root) as mgr:
@@ -351,9 +353,8 @@ with safepoint.CheckpointManager({str(root)!r}, keep=safepoint.Keep(last=5)) as 
     inc.os.link = link
     mgr.save(3, st)
 """
-    env = dict(os.environ, PYTHONPATH=_path())
-    proc = subprocess.run([sys.executable, "-c", script], env=env)
-    assert proc.returncode == -9
+    proc = run_job(["-c", script], timeout=300)  # forked from the suite's fork server: a kill, not a start
+    assert proc.returncode == -9, proc.stderr[-3000:]
     pending = list((root / ".pending").iterdir())
     assert pending and any(p.stat().st_nlink == 2 for d in pending for p in d.iterdir())
     assert main(["verify", str(root), "--all"]) == 0
