@@ -6,7 +6,9 @@ bytes in ``Content-MD5``, computed from the same buffer whose crc32c the manifes
 the MD5 of what arrived and refuses a mismatch (``Md5Mismatch``, retried like any transient error). A
 blob is then exactly the blocks committed by ``Put Block List``, each confirmed, in the order listed, and
 before committing, the blocks' crc32c are combined and compared with the manifest, so a local file that
-changed since it was written is never uploaded. Afterwards the blob's size is checked once more.
+changed since it was written is never uploaded. Afterwards the blob's size is checked once more. From the
+first block to the commit the blob is leased (azlease.py), so no other writer's block can be committed
+under one of our block IDs.
 
 Server-side copies: Azure keeps no crc32c of a blob, and a Copy Blob's status proves only that the copy
 finished, not which bytes it copied (a source altered in place at the same size copies "successfully").

@@ -8,7 +8,9 @@ needs no download (s3read.vouched); streamed writes (s3writer.py) complete with 
 (``ChecksumType=FULL_OBJECT``), which S3 checks against the assembled object (``TransferOptions.
 full_object_checksum`` chooses otherwise). Before completing, the parts' checksums are combined locally and
 compared with the manifest: a local file that changed or rotted since it was written is never uploaded.
-After the upload the store's answer, or else a HEAD with ``ChecksumMode=ENABLED``, confirms the checksum.
+After the upload the store's answer, or else a HEAD with ``ChecksumMode=ENABLED``, confirms the checksum;
+where the store keeps none, the HEAD's ETag must be the MD5 the bytes sent make, or the object is read
+back (s3read.py ``settle``): a lost completion answer never lets another object of the same size pass.
 
 The requests go straight to s3fs's aiobotocore client (credentials, endpoint, region and extra request
 arguments all come from s3fs), bypassing s3fs's own retry wrapper so that one retry policy
