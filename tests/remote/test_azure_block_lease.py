@@ -28,7 +28,7 @@ from safepoint.store.checksum import crc_hex
 from tests.helpers.stores import azure_store
 
 CFG = TransferOptions(part_size=5 * MiB, concurrency=4, attempts=3, backoff_s=0.0, max_backoff_s=0.0)
-SIZE = 11 * MiB + 3  # three blocks
+SIZE = 6 * MiB + 3  # two blocks
 
 
 @pytest.fixture
