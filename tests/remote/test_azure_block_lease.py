@@ -139,6 +139,40 @@ def test_a_stream_whose_lease_was_broken_fails_and_leaves_no_blob(
     assert not store.fs.exists(path)
 
 
+def test_a_lease_that_may_have_lapsed_makes_the_upload_start_again(
+    az: tuple[AzureStore, Any, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The event loop stalls (here for 0.6 s, against a lapse limit shrunk to 0.3 s) before the commit, so
+    no renewal could be made: the lease may have lapsed and another writer's block gone in unseen, so that
+    attempt commits nothing and the file is sent again."""
+    import time
+
+    from safepoint.remote import azlease
+
+    monkeypatch.setattr(azlease, "RENEW_S", 0.1)
+    monkeypatch.setattr(azlease, "LAPSE_S", 0.3)
+    store, _, path = az
+    data = os.urandom(SIZE)
+    commits: list[str] = []
+    real = store.commit_blocks
+
+    async def commit(*args: Any, **kw: Any) -> Any:
+        if not commits:
+            time.sleep(0.6)  # on the loop's thread: the renewals stall with it
+        try:
+            return await real(*args, **kw)
+        except Exception as e:
+            commits.append(type(e).__name__)
+            raise
+        finally:
+            commits.append("tried")
+
+    monkeypatch.setattr(store, "commit_blocks", commit)
+    _upload(store, tmp_path, path, data, "file")
+    assert store.fs.cat_file(path) == data
+    assert commits == ["DamagedInTransit", "tried", "tried"]
+
+
 def test_a_lease_left_by_a_killed_writer_neither_blocks_a_new_upload_nor_a_delete(
     az: tuple[AzureStore, Any, str], tmp_path: Path
 ) -> None:
