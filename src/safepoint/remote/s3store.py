@@ -9,8 +9,7 @@ needs no download (s3read.vouched); streamed writes (s3writer.py) complete with 
 full_object_checksum`` chooses otherwise). Before completing, the parts' checksums are combined locally and
 compared with the manifest: a local file that changed or rotted since it was written is never uploaded.
 After the upload the store's answer, or else a HEAD with ``ChecksumMode=ENABLED``, confirms the checksum;
-where the store keeps none, the HEAD's ETag must be the MD5 the bytes sent make, or the object is read
-back (s3read.py ``settle``): a lost completion answer never lets another object of the same size pass.
+where it keeps none, the ETag the bytes sent make or a read back does (s3read.py ``settle``), never size.
 
 The requests go straight to s3fs's aiobotocore client (credentials, endpoint, region and extra request
 arguments all come from s3fs), bypassing s3fs's own retry wrapper so that one retry policy
@@ -240,10 +239,9 @@ class S3Store(S3Reader):
                 await self.abort_mpu(bucket, key, upload_id)
                 raise
         parts = None if full or not part_crcs else Parts(size=psize, crc32c=tuple(map(crc_hex, part_crcs)))
-        if not _answer_confirms(answer, item.crc32c, part_crcs if parts else None):
-            # No CRC32C in the answer (or none at all: a retried completion whose answer was lost).
-            sent_tag = sent_etag(md5s, bool(part_crcs))
-            await self.aconfirm(item.remote, item.size, item.crc32c, what, part_crcs, sent_tag)
+        if not _answer_confirms(answer, item.crc32c, part_crcs if parts else None):  # (None: answer lost)
+            tag = sent_etag(md5s, bool(part_crcs))
+            await self.aconfirm(item.remote, item.size, item.crc32c, what, part_crcs, tag)
         return parts
 
     async def create_mpu(self, bucket: str, key: str, what: str, *, full: bool) -> str:
@@ -343,9 +341,8 @@ class S3Store(S3Reader):
         self, path: str, size: int, crc: str, what: str, parts: Sequence[int] = (), sent: str | None = None
     ) -> None:
         """HEAD the object: its size, and its CRC32C against ``crc`` (or, for a composite checksum, against
-        the one ``parts``' checksums make: crc32c of their big-endian bytes, "-<number of parts>"). Where
-        the store reports no CRC32C of it, its ETag against ``sent`` (the one the bytes sent make), else
-        the object read back (``S3Reader.settle``): never confirmed by its size alone."""
+        the one ``parts``' checksums make: crc32c of their big-endian bytes, "-<number of parts>"); where
+        the store reports none, its ETag against ``sent``, else read back (``S3Reader.settle``)."""
         bucket, key = self._split(path)
         head = await self.aretry(f"{what} (confirm)", lambda: self._head(bucket, key))
         if int(head["ContentLength"]) != size:
