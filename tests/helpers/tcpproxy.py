@@ -160,6 +160,20 @@ def proxied(store: Store, proxy: TcpProxy) -> Store:
     return azure_store(via)
 
 
+def hide_crc32c(proxy: TcpProxy) -> None:
+    """Make ``proxy`` hide every CRC32C an S3 server reports (the headers, the checksum type, the XML
+    elements of a completion's or a copy's answer): an S3-compatible store that keeps none (older MinIO,
+    Ceph RGW, R2, appliances), played by moto."""
+    proxy.corrupt_down = (b"x-amz-checksum-crc32c", b"x-amz-checksum-crc32x")
+    hide_headers = proxy._alter_down
+
+    def hide(data: bytes) -> bytes:
+        data = hide_headers(data).replace(b"ChecksumCRC32C>", b"ChecksumCRC32X>")
+        return data.replace(b"x-amz-checksum-type", b"x-amz-checksum-typx")
+
+    proxy._alter_down = hide  # type: ignore[method-assign]
+
+
 def proxied_options(store: Store, proxy_endpoint: str) -> dict[str, object]:
     """``store``'s storage options with its endpoint replaced by a proxy's (any proxy at that URL)."""
     p = TcpProxy("", 0, listen_port=int(proxy_endpoint.rsplit(":", 1)[1]))

@@ -25,12 +25,12 @@ import torch
 import safepoint
 from safepoint.remote import s3copy, s3store
 from safepoint.remote.object_layout import RemoteLayout
-from safepoint.remote.upload import MiB, TransferOptions
+from safepoint.remote.upload import MiB, TransferOptions, UploadError
 from safepoint.store.checksum import crc_hex
 from safepoint.store.incremental import is_stable_group
 from tests.helpers.frozen_state import ADAPTER, BASE, Frozen, saves_counted
 from tests.helpers.stores import Store, s3_store
-from tests.helpers.tcpproxy import TcpProxy, proxied, tcp_proxy
+from tests.helpers.tcpproxy import TcpProxy, hide_crc32c, proxied, tcp_proxy
 
 CFG = TransferOptions(part_size=5 * MiB, concurrency=4)
 OVERHEAD = 256 * 1024  # as in test_incremental_direct.py
@@ -45,14 +45,7 @@ def no_crc(moto_endpoint: str) -> Iterator[tuple[Store, Store, TcpProxy]]:
     proxy)."""
     raw = s3_store(moto_endpoint)
     with tcp_proxy(raw.endpoint) as proxy:
-        proxy.corrupt_down = (b"x-amz-checksum-crc32c", b"x-amz-checksum-crc32x")
-        hide_headers = proxy._alter_down
-
-        def hide(data: bytes) -> bytes:
-            data = hide_headers(data).replace(b"ChecksumCRC32C>", b"ChecksumCRC32X>")
-            return data.replace(b"x-amz-checksum-type", b"x-amz-checksum-typx")
-
-        proxy._alter_down = hide  # type: ignore[method-assign]
+        hide_crc32c(proxy)
         yield proxied(raw, proxy), raw, proxy
 
 
@@ -181,14 +174,19 @@ def test_steady_direct_saves_read_nothing_back_and_an_altered_group_is_written(
     assert torch.equal(fresh.base, saved[1]["base"])
 
 
-def test_an_upload_damaged_on_the_way_in_proves_no_version(
+def test_an_upload_damaged_on_the_way_in_is_sent_again_never_taken_by_its_size(
     tmp_path: Path, no_crc: tuple[Store, Store, TcpProxy]
 ) -> None:
     """moto keeps a PUT's (and a part's) CRC32C without checking it, and the proxy hides it: bytes damaged
-    on the way in are stored, confirmed by their size only. Their ETag is not the one the bytes sent make
-    (their MD5s), so the version is not remembered: the next copy is read back and refused, never taken."""
+    on the way in are stored. Their ETag is not the one the bytes sent make (their MD5s), so the upload is
+    not proven: the object is read back, its crc32c differs, and the file is sent again, every attempt,
+    until the upload fails (UploadError, one line): never confirmed by its size, no version remembered.
+    Once the link is sound again the same upload is proven by its ETag, with no read back.
+
+    Before, the damaged objects were taken as uploaded (confirmed by size) and found only at load."""
     store, raw, proxy = no_crc
-    layout = RemoteLayout(store.root(), store.options, transfer=CFG)
+    cfg = TransferOptions(part_size=5 * MiB, concurrency=4, attempts=2, backoff_s=0.0, max_backoff_s=0.0)
+    layout = RemoteLayout(store.root(), store.options, transfer=cfg)
     key = layout.step_key
     marker = b"safepoint-marker"  # in every kilobyte: every chunk the proxy forwards has one to alter
     body = (marker + os.urandom(1008)) * (6 * MiB // 1024 + 1)
@@ -196,14 +194,22 @@ def test_an_upload_damaged_on_the_way_in_proves_no_version(
     entries = [(n, len(d), crc_hex(crc32c.crc32c(d))) for n, d in blobs.items()]
     for name, data in blobs.items():
         (tmp_path / name).write_bytes(data)
+    files = [(str(tmp_path / n), n, size, crc) for n, size, crc in entries]
     proxy.corrupt = (marker, b"safepoint-marked")
-    layout.put_files(key(1), [(str(tmp_path / n), n, size, crc) for n, size, crc in entries])
+    for one in files:
+        with pytest.raises(UploadError, match="failed after 2 attempts.*DamagedInTransit") as e:
+            layout.put_files(key(1), [one])
+        assert "\n" not in str(e.value)
+    versions = layout.store.versions  # type: ignore[attr-defined]
+    assert all(versions.tag(posixpath.join(key(1), n), size, crc) is None for n, size, crc in entries)
     proxy.corrupt = None
-    for name, data in blobs.items():
-        assert raw.fs().cat_file(posixpath.join(key(1), name)) != data, name  # stored damaged
     proxy.reset_counts()
-    assert sorted(layout.copy_files(1, key(2), entries)) == sorted(blobs)
-    assert proxy.down > sum(map(len, blobs.values()))  # read back, not taken by a remembered version
+    layout.put_files(key(1), files)
+    assert proxy.down < NOTHING, proxy.down  # proven by the ETag: nothing read back
+    for name, size, crc in entries:
+        path = posixpath.join(key(1), name)
+        assert raw.fs().cat_file(path) == blobs[name]
+        assert versions.tag(path, size, crc) == _etag(raw, path)
 
 
 def test_a_source_altered_for_the_copy_and_put_back_before_the_head_is_refused(

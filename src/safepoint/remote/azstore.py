@@ -6,7 +6,9 @@ bytes in ``Content-MD5``, computed from the same buffer whose crc32c the manifes
 the MD5 of what arrived and refuses a mismatch (``Md5Mismatch``, retried like any transient error). A
 blob is then exactly the blocks committed by ``Put Block List``, each confirmed, in the order listed, and
 before committing, the blocks' crc32c are combined and compared with the manifest, so a local file that
-changed since it was written is never uploaded. Afterwards the blob's size is checked once more.
+changed since it was written is never uploaded. Afterwards the blob's size is checked once more. From the
+first block to the commit the blob is leased (azlease.py), so no other writer's block can be committed
+under one of our block IDs.
 
 Server-side copies: Azure keeps no crc32c of a blob, and a Copy Blob's status proves only that the copy
 finished, not which bytes it copied (a source altered in place at the same size copies "successfully").
@@ -25,14 +27,16 @@ import asyncio
 import base64
 import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import crc32c
 from fsspec.asyn import sync
 
+from safepoint.remote.azlease import BlobLease, break_lease, lease_lost, put_over_lease
 from safepoint.remote.retry import DamagedInTransit, UploadError, lower_priority, next_delay, retry
 from safepoint.remote.stream import PartWriter
 from safepoint.remote.upload import FileCopy, ObjectStore, RawWriter, check_local, combine, read_range
@@ -52,8 +56,9 @@ def md5_header(data: bytes | memoryview) -> dict[str, str]:
 
 
 def _block_id(n: int, upload: str) -> str:
-    # Ids must be the same length within a blob; the upload's own prefix keeps a retried or concurrent
-    # upload's blocks apart from this one's.
+    # Ids must be the same length within a blob; the upload attempt's own random prefix (a uuid4, 128
+    # bits) keeps a retried or concurrent upload's blocks apart from this one's and cannot be guessed.
+    # It does not keep another writer out (the uncommitted IDs can be listed): the lease does, azlease.py.
     return base64.b64encode(f"{upload}-{n:06d}".encode()).decode()
 
 
@@ -96,26 +101,33 @@ class AzureStore(ObjectStore):
     async def _in_pool(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def stage(self, path: str, block_id: str, data: bytes, what: str) -> None:
+    async def stage(self, path: str, block_id: str, data: bytes, what: str, lease: BlobLease) -> None:
         headers = await self._in_pool(md5_header, data)
-        await self.aretry(
-            what, lambda: self.client(path).stage_block(block_id, data, length=len(data), headers=headers)
-        )
+        client = self.client(path)
+        with _lost_lease(path):
+            await self.aretry(
+                what,
+                lambda: client.stage_block(block_id, data, length=len(data), headers=headers, lease=lease.id),
+            )
 
-    async def commit_blocks(self, path: str, ids: list[str], what: str) -> str | None:
-        """Commit the block list; the blob's new ETag (the version those blocks make)."""
+    async def commit_blocks(self, path: str, ids: list[str], what: str, lease: BlobLease) -> str | None:
+        """Commit the block list under ``lease`` (held since before the first block: no other writer's
+        block can be among them, azlease.py); the blob's new ETag (the version those blocks make)."""
         from azure.storage.blob import BlobBlock
 
         blocks = [BlobBlock(i) for i in ids]
-        r = await self.aretry(f"{what} (commit)", lambda: self.client(path).commit_block_list(blocks))
+        lease.check()
+        client = self.client(path)
+        with _lost_lease(path):
+            r = await self.aretry(
+                f"{what} (commit)", lambda: client.commit_block_list(blocks, lease=lease.id)
+            )
         return _etag(r)
 
     async def put_blob(self, path: str, data: bytes, what: str) -> str | None:
         """Put Blob with the data's Content-MD5; the blob's new ETag."""
         headers = await self._in_pool(md5_header, data)
-        r = await self.aretry(
-            what, lambda: self.client(path).upload_blob(data, overwrite=True, headers=headers)
-        )
+        r = await self.aretry(what, lambda: put_over_lease(self, path, data, headers))
         return _etag(r)
 
     async def etag(self, path: str) -> str | None:
@@ -131,6 +143,24 @@ class AzureStore(ObjectStore):
         return _etag(props)
 
     # ---- small objects ----------------------------------------------------------------------------------
+
+    def delete(self, paths: Sequence[str]) -> None:
+        """Delete ``paths``; a blob a killed writer left leased (azlease.py: for at most a minute) has its
+        lease broken and is deleted then (only the root's lease holder deletes under it)."""
+        try:
+            super().delete(paths)
+        except UploadError as e:
+            if "LeaseIdMissing" not in str(e):
+                raise
+            self.run(self._break_leases, list(paths))
+            super().delete(paths)
+
+    async def _break_leases(self, paths: list[str]) -> None:
+        async def one(path: str) -> None:
+            async with self.sem:
+                await break_lease(self, path)
+
+        await asyncio.gather(*(one(p) for p in paths))
 
     def put_bytes(self, path: str, data: bytes, *, if_absent: bool = False) -> None:
         if if_absent:
@@ -219,26 +249,34 @@ class AzureStore(ObjectStore):
                 data, crc = await self._in_pool(read_range, item.local, 0, item.size, item.root)
                 check_local(item, crc_hex(crc))
                 return await self.put_blob(item.remote, data, what)
-        upload = uuid.uuid4().hex[:12]
+        upload = uuid.uuid4().hex
+        lease = BlobLease(self, item.remote, what)
+        await lease.begin()
 
         async def block(n: int, off: int) -> tuple[str, int, int]:
             length = min(psize, item.size - off)
             async with self.sem:
                 await self._in_pool(self.pass_gate)
                 data, crc = await self._in_pool(read_range, item.local, off, length, item.root)
-                await self.stage(item.remote, _block_id(n, upload), data, f"{what} (block {n})")
+                await self.stage(item.remote, _block_id(n, upload), data, f"{what} (block {n})", lease)
             return _block_id(n, upload), crc, length
 
         tasks = [asyncio.ensure_future(block(n, off)) for n, off in enumerate(range(0, item.size, psize))]
         try:
-            done = await asyncio.gather(*tasks)
+            try:
+                done = await asyncio.gather(*tasks)
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise  # staged blocks that are never committed are dropped by Azure (after a week)
+            check_local(item, combine([(crc, n) for _, crc, n in done]))
+            tag = await self.commit_blocks(item.remote, [i for i, _, _ in done], what, lease)
         except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise  # staged blocks that are never committed are dropped by Azure (after a week)
-        check_local(item, combine([(crc, n) for _, crc, n in done]))
-        return await self.commit_blocks(item.remote, [i for i, _, _ in done], what)
+            await lease.end(committed=False)
+            raise
+        await lease.end(committed=True)
+        return tag
 
     def open_writer(self, path: str) -> RawWriter:
         return AzureWriter(self, path)
@@ -254,11 +292,18 @@ class AzureWriter(PartWriter):
             store.fs.loop, store.cfg.part_size, store.cfg.concurrency, f"upload of {store.url(path)}"
         )
         self._s, self._path = store, path
-        self._upload = uuid.uuid4().hex[:12]
+        self._upload = uuid.uuid4().hex
+        self._lease = BlobLease(store, path, self._what)
+        self._leased = False
+
+    def _begin(self) -> None:
+        self._s.versions.forget(self._path)
+        self._s.run(self._lease.begin)  # the blob leased before its first block goes up (azlease.py)
+        self._leased = True
 
     async def _part(self, n: int, data: bytes, crc: int) -> str:
         block_id = _block_id(n - 1, self._upload)
-        await self._s.stage(self._path, block_id, data, f"{self._what} (block {n})")
+        await self._s.stage(self._path, block_id, data, f"{self._what} (block {n})", self._lease)
         return block_id
 
     # The blob is the bytes streamed in, each block checked by Azure's Content-MD5: its version is proven
@@ -271,9 +316,29 @@ class AzureWriter(PartWriter):
 
     def _finish(self, sent: list[str]) -> None:
         self._s.versions.forget(self._path)
-        tag = self._s.run(self._s.commit_blocks, self._path, sent, self._what)
+        tag = self._s.run(self._s.commit_blocks, self._path, sent, self._what, self._lease)
+        self._leased = False
+        self._s.run(functools.partial(self._lease.end, committed=True))
         self._s.versions.remember(self._path, tag, sum(n for _, n in self._crcs), combine(self._crcs))
         self._s.fs.invalidate_cache(self._path)
+
+    def _drop(self) -> None:
+        if self._leased:  # the blob made for the lease goes too: an aborted write leaves nothing
+            self._leased = False
+            self._s.run(functools.partial(self._lease.end, committed=False))
+            self._s.fs.invalidate_cache(self._path)
+
+
+@contextlib.contextmanager
+def _lost_lease(path: str) -> Iterator[None]:
+    """A request refused because our lease on the blob is gone (another writer broke it) fails the whole
+    upload attempt as DamagedInTransit (made again), not just that request."""
+    try:
+        yield
+    except UploadError as e:
+        if lease_lost(e.__cause__ or e):
+            raise DamagedInTransit(f"the lease on {path} was lost (broken by another writer)") from e
+        raise
 
 
 def _etag(answer: Any) -> str | None:

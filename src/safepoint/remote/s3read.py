@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hashlib
+import logging
 import os
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
@@ -17,13 +18,21 @@ from typing import Any, TypeVar
 import crc32c
 from fsspec.asyn import sync
 
-from safepoint.remote.retry import TransferOptions, UploadError, cause_code, lower_priority, next_delay
+from safepoint.remote.retry import (
+    DamagedInTransit,
+    TransferOptions,
+    UploadError,
+    cause_code,
+    lower_priority,
+    next_delay,
+)
 from safepoint.remote.upload import ObjectStore, b64_crc, combine, hex_crc, write_at
 from safepoint.remote.versions import ProvenVersions
 from safepoint.store.checksum import crc_hex
 from safepoint.store.manifest import Parts
 
 T = TypeVar("T")
+log = logging.getLogger("safepoint")
 
 NOT_FOUND = ("404", "NoSuchKey", "NotFound")
 MD5 = "_md5"  # a sent part's MD5 beside S3's fields (S3Store.send_part); never sent to S3
@@ -135,16 +144,38 @@ class S3Reader(ObjectStore):
     async def _head(self, bucket: str, key: str) -> Any:
         return await self.call("head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED")
 
-    def wrote(self, path: str, answer: Any, size: int, crc: str, checked: bool, sent: str | None) -> None:
-        """After an upload of ``path`` (``size`` bytes whose crc32c ``crc`` the client computed of what it
-        sent and compared with the manifest; ``answer``: the PUT's or the completion's): where the store
-        keeps no CRC32C that confirmed it (not ``checked``), remember its version (the answer's ETag) as
-        proven if that is ``sent``, the ETag S3 gives the bytes sent (``sent_etag``): the store then holds
-        what was sent, as Azure's Content-MD5 shows. Another ETag (damaged on the way in, or not an MD5:
-        SSE-KMS, SSE-C, a store of its own kind) proves nothing; the object's copies are then read back."""
-        tag = answer.get("ETag") if isinstance(answer, dict) else None
-        proven = not checked and sent is not None and tag == sent
-        self.versions.remember(path, tag if proven else None, size, crc)
+    async def settle(self, path: str, head: Any, size: int, crc: str, sent: str | None, what: str) -> None:
+        """Prove an upload of ``path`` (``size`` bytes whose crc32c ``crc`` the client computed of what it
+        sent and compared with the manifest) where the store reports no CRC32C of it; ``head``: the HEAD
+        after the upload (its size already checked), whose ETag is the version now at the key; ``sent``:
+        the ETag S3 gives the bytes sent (``sent_etag``), None where unknown.
+
+        That ETag proves the store holds what was sent (as Azure's Content-MD5 shows) and the version is
+        remembered as proven. Any other (bytes damaged on the way in, another object of the same size put
+        at the key after a completion whose answer was lost, or an ETag that is not an MD5: SSE-KMS,
+        SSE-C, a store of its own kind) proves nothing: the object is read back under that ETag, and a
+        crc32c other than ``crc`` raises DamagedInTransit (the upload is made again, then fails as an
+        UploadError): never taken by its size. Where the read proves it, its version is remembered once a
+        HEAD shows it unchanged (a store may ignore If-Match, as ``prove`` explains)."""
+        tag = head.get("ETag") if isinstance(head, dict) else None
+        tag = tag if isinstance(tag, str) and tag else None
+        if tag is not None and tag == sent:
+            self.versions.remember(path, tag, size, crc)
+            return
+        self.versions.forget(path)
+        log.info(
+            "safepoint: %s: the store reports no CRC32C and ETag %s, not %s (the MD5 of the bytes sent); "
+            "reading it back",
+            what,
+            tag,
+            sent,
+        )
+        if (got := await self.aread_crc(path, size, tag)) != crc:
+            raise DamagedInTransit(f"the store holds bytes of crc32c {got}, expected {crc} (ETag {tag})")
+        bucket, key = self._split(path)
+        again = await self.aretry(f"{what} (confirm)", lambda: self._head(bucket, key))
+        if tag is not None and again.get("ETag") == tag:
+            self.versions.remember(path, tag, size, crc)
 
     def prove(self, path: str, size: int, crc: str, parts: Parts | None = None) -> str | None:
         """Why ``path`` is not proven to hold ``size`` bytes of crc32c ``crc``, or None: by S3's own CRC32C
@@ -208,7 +239,7 @@ class S3Reader(ObjectStore):
 
     async def answer_md5(self, answer: Any, data: bytes) -> bytes | None:
         """The MD5 of ``data`` where the store's ``answer`` to its upload carries no CRC32C (the ETag is then
-        what can show the store holds what was sent: ``wrote``); None where it does (no cost on S3)."""
+        what can show the store holds what was sent: ``settle``); None where it does (no cost on S3)."""
         if isinstance(answer, dict) and "ChecksumCRC32C" in answer:
             return None
         return await self._in_pool(md5_of, data)
@@ -228,6 +259,10 @@ class S3Reader(ObjectStore):
 
     def read_crc(self, path: str, size: int, tag: str | None = None) -> str:
         """crc32c of the object (``tag``: of that version only; another fails the read, UploadError)."""
+        return self.run(self.aread_crc, path, size, tag)
+
+    async def aread_crc(self, path: str, size: int, tag: str | None = None) -> str:
+        """``read_crc`` on the event loop."""
         bucket, key = self._split(path)
         what = f"read of {self.url(path)}"
 
@@ -236,7 +271,7 @@ class S3Reader(ObjectStore):
                 data = await self.aretry(what, lambda: self._get_range(bucket, key, off, n, tag))
                 return await self._in_pool(crc32c.crc32c, data), n
 
-        return combine(self.run(self._gather, [one(o, n) for o, n in self._ranges(size)]))
+        return combine(await self._gather([one(o, n) for o, n in self._ranges(size)]))
 
     def download(self, path: str, fd: int, size: int) -> str:
         """Ranged GETs in parallel into the new local file open as ``fd`` (the caller made it through the

@@ -8,7 +8,8 @@ needs no download (s3read.vouched); streamed writes (s3writer.py) complete with 
 (``ChecksumType=FULL_OBJECT``), which S3 checks against the assembled object (``TransferOptions.
 full_object_checksum`` chooses otherwise). Before completing, the parts' checksums are combined locally and
 compared with the manifest: a local file that changed or rotted since it was written is never uploaded.
-After the upload the store's answer, or else a HEAD with ``ChecksumMode=ENABLED``, confirms the checksum.
+After the upload the store's answer, or else a HEAD with ``ChecksumMode=ENABLED``, confirms the checksum;
+where it keeps none, the ETag the bytes sent make or a read back does (s3read.py ``settle``), never size.
 
 The requests go straight to s3fs's aiobotocore client (credentials, endpoint, region and extra request
 arguments all come from s3fs), bypassing s3fs's own retry wrapper so that one retry policy
@@ -238,10 +239,9 @@ class S3Store(S3Reader):
                 await self.abort_mpu(bucket, key, upload_id)
                 raise
         parts = None if full or not part_crcs else Parts(size=psize, crc32c=tuple(map(crc_hex, part_crcs)))
-        checked = _answer_confirms(answer, item.crc32c, part_crcs if parts else None)
-        if not checked:
-            checked = await self.aconfirm(item.remote, item.size, item.crc32c, what, part_crcs)
-        self.wrote(item.remote, answer, item.size, item.crc32c, checked, sent_etag(md5s, bool(part_crcs)))
+        if not _answer_confirms(answer, item.crc32c, part_crcs if parts else None):  # (None: answer lost)
+            tag = sent_etag(md5s, bool(part_crcs))
+            await self.aconfirm(item.remote, item.size, item.crc32c, what, part_crcs, tag)
         return parts
 
     async def create_mpu(self, bucket: str, key: str, what: str, *, full: bool) -> str:
@@ -337,27 +337,28 @@ class S3Store(S3Reader):
 
         return int(self.run(self.aretry, f"listing of open uploads under {self.url(prefix)}", abort_all))
 
-    async def aconfirm(self, path: str, size: int, crc: str, what: str, parts: Sequence[int] = ()) -> bool:
+    async def aconfirm(
+        self, path: str, size: int, crc: str, what: str, parts: Sequence[int] = (), sent: str | None = None
+    ) -> None:
         """HEAD the object: its size, and its CRC32C against ``crc`` (or, for a composite checksum, against
-        the one ``parts``' checksums make: crc32c of their big-endian bytes, "-<number of parts>"). Whether
-        a CRC32C of the store's confirmed it (False: the store keeps none, confirmed by its size only)."""
+        the one ``parts``' checksums make: crc32c of their big-endian bytes, "-<number of parts>"); where
+        the store reports none, its ETag against ``sent``, else read back (``S3Reader.settle``)."""
         bucket, key = self._split(path)
         head = await self.aretry(f"{what} (confirm)", lambda: self._head(bucket, key))
         if int(head["ContentLength"]) != size:
             raise UploadError(f"{what}: the store holds {head['ContentLength']} bytes, expected {size}")
         stored = head.get("ChecksumCRC32C")
-        if composite(head) and isinstance(stored, str):
+        if composite(head) and isinstance(stored, str) and parts:
             # S3 spells it "<b64>-<parts>" (moto's HEAD leaves the suffix off): compare the value part.
             expected = composite_value(parts)
-            if parts and str(stored).split("-")[0] != expected:
+            if str(stored).split("-")[0] != expected:
                 raise DamagedInTransit(f"the store reports composite crc32c {stored}, expected {expected}")
-            return bool(parts)
-        value = hex_crc(stored) if isinstance(stored, str) else None
-        if value is not None and value != crc:
+        elif (value := hex_crc(stored) if isinstance(stored, str) and not composite(head) else None) is None:
+            await self.settle(path, head, size, crc, sent, what)
+            return
+        elif value != crc:
             raise DamagedInTransit(f"the store reports crc32c {value}, expected {crc}")
-        if value is None:
-            log.debug("safepoint: %s: the store reports no full-object CRC32C; confirmed by size", what)
-        return value is not None
+        self.versions.forget(path)  # S3's own CRC32C proves it: no version is remembered
 
 
 class KeyDeleteError(Exception):

@@ -49,23 +49,22 @@ class S3Writer(PartWriter):
             return await s.send_part(self._bucket, self._key, upload_id, n, data, crc, self._what)
 
     # The object holds the bytes streamed in, whose crc32c (the one the manifest records) was computed as
-    # they were sent; where the store keeps no CRC32C to confirm them, its version is remembered instead if
-    # its ETag is the one those bytes make (S3Reader.wrote).
+    # they were sent; where the store keeps no CRC32C to confirm them, its ETag must be the one those bytes
+    # make, or the object is read back (S3Reader.settle): a damaged or foreign object fails the save.
     def _whole(self, data: bytes) -> None:
         s, crc = self._s, crc_hex(crc32c.crc32c(data))
         s.versions.forget(self._path)
         answer = s.run(s.aretry, self._what, lambda: s._put(self._bucket, self._key, data, crc, {}))
-        checked = s.run(s.aconfirm, self._path, len(data), crc, self._what)
-        md5 = s.run(s.answer_md5, answer, data) if not checked else None
-        s.wrote(self._path, answer, len(data), crc, checked, sent_etag([md5], multipart=False))
+        md5 = s.run(s.answer_md5, answer, data)
+        s.run(s.aconfirm, self._path, len(data), crc, self._what, (), sent_etag([md5], multipart=False))
 
     def _finish(self, sent: list[dict[str, Any]]) -> None:
         s, crc = self._s, combine(self._crcs)
         complete = functools.partial(s.complete_mpu, full=self._full)
-        answer = s.run(complete, self._bucket, self._key, self._upload_id, sent, crc, self._what)
-        size = sum(n for _, n in self._crcs)
-        checked = s.run(s.aconfirm, self._path, size, crc, self._what, [c for c, _ in self._crcs])
-        s.wrote(self._path, answer, size, crc, checked, sent_etag([p.get(MD5) for p in sent], True))
+        s.run(complete, self._bucket, self._key, self._upload_id, sent, crc, self._what)
+        size, crcs = sum(n for _, n in self._crcs), [c for c, _ in self._crcs]
+        tag = sent_etag([p.get(MD5) for p in sent], True)
+        s.run(s.aconfirm, self._path, size, crc, self._what, crcs, tag)
 
     def _drop(self) -> None:
         if self._upload_id is not None:
