@@ -14,6 +14,13 @@ children: the steadier figure on a shared machine) per parameter in µs, with wa
 median over rounds, and the paired ratio against the torch baseline. The 1-minute load average is printed
 with every round. ``--profile PHASE`` prints a cProfile of one safepoint run of that phase instead.
 
+The first save also splits its main thread's wall time (``/proc/thread-self/schedstat``): on a CPU, waiting
+in the run queue for one (the machine's load: on 2 shared cores most of the gap between wall and CPU), and
+the rest, blocked (fsync, I/O, a lock, a thread). ``wall - queue`` is what the save would take on an idle
+machine, and its paired ratio is printed beside the wall and CPU ones. ``--other NAME=SRC`` adds a safepoint
+variant whose child runs with ``PYTHONPATH=SRC`` (an A/B against another tree, interleaved in the same
+rounds); a run of the first save alone builds no state in the parent (each child builds its own).
+
     python benchmarks/bench_many_tensors.py --n 1000,5000,10000 --rounds 5
 """
 
@@ -66,8 +73,14 @@ def timed(fn: Callable[[], Any]) -> tuple[float, float]:
     return cpu_time() - c0, time.perf_counter() - t0
 
 
+def thread_times() -> tuple[float, float]:
+    """This thread's time on a CPU and waiting in the run queue for one, in seconds (Linux schedstat)."""
+    run, queue, _ = Path("/proc/thread-self/schedstat").read_text().split()
+    return int(run) / 1e9, int(queue) / 1e9
+
+
 def child(args: argparse.Namespace) -> None:
-    """One first save in this fresh process; prints {"cpu": s, "wall": s}."""
+    """One first save in this fresh process; prints {"cpu": s, "wall": s, "queue": s, "blocked": s}."""
     torch.set_num_threads(1)
     model, opt = make_state(args.n)
     root = Path(args.child_root)
@@ -79,21 +92,36 @@ def child(args: argparse.Namespace) -> None:
             mgr.save(1, state)
             first.mgr = mgr  # type: ignore[attr-defined]
 
+        run0, queue0 = thread_times()
         cpu, wall = timed(first)
+        run1, queue1 = thread_times()
         first.mgr.close()  # type: ignore[attr-defined]
     else:
         root.mkdir(parents=True, exist_ok=True)
+        run0, queue0 = thread_times()
         cpu, wall = timed(lambda: torch_save(model, opt, root / "ck.pt"))
-    print(json.dumps({"cpu": cpu, "wall": wall}))
+        run1, queue1 = thread_times()
+    queue = queue1 - queue0
+    print(json.dumps({"cpu": cpu, "wall": wall, "queue": queue, "blocked": wall - (run1 - run0) - queue}))
 
 
-def first_save(n: int, what: str, root: Path) -> tuple[float, float]:
+def first_save(n: int, what: str, root: Path, src: str | None = None) -> tuple[float, ...]:
+    """(CPU, wall, run-queue wait, blocked) of a first save in a new process; ``src``: its PYTHONPATH."""
     shutil.rmtree(root, ignore_errors=True)
     cmd = [sys.executable, __file__, "--child", what, "--n", str(n), "--child-root", str(root)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    env = None if src is None else {**os.environ, "PYTHONPATH": src}
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
     shutil.rmtree(root, ignore_errors=True)
     got = json.loads(out.strip().splitlines()[-1])
-    return got["cpu"], got["wall"]
+    return got["cpu"], got["wall"], got["queue"], got["blocked"]
+
+
+def first_saves(n: int, base: Path, others: dict[str, str]) -> dict[str, Callable[[], tuple[float, ...]]]:
+    """The first-save variants: safepoint (this tree), torch, and safepoint from each other source tree."""
+    variants = {w: (lambda w=w: first_save(n, w, base / f"first-{w}")) for w in ("safepoint", "torch")}
+    for name, src in others.items():
+        variants[name] = lambda name=name, src=src: first_save(n, "safepoint", base / f"first-{name}", src)
+    return variants
 
 
 class Bench:
@@ -112,6 +140,9 @@ class Bench:
         self.dcp_dir = base / "dcp"
         if "dcp" not in skip:
             self.dcp_save()
+
+    def close(self) -> None:
+        self.mgr.close()
 
     def sp_save(self) -> None:
         self.step += 1
@@ -139,19 +170,29 @@ class Bench:
         self.model.load_state_dict(sd["model"])
         self.opt.load_state_dict(sd["optim"])
 
-    def first(self, what: str) -> Callable[[], tuple[float, float]]:
-        return lambda: first_save(self.n, what, self.base / f"first-{what}")
-
-    def phases(self) -> dict[str, dict[str, Callable[[], Any]]]:
+    def phases(self, others: dict[str, str]) -> dict[str, dict[str, Callable[[], Any]]]:
         return {
             "steady save": {"safepoint": self.sp_save, "torch": self.torch_save, "dcp": self.dcp_save},
-            "first save": {"safepoint": self.first("safepoint"), "torch": self.first("torch")},
+            "first save": first_saves(self.n, self.base, others),
             "restore": {"safepoint": self.sp_restore, "torch": self.torch_load, "dcp": self.dcp_load},
         }
 
 
-def run_phase(variants: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[tuple[float, float]]]:
-    got: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
+class FirstOnly:
+    """A run of the first save alone: the children build their own state, the parent none."""
+
+    def __init__(self, n: int, base: Path) -> None:
+        self.n, self.base = n, base
+
+    def phases(self, others: dict[str, str]) -> dict[str, dict[str, Callable[[], Any]]]:
+        return {"first save": first_saves(self.n, self.base, others)}
+
+    def close(self) -> None:
+        pass
+
+
+def run_phase(variants: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[tuple[float, ...]]]:
+    got: dict[str, list[tuple[float, ...]]] = {k: [] for k in variants}
     names = list(variants)
     for r in range(rounds):
         order = names[r % len(names) :] + names[: r % len(names)]
@@ -159,6 +200,27 @@ def run_phase(variants: dict[str, Callable[[], Any]], rounds: int) -> dict[str, 
             res = variants[name]()
             got[name].append(res if isinstance(res, tuple) else (0.0, 0.0))
     return got
+
+
+def print_first(got: dict[str, list[tuple[float, ...]]], row: dict[str, Any]) -> None:
+    """Per round and variant: CPU, wall, run-queue wait, blocked (s); each variant's paired ratios to torch
+    in CPU, wall and wall less the run-queue wait (the wall an idle machine would show)."""
+    for k, v in got.items():
+        cells = "  ".join(f"{c:.1f}/{w:.1f}/{q:.1f}/{b:.2f}" for c, w, q, b in v)
+        print(f"    {k:12s} cpu/wall/queue/blocked s per round: {cells}", flush=True)
+    for k, v in got.items():
+        if k == "torch":
+            continue
+        pairs = list(zip(v, got["torch"], strict=True))
+        for label, f in (
+            ("cpu", lambda x: x[0]),
+            ("wall", lambda x: x[1]),
+            ("wall-queue", lambda x: x[1] - x[2]),
+        ):
+            ratios = [f(a) / f(b) for a, b in pairs]
+            row[f"{k}_ratio_{label}"] = [round(r, 3) for r in ratios]
+            mid = statistics.median(ratios)
+            print(f"    {k}/torch {label:10s} median {mid:.2f} {row[f'{k}_ratio_{label}']}", flush=True)
 
 
 def main() -> None:
@@ -169,6 +231,7 @@ def main() -> None:
     p.add_argument("--base", default="/dev/shm/safepoint-many-tensors")
     p.add_argument("--profile", default=None, help="a phase: profile one safepoint run of it")
     p.add_argument("--skip", default="", help="variants not run, e.g. dcp (time and /dev/shm at 50,000)")
+    p.add_argument("--other", action="append", default=[], help="NAME=SRC: a first-save variant from SRC")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-root", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -177,6 +240,7 @@ def main() -> None:
         child(args)
         return
     torch.set_num_threads(1)
+    others = dict(o.split("=", 1) for o in args.other)
     rows = []
     for n in (int(x) for x in args.n.split(",")):
         base = Path(args.base) / str(n)
@@ -184,11 +248,14 @@ def main() -> None:
         base.mkdir(parents=True)
         wanted = (args.profile,) if args.profile else tuple(args.phases.split(","))
         c0, t0 = cpu_time(), time.perf_counter()
-        bench = Bench(n, base, tuple(args.skip.split(",")), wanted)
+        first_only = wanted == ("first save",)
+        bench: Bench | FirstOnly = (
+            FirstOnly(n, base) if first_only else Bench(n, base, tuple(args.skip.split(",")), wanted)
+        )
         setup = cpu_time() - c0, time.perf_counter() - t0
         print(f"N={n:<6} set-up: {setup[0]:.1f} s CPU, {setup[1]:.1f} s wall  load {load_1m()}", flush=True)
         try:
-            phases = bench.phases()
+            phases = bench.phases(others)
             if args.profile:
                 fn = phases[args.profile]["safepoint"]
                 prof = cProfile.Profile()
@@ -216,8 +283,11 @@ def main() -> None:
                     "ratios": [round(x, 3) for x in ratios],
                 }
                 for k, v in got.items():
-                    row[f"{k}_us_cpu"] = statistics.median(c for c, _ in v) / n * 1e6
-                    row[f"{k}_us_wall"] = statistics.median(w for _, w in v) / n * 1e6
+                    row[f"{k}_us_cpu"] = statistics.median(x[0] for x in v) / n * 1e6
+                    row[f"{k}_us_wall"] = statistics.median(x[1] for x in v) / n * 1e6
+                    if phase == "first save":  # the wall's split: run-queue wait and blocked, seconds
+                        row[f"{k}_queue_s"] = [round(x[2], 2) for x in v]
+                        row[f"{k}_blocked_s"] = [round(x[3], 2) for x in v]
                 rows.append(row)
                 cells = "  ".join(f"{k} {row[f'{k}_us_cpu']:.0f} ({row[f'{k}_us_wall']:.0f})" for k in got)
                 print(
@@ -225,8 +295,10 @@ def main() -> None:
                     f"{row['ratio_cpu']:.2f} {row['ratios']}  load {row['load']}",
                     flush=True,
                 )
+                if phase == "first save":
+                    print_first(got, row)
         finally:
-            bench.mgr.close()
+            bench.close()
             shutil.rmtree(base, ignore_errors=True)
     print(json.dumps(rows))
 
