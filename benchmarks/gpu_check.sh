@@ -4,6 +4,10 @@
 # benchmark and the fingerprint benchmark (GPU_FP_BENCH=0 skips it). Results land in $OUT (or ./gpu-out).
 # Wheels the image lacks travel in .whl/ (crc32c, torchdata, torchtitan and its pure-Python needs); the
 # image's own torch (and the triton it comes with) is used. docs/benchmarks.md "The GPU path" has the results.
+# The process writer's gap at 9,000 tensors alone (issue 27; docs/benchmarks.md "Process writer at 9,000
+# tensors, CPU"), ~2 minutes:
+#   GPU_TESTS=tests/gpu/test_cuda.py GPU_SKIP_FRAMEWORKS=1 GPU_FP_BENCH=0 GPU_BENCH_ARGS="--cases 512x3000
+#   --rounds 5 --variants pinned-copy,pinned-foreach,pinned-arena,sp-async-process,sp-async-thread" bash benchmarks/gpu_check.sh
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -33,7 +37,8 @@ cat "$OUT/summary.txt"
 tail -5 "$OUT/gpu_tests.log"
 if [ "${GPU_BENCH_ARGS:-}" != "none" ]; then
     timeout "${GPU_BENCH_S:-240}" python3 benchmarks/bench_gpu.py ${GPU_BENCH_ARGS:---cases 2048x300,512x3000 --rounds 3} --out "$OUT/bench_gpu.json" > "$OUT/bench_gpu.log" 2>&1
-    grep -A27 '"median_blocked_s"' "$OUT/bench_gpu.log" | grep -v '^ *[{}]' | head -60
+    # Each case's summary: medians, ratios, and the parts of the async saves (cpu_s, gc_s, copy_s).
+    grep -A60 '"median_blocked_s"' "$OUT/bench_gpu.log" | grep -v '^ *[{}]' | head -150
 fi
 if [ "${GPU_FP_BENCH:-1}" != "0" ]; then  # the fingerprint kernels against the pinned copy (~20-30 s)
     timeout "${GPU_FP_BENCH_S:-120}" python3 benchmarks/bench_fingerprint.py ${GPU_FP_BENCH_ARGS:-} --out "$OUT/bench_fingerprint.json" > "$OUT/bench_fingerprint.log" 2>&1

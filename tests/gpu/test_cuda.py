@@ -119,6 +119,8 @@ def check_mixed_state_staging(device: torch.device, shared: bool) -> None:
         assert snap["emb"] is snap["head"]
         if device.type == "cuda":
             assert all(t.is_pinned() for t in buffer_tensors(snap) if t.numel() > 1), "not pinned"
+            if shared:  # the 0-d steps too: they lie in the pinned segment (shared_buffers.move_into_arena)
+                assert all(t.is_pinned() for t in buffer_tensors(snap) if t.numel() > 0), "0-d not pinned"
         for (k, a), (_, b) in zip(_flat(sd), _flat(snap), strict=True):
             if isinstance(a, torch.Tensor):
                 assert b.device.type == "cpu" and b is not a and torch.equal(b, a.cpu()), k

@@ -7,23 +7,28 @@ real channel.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import socket
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItemType
 
 from safepoint.save import handoff, ipc, writer_child
+from safepoint.save.plan_reuse import PlanRecord, ReusingSavePlanner
 from safepoint.save.shared_buffers import SharedArena, move_into_arena
+from safepoint.save.staging import Stager
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the process writer is Linux-only")
 
 
-def _plan(sd: dict[str, object]) -> tuple[object, DefaultSavePlanner]:
+def _plan(sd: dict[str, Any]) -> tuple[object, DefaultSavePlanner]:
     planner = DefaultSavePlanner()
     planner.set_up_planner(sd, is_coordinator=True)
     local = planner.create_local_plan()
@@ -76,12 +81,19 @@ def test_tensors_that_are_not_their_own_plain_storage_travel_as_tensors() -> Non
 
 
 def test_a_description_matches_only_the_same_plan_places_and_segment() -> None:
-    sd = {"a": torch.ones(4, 4), "b": torch.zeros(8), "step": torch.tensor(1.0), "x": io.BytesIO(b"1")}
+    sd = {
+        "a": torch.ones(4, 4),
+        "b": torch.zeros(8),
+        "e": torch.zeros(0),
+        "step": torch.tensor(1.0),
+        "x": io.BytesIO(b"1"),
+    }
     arena = move_into_arena(sd, pin=False)
     try:
         plan, planner = _plan(sd)
         places, values = handoff.describe(plan, planner, arena)  # type: ignore[arg-type]
-        assert [p is None for p in places] == [False, False, True, True]  # DCP's order: sorted keys
+        # DCP's order: sorted keys. The 0-d step lies in the segment too; a zero-size tensor has no bytes.
+        assert [p is None for p in places] == [False, False, True, False, True]
         assert [v[0] for v in values] == ["raw", "bytes"]
         sent = handoff.Sent(1, plan, places, arena.id)  # type: ignore[arg-type]
         assert sent.matches(plan, list(places), arena.id)  # type: ignore[arg-type]
@@ -121,3 +133,135 @@ def test_the_process_answers_stale_to_a_description_it_does_not_hold(tmp_path: P
         theirs.close()
         arena.release()
     assert not served.is_alive(), "serve must return when the channel closes"
+
+
+def test_one_element_tensors_move_into_the_segment_with_their_values() -> None:
+    """Adam's 0-d ``step`` (one per parameter) lies in the staging segment, so a steady save sends nothing
+    for it; its value is kept (a 0-d DTensor's private copy holds the live value when it moves)."""
+    base = torch.arange(6.0)
+    bufs = {
+        "step": torch.tensor(5.0),
+        "one": torch.tensor([7], dtype=torch.int64),
+        "half": torch.tensor(-0.0, dtype=torch.bfloat16),
+        "empty": torch.zeros(0, 3),
+        "view": base[2:3],  # one element of another storage: moving it would change ``base``'s bytes
+        "w": torch.empty(3, 3),
+    }
+    before = {k: v.clone() for k, v in bufs.items()}
+    arena = move_into_arena(bufs, pin=False)
+    try:
+        for key in ("step", "one", "half", "w"):
+            assert handoff.place_of(bufs[key], arena) is not None, key
+        for key in ("step", "one", "half"):
+            assert _same(bufs[key], before[key]), key
+            assert bufs[key].untyped_storage().nbytes() == bufs[key].element_size()
+        assert handoff.place_of(bufs["empty"], arena) is None
+        assert (
+            handoff.place_of(bufs["view"], arena) is None and bufs["view"].data_ptr() == base.data_ptr() + 8
+        )
+        # The process's view of each item is its bytes in the segment (handoff.Held).
+        plan, planner = _plan(bufs)
+        places, _ = handoff.describe(plan, planner, arena)  # type: ignore[arg-type]
+        held = handoff.Held.build(1, arena, plan, places)  # type: ignore[arg-type]
+        for item in plan.items:  # type: ignore[attr-defined]
+            if item.index.fqn in ("step", "one", "half"):
+                assert _same(held.views[item.index], before[item.index.fqn])
+    finally:
+        arena.release()
+
+
+class _Counting(ReusingSavePlanner):
+    """safepoint's planner, counting the items resolved (what a description costs per item)."""
+
+    resolved = 0
+
+    def resolve_data(self, write_item: Any) -> Any:
+        _Counting.resolved += 1
+        return super().resolve_data(write_item)
+
+
+def _adam_like(n: int) -> dict[str, Any]:
+    params = {f"p{i}": torch.randn(4, 4) for i in range(n)}
+    state = {i: {"step": torch.tensor(1.0), "exp_avg": torch.randn(4, 4)} for i in range(n)}
+    return {
+        "model": params,
+        "optim": {"state": state, "param_groups": [{"lr": 0.1, "params": list(range(n))}]},
+    }
+
+
+def _planned(sd: dict[str, Any], record: PlanRecord) -> tuple[Any, _Counting]:
+    """The plan a save of ``sd`` writes, through DCP's plan cache as the saver plans (one_process.py)."""
+    planner = _Counting("test-handoff", record)
+    planner.set_up_planner(sd, None, True)
+    plans, _ = planner.create_global_plan([planner.create_local_plan()])
+    return planner.finish_plan(plans[0]), planner
+
+
+def _check(describer: handoff.Describer, live: dict[str, Any], stager: Stager, record: PlanRecord) -> Any:
+    """One save's description by ``describer``, against describe() of every item; returns the plan."""
+    snapshot = stager.stage(live)
+    plan, planner = _planned(snapshot, record)
+    _Counting.resolved = 0
+    places, values = describer.describe(plan, planner, stager.arena)
+    resolved = _Counting.resolved
+    want_places, want_values = handoff.describe(plan, planner, stager.arena)
+    assert places == want_places and values == want_values  # raw bytes and pickled values: comparable
+    _Counting.resolved = resolved
+    return plan
+
+
+def test_a_steady_save_resolves_only_the_items_sent_by_value() -> None:
+    """handoff.Describer: the places of the last plan and segment, reused while both are the same; any
+    change of plan (a reorder, a new key) or of segment (new buffers) describes every item again, and what
+    it returns is always what describe() of every item returns."""
+    live = _adam_like(50)
+    stager, record, describer = Stager(shared=True), PlanRecord(), handoff.Describer()
+    try:
+        first = _check(describer, live, stager, record)
+        by_value = sum(1 for item in first.items if item.type == WriteItemType.BYTE_IO)
+        assert describer.full == 1 and _Counting.resolved == len(first.items)
+        segment = stager.arena.id  # type: ignore[union-attr]
+        for _ in range(3):  # steady: new values, the same plan object and segment
+            with torch.no_grad():
+                for t in live["model"].values():
+                    t.add_(1.0)
+            live["optim"]["param_groups"][0]["lr"] *= 0.5
+            plan = _check(describer, live, stager, record)
+            assert plan is first and describer.full == 1
+            assert _Counting.resolved == by_value == 2  # the byte items only (lr and the params list)
+        # A tensor replaced by one of its shape and dtype: the same buffer, plan and segment.
+        live["model"]["p3"] = torch.randn(4, 4)
+        assert _check(describer, live, stager, record) is first and describer.full == 1
+        # The keys in another order: the buffers follow their keys (same segment), DCP plans anew.
+        live["model"] = dict(reversed(live["model"].items()))
+        plan = _check(describer, live, stager, record)
+        assert stager.arena.id == segment  # type: ignore[union-attr]
+        assert plan is not first and describer.full == 2
+        # A new parameter: new buffers in a new segment, described in full.
+        live["model"]["new"] = torch.randn(2, 2)
+        _check(describer, live, stager, record)
+        assert stager.arena.id != segment and describer.full == 3  # type: ignore[union-attr]
+    finally:
+        stager.release()
+
+
+def test_positions_and_checked_answers() -> None:
+    sd = _adam_like(3)
+    stager, describer = Stager(shared=True), handoff.Describer()
+    try:
+        plan, planner = _planned(stager.stage(sd), PlanRecord())
+        describer.describe(plan, planner, stager.arena)
+        items = list(reversed(plan.items))
+        want = [len(plan.items) - 1 - i for i in range(len(plan.items))]
+        assert describer.positions(plan, items) == want  # by identity
+        equal = [dataclasses.replace(item) for item in items]  # equal items, other objects: by index
+        assert describer.positions(plan, equal) == want
+        results: list[Any] = []
+        files = [("__0_0.distcp", [0, 1])]
+        assert not describer.checked_before(plan, files, results)
+        describer.check_passed(plan, files, results)
+        assert describer.checked_before(plan, [("__0_0.distcp", [0, 1])], results)
+        assert not describer.checked_before(plan, [("__0_0.distcp", [0])], results)
+        assert not describer.checked_before(plan, files, list(results))  # another answer: checked anew
+    finally:
+        stager.release()

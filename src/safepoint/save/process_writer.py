@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from safepoint.save.handoff import describe
+from safepoint.save.handoff import Describer
 from safepoint.save.shared_buffers import SharedArena
 from safepoint.save.writer_process import (
     WriterProcess,
@@ -46,9 +46,12 @@ class ProcessWriter(SafepointWriter):
         thread_count: int,
         process: WriterProcess,
         arena: SharedArena | None,
+        describer: Describer | None = None,
     ) -> None:
         super().__init__(path, thread_count=thread_count)
         self._process, self._arena = process, arena
+        # One per manager (process_writer_factory): a steady save reuses the last save's places.
+        self._describer = describer if describer is not None else Describer()
         self._plan: SavePlan | None = None  # this save's plan (incremental: the arranged files refer to it)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -59,7 +62,7 @@ class ProcessWriter(SafepointWriter):
         # Byte items are torch.save'd as they are resolved, here: with torch's CRC-32 off, as the thread
         # writer resolves them, so both write the same bytes (crc32c covers them either way).
         with torch_crc32_off():
-            places, values = describe(plan, planner, self._arena)
+            places, values = self._describer.describe(plan, planner, self._arena)
         try:
             results, files = self._process.write(
                 self._arena, str(self.path), self.thread_count, plan, places, values
@@ -69,10 +72,12 @@ class ProcessWriter(SafepointWriter):
             return super().write_data(plan, planner)
         except WriterUnavailable:
             return super().write_data(plan, planner)  # "auto" without a process: this thread writes
-        if len(results) != len(plan.items) or {r.index for r in results} != {i.index for i in plan.items}:
-            raise WriterProcessError(
-                f"the writer process answered for {len(results)} items, not the {len(plan.items)} planned"
-            )
+        if not self._describer.checked_before(plan, None, results):
+            if len(results) != len(plan.items) or {r.index for r in results} != {i.index for i in plan.items}:
+                raise WriterProcessError(
+                    f"the writer process answered for {len(results)} items, not the {len(plan.items)} planned"
+                )
+            self._describer.check_passed(plan, None, results)
         self.pause()  # the reply came: the rest (results, .metadata, commit) is this process's Python work
         for name, (size, crc) in files.items():
             self.recorder.record(name, size, crc)
@@ -86,9 +91,8 @@ class ProcessWriter(SafepointWriter):
         file, the positions of its items in the plan."""
         plan = self._plan
         assert plan is not None
-        places, values = describe(plan, planner, self._arena)
-        position = {item.index: i for i, item in enumerate(plan.items)}
-        files = [(name, [position[item.index] for item in items]) for _, name, items in entries]
+        places, values = self._describer.describe(plan, planner, self._arena)
+        files = [(name, self._describer.positions(plan, items)) for _, name, items in entries]
         try:
             results, written = self._process.write(
                 self._arena, str(self.path), self.thread_count, plan, places, values, files
@@ -99,11 +103,13 @@ class ProcessWriter(SafepointWriter):
         except WriterUnavailable:
             return super()._write_entries(planner, entries)
         self.pause()  # as in write_data
-        wanted = {item.index for _, _, items in entries for item in items}
-        if len(results) != len(wanted) or {r.index for r in results} != wanted:
-            raise WriterProcessError(
-                f"the writer process answered for {len(results)} items, not the {len(wanted)} arranged"
-            )
+        if not self._describer.checked_before(plan, files, results):
+            wanted = {item.index for _, _, items in entries for item in items}
+            if len(results) != len(wanted) or {r.index for r in results} != wanted:
+                raise WriterProcessError(
+                    f"the writer process answered for {len(results)} items, not the {len(wanted)} arranged"
+                )
+            self._describer.check_passed(plan, files, results)
         for name, (size, crc) in written.items():
             self.recorder.record(name, size, crc)
         # A copy: the list may be the one the rank keeps for the process's "same" answers (handoff.Sent),
@@ -117,7 +123,11 @@ def process_writer_factory(
     """For SyncSaver: each save's storage writer, with its writes going to ``process``; ``arena`` gives the
     staging segment of the state being saved (one save in flight, so it cannot change during the save)."""
 
+    describer = Describer()  # the last save's places, for the next save of the same plan and segment
+
     def wrap(writer: SafepointWriter) -> ProcessWriter:
-        return ProcessWriter(writer.path, thread_count=writer.thread_count, process=process, arena=arena())
+        return ProcessWriter(
+            writer.path, thread_count=writer.thread_count, process=process, arena=arena(), describer=describer
+        )
 
     return wrap
