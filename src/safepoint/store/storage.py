@@ -286,8 +286,8 @@ class SafepointWriter(FileSystemWriter):
         directory = Path(self.path)
         out, linked = round_.arrange(directory, self._prefix, entries, planner, self.thread_count)
         if round_.record is not None:
-            for name, stored in round_.record.files.items():
-                self.recorder.record(name, stored.size, stored.crc32c)
+            for stored in round_.record.linked():
+                self.recorder.record(stored.name, stored.size, stored.crc32c)
         results = self._write_entries(planner, out)
         round_.written(directory, results, self.recorder.snapshot())
         if round_.record is not None:
