@@ -147,3 +147,31 @@ def test_a_file_of_known_identity_is_linked_without_being_opened(
     source.symlink_to(tmp_path / "b" / "f")
     assert links.link_into(source, tmp_path / "b" / "h", stored) is None
     assert not os.path.lexists(tmp_path / "b" / "h")
+
+
+def test_the_linker_keeps_only_the_recorded_inode(tmp_path: Path) -> None:
+    """The save's linker (one descriptor per directory) proves each link as link_into does."""
+    (tmp_path / "a").mkdir()
+    source = tmp_path / "a" / "f"
+    source.write_bytes(b"x" * 100)
+    stored = links.StoredFile("f", {}, 100, "0", links.file_identity(os.stat(source)))
+    (tmp_path / "b").mkdir()
+    with links.Linker(tmp_path / "a", tmp_path / "b") as linker:
+        assert linker.link(stored) == stored
+    assert (tmp_path / "b" / "f").stat().st_ino == source.stat().st_ino
+    source.unlink()
+    source.write_bytes(b"x" * 100)  # another inode, same name and size
+    (tmp_path / "c").mkdir()
+    with links.Linker(tmp_path / "a", tmp_path / "c") as linker:
+        assert linker.link(stored) is None
+    source.unlink()
+    source.symlink_to(tmp_path / "b" / "f")  # a symlink to the very inode: never followed
+    with links.Linker(tmp_path / "a", tmp_path / "c") as linker:
+        assert linker.link(stored) is None
+    assert os.listdir(tmp_path / "c") == []
+    # The source directory swapped for a symlink to one holding the inode: the walk refuses it.
+    shutil.rmtree(tmp_path / "a")
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    with links.Linker(tmp_path / "a", tmp_path / "c") as linker:
+        assert linker.link(stored) is None
+    assert os.listdir(tmp_path / "c") == []

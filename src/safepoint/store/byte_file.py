@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from safepoint.store.item_writer import BYTE_CACHE_MAX
-from safepoint.store.links import Key, StoredFile, file_identity, link_into
+from safepoint.store.links import Key, Linker, StoredFile, file_identity
 
 Pickles = tuple[tuple[str, bytes], ...]  # (fqn, the pickle of its value), in the file's order
 
@@ -61,12 +61,11 @@ def pickles_of(flat: dict[str, Any], items: list[WriteItem]) -> Pickles | None:
     return tuple(out)
 
 
-def link_previous(previous: ByteFile | None, source: Path, target: Path, now: Pickles) -> ByteFile | None:
-    """``previous`` (its file in the directory ``source``) linked into ``target`` if it holds ``now``."""
+def link_previous(previous: ByteFile | None, linker: Linker, now: Pickles) -> ByteFile | None:
+    """``previous`` linked into the new step by ``linker`` if it holds ``now``."""
     if previous is None or previous.pickles != now:
         return None
-    name = previous.stored.name
-    linked = link_into(source / name, target / name, previous.stored)
+    linked = linker.link(previous.stored)
     return ByteFile(linked, now) if linked is not None else None
 
 

@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from safepoint.store import byte_file
 from safepoint.store.fingerprint import fingerprints, version_counter
 from safepoint.store.item_writer import default_lookup, plain_tensor
-from safepoint.store.links import Key, StoredFile, link_into
+from safepoint.store.links import Key, Linker, StoredFile
 from safepoint.store.links import file_identity as _identity
 
 Entry = tuple[str, str, list[WriteItem]]  # DCP's file queue entry: (path, file name, items)
@@ -256,26 +256,18 @@ class Round:
                 changing.append(item)
         self.record = Record(fingerprints_, {}, versions)
         results: list[WriteResult] = []
-        if place is None and self.versions and flat is not None and changing:
-            changing, results = self._bytes_linked(directory, prefix, changing, flat)
         placed: set[Key] = set()
-        keyed: dict[Key, tuple[int, WriteItem]] | None = None  # made once, when a first file is linked
-        still = {key for key, _ in unchanged}
+        bytes_too = place is None and self.versions and flat is not None and bool(changing)
         if prev is not None and prev.directory is not None and not self.full:
-            place = place or (
-                lambda source, stored: link_into(source / stored.name, directory / stored.name, stored)
-            )
-            for stored in prev.files.values():
-                if not still.issuperset(stored.infos):
-                    continue
-                linked = place(prev.directory, stored)
-                if linked is not None:
-                    placed.update(stored.infos)
-                    self.record.files[stored.name] = linked
-                    self.stats["linked"] += stored.size
-                    if keyed is None:
-                        keyed = {item_key(item): (n, item) for n, item in enumerate(items)}
-                    results += _results_of(stored, keyed)
+            with Linker(prev.directory, directory) as linker:  # one descriptor of each directory
+                if bytes_too:
+                    assert flat is not None
+                    changing, results = self._bytes_linked(linker, prefix, changing, flat)
+                put = place or (lambda _, stored: linker.link(stored))
+                results += self._place_groups(prev, put, unchanged, items, placed)
+        elif bytes_too:
+            assert flat is not None
+            changing, results = self._bytes_linked(None, prefix, changing, flat)
         used = {Path(path).name for path, _, _ in entries} | set(self.record.files)
         out: list[Entry] = []
         for i, bucket in enumerate(_split_by_size_and_type(threads, changing) if changing else []):
@@ -300,7 +292,7 @@ class Round:
         return out, results
 
     def _bytes_linked(
-        self, directory: Path, prefix: str, changing: list[WriteItem], flat: dict[str, Any]
+        self, linker: Linker | None, prefix: str, changing: list[WriteItem], flat: dict[str, Any]
     ) -> tuple[list[WriteItem], list[WriteResult]]:
         """A sync save whose changing items are all non-tensor ones: the previous step's file of them
         linked if it holds these very values (store/byte_file.py); else noted, to be recorded as written."""
@@ -308,9 +300,8 @@ class Round:
             return changing, []
         if (pickles := byte_file.pickles_of(flat, changing)) is None:
             return changing, []
-        prev = self.previous
-        if not self.full and prev is not None and prev.directory is not None:
-            linked = byte_file.link_previous(prev.bytes_file, prev.directory, directory, pickles)
+        if linker is not None and self.previous is not None:
+            linked = byte_file.link_previous(self.previous.bytes_file, linker, pickles)
             if linked is not None:
                 assert self.record is not None
                 self.record.bytes_file = linked
@@ -318,6 +309,33 @@ class Round:
                 return [], byte_file.results_of(linked, changing, item_key)
         self._bytes = (f"{prefix}0.distcp", pickles)  # DCP's name of the one file all of them go to
         return changing, []
+
+    def _place_groups(
+        self,
+        prev: Record,
+        place: Place,
+        unchanged: list[tuple[Key, WriteItem]],
+        items: list[WriteItem],
+        placed: set[Key],
+    ) -> list[WriteResult]:
+        """Put each stable group of ``prev`` whose every item is unchanged into the new step (``placed``
+        gets their keys); the results of their items."""
+        assert self.record is not None and prev.directory is not None
+        results: list[WriteResult] = []
+        keyed: dict[Key, tuple[int, WriteItem]] | None = None  # made once, when a first file is linked
+        still = {key for key, _ in unchanged}
+        for stored in prev.files.values():
+            if not still.issuperset(stored.infos):
+                continue
+            linked = place(prev.directory, stored)
+            if linked is not None:
+                placed.update(stored.infos)
+                self.record.files[stored.name] = linked
+                self.stats["linked"] += stored.size
+                if keyed is None:
+                    keyed = {item_key(item): (n, item) for n, item in enumerate(items)}
+                results += _results_of(stored, keyed)
+        return results
 
     def written(
         self, directory: Path, results: list[WriteResult], files: Sizes, *, local: bool = True
