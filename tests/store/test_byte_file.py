@@ -175,3 +175,38 @@ def test_the_linker_keeps_only_the_recorded_inode(tmp_path: Path) -> None:
     with links.Linker(tmp_path / "a", tmp_path / "c") as linker:
         assert linker.link(stored) is None
     assert os.listdir(tmp_path / "c") == []
+
+
+def test_the_side_file_is_json_dumps_and_a_steady_save_reuses_its_parts(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rank-0.fingerprints (store/incremental_record.encode) is json.dumps of its body, byte for byte; a
+    save whose fingerprints and stable groups are its previous save's dumps neither again."""
+    import json
+
+    from safepoint.store import incremental_record
+
+    dumped: list[object] = []
+    real = json.dumps
+
+    def counting(o: Any, **k: Any) -> str:
+        if not (isinstance(o, dict) and "format" in o):  # not a manifest (json is one module for all)
+            dumped.append(o)
+        return real(o, **k)
+
+    monkeypatch.setattr(incremental_record.json, "dumps", counting)
+    model, _, state = _setup()
+    calls = []
+    with safepoint.CheckpointManager(root, keep=safepoint.Keep(last=10)) as mgr:
+        for step in range(1, 6):
+            if step == 4:
+                with torch.no_grad():
+                    model.w.add_(1.0)
+            dumped.clear()
+            mgr.save(step, state)
+            calls.append(len(dumped))
+            data = (root / f"step-{step}" / "rank-0.fingerprints").read_bytes()
+            assert data == real(json.loads(data), separators=(",", ":")).encode()
+    # 1: both parts; 2: the stable groups are new; 3: both as at 2; 4: a tensor changed (its fingerprint,
+    # and it leaves its group); 5: the changed tensor's new fingerprint proves it unchanged and groups it.
+    assert calls == [2, 1, 0, 2, 1]

@@ -47,7 +47,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from safepoint.store import byte_file
 from safepoint.store.fingerprint import fingerprints, version_counter
 from safepoint.store.item_writer import default_lookup, plain_tensor
-from safepoint.store.links import Key, Linker, StoredFile
+from safepoint.store.links import Key as Key  # re-exported: the incremental layer's names
+from safepoint.store.links import Linker
+from safepoint.store.links import StoredFile as StoredFile
 from safepoint.store.links import file_identity as _identity
 
 Entry = tuple[str, str, list[WriteItem]]  # DCP's file queue entry: (path, file name, items)
@@ -126,6 +128,8 @@ class History:
         self.tag = secrets.randbelow(9 * 10**8) + 10**8
         self.stats: dict[str, int] = {}
         """Of the last save: bytes ``linked`` and ``written`` in stable groups, items ``aliased``."""
+        self.encoded: dict[str, tuple[Any, bytes]] = {}
+        """The last side file's parts, with what they encode (store/incremental_record.encode)."""
 
     @property
     def fresh(self) -> bool:

@@ -304,6 +304,8 @@ class SafepointWriter(FileSystemWriter):
     def _write_entries(self, planner: SavePlanner, entries: list[Any]) -> list[WriteResult]:
         """Write the arranged files (DCP queue entries: path, name, items) and record them; the writer
         process's proxy (save/process_writer.py) has its process write them instead."""
+        if not entries:
+            return []  # everything linked (a steady save): no queue, no writer threads to start and join
         todo: queue.Queue[Any] = queue.Queue()
         for entry in entries:
             todo.put(entry)
