@@ -70,6 +70,7 @@ EVENT_TYPES = (
     RESTORE_BEGIN, RESTORE_FALLBACK, RESTORE, PREEMPTION, EMERGENCY_SAVE,
 )  # fmt: skip
 _WARNINGS = frozenset({SAVE_FAILED, RESTORE_FALLBACK, PREEMPTION, EMERGENCY_SAVE})
+_LEVELS = {**dict.fromkeys(_WARNINGS, logging.WARNING), SAVE_FAILED: logging.ERROR}  # the rest: INFO
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -189,14 +190,9 @@ class Events:
         return event
 
     def _listened(self, event_type: str) -> bool:
-        """Whether the log records an ``event_type`` event or a sink may read it: a sink with an
-        ``event_types`` attribute (a collection: the run journal's) reads only those; any other, all."""
-        if log.isEnabledFor(_level(event_type)):
-            return True
-        return any(
-            (wanted := getattr(sink, "event_types", None)) is None or event_type in wanted
-            for sink in self._sinks
-        )
+        """Whether the log records it or a sink may read it (a sink's ``event_types``, if any, say which)."""
+        wanted = (getattr(sink, "event_types", None) for sink in self._sinks)
+        return log.isEnabledFor(_level(event_type)) or any(w is None or event_type in w for w in wanted)
 
     def close(self) -> None:
         """Close the sinks that have a ``close`` (files, writers); the manager's close() calls it."""
@@ -222,9 +218,7 @@ NO_EVENTS = Events()
 
 
 def _level(event_type: str) -> int:
-    if event_type == SAVE_FAILED:
-        return logging.ERROR
-    return logging.WARNING if event_type in _WARNINGS else logging.INFO
+    return _LEVELS.get(event_type, logging.INFO)
 
 
 def _log_record(event: CheckpointEvent) -> None:
