@@ -14,6 +14,8 @@ import stat
 from pathlib import Path
 
 from safepoint.store.checksum import crc_hex, fd_range_crc32c
+from safepoint.store.guard import file_identity as file_identity  # re-exported
+from safepoint.store.guard import link_at
 from safepoint.store.rootfs import RootDir
 
 Key = tuple[str, tuple[int, ...]]  # (fqn, chunk offsets): one item of a rank's plan
@@ -110,17 +112,7 @@ class Linker:
             return link_into(self.source / name, self.target / name, stored)
         if (fds := self._dirs()) is None:
             return None
-        src, dst = fds
-        try:
-            os.link(name, name, src_dir_fd=src, dst_dir_fd=dst, follow_symlinks=False)
-            made = os.stat(name, dir_fd=dst, follow_symlinks=False)
-        except OSError:
-            return None
-        if not stat.S_ISREG(made.st_mode) or file_identity(made) != stored.identity:
-            with contextlib.suppress(OSError):
-                os.unlink(name, dir_fd=dst)
-            return None
-        return stored
+        return stored if link_at(*fds, name, stored.identity) else None
 
 
 def _checked(fs: RootDir, src: str, stored: StoredFile) -> StoredFile | None:
@@ -149,7 +141,3 @@ def _holds(fd: int, stored: StoredFile) -> bool:
     except EOFError:
         return False
     return crc_hex(value) == stored.crc32c
-
-
-def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
