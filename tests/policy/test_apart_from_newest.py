@@ -28,7 +28,7 @@ def _saves(root: Path, last: int, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     ) as mgr:
         for step in range(1, 8):
             mgr.save(step, state)
-        mgr.wait()
+            mgr.wait()  # each pass before the next save: a pass that found two commits would see three steps
     return stated
 
 
