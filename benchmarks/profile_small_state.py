@@ -49,6 +49,8 @@ PHASES = [
     ("safepoint.store.incremental", "Round.arrange"),
     ("safepoint.store.incremental", "fingerprints"),
     ("safepoint.store.incremental", "link_into"),
+    ("safepoint.store.links", "Linker.link"),
+    ("safepoint.store.byte_file", "link_previous"),
     ("safepoint.events", "Events.emit"),
     ("safepoint.policy.journal", "Journal.__call__"),
     ("safepoint.policy.retainer", "Retainer._process"),

@@ -282,3 +282,31 @@ def test_bytes_skipped_are_the_bytes_an_incremental_save_linked(root: Path, asyn
     report = build_report(str(root))
     assert report.bytes_skipped == skipped
     assert report.bytes_saved == sum(rec.one(ev.SAVE_COMMITTED, s).bytes_written or 0 for s in (1, 2, 3))
+
+
+def test_an_event_no_sink_reads_and_the_log_does_not_record_is_not_built(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A sink with ``event_types`` (the run journal) reads only those: an event of another type is not
+    built unless the log records it or another sink may read it."""
+    got: list[str] = []
+
+    class Picky:
+        event_types = frozenset({ev.SAVE_COMMITTED})
+
+        def __call__(self, event: ev.CheckpointEvent) -> None:
+            got.append(event.event_type)
+
+    caplog.set_level(logging.WARNING, logger="safepoint")
+    events = ev.Events([Picky()])
+    assert events.emit(ev.SAVE_BEGIN, 1) is None
+    assert events.emit(ev.SAVE_COMMITTED, 1) is not None
+    caplog.set_level(logging.INFO, logger="safepoint")
+    assert events.emit(ev.SAVE_BEGIN, 2) is not None  # the log records it
+    assert any(r.getMessage().startswith(f"safepoint event {ev.SAVE_BEGIN} step=2") for r in caplog.records)
+    caplog.set_level(logging.WARNING, logger="safepoint")
+    plain: list[ev.CheckpointEvent] = []
+    events.subscribe(plain.append)
+    assert events.emit(ev.SAVE_BEGIN, 3) is not None
+    assert got == [ev.SAVE_COMMITTED, ev.SAVE_BEGIN, ev.SAVE_BEGIN]
+    assert [e.step for e in plain] == [3]

@@ -67,6 +67,9 @@ _CARRIED = (
 class Journal:
     """Rank 0's writer (an event sink): appends rank 0's events and the loop's progress to ROOT's files."""
 
+    event_types = JOURNALED
+    """The events it reads (events.Events builds no other event for it: two of a save's six)."""
+
     def __init__(self, root: Path | None, *, max_bytes: int = MAX_JOURNAL_BYTES) -> None:
         """Touches nothing before :meth:`open`; unopened (or ``root`` None: no local root), every call
         is a no-op (a manager that does not own the root, or a rank other than 0, never opens one)."""

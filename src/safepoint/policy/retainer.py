@@ -183,8 +183,11 @@ class Retainer:
     def _apart_from_newest(self, history: list[CheckpointInfo]) -> int | None:
         """The newest step sharing no file with the newest one, if the newest shares files at all (None:
         it shares none, so any other step is apart already, or there are no files to tell by)."""
-        if not isinstance(self.layout, Layout) or len(history) < 2:
-            return None  # only a local layout hard-links files between steps
+        if not isinstance(self.layout, Layout) or len(history) < 3:
+            # Only a local layout hard-links files between steps. And the answer needs a step that shares
+            # a file with the newest and one that shares none: two steps besides it. With one (keep last 1:
+            # every pass) it is None whether they share or not, so their files are not stat'ed for it.
+            return None
 
         def identities(step: int) -> set[tuple[int, int]]:
             if step not in self._names:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -226,6 +227,28 @@ def remove_flat(name: str, dfd: int) -> bool:
     finally:
         os.close(fd)
     return True
+
+
+def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """(st_dev, st_ino, size, mtime ns): the very inode as it was written (store/links.py)."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def link_at(src_fd: int, dst_fd: int, name: str, expected: tuple[int, int, int, int]) -> bool:
+    """Hard-link ``name`` from the directory ``src_fd`` into the directory ``dst_fd`` (never following a
+    link: ``linkat`` names whatever is there), and keep it only if the new entry is a regular file of the
+    ``expected`` identity; anything else (a symlink, a FIFO, another inode) is unlinked again. False then,
+    or if the link cannot be made."""
+    try:
+        os.link(name, name, src_dir_fd=src_fd, dst_dir_fd=dst_fd, follow_symlinks=False)
+        made = os.stat(name, dir_fd=dst_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    if stat.S_ISREG(made.st_mode) and file_identity(made) == expected:
+        return True
+    with contextlib.suppress(OSError):
+        os.unlink(name, dir_fd=dst_fd)
+    return False
 
 
 def check_bare(step: int | None, name: object, what: str) -> str:

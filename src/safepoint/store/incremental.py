@@ -31,12 +31,10 @@ one (policy/retainer.py), so one damaged file always leaves an intact step (docs
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import re
 import secrets
-import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,12 +44,14 @@ from torch.distributed.checkpoint.filesystem import _split_by_size_and_type, _St
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from safepoint.store.checksum import crc_hex, fd_range_crc32c
+from safepoint.store import byte_file
 from safepoint.store.fingerprint import fingerprints, version_counter
 from safepoint.store.item_writer import default_lookup, plain_tensor
-from safepoint.store.rootfs import RootDir
+from safepoint.store.links import Key as Key  # re-exported: the incremental layer's names
+from safepoint.store.links import Linker
+from safepoint.store.links import StoredFile as StoredFile
+from safepoint.store.links import file_identity as _identity
 
-Key = tuple[str, tuple[int, ...]]  # (fqn, chunk offsets): one item of a rank's plan
 Entry = tuple[str, str, list[WriteItem]]  # DCP's file queue entry: (path, file name, items)
 Sizes = dict[str, tuple[int, str]]  # a writer's {file name: (size, crc32c)}
 Place = Callable[[Path, "StoredFile"], "StoredFile | None"]  # puts a previous step's group into this one
@@ -99,21 +99,6 @@ def _alias_key(t: torch.Tensor) -> tuple[Any, ...] | None:
     return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.is_conj(), t.is_neg())
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class StoredFile:
-    """A stable group as it lies in a committed step."""
-
-    name: str
-    infos: dict[Key, tuple[int, int]]
-    """Where each of its items lies: (offset, length)."""
-    size: int
-    crc32c: str
-    identity: tuple[int, int, int, int] | None
-    """(st_dev, st_ino, size, mtime ns) as written: only this inode is ever linked into a new step. None:
-    read back from a step another process committed (incremental_record.py); its bytes are checked against
-    ``crc32c`` before it is linked, and the inode so checked is the one linked."""
-
-
 @dataclasses.dataclass(slots=True)
 class Record:
     """What one save of this rank left: every item's fingerprint and its stable groups."""
@@ -124,6 +109,12 @@ class Record:
     """(data_ptr, autograd version counter) of each tensor as the save saw it: a hint (see ``arrange``)."""
     directory: Path | None = None
     """The committed step directory the files lie in (set on commit)."""
+    bytes_file: byte_file.ByteFile | None = None
+    """The file of the save's non-tensor items, where the next save may link it (store/byte_file.py)."""
+
+    def linked(self) -> list[StoredFile]:
+        """The files in place before the save's writes: its stable groups, its non-tensor items' file."""
+        return [*self.files.values(), *([self.bytes_file.stored] if self.bytes_file is not None else [])]
 
 
 class History:
@@ -137,6 +128,8 @@ class History:
         self.tag = secrets.randbelow(9 * 10**8) + 10**8
         self.stats: dict[str, int] = {}
         """Of the last save: bytes ``linked`` and ``written`` in stable groups, items ``aliased``."""
+        self.encoded: dict[str, tuple[Any, bytes]] = {}
+        """The last side file's parts, with what they encode (store/incremental_record.encode)."""
 
     @property
     def fresh(self) -> bool:
@@ -188,6 +181,7 @@ class Round:
         self.stats = {"linked": 0, "written": 0, "aliased": 0}
         self._aliases: dict[Key, tuple[Key, WriteItem]] = {}
         self._stable: set[str] = set()
+        self._bytes: tuple[str, byte_file.Pickles] | None = None  # the non-tensor items file, to record
 
     def arrange(
         self,
@@ -267,23 +261,17 @@ class Round:
         self.record = Record(fingerprints_, {}, versions)
         results: list[WriteResult] = []
         placed: set[Key] = set()
-        keyed: dict[Key, tuple[int, WriteItem]] | None = None  # made once, when a first file is linked
-        still = {key for key, _ in unchanged}
+        bytes_too = place is None and self.versions and flat is not None and bool(changing)
         if prev is not None and prev.directory is not None and not self.full:
-            place = place or (
-                lambda source, stored: link_into(source / stored.name, directory / stored.name, stored)
-            )
-            for stored in prev.files.values():
-                if not still.issuperset(stored.infos):
-                    continue
-                linked = place(prev.directory, stored)
-                if linked is not None:
-                    placed.update(stored.infos)
-                    self.record.files[stored.name] = linked
-                    self.stats["linked"] += stored.size
-                    if keyed is None:
-                        keyed = {item_key(item): (n, item) for n, item in enumerate(items)}
-                    results += _results_of(stored, keyed)
+            with Linker(prev.directory, directory) as linker:  # one descriptor of each directory
+                if bytes_too:
+                    assert flat is not None
+                    changing, results = self._bytes_linked(linker, prefix, changing, flat)
+                put = place or (lambda _, stored: linker.link(stored))
+                results += self._place_groups(prev, put, unchanged, items, placed)
+        elif bytes_too:
+            assert flat is not None
+            changing, results = self._bytes_linked(None, prefix, changing, flat)
         used = {Path(path).name for path, _, _ in entries} | set(self.record.files)
         out: list[Entry] = []
         for i, bucket in enumerate(_split_by_size_and_type(threads, changing) if changing else []):
@@ -307,6 +295,52 @@ class Round:
             self.stats["written"] += group_bytes
         return out, results
 
+    def _bytes_linked(
+        self, linker: Linker | None, prefix: str, changing: list[WriteItem], flat: dict[str, Any]
+    ) -> tuple[list[WriteItem], list[WriteResult]]:
+        """A sync save whose changing items are all non-tensor ones: the previous step's file of them
+        linked if it holds these very values (store/byte_file.py); else noted, to be recorded as written."""
+        if any(item.type != WriteItemType.BYTE_IO for item in changing):
+            return changing, []
+        if (pickles := byte_file.pickles_of(flat, changing)) is None:
+            return changing, []
+        if linker is not None and self.previous is not None:
+            linked = byte_file.link_previous(self.previous.bytes_file, linker, pickles)
+            if linked is not None:
+                assert self.record is not None
+                self.record.bytes_file = linked
+                self.stats["linked"] += linked.stored.size
+                return [], byte_file.results_of(linked, changing, item_key)
+        self._bytes = (f"{prefix}0.distcp", pickles)  # DCP's name of the one file all of them go to
+        return changing, []
+
+    def _place_groups(
+        self,
+        prev: Record,
+        place: Place,
+        unchanged: list[tuple[Key, WriteItem]],
+        items: list[WriteItem],
+        placed: set[Key],
+    ) -> list[WriteResult]:
+        """Put each stable group of ``prev`` whose every item is unchanged into the new step (``placed``
+        gets their keys); the results of their items."""
+        assert self.record is not None and prev.directory is not None
+        results: list[WriteResult] = []
+        keyed: dict[Key, tuple[int, WriteItem]] | None = None  # made once, when a first file is linked
+        still = {key for key, _ in unchanged}
+        for stored in prev.files.values():
+            if not still.issuperset(stored.infos):
+                continue
+            linked = place(prev.directory, stored)
+            if linked is not None:
+                placed.update(stored.infos)
+                self.record.files[stored.name] = linked
+                self.stats["linked"] += stored.size
+                if keyed is None:
+                    keyed = {item_key(item): (n, item) for n, item in enumerate(items)}
+                results += _results_of(stored, keyed)
+        return results
+
     def written(
         self, directory: Path, results: list[WriteResult], files: Sizes, *, local: bool = True
     ) -> None:
@@ -314,6 +348,8 @@ class Round:
         in a local directory, whose inode is recorded; an object has none, its copy is checked instead)."""
         if self.record is None:
             return
+        if self._bytes is not None and local and (size_crc := files.get(self._bytes[0])) is not None:
+            self.record.bytes_file = byte_file.written(directory, *self._bytes, results, size_crc)
         by_file: dict[str, dict[Key, tuple[int, int]]] = {}
         for r in results:
             info = r.storage_data
@@ -360,60 +396,3 @@ def _results_of(stored: StoredFile, keyed: dict[Key, tuple[int, WriteItem]]) -> 
         info = _StorageInfo(stored.name, offset, length)
         out.append(WriteResult(index=keyed[key][1].index, size_in_bytes=length, storage_data=info))
     return out
-
-
-def link_into(source: Path, target: Path, stored: StoredFile) -> StoredFile | None:
-    """Hard-link the committed file ``source`` as ``target`` if it is still the file that was written;
-    the file as linked (its identity), or None where it cannot be done (the caller then writes the file).
-
-    The source is opened as RootDir.open_read does (no symlink, regular file) and must be the recorded
-    inode (st_dev, st_ino, size, mtime); a file read back from another process's step (no identity yet)
-    must instead hold the recorded size and crc32c, read through that descriptor, and not change while it
-    is read. ``linkat`` (without AT_SYMLINK_FOLLOW: it never follows a link) then names whatever
-    ``source`` is at that moment, so the new name is checked again and removed unless it is that same
-    regular inode: a file swapped in meanwhile is never kept, and nothing outside the root can become part
-    of a step (it would have to be the very inode we wrote or checked inside it)."""
-    # Both walked from their common directory (the root) by descriptors: no symlinked component followed.
-    fs = RootDir(os.path.commonpath([source, target]))
-    src, dst = fs.name(source), fs.name(target)
-    try:
-        fd = fs.open_read(src)
-    except OSError:
-        return None
-    try:
-        identity = _identity(os.fstat(fd))
-        if stored.identity is None:
-            if identity[2] != stored.size or not _holds(fd, stored):
-                return None
-            if _identity(os.fstat(fd)) != identity:
-                return None  # written to while it was read
-            stored = dataclasses.replace(stored, identity=identity)
-        elif identity != stored.identity:
-            return None
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    try:
-        fs.link(src, dst)
-        made = fs.lstat(dst)
-    except OSError:
-        return None
-    if made is None or not stat.S_ISREG(made.st_mode) or _identity(made) != stored.identity:
-        with contextlib.suppress(OSError):
-            fs.remove(dst)
-        return None
-    return stored
-
-
-def _holds(fd: int, stored: StoredFile) -> bool:
-    """Whether the open file holds the recorded bytes (its crc32c, read in bounded chunks)."""
-    try:
-        value = fd_range_crc32c(fd, 0, stored.size, stored.name)
-    except EOFError:
-        return False
-    return crc_hex(value) == stored.crc32c
-
-
-def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns

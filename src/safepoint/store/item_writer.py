@@ -57,7 +57,7 @@ log = logging.getLogger("safepoint")
 _array_types: dict[int, Any] = {}
 # A byte item (a non-tensor value: a learning rate, betas, a step count) whose pickle is larger than this is
 # serialised afresh every save rather than remembered (byte_item): the memory the cache holds stays small.
-_BYTE_CACHE_MAX = 64 * 1024
+BYTE_CACHE_MAX = 64 * 1024
 # Named tensors only exist in some builds; the check costs ~2 us per tensor where they do not.
 _HAS_NAMES = hasattr(torch.Tensor, "names")
 
@@ -261,7 +261,7 @@ def byte_item(
     if not isinstance(data, io.BytesIO):
         raise TypeError(f"item {fqn!r}: DCP byte items must be io.BytesIO")
     if cache is not None:
-        if key is not None and len(key) <= _BYTE_CACHE_MAX:
+        if key is not None and len(key) <= BYTE_CACHE_MAX:
             cache[fqn] = (key, data.getvalue())
         else:
             cache.pop(fqn, None)

@@ -286,8 +286,8 @@ class SafepointWriter(FileSystemWriter):
         directory = Path(self.path)
         out, linked = round_.arrange(directory, self._prefix, entries, planner, self.thread_count)
         if round_.record is not None:
-            for name, stored in round_.record.files.items():
-                self.recorder.record(name, stored.size, stored.crc32c)
+            for stored in round_.record.linked():
+                self.recorder.record(stored.name, stored.size, stored.crc32c)
         results = self._write_entries(planner, out)
         round_.written(directory, results, self.recorder.snapshot())
         if round_.record is not None:
@@ -304,6 +304,8 @@ class SafepointWriter(FileSystemWriter):
     def _write_entries(self, planner: SavePlanner, entries: list[Any]) -> list[WriteResult]:
         """Write the arranged files (DCP queue entries: path, name, items) and record them; the writer
         process's proxy (save/process_writer.py) has its process write them instead."""
+        if not entries:
+            return []  # everything linked (a steady save): no queue, no writer threads to start and join
         todo: queue.Queue[Any] = queue.Queue()
         for entry in entries:
             todo.put(entry)
