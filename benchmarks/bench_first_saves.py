@@ -5,8 +5,9 @@ The loop of the issue, in one process: 8 x Linear(256, 256) + AdamW, ``save_ever
 ``async_save=True``, a fresh ``CheckpointManager`` per run (so its writer process starts with it), and the
 wall time of every step including its ``maybe_save``. Reported per save: the loop-visible cost, i.e. the
 step that saved minus the median of its 10 neighbours (5 before, 5 after), next to the bare staging copy
-(the manager's own ``stage_s``). Variants (``--writers``) interleaved per run: the default "auto" (writer
-process) and "thread".
+(the manager's own ``stage_s``). Variants (``--writers``) interleaved per run: "process" (started with the
+manager; "auto" starts one at the first save of a state of 500 tensors or more, and writes this 32-tensor
+state with the thread) and "thread".
 
     python benchmarks/bench_first_saves.py --runs 5 --steps 110
 """
@@ -65,7 +66,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--steps", type=int, default=110)
     p.add_argument("--every", type=int, default=25)
-    p.add_argument("--writers", default="auto,thread")
+    p.add_argument("--writers", default="process,thread")
     a = p.parse_args()
     torch.set_num_threads(1)
     base = Path(tempfile.mkdtemp(prefix="bench-first-saves-"))

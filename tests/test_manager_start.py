@@ -33,8 +33,11 @@ def test_a_start_that_fails_after_the_lease_gives_everything_back(
     monkeypatch.setattr(Preemption, "start", out_of_threads)
     threads_before, children_before = set(threading.enumerate()), _live_children()
     with pytest.raises(RuntimeError, match="can't start new thread"):
-        safepoint.CheckpointManager(
-            root, async_save=True, preemption=safepoint.PreemptionOptions(signals=[signal.SIGUSR1])
+        safepoint.CheckpointManager(  # "process": started with the manager ("auto" waits for a large state)
+            root,
+            async_save=True,
+            writer=safepoint.WriterOptions(async_writer="process"),
+            preemption=safepoint.PreemptionOptions(signals=[signal.SIGUSR1]),
         )
     left = [t.name for t in threading.enumerate() if t not in threads_before]
     assert left == [], f"threads left running: {left}"

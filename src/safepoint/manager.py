@@ -26,9 +26,8 @@ from safepoint.remote.upload import TransferOptions
 from safepoint.restore.partial import RestoreReport, Selection
 from safepoint.restore.restorer import Restorer
 from safepoint.save.background import BackgroundWriter
-from safepoint.save.process_writer import process_writer_factory
 from safepoint.save.saver import SyncSaver
-from safepoint.save.staging import Stager
+from safepoint.save.writer_choice import WriterChoice
 from safepoint.save.writer_process import WriterProcess
 from safepoint.state import TrainState
 from safepoint.store.gc_pause import gc_paused
@@ -143,6 +142,11 @@ class CheckpointManager:
             self._destroy_parts()
             raise
 
+    @property
+    def _process(self) -> WriterProcess | None:
+        """The writer process of async saves, once one started (tests and benchmarks look at it)."""
+        return self._writers.process if hasattr(self, "_writers") else None
+
     def _new_comm(self, timeout_s: float) -> Comm:
         self._comms.append(Comm(timeout_s))
         return self._comms[-1]
@@ -161,8 +165,8 @@ class CheckpointManager:
         if (preemption := getattr(self, "_preemption", None)) is not None:
             preemption.stop()  # previous signal handlers back, poller stopped
         records()  # (both idempotent)
-        if (process := getattr(self, "_process", None)) is not None:
-            process.close()
+        if (writers := getattr(self, "_writers", None)) is not None:
+            writers.close()
         if (stager := getattr(self, "_stager", None)) is not None:
             stager.release()
         lease, self._lease = self._lease or self.layout.owner, None  # the layout's, if take_ownership failed
@@ -191,23 +195,16 @@ class CheckpointManager:
         self._saver = SyncSaver(self.layout, self.comm, self._retainer, writer_threads, history=history)
         self._restorer = Restorer(self.layout, self.comm, verdicts)
         self._if_busy = writer.if_busy
-        # fallback: None for no writer process; else whether one that cannot start may be replaced by the
-        # writer thread ("auto") instead of failing the save ("process").
-        self._process: WriterProcess | None = None
-        if self._async and fallback is not None:
-            self._process = WriterProcess(fallback=fallback)
-            self._process.start()  # it imports torch while training starts
-        drop = self._process.drop_arena if self._process is not None else None
-        self._stager = Stager(shared=self._process is not None, before_alloc=drop)
+        # The writer process: "process" starts it now, "auto" once a state pays (save/writer_choice.py).
+        self._writers = WriterChoice(fallback)
+        self._stager = self._writers.stager()
         self._writer = BackgroundWriter()
         # The writer thread runs collectives; it gets its own group so they never interleave with the
         # training thread's (maybe_save agreement, restore) on the same group.
         self._bg_comm = self._new_comm(timeout) if self._async else None
         self._bg_saver: SyncSaver | None = None
         if self._bg_comm is not None:
-            wrap = None
-            if self._process is not None:
-                wrap = process_writer_factory(self._process, lambda: self._stager.arena)
+            wrap = self._writers.wrap(lambda: self._stager.arena)
             bg = (self.layout, self._bg_comm, self._retainer, writer_threads)
             self._bg_saver = SyncSaver(*bg, wrap_writer=wrap, history=history, staged=self._stager)
             self._bg_saver.pause = self._retainer.pause = self._writer.gate.pause  # save/foreground.py

@@ -41,8 +41,10 @@ class WriterOptions:
 
     async_writer: str = "auto"
     """With ``async_save``: "process" (a writer process per rank reading the staging buffers in shared
-    memory; Linux, local roots and local_root), "thread" (a background thread of this process), or "auto"
-    (the process where it can run, else the thread). See docs/async.md."""
+    memory; Linux, local roots and local_root; started with the manager), "thread" (a background thread of
+    this process), or "auto" (the thread while the state is small; where the process can run, it starts at
+    the first async save of a state of at least ``save.writer_choice.AUTO_PROCESS_MIN_ITEMS`` tensors, and
+    stays). See docs/async.md."""
     if_busy: str = "wait"
     """With ``async_save``, what a save does while the previous one is still writing: "wait" (waits for the
     write, logging how long, then stages), "auto" (written synchronously at once, beside the write in
@@ -292,8 +294,9 @@ def writer_process_mode(async_save: bool, async_writer: str, local_files: bool) 
     """None: async saves (if any) need no writer process; else whether one that cannot start may be
     replaced by the writer thread ("auto") rather than fail the save ("process").
 
-    "auto" is the process wherever it can run: measured in benchmarks/README.md ("The process writer"), it
-    halves what a save costs a Python-bound loop over a many-tensor state and ties elsewhere.
+    "auto" may start the process wherever it can run, once a state is large enough for it to pay
+    (save/writer_choice.py): it halves what a save costs a Python-bound loop over a many-tensor state and
+    ties or loses elsewhere (docs/benchmarks.md).
     """
     if async_writer == "process" and not local_files:
         raise ValueError(

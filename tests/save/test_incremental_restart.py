@@ -4,8 +4,8 @@ bytes against that step's manifest; a tampered step is not linked from.
 
 The jobs are forked from the fork server (tests/helpers/example_runs.py ``run_job``): a real process of its
 own, killed with a real kill -9; what is tested is the record a process leaves and the next one reads, not
-the interpreter's start (which cost ~4.5 s of CPU a job). The async job's writer process is still a fresh
-``python -c`` process."""
+the interpreter's start (which cost ~4.5 s of CPU a job). The async job's state is small: "auto" writes it
+with the writer thread (no writer process)."""
 
 from __future__ import annotations
 

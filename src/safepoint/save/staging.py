@@ -100,13 +100,22 @@ class Stager:
     The snapshot is valid until the next ``stage`` call: the caller keeps at most one save in flight.
     """
 
-    def __init__(self, *, shared: bool = False, before_alloc: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        shared: bool = False,
+        before_alloc: Callable[[], None] | None = None,
+        share_from: Callable[[int, int], bool] | None = None,
+    ) -> None:
         self._buffers: dict[str, Any] | None = None
         self._plan: Plan | None = None  # the buffers' pairing with the state they were made for
         self.allocations = 0
         # shared: the buffers live in one shared-memory segment that a writer process maps (see
         # shared_buffers.py); ``arena`` is the segment of the current buffer set.
         self._shared = shared
+        # Asked before each new buffer set while not ``shared``, with the state's tensor items and bytes:
+        # True makes this set and every later one shared (async_writer="auto": save/writer_choice.py).
+        self._share_from = share_from
         self.arena: SharedArena | None = None
         # Called after the old buffers are dropped, before new ones are allocated: the writer process
         # unmaps its view of the old segment, so two sets never exist at once.
@@ -164,6 +173,8 @@ class Stager:
         if self._buffers is not None:
             log.info("safepoint: state changed shape; reallocating staging buffers")
         self.release()
+        if not self._shared and self._share_from is not None:
+            self._shared = self._share_from(len(walked.leaves), tensor_bytes(sd))
         if self._before_alloc is not None:
             self._before_alloc()
         pin = bool(cuda_devices(walked))
