@@ -340,8 +340,10 @@ def _lost_lease(path: str) -> Iterator[None]:
     try:
         yield
     except UploadError as e:
-        if lease_lost(e.__cause__ or e):
-            raise DamagedInTransit(f"the lease on {path} was lost or may have lapsed: {e}") from e
+        if lease_lost(cause := e.__cause__ or e):
+            code = getattr(cause, "error_code", None)
+            code = getattr(code, "value", code)  # a StorageErrorCode enum, or our LeaseLapsed's string
+            raise DamagedInTransit(f"the lease on {path} was lost or may have lapsed ({code})") from e
         raise
 
 
