@@ -198,3 +198,47 @@ def _code(e: Any) -> str:
 def _lease_state(other: Any, path: str) -> str:
     container, blob = path.split("/", 1)
     return str(other.get_blob_client(container, blob).get_blob_properties().lease.state)
+
+
+def test_a_commit_retried_after_the_lease_may_have_lapsed_commits_nothing(
+    az: tuple[AzureStore, Any, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lapse check ran once, before the first Put Block List attempt: a retried attempt (the first one
+    stalled, here 0.6 s against a lapse limit of 0.3 s, and got no answer) committed the staged blocks
+    even though no renewal had been made for longer than the lease may last, so another writer's block
+    could have gone in meanwhile. Every attempt is checked now: that one commits nothing and the file is
+    sent again."""
+    import time
+
+    from safepoint.remote import azlease
+
+    monkeypatch.setattr(azlease, "RENEW_S", 0.1)
+    monkeypatch.setattr(azlease, "LAPSE_S", 0.3)
+    store, _, path = az
+    data = os.urandom(SIZE)
+    seen: list[str] = []
+    real_client = store.client
+
+    def client(p: str) -> Any:
+        c = real_client(p)
+        stage, commit = c.stage_block, c.commit_block_list
+
+        async def stage_block(*a: Any, **kw: Any) -> Any:
+            seen.append("stage")
+            return await stage(*a, **kw)
+
+        async def commit_block_list(*a: Any, **kw: Any) -> Any:
+            if "stalled" not in seen:
+                seen.append("stalled")
+                time.sleep(0.6)  # on the loop's thread: the renewals stall with it
+                raise ConnectionError("no answer")
+            seen.append("commit")
+            return await commit(*a, **kw)
+
+        c.stage_block, c.commit_block_list = stage_block, commit_block_list
+        return c
+
+    monkeypatch.setattr(store, "client", client)
+    _upload(store, tmp_path, path, data, "file")
+    assert store.fs.cat_file(path) == data
+    assert seen == ["stage", "stage", "stalled", "stage", "stage", "commit"]

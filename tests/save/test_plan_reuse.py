@@ -128,7 +128,9 @@ def test_a_changed_structure_is_planned_afresh_and_restores_exactly(
         else:
             state.objects["o"].value = 7  # type: ignore[index]  # a tensor item becomes a byte item
         mgr.save(4, state)
-        assert len(plans_built) == before + 1
+        # A dtype change: DCP's first plan, found "equal" by its cache (no dtype compared), is built again
+        # as a new one (test_a_dtype_change_of_the_same_shape_is_recorded_in_the_metadata).
+        assert len(plans_built) == before + (2 if change == "dtype" else 1)
         mgr.save(5, state)
     got = _restored(root, 5, model)
     assert got.keys() == model.state_dict().keys()
@@ -139,6 +141,46 @@ def test_a_changed_structure_is_planned_afresh_and_restores_exactly(
     dcp.load(plain, checkpoint_id=str(root / "step-5"), no_dist=True)
     for k, v in model.state_dict().items():
         assert torch.equal(plain[f"model.{k}"], v)
+
+
+@pytest.mark.parametrize("how", ["model", "step"])
+def test_a_dtype_change_of_the_same_shape_is_recorded_in_the_metadata(
+    root: Path, how: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """DCP's plan cache compares a new local plan with the cached one by index, size and chunk only, not
+    by dtype: a tensor that changed dtype at the same shape (a model cast to float64 or bfloat16 mid-run,
+    Adam's step made an integer) was found "unchanged", the cached plan and .metadata of the old dtype
+    reused, and that structure recorded as the cached plan's. The bytes were right (each item is a
+    torch.save record of its own), so restore worked, but ``safepoint verify`` called the checkpoint
+    corrupt, and whatever builds tensors from .metadata (export, DCP's own converters) cast the values
+    to the old dtype. The planner now checks the tensor properties DCP does not."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    from safepoint.cli.main import main
+
+    model = Params(a=torch.randn(3, 4), b=torch.randn(5))
+    opt = torch.optim.Adam(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    state = safepoint.TrainState(model=model, optimizer=opt, rng=False)
+    with safepoint.CheckpointManager(root) as mgr:
+        mgr.save(1, state)
+        mgr.save(2, state)
+        if how == "model":
+            model.to(torch.float64)
+            key, want = "model.a", torch.float64
+        else:
+            for s in opt.state.values():
+                s["step"] = s["step"].to(torch.int64)
+            key, want = "optimizer.state.a.step", torch.int64
+        mgr.save(3, state)
+        mgr.save(4, state)
+    for step in (3, 4):
+        md = FileSystemReader(str(root / f"step-{step}")).read_metadata().state_dict_metadata
+        assert md[key].properties.dtype == want, step  # type: ignore[union-attr]
+    capsys.readouterr()
+    assert main(["verify", str(root), "--all"]) == 0, capsys.readouterr().out
 
 
 class _Obj:

@@ -28,8 +28,6 @@ import logging
 import uuid
 from typing import Any
 
-from safepoint.remote.retry import DamagedInTransit
-
 log = logging.getLogger("safepoint")
 
 LEASE_S = 60
@@ -39,9 +37,20 @@ RENEW_S = 15.0
 LAPSE_S = 45.0
 """No renewal for this long: the lease may have lapsed (with ``LEASE_S``, a margin for a slow request)."""
 
+_LAPSED = "LeaseMayHaveLapsed"
+"""``LeaseLapsed``'s code (ours, not Azure's)."""
 _LEASE_LOST = frozenset(
     {"LeaseNotPresentWithBlobOperation", "LeaseIdMismatchWithBlobOperation", "LeaseLost", "LeaseIdMissing"}
+    | {_LAPSED}
 )
+
+
+class LeaseLapsed(Exception):
+    """The lease may have lapsed (``BlobLease.check``). Shaped like Azure's refusals (an ``error_code``) and
+    not transient, so that inside a retried request it ends the retries at once and, like a broken lease,
+    makes the whole upload start again (azstore's ``_lost_lease``)."""
+
+    error_code = _LAPSED
 
 
 def lease_lost(e: BaseException) -> bool:
@@ -92,11 +101,13 @@ class BlobLease:
             self._renewed = now
 
     def check(self) -> None:
-        """Raise DamagedInTransit (the upload is made again) if the lease may have lapsed since it was
-        taken: another writer's block could then be among the staged ones."""
+        """Raise LeaseLapsed (the upload is made again) if the lease may have lapsed since it was taken:
+        another writer's block could then be among the staged ones. Called before every attempt of the
+        Put Block List and after the one that succeeded: a retry, or an answer that was slow to come, can
+        follow a lapse that the check before the first attempt could not see."""
         gap = asyncio.get_running_loop().time() - self._renewed
         if self._lapsed or gap > LAPSE_S:
-            raise DamagedInTransit(f"the lease on {self._store.url(self._path)} may have lapsed")
+            raise LeaseLapsed(f"the lease on {self._store.url(self._path)} may have lapsed")
 
     async def end(self, *, committed: bool) -> None:
         """Stop renewing; release the lease (``committed``), else delete the blob this upload made

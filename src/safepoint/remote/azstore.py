@@ -116,12 +116,16 @@ class AzureStore(ObjectStore):
         from azure.storage.blob import BlobBlock
 
         blocks = [BlobBlock(i) for i in ids]
-        lease.check()
         client = self.client(path)
+
+        async def commit() -> Any:
+            lease.check()  # before every attempt: a retry may come after the lease lapsed (azlease.py)
+            r = await client.commit_block_list(blocks, lease=lease.id)
+            lease.check()  # a renewal that revived a lapsed lease while the commit was on its way
+            return r
+
         with _lost_lease(path):
-            r = await self.aretry(
-                f"{what} (commit)", lambda: client.commit_block_list(blocks, lease=lease.id)
-            )
+            r = await self.aretry(f"{what} (commit)", commit)
         return _etag(r)
 
     async def put_blob(self, path: str, data: bytes, what: str) -> str | None:
@@ -331,13 +335,15 @@ class AzureWriter(PartWriter):
 
 @contextlib.contextmanager
 def _lost_lease(path: str) -> Iterator[None]:
-    """A request refused because our lease on the blob is gone (another writer broke it) fails the whole
-    upload attempt as DamagedInTransit (made again), not just that request."""
+    """A request refused because our lease on the blob is gone (another writer broke it) or may have lapsed
+    fails the whole upload attempt as DamagedInTransit (made again), not just that request."""
     try:
         yield
     except UploadError as e:
-        if lease_lost(e.__cause__ or e):
-            raise DamagedInTransit(f"the lease on {path} was lost (broken by another writer)") from e
+        if lease_lost(cause := e.__cause__ or e):
+            code = getattr(cause, "error_code", None)
+            code = getattr(code, "value", code)  # a StorageErrorCode enum, or our LeaseLapsed's string
+            raise DamagedInTransit(f"the lease on {path} was lost or may have lapsed ({code})") from e
         raise
 
 

@@ -115,6 +115,15 @@ class ReusingSavePlanner(DefaultSavePlanner):
             return SavePlan([], usable=False)  # what DCP answers for an unchanged local plan
         self._record.structure = None  # DCP's cached local plan may be replaced below
         plan = super().create_local_plan()
+        if not plan.usable and _other_properties(
+            self.plan, SavePlanner._cached_save_plan[self._cached_plans_key]
+        ):
+            # DCP compares items by index, size and chunk, not dtype: a tensor cast at the same shape (a
+            # model to bfloat16, Adam's step to int64) kept the cached plan and its .metadata of the old
+            # dtype, which verify then calls corrupt and export casts back. Without the stale entry DCP
+            # plans it as the new plan it is (once more: rare, and what each DCP version does for one).
+            del SavePlanner._cached_save_plan[self._cached_plans_key]
+            plan = super().create_local_plan()
         if not plan.usable and self._structure is not None:
             # DCP found the plan it built equal to its cached one: that one is of this structure. (Its
             # key paths kept, not this save's equal copy: the record adds no memory of its own.)
@@ -138,3 +147,14 @@ class ReusingSavePlanner(DefaultSavePlanner):
         if had_pending:  # DCP cached the local plan just built: it is of this structure
             self._record.structure = self._structure
         return plan
+
+
+def _other_properties(plan: SavePlan, cached: SavePlan) -> bool:
+    """Whether a local plan DCP found equal to its cached one (the same items in the same order) holds a
+    tensor of other properties (dtype, layout, requires_grad, pin_memory) than the cached plan says."""
+    return any(
+        a.tensor_data is not None
+        and b.tensor_data is not None
+        and a.tensor_data.properties != b.tensor_data.properties
+        for a, b in zip(plan.items, cached.items, strict=True)
+    )
