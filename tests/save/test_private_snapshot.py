@@ -141,6 +141,8 @@ def test_the_step_after_an_async_save_never_reaches_its_checkpoint(
     with safepoint.CheckpointManager(
         tmp_path / "ckpt", async_save=True, writer=safepoint.WriterOptions(async_writer=writer)
     ) as mgr:
+        if mgr._process is not None:
+            mgr._process.wait_ready()  # the process writes this save, not the thread while it starts
         # The background write waits until the next step has run: what it writes is only the snapshot.
         held = threading.Event()
         real = mgr._bg_saver.write  # type: ignore[union-attr]
