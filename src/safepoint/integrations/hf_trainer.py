@@ -120,7 +120,7 @@ class _Progress:
         t._tr_loss = torch.tensor(float(state_dict["tr_loss"]), device=t.args.device)
         t._globalstep_last_logged = int(state_dict["globalstep_last_logged"])
         t._total_loss_scalar = float(state_dict["total_loss_scalar"])
-        t.current_flos = float(state_dict["current_flos"])  # type: ignore[assignment]
+        t.current_flos = float(state_dict["current_flos"])
         # The final train_loss divides the run's loss total by the steps since _initial_global_step: with
         # the total restored, counting from 0 reports the uninterrupted run's average.
         t._initial_global_step = 0
@@ -143,7 +143,7 @@ def _callback_states(trainer: Trainer) -> dict[str, Any]:
     return out
 
 
-class SafepointCallback(TrainerCallback):
+class SafepointCallback(TrainerCallback):  # type: ignore[misc]  # transformers is not followed (pyproject.toml)
     """Restores in ``on_train_begin``, saves in ``on_step_end`` through ``manager``; see the module doc.
 
     Build it with :meth:`attach`. ``manager`` is the caller's open :class:`~safepoint.CheckpointManager`
@@ -177,7 +177,7 @@ class SafepointCallback(TrainerCallback):
             callback.loader = _TrainerLoader(build())
             return callback.loader
 
-        trainer.get_train_dataloader = get_train_dataloader  # type: ignore[method-assign,assignment]
+        trainer.get_train_dataloader = get_train_dataloader
         trainer.add_callback(callback)
         manager.events.subscribe(callback._sink)
         if trainer.args.save_strategy != "no":
@@ -241,7 +241,7 @@ class SafepointCallback(TrainerCallback):
             seen = copy.copy(state)  # the committed step's number, not the step the loop is at now
             seen.global_step = step
             handler = self.trainer.callback_handler
-            handler.call_event("on_save", args, seen, control, checkpoint_dir=directory)  # type: ignore[no-untyped-call]
+            handler.call_event("on_save", args, seen, control, checkpoint_dir=directory)
 
     # ---- what is saved -----------------------------------------------------------------------------------
 
