@@ -121,9 +121,27 @@ def gcs_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             os.environ["STORAGE_EMULATOR_HOST"] = saved
 
 
+# `make test` installs Azurite beside the suite (Makefile: AZURITE_PENDING): wait for an install under way.
+_AZURITE_PENDING = REPO / ".tools" / ".azurite-installing"
+_INSTALL_WAIT_S = 900.0  # npm on a loaded 2-core machine; a marker older than this is a stale one
+
+
+def _wait_for_the_azurite_install() -> None:
+    deadline = time.monotonic() + _INSTALL_WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            if time.time() - _AZURITE_PENDING.stat().st_mtime > _INSTALL_WAIT_S:
+                return  # left by an install that was killed
+        except FileNotFoundError:
+            return
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="session")
 def azurite_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     pytest.importorskip("adlfs", reason="pip install adlfs for az:// tests")
+    if not os.environ.get("SAFEPOINT_AZURITE"):
+        _wait_for_the_azurite_install()
     if not os.access(AZURITE, os.X_OK) or shutil.which("node") is None:
         pytest.skip(f"no Azurite at {AZURITE} (make tools: npm install --prefix .tools azurite@3.37.0)")
     port = free_port()
