@@ -77,7 +77,6 @@ LONG_FIRST = (
     "tests/store/test_hostile_campaign.py",
     "tests/remote/test_incremental_direct.py",
     "tests/integrations/test_lightning_example.py",
-    "tests/integrations/test_accelerate_ranks.py",
     "tests/preempt/test_preemption_grace.py",
     "tests/torture/test_torture_faults.py",
 )
