@@ -224,6 +224,13 @@ class Child:
             self.server.busy = False
         return self.returncode
 
+    def poll(self) -> int | None:
+        """``Popen.poll``: the exit code if the job has ended, else None (without waiting)."""
+        if self.returncode is None:
+            with contextlib.suppress(TimeoutError):
+                self.wait(0.001)
+        return self.returncode
+
 
 class ForkServer:
     """A running server that ran ``imports`` with environment ``env`` (see the module docstring)."""

@@ -94,10 +94,7 @@ class Agent:
             raise subprocess.TimeoutExpired(self.args, timeout or 0) from None
 
     def poll(self) -> int | None:
-        if self._child.returncode is None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.wait(0.001)
-        return self._child.returncode
+        return self._child.poll()
 
 
 def agent(

@@ -19,7 +19,6 @@ from typing import IO
 import pytest
 
 from tests.conftest import REPO
-from tests.helpers import forkserver
 from tests.helpers.example_runs import spawn_job
 from tests.helpers.launch import assert_bitwise, events, finish, load, ready_pids, start
 
@@ -51,7 +50,7 @@ def _term_group(tmp_path: Path, context: str, shield: str, *extra: str) -> tuple
         )
         try:
             while not (out / "ready").exists():
-                assert not _ended(proc), _read(log)
+                assert proc.poll() is None, _read(log)
                 time.sleep(0.02)
             workers = [int(p.name.split(".")[1]) for p in out.glob("worker.*")]
             assert len(workers) == 2
@@ -64,15 +63,6 @@ def _term_group(tmp_path: Path, context: str, shield: str, *extra: str) -> tuple
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         return code, _read(log), workers
-
-
-def _ended(proc: forkserver.Child) -> bool:
-    """Whether a forked job has ended (without waiting)."""
-    try:
-        proc.wait(timeout=0.001)
-    except TimeoutError:
-        return False
-    return True
 
 
 def _read(f: IO[bytes]) -> str:

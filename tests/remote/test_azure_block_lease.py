@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -139,18 +140,21 @@ def test_a_stream_whose_lease_was_broken_fails_and_leaves_no_blob(
     assert not store.fs.exists(path)
 
 
+def _short_lease(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Renewals every 0.1 s and a lapse limit of 0.3 s: a stall of 0.6 s on the loop may have let it lapse."""
+    from safepoint.remote import azlease
+
+    monkeypatch.setattr(azlease, "RENEW_S", 0.1)
+    monkeypatch.setattr(azlease, "LAPSE_S", 0.3)
+
+
 def test_a_lease_that_may_have_lapsed_makes_the_upload_start_again(
     az: tuple[AzureStore, Any, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The event loop stalls (here for 0.6 s, against a lapse limit shrunk to 0.3 s) before the commit, so
     no renewal could be made: the lease may have lapsed and another writer's block gone in unseen, so that
     attempt commits nothing and the file is sent again."""
-    import time
-
-    from safepoint.remote import azlease
-
-    monkeypatch.setattr(azlease, "RENEW_S", 0.1)
-    monkeypatch.setattr(azlease, "LAPSE_S", 0.3)
+    _short_lease(monkeypatch)
     store, _, path = az
     data = os.urandom(SIZE)
     commits: list[str] = []
@@ -208,12 +212,7 @@ def test_a_commit_retried_after_the_lease_may_have_lapsed_commits_nothing(
     even though no renewal had been made for longer than the lease may last, so another writer's block
     could have gone in meanwhile. Every attempt is checked now: that one commits nothing and the file is
     sent again."""
-    import time
-
-    from safepoint.remote import azlease
-
-    monkeypatch.setattr(azlease, "RENEW_S", 0.1)
-    monkeypatch.setattr(azlease, "LAPSE_S", 0.3)
+    _short_lease(monkeypatch)
     store, _, path = az
     data = os.urandom(SIZE)
     seen: list[str] = []

@@ -48,10 +48,7 @@ def test_one_plan_is_not_deduplicated_and_is_what_dcp_returns(
 
     monkeypatch.setattr(default_planner, "dedup_save_plans", counting)
     model = Params(**{f"p{i}": torch.randn(3, 2) for i in range(6)})
-    opt = torch.optim.Adam(model.parameters())
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
-    opt.step()
+    opt = _stepped_adam(model)
     state_dict = {"model": model.state_dict(), "optim": opt.state_dict(), "extra": {"tokens": 7}}
     planner = ReusingSavePlanner("test-one-plan", PlanRecord())
     planner.set_up_planner(state_dict, is_coordinator=True)
@@ -77,6 +74,15 @@ class Params(nn.Module):
             self.register_parameter(name, nn.Parameter(t))
 
 
+def _stepped_adam(model: torch.nn.Module) -> torch.optim.Adam:
+    """An Adam optimizer of ``model`` after one step: its state (step, moments) exists."""
+    opt = torch.optim.Adam(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    return opt
+
+
 def _restored(root: Path, step: int, like: Params) -> dict[str, torch.Tensor]:
     target = Params(**{k: torch.zeros_like(v) for k, v in like.state_dict().items()})
     with safepoint.CheckpointManager(root) as mgr:
@@ -86,10 +92,7 @@ def _restored(root: Path, step: int, like: Params) -> dict[str, torch.Tensor]:
 
 def test_an_unchanged_state_is_not_replanned(root: Path, plans_built: list[int]) -> None:
     model = Params(**{f"p{i}": torch.randn(4, 4) for i in range(20)})
-    opt = torch.optim.Adam(model.parameters())
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
-    opt.step()
+    opt = _stepped_adam(model)
     state = safepoint.TrainState(model=model, optimizer=opt, rng=False)
     with safepoint.CheckpointManager(root) as mgr:
         for step in (1, 2, 3, 4):
@@ -159,10 +162,7 @@ def test_a_dtype_change_of_the_same_shape_is_recorded_in_the_metadata(
     from safepoint.cli.main import main
 
     model = Params(a=torch.randn(3, 4), b=torch.randn(5))
-    opt = torch.optim.Adam(model.parameters())
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
-    opt.step()
+    opt = _stepped_adam(model)
     state = safepoint.TrainState(model=model, optimizer=opt, rng=False)
     with safepoint.CheckpointManager(root) as mgr:
         mgr.save(1, state)
