@@ -21,9 +21,7 @@ rule as a stable group (docs/reliability.md).
 from __future__ import annotations
 
 import dataclasses
-import os
 import pickle
-from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -31,7 +29,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from safepoint.store.item_writer import BYTE_CACHE_MAX
-from safepoint.store.links import Key, Linker, StoredFile, file_identity
+from safepoint.store.links import Linker, StoredFile
 
 Pickles = tuple[tuple[str, bytes], ...]  # (fqn, the pickle of its value), in the file's order
 
@@ -79,22 +77,11 @@ def results_of(file: ByteFile, items: list[WriteItem], key: Any) -> list[WriteRe
     return out
 
 
-def written(
-    directory: Path, name: str, pickles: Pickles, results: list[WriteResult], size_crc: tuple[int, str]
-) -> ByteFile | None:
-    """The file ``name`` just written into ``directory`` with the items of ``pickles`` (``results``: the
-    save's write results), as the next save may link it; None if it holds anything else."""
-    infos: dict[Key, tuple[int, int]] = {}
-    for r in results:
-        info = r.storage_data
-        if isinstance(info, _StorageInfo) and info.relative_path == name:
-            infos[(r.index.fqn, tuple(r.index.offset) if r.index.offset is not None else ())] = (
-                info.offset,
-                info.length,
-            )
-    if [fqn for fqn, _ in infos] != [fqn for fqn, _ in pickles]:
+def recorded(stored: StoredFile | None, pickles: Pickles) -> ByteFile | None:
+    """The file just written, as the save's results place its items (``stored``, with the identity it was
+    written with), as the next save may link it; None if it holds anything but the items of ``pickles``."""
+    if stored is None or stored.identity is None:
         return None
-    st = os.stat(directory / name, follow_symlinks=False)
-    if st.st_size != size_crc[0]:
+    if [fqn for fqn, _ in stored.infos] != [fqn for fqn, _ in pickles]:
         return None
-    return ByteFile(StoredFile(name, infos, size_crc[0], size_crc[1], file_identity(st)), pickles)
+    return ByteFile(stored, pickles)

@@ -348,24 +348,29 @@ class Round:
         in a local directory, whose inode is recorded; an object has none, its copy is checked instead)."""
         if self.record is None:
             return
-        if self._bytes is not None and local and (size_crc := files.get(self._bytes[0])) is not None:
-            self.record.bytes_file = byte_file.written(directory, *self._bytes, results, size_crc)
+        # The non-tensor items' file is recorded like a stable group, but apart (store/byte_file.py).
+        items_file = self._bytes[0] if self._bytes is not None and local else None
         by_file: dict[str, dict[Key, tuple[int, int]]] = {}
         for r in results:
             info = r.storage_data
-            if isinstance(info, _StorageInfo) and info.relative_path in self._stable:
+            if isinstance(info, _StorageInfo) and (
+                info.relative_path in self._stable or info.relative_path == items_file
+            ):
                 key = (r.index.fqn, tuple(r.index.offset) if r.index.offset is not None else ())
                 by_file.setdefault(info.relative_path, {})[key] = (info.offset, info.length)
         for name, infos in by_file.items():
             if name not in files:
                 continue
             size, crc = files[name]
-            if not local:
-                self.record.files[name] = StoredFile(name, infos, size, crc, None)
-                continue
-            st = os.stat(directory / name, follow_symlinks=False)
-            if st.st_size == size:
-                self.record.files[name] = StoredFile(name, infos, size, crc, _identity(st))
+            stored: StoredFile | None = StoredFile(name, infos, size, crc, None)
+            if local:
+                st = os.stat(directory / name, follow_symlinks=False)
+                stored = StoredFile(name, infos, size, crc, _identity(st)) if st.st_size == size else None
+            if name == items_file:
+                assert self._bytes is not None
+                self.record.bytes_file = byte_file.recorded(stored, self._bytes[1])
+            elif stored is not None:
+                self.record.files[name] = stored
 
     def alias_results(self, results: list[WriteResult]) -> list[WriteResult]:
         """The results of the items that alias another item: the same bytes as their primary's."""
