@@ -24,6 +24,14 @@ export PYTHONPATH="$PWD/src:$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 declare -A job
 timeout "${GPU_TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" --timeout 200 -v \
     ${GPU_TESTS:-tests/gpu tests/store/test_fingerprint_cuda.py} > "$OUT/gpu_tests.log" 2>&1 & job[tests]=$!
+# CPU benchmarks on an idle node with cores to spare (issue 27: async_writer="auto"'s threshold, the small
+# state's sync save): GPU_SIDE_CMD (a shell command, e.g. "python3 benchmarks/bench_auto_writer.py; python3
+# benchmarks/bench_small_state.py --steps 0 --rounds 0") runs on the last four cores, beside the GPU jobs.
+if [ -n "${GPU_SIDE_CMD:-}" ]; then
+    last=$(( $(nproc) - 1 ))
+    timeout "${GPU_SIDE_S:-230}" taskset -c $((last - 3))-$last bash -c "$GPU_SIDE_CMD" > "$OUT/side.log" 2>&1 &
+    job[side]=$!
+fi
 if [ -z "${GPU_SKIP_FRAMEWORKS:-}" ]; then
     timeout "${GPU_FW_S:-260}" python3 tests/integrations/gpu_lightning_fsdp.py > "$OUT/lightning.log" 2>&1 & job[lightning]=$!
     timeout "${GPU_FW_S:-260}" python3 tests/integrations/gpu_torchtitan_run.py --device cuda --attention sdpa --timeout 110 --workdir /tmp/sptt > "$OUT/torchtitan.log" 2>&1 & job[torchtitan]=$!
@@ -35,6 +43,7 @@ for name in "${!job[@]}"; do  # not piped: wait must run in this shell, the jobs
 done
 cat "$OUT/summary.txt"
 tail -5 "$OUT/gpu_tests.log"
+[ -f "$OUT/side.log" ] && grep -v "creating a new checkpoint root" "$OUT/side.log"
 if [ "${GPU_BENCH_ARGS:-}" != "none" ]; then
     timeout "${GPU_BENCH_S:-240}" python3 benchmarks/bench_gpu.py ${GPU_BENCH_ARGS:---cases 2048x300,512x3000 --rounds 3} --out "$OUT/bench_gpu.json" > "$OUT/bench_gpu.log" 2>&1
     # Each case's summary: medians, ratios, and the parts of the async saves (cpu_s, gc_s, copy_s).
