@@ -13,9 +13,19 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from safepoint.save import staging
 from safepoint.save.staging import Stager
 
 State = dict[str, Any]
+
+
+@pytest.fixture(autouse=True)
+def _fingerprint_every_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These states' tensors are all smaller than ``FINGERPRINT_CPU_MIN_BYTES``, which staging would copy
+    without a fingerprint: with no floor it fingerprints each one and skips those proven unchanged, the
+    path that a stale pairing could get wrong (a skipped tensor keeps what its buffer held). The default
+    floor is tested in test_staging_skip.py."""
+    monkeypatch.setattr(staging, "FINGERPRINT_CPU_MIN_BYTES", 0)
 
 
 def _state() -> State:

@@ -133,7 +133,7 @@ def move_into_arena(buffers: Any, *, pin: bool) -> SharedArena:
         for t, off in zip(tensors, offsets, strict=True):
             nbytes = t.numel() * t.element_size()
             # A one-element buffer keeps its value (a 0-d DTensor's private copy holds the live value:
-            # staging._own_copies). Never the big ones: the fresh buffer from _create_cpu_state_dict was
+            # stage_buffers.own_copies). Never the big ones: the fresh buffer from _create_cpu_state_dict was
             # never touched (no resident pages), so swapping its storage costs no copy and no second set
             # of memory.
             value = t.clone() if t.numel() == 1 else None

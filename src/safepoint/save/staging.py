@@ -14,7 +14,7 @@ Every value of a snapshot is a copy that no later write to the live state reache
 ``save()`` has returned, while training goes on. torch's ``_create_cpu_state_dict`` returns a 0-d DTensor as
 it is (a DTensor-wrapped scalar parameter and its Adam moments under FSDP2 or tensor parallelism), and it
 was once staged into itself, so the next optimizer step reached the checkpoint being written; such an item
-now gets a private host copy when the buffers are made (``_own_copies``), at no per-save cost.
+now gets a private host copy when the buffers are made (``stage_buffers.own_copies``), at no per-save cost.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
 from safepoint.errors import SaveError, describe_exception
 from safepoint.events import SaveCall
 from safepoint.save.shared_buffers import SharedArena, move_into_arena
-from safepoint.save.stage_plan import Plan, Walked, alias, cuda_devices, plain, walk
+from safepoint.save.stage_buffers import own_copies, tie_buffers
+from safepoint.save.stage_plan import Plan, Walked, cuda_devices, walk
 from safepoint.store.fingerprint import fast_path, fingerprints, version_counter
 
 Alias = tuple[Any, ...]
@@ -66,6 +66,30 @@ def cuda_fingerprint_floor(device: torch.device) -> int | None:
     if FINGERPRINT_CUDA_WHEN_STAGING is None:
         return FINGERPRINT_CUDA_MIN_BYTES if fast_path(device) else None
     return 0 if FINGERPRINT_CUDA_WHEN_STAGING else None
+
+
+FINGERPRINT_CPU_MIN_BYTES = 16 << 10
+"""Smaller CPU tensors are copied at async staging, not fingerprinted, whether or not their version counter
+moved; the writer fingerprints the staged copy, off the loop, and still links the tensor when it is
+unchanged since the last checkpoint. A fingerprint on the loop costs ~3 us of Python per tensor (the
+eligibility check, the header, the hash call) before its bytes, a copy inside the batched
+``torch._foreach_copy_`` ~1 us: at 16 KiB ~5 us against ~3 us, even at ~64 KiB (measured on this project's
+2-core CPU, docs/benchmarks.md "Per-tensor work in the blocking path"). What it spares the loop: the 0-d
+``step`` counters of Adam, one per parameter, that a partly frozen model leaves unchanged (3,000 of them,
+19 ms per save at 9,000 tensors); what it costs: the copy of a few KiB that could have been skipped."""
+
+
+def copied_unproven(t: torch.Tensor, nbytes: int) -> bool:
+    """Whether async staging copies ``t`` (of ``nbytes``) without fingerprinting it, whatever its version
+    counter says: a CPU tensor under ``FINGERPRINT_CPU_MIN_BYTES``, a CUDA tensor under its device's
+    ``cuda_fingerprint_floor`` (or any, where the policy copies them all). Either way the writer fingerprints
+    the staged copy; "unchanged" is still decided by a fingerprint alone."""
+    if t.is_cpu:
+        return nbytes < FINGERPRINT_CPU_MIN_BYTES
+    if t.is_cuda:
+        least = cuda_fingerprint_floor(t.device)
+        return least is None or nbytes < least
+    return False
 
 
 def tensor_bytes(sd: Any) -> int:
@@ -129,6 +153,7 @@ class Stager:
         for a buffer copied because the tensor's version counter moved (written, not hashed)."""
         self.skipped = 0
         """Bytes the last ``stage`` did not copy: tensors proven unchanged since the buffers got them."""
+        self._small: tuple[Plan, Any, list[int], list[int]] | None = None  # ``_split``'s, of one plan
 
     def stage(self, sd: dict[str, Any], call: SaveCall | None = None, rank: int = 0) -> dict[str, Any]:
         """The snapshot of ``sd`` in the buffers. With ``call`` (the manager's save), a failure raises the
@@ -179,8 +204,8 @@ class Stager:
             self._before_alloc()
         pin = bool(cuda_devices(walked))
         # Shared: untouched pages, re-homed below without a copy.
-        buffers = _own_copies(sd, _create_cpu_state_dict(sd, pin_memory=pin and not self._shared))
-        _tie_buffers(sd, buffers)
+        buffers = own_copies(sd, _create_cpu_state_dict(sd, pin_memory=pin and not self._shared))
+        tie_buffers(sd, buffers)
         if self._shared:
             self.arena = move_into_arena(buffers, pin=pin)
         self._buffers = buffers
@@ -213,63 +238,84 @@ class Stager:
         """Copy the walked tensors into their buffers, except the plain tensors proven unchanged since their
         buffer got their bytes: the version counter is a hint in one direction only (moved: copied, no
         fingerprint); "unchanged" needs the fingerprint, computed where the tensor lives (GPU tensors on the
-        GPU, so an unchanged one costs no device-to-host copy). A tied tensor (one buffer, two keys) is
-        copied once. The copies go in one ``torch._foreach_copy_`` (one call, not one per tensor)."""
-        lives, targets, held = plan.lives(walked), plan.targets, plan.held
+        GPU, so an unchanged one costs no device-to-host copy). A tensor too small for its fingerprint to
+        cost less than its copy (``copied_unproven``) is copied without one, and the writer fingerprints the
+        staged copy. A tied tensor (one buffer, two keys) is copied once. The copies go in one
+        ``torch._foreach_copy_`` (one call, not one per tensor)."""
+        lives, targets = plan.lives(walked), plan.targets
         # The memory of each tensor is fixed by the plan's signature: its version counter says the rest.
         try:
             versions: list[int | None] = [t._version for t in lives]
         except RuntimeError:  # an inference tensor has no version counter (fingerprinted every time)
             versions = [version_counter(t) for t in lives]
         seen, plan.versions = plan.versions, versions
+        still, plan.still = plan.still, set()
         self.skipped = 0
-        if seen is not None and not plan.still and None not in seen and all(map(operator.ne, versions, seen)):
+        if seen is not None and not still and None not in seen and all(map(operator.ne, versions, seen)):
             # Every tensor written to since the last staging (a training step): all copied, none hashed,
-            # as the loop below would decide one by one.
+            # as the lines below would decide one by one.
             plan.held = [None] * len(lives)
             self.fingerprints = plan.unhashed.copy()  # the hashes of its keys computed once per plan
             _copy_all(targets, lives)
             _copy_opaque(plan, walked)
             return
-        todo: list[int] = []
-        check: list[int] = []
-        moved: list[int] = []
-        floor = {device: cuda_fingerprint_floor(device) for device in plan.devices}  # the policy, per device
-        for i, live in enumerate(lives):
-            written = seen is not None and seen[i] not in (None, versions[i])
-            # A tensor the previous staging proved unchanged that has just been written is fingerprinted
-            # anyway: with its new fingerprint recorded, the next save can prove it unchanged again
-            # (store/incremental.py) instead of writing it a second time unhashed. One that changes at
-            # every save is not (the fingerprint would only ever say "changed").
-            if written and i not in plan.still:
-                held[i] = None  # written to since: copied, not fingerprinted
-                todo.append(i)
-                moved.append(i)
-            elif live.is_cuda and ((least := floor[live.device]) is None or plan.nbytes[i] < least):
-                held[i] = None  # copied; the writer fingerprints the host copy, off the loop
-                todo.append(i)
-            else:
-                check.append(i)
-        plan.still = set()
+        small, large = self._split(plan, lives)
+        # Written to since the last staging: copied, not fingerprinted, except a tensor that staging proved
+        # unchanged and that has just been written: fingerprinted anyway, so that with its new fingerprint
+        # recorded the next save can prove it unchanged again (store/incremental.py) instead of writing it
+        # a second time unhashed. One that changes at every save is not (it would only say "changed").
+        moved = (
+            []
+            if seen is None
+            else [i for i, v, s in zip(range(len(lives)), versions, seen, strict=True)
+                  if s is not None and s != v and i not in still]
+        )  # fmt: skip
+        written = set(moved)
+        # Small tensors not written to: copied, the writer fingerprints the host copy, off the loop.
+        todo = moved + [i for i in small if i not in written]
+        check = [i for i in large if i not in written]
+        was = plan.held
+        held: list[bytes | None] = [None] * len(lives)
+        plan.held = held  # None: the buffer's bytes are not proven (copied unhashed)
         # None: its counter moved, so it may have changed: the writer writes it without hashing it (a sync
         # save does the same with the live tensor; "unchanged" is never decided without a fingerprint).
         self.fingerprints = {plan.aliases[i]: None for i in moved}
         for i, fp in zip(check, fingerprints([lives[i].detach() for i in check]), strict=True):
-            if fp is not None:
-                # The buffer holds exactly the bytes this fingerprint proved (copied below, or already
-                # there): the writer uses it rather than hashing the staged copy again.
-                self.fingerprints[plan.aliases[i]] = fp
-            if fp is not None and held[i] == fp:
+            held[i] = fp
+            if fp is None:
+                todo.append(i)
+                continue
+            # The buffer holds exactly the bytes this fingerprint proved (copied below, or already there):
+            # the writer uses it rather than hashing the staged copy again.
+            self.fingerprints[plan.aliases[i]] = fp
+            if was[i] == fp:
                 self.skipped += plan.nbytes[i]
                 plan.still.add(i)
-                continue
-            held[i] = fp
-            todo.append(i)
+            else:
+                todo.append(i)
         _copy_all([targets[i] for i in todo], [lives[i] for i in todo])
         _copy_opaque(plan, walked)
 
+    def _split(self, plan: Plan, lives: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+        """The targets copied whatever their version counter says (``copied_unproven``) and the others, in
+        order; fixed by the plan's signature (device and size of each target) and the policy, so computed
+        once per plan and policy, not per save."""
+        key = (
+            FINGERPRINT_CPU_MIN_BYTES,
+            tuple((d, cuda_fingerprint_floor(d)) for d in sorted(plan.devices, key=str)),
+        )
+        if self._small is not None and self._small[0] is plan and self._small[1] == key:
+            return self._small[2], self._small[3]
+        small: list[int] = []
+        large: list[int] = []
+        for i, t in enumerate(lives):
+            (small if copied_unproven(t, plan.nbytes[i]) else large).append(i)
+        self._small = (plan, key, small, large)
+        return small, large
+
     def release(self) -> None:
         self._plan = None  # its incremental records go with the buffers they describe
+        self._small = None  # it holds the plan, and so the buffers
         self._buffers = None
         self.nbytes = 0
         if self.arena is not None:
@@ -289,69 +335,3 @@ def _copy_opaque(plan: Plan, walked: Walked) -> None:
     """The tensor items only torch's own function copies (a ShardedTensor's shards, another subclass)."""
     for i, buf in plan.opaque:
         _copy_state_dict({"v": walked.leaves[i]}, {"v": buf}, non_blocking=True, type_check=False)
-
-
-def _leaves(sd: Any, path: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], torch.Tensor]]:
-    """(path, tensor) of every plain, non-empty tensor in dicts and lists (tuples cannot share a buffer)."""
-    if plain(sd):
-        return [(path, sd)] if sd.numel() else []
-    if isinstance(sd, dict):
-        return [leaf for k, v in sd.items() for leaf in _leaves(v, (*path, k))]
-    if isinstance(sd, list):
-        return [leaf for i, v in enumerate(sd) for leaf in _leaves(v, (*path, i))]
-    return []
-
-
-def _ties(sd: Any) -> list[tuple[int, int]]:
-    """Pairs (i, j) of leaf positions that are the very same tensor (tied weights), j > i."""
-    first: dict[Alias, int] = {}
-    out = []
-    for i, (_, t) in enumerate(_leaves(sd)):
-        key = alias(t)
-        if key in first:
-            out.append((first[key], i))
-        else:
-            first[key] = i
-    return out
-
-
-def _own_copies(sd: Any, buffers: Any) -> Any:
-    """``buffers`` with every tensor item that is the live item itself replaced by a private host copy.
-
-    torch's ``_create_cpu_state_dict`` returns a 0-d DTensor as it is (an FSDP2 / tensor-parallel scalar
-    parameter, its Adam moments): staged into itself, the snapshot then *was* the live DTensor, and the
-    next optimizer step, run while the background write was still reading it, reached the committed
-    checkpoint (a value from a later step: a bitwise resume broken without a sign). Every other item it
-    allocates anew (0-d and zero-size plain tensors, DTensors with an empty local shard, ShardedTensors
-    with local shards; a tensor on 'meta' gets a zero CPU buffer, and its copy then fails the save: there
-    are no bytes to save). A ShardedTensor without local shards is returned as is too, and kept: this rank
-    holds none of its bytes, so it writes nothing of it (untested: in a world of one, every ShardedTensor
-    has local shards). Walked once per buffer set (at allocation), never per save."""
-    if isinstance(buffers, torch.Tensor):
-        if buffers is sd and not isinstance(buffers, ShardedTensor):
-            return buffers.detach().to("cpu", copy=True)  # a DTensor stays one (same mesh and placements)
-        return buffers
-    if isinstance(buffers, dict):
-        for k, b in buffers.items():
-            buffers[k] = _own_copies(sd[k], b)
-        return buffers
-    if isinstance(buffers, list):
-        buffers[:] = [_own_copies(s, b) for s, b in zip(sd, buffers, strict=True)]
-        return buffers
-    if isinstance(buffers, tuple):
-        return tuple(_own_copies(s, b) for s, b in zip(sd, buffers, strict=True))
-    return buffers
-
-
-def _tie_buffers(sd: Any, buffers: Any) -> None:
-    """Give tied tensors one buffer: staged once, written once (store/incremental.py writes an item that
-    is the same view of the same memory as another once), and both keys load."""
-    live, bufs = _leaves(sd), _leaves(buffers)
-    for i, j in _ties(sd):
-        path, shared = bufs[j][0], bufs[i][1]
-        if len(bufs) != len(live) or not path:
-            return
-        container = buffers
-        for k in path[:-1]:
-            container = container[k]
-        container[path[-1]] = shared
