@@ -80,7 +80,12 @@ def _none() -> tuple[nn.Module, list[torch.optim.Optimizer]]:
     return _mlp(), []
 
 
-@pytest.mark.parametrize("make", [_adamw, _groups, _two, _tied, _none])
+def _no_bias() -> tuple[nn.Module, list[torch.optim.Optimizer]]:
+    m = nn.Sequential(nn.Linear(4, 8, bias=False), nn.ReLU(), nn.Linear(8, 2))  # a parameter set to None
+    return m, [torch.optim.AdamW(m.parameters(), lr=1e-3)]
+
+
+@pytest.mark.parametrize("make", [_adamw, _groups, _two, _tied, _none, _no_bias])
 def test_the_same_answer_as_torch_and_torch_asked_once(make: Case, asked: list[int]) -> None:
     model, opts = make()
     _step(model, opts)
@@ -122,6 +127,18 @@ def test_a_changed_model_or_optimizer_asks_torch_again(asked: list[int]) -> None
     with pytest.raises(Exception):  # noqa: B017
         fqn_cache.state_dicts(model, [opt])
     assert len(asked) == 3
+
+
+def test_parameters_trading_places_ask_torch_again(asked: list[int]) -> None:
+    # The same parameters, the same keys: only which module holds which changed. The names learned before
+    # would be wrong (the optimizer's state follows the parameter), so torch is asked again.
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    opt = torch.optim.Adam(model.parameters())
+    _step(model, [opt])
+    fqn_cache.state_dicts(model, [opt])
+    model[0].weight, model[1].weight = model[1].weight, model[0].weight
+    got = fqn_cache.state_dicts(model, [opt])
+    assert len(asked) == 2 and fqn_cache._same(got, get_state_dict(model, [opt]))
 
 
 def test_a_renaming_wrapper_is_left_to_torch(asked: list[int]) -> None:

@@ -33,16 +33,17 @@ def restorable(value: Any, path: str = "") -> Any:
     if isinstance(value, torch.Tensor) or type(value) in _PLAIN:
         return value
     if isinstance(value, _CONTAINERS):
-        items = value.values() if isinstance(value, dict) else value
-        if type(value) in _SAFE_CONTAINERS and all(type(v) in _LEAVES for v in items):
+        if _flat(value):
             return value  # a model's state dict, an optimizer's per-parameter state: nothing to check
         if type(value) not in _SAFE_CONTAINERS:  # OrderedDict (a model's state dict), a namedtuple, ...
             _check_weights_only(_shell(value), path)  # the container type alone, never its tensors
         # Tensors and plain values as they are, no call or path built for each (this runs every save).
         named, pre = isinstance(value, dict), f"{path}." if path or not isinstance(value, dict) else ""
         pairs = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
+        # A flat child (an optimizer's per-parameter state: thousands per save) is checked here, without a
+        # call or a path of its own.
         changed = {k: new for k, v in pairs if not (isinstance(v, torch.Tensor) or type(v) in _PLAIN)
-                   and (new := restorable(v, f"{pre}{k}")) is not v}  # fmt: skip
+                   and not _flat(v) and (new := restorable(v, f"{pre}{k}")) is not v}  # fmt: skip
         out = [changed.get(k, v) for k, v in pairs] if changed else None
         if out is None:
             return value
@@ -55,6 +56,15 @@ def restorable(value: Any, path: str = "") -> Any:
         return plain
     _check_weights_only(value, path)
     return value
+
+
+def _flat(value: Any) -> bool:
+    """A dict, list, tuple or OrderedDict of plain tensors and plain values only: restore loads it as it is.
+    The types are compared in C (``issuperset`` over ``map``), with no Python call per item."""
+    kind = type(value)
+    if kind not in _SAFE_CONTAINERS:
+        return False
+    return _LEAVES.issuperset(map(type, value.values() if issubclass(kind, dict) else value))
 
 
 def _fields(kind: type) -> bool:
