@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.state_dict_saver import async_save
 
 import safepoint
 
+SCENARIOS = ("step", "frozen-steps", "frozen-half")
 KEEP = safepoint.Keep(last=1)  # one checkpoint per manager: the bench holds GiBs in /dev/shm
 VARIANTS = ("pinned-copy", "pinned-foreach", "pinned-arena", "sp-async-process", "sp-async-thread", "sp-sync",
             "torch-save", "dcp-async")  # fmt: skip
@@ -82,14 +83,44 @@ def state_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Te
     return out
 
 
+def changer(model: nn.Module, opt: torch.optim.Optimizer, scenario: str) -> Any:
+    """What changes between two saves (``--scenario``), as a function. ``step``: a training step's worth,
+    every tensor: the parameters, Adam's moments and its step counts, as ``opt.step()`` changes them (until
+    the ``stagefast`` round only the parameters changed, and the unchanged moments went through the
+    incremental check instead of the copy). ``frozen-steps``: the parameters and moments, not the 0-d step
+    counts (what ``profile_gpu_save.py`` changed before the ``gpustage`` round): a mix of written and
+    untouched tensors, so every save goes through the per-tensor incremental check. ``frozen-half``: the
+    first half of the parameters and their Adam state, as ``opt.step()`` changes them; the other half
+    untouched (frozen layers, or parameters that got no gradient: Adam leaves their state as it was)."""
+    params = [p.detach() for p in model.parameters()]
+    # Each parameter's two moments, in parameter order (Adam's state: step, exp_avg, exp_avg_sq).
+    moments = [opt.state[p][k] for p in model.parameters() for k in ("exp_avg", "exp_avg_sq")]
+    steps = [opt.state[p]["step"] for p in model.parameters()]
+    half = len(params) // 2
+    written = {
+        "step": (params + moments, steps),
+        "frozen-steps": (params + moments, []),
+        "frozen-half": (params[:half] + moments[: 2 * half], steps[:half]),
+    }[scenario]
+
+    def change() -> None:
+        with torch.no_grad():
+            torch._foreach_add_(written[0], 1e-3)
+            if written[1]:
+                torch._foreach_add_(written[1], 1.0)
+
+    return change
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
 class Runner:
-    def __init__(self, base: Path, model: Bag, opt: torch.optim.Adam) -> None:
+    def __init__(self, base: Path, model: Bag, opt: torch.optim.Adam, scenario: str = "step") -> None:
         self.base, self.model, self.opt = base, model, opt
+        self._change = changer(model, opt, scenario)
         self.state = safepoint.TrainState(model=model, optimizer=opt, rng=False)
         src = state_tensors(model, opt)
         pin = torch.cuda.is_available()
@@ -153,15 +184,7 @@ class Runner:
         sync()
 
     def touch(self) -> None:
-        """A training step's worth of change, so incremental saves have every tensor to write: the
-        parameters, Adam's moments and its step counts, as ``opt.step()`` changes them (until the
-        ``stagefast`` round only the parameters changed, and the unchanged moments went through the
-        incremental check instead of the copy)."""
-        with torch.no_grad():
-            torch._foreach_add_(self.src, 1e-3)
-            steps = [s["step"] for s in self.opt.state.values() if isinstance(s.get("step"), torch.Tensor)]
-            if steps:
-                torch._foreach_add_(steps, 1.0)
+        self._change()
         sync()
 
     def run(self, variant: str) -> dict[str, Any]:
@@ -237,10 +260,12 @@ def rotated(xs: Sequence[str], k: int) -> list[str]:
     return list(xs[k:]) + list(xs[:k])
 
 
-def bench(size_mib: int, n_tensors: int, rounds: int, base: Path, variants: Sequence[str]) -> dict[str, Any]:
+def bench(
+    size_mib: int, n_tensors: int, rounds: int, base: Path, variants: Sequence[str], scenario: str = "step"
+) -> dict[str, Any]:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model, opt = make_state(size_mib << 20, n_tensors, device)
-    runner = Runner(base, model, opt)
+    runner = Runner(base, model, opt, scenario)
     runs: list[dict[str, Any]] = []
     try:
         for v in variants:  # warm-up: allocations, the writer process, CUDA contexts
@@ -280,6 +305,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="MIBxPARAMS,...: state MiB (params + Adam) and parameter count (default 2048x300,512x3000)",
     )
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument(
+        "--scenario",
+        choices=SCENARIOS,
+        default="step",
+        help="what changes between saves (Runner.touch): every tensor (a training step, the default), all "
+        "but Adam's 0-d step counts, or half the parameters with their Adam state",
+    )
     p.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS))
     p.add_argument("--dir", default=None, help="where checkpoints go (default: /dev/shm if there, else tmp)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -292,10 +324,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for size, n in args.cases:
         base = Path(tempfile.mkdtemp(prefix="sp-gpu-", dir=where))
         try:
-            case = bench(size, n, args.rounds, base, args.variants)
+            case = bench(size, n, args.rounds, base, args.variants, args.scenario)
         finally:
             shutil.rmtree(base, ignore_errors=True)
-        case.update(size_mib=size, n_param=n)
+        case.update(size_mib=size, n_param=n, scenario=args.scenario)
         results["cases"].append(case)
         summary = {k: v for k, v in case.items() if k != "runs"}
         print(json.dumps(summary, indent=1), flush=True)

@@ -3,9 +3,10 @@
 
 On an H100 the process writer blocked 1.6-2x the thread writer at 9,000 tensors (docs/benchmarks.md "The
 GPU path"), the extra being CPU time of the calling thread outside staging's copy. This profiles the
-blocking call (``save()`` of a steady async save, every tensor changed before it, the previous save
-waited for) under cProfile for each writer and prints the functions by own time, so the two can be
-compared line by line; CUDA when there is a device, else CPU.
+blocking call (``save()`` of a steady async save, the previous save waited for) under cProfile for each
+writer and prints the functions by own time, so the two can be compared line by line; CUDA when there is a
+device, else CPU. What changes before each save: ``--scenario`` (``bench_gpu.changer``), by default the
+parameters and Adam's moments but not its 0-d step counts, so the per-tensor incremental check runs.
 
     python benchmarks/profile_gpu_save.py --size-mib 512 --params 3000 --saves 4
 """
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_gpu import make_state, sync
+from bench_gpu import SCENARIOS, changer, make_state, sync
 
 import safepoint
 
@@ -33,9 +34,11 @@ def main() -> None:
     p.add_argument("--saves", type=int, default=4)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--writers", default="process,thread")
+    p.add_argument("--scenario", choices=SCENARIOS, default="frozen-steps", help="bench_gpu.changer")
     a = p.parse_args()
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model, opt = make_state(a.size_mib << 20, a.params, device)
+    change = changer(model, opt, a.scenario)
     state = safepoint.TrainState(model=model, optimizer=opt, rng=False)
     base = Path(tempfile.mkdtemp(prefix="sp-prof-", dir="/dev/shm"))
     try:
@@ -49,13 +52,7 @@ def main() -> None:
             prof = cProfile.Profile()
             walls, cpus = [], []
             for step in range(1, a.saves + 4):
-                with torch.no_grad():
-                    for t in model.parameters():
-                        t.add_(1.0)
-                    for st in opt.state.values():
-                        for v in st.values():
-                            if isinstance(v, torch.Tensor) and v.numel() > 1:
-                                v.add_(1.0)
+                change()
                 sync()
                 mgr.wait()
                 measured = step > 3
