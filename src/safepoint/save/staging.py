@@ -279,7 +279,7 @@ class Stager:
         plan.held = held  # None: the buffer's bytes are not proven (copied unhashed)
         # None: its counter moved, so it may have changed: the writer writes it without hashing it (a sync
         # save does the same with the live tensor; "unchanged" is never decided without a fingerprint).
-        self.fingerprints = {plan.aliases[i]: None for i in moved}
+        self.fingerprints = dict.fromkeys(map(plan.aliases.__getitem__, moved))
         for i, fp in zip(check, fingerprints([lives[i].detach() for i in check]), strict=True):
             held[i] = fp
             if fp is None:
