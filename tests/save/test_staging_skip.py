@@ -136,7 +136,7 @@ def test_an_async_save_writes_a_tied_weight_once_and_both_keys_load(root: Path, 
     assert torch.equal(fresh.mid.weight, model.mid.weight)
 
 
-def test_small_cpu_tensors_are_copied_not_fingerprinted_at_staging() -> None:
+def test_small_cpu_tensors_are_copied_not_fingerprinted_at_staging(stager: Stager) -> None:
     # Adam's 0-d step counters of a frozen layer, a small bias: cheaper to copy than to fingerprint inside
     # the loop's blocking time (FINGERPRINT_CPU_MIN_BYTES); the large frozen tensor is still proven and
     # skipped. A write the version counter misses reaches the snapshot either way.
@@ -144,11 +144,11 @@ def test_small_cpu_tensors_are_copied_not_fingerprinted_at_staging() -> None:
     small = {"step": torch.tensor(7.0), "bias": torch.randn(100), "trained": torch.randn(50)}
     sd: dict[str, object] = {"big": big, **small}
     assert big.nbytes >= staging.FINGERPRINT_CPU_MIN_BYTES > small["bias"].nbytes
-    stager = Stager()
     stager.stage(sd)
     with torch.no_grad():
         small["trained"].add_(1.0)
     snapshot = stager.stage(sd)
+    assert all(torch.equal(snapshot[k], v) for k, v in sd.items())  # type: ignore[arg-type]
     assert stager.skipped == big.nbytes  # only the large one proven unchanged, not copied
     # Only the large one fingerprinted; the moved one marked unhashed; the small unchanged ones left to the
     # writer, which fingerprints their staged copies (off the loop).
