@@ -71,6 +71,7 @@ class Layout:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
+        self.pending_root = self.root / PENDING_DIR  # made once: a save asked for it ~6 times (~5 us a Path)
         # RootDir holds no descriptor (each call opens the root afresh), only the root's absolute path: one
         # made here serves every call (a save asked for a new one ~6 times). A relative root is resolved
         # against the working directory of each call, as before, so it gets a new one each time.
@@ -88,10 +89,6 @@ class Layout:
     def fs(self) -> RootDir:
         """ROOT, touched only through the guarded walk: no symlink below it followed (store/rootfs.py)."""
         return self._fs or RootDir(self.root)
-
-    @property
-    def pending_root(self) -> Path:
-        return self.root / PENDING_DIR
 
     def step_path(self, step: int) -> Path:
         return self.root / step_name(step)

@@ -153,20 +153,26 @@ class RootDir:
         parts = self.parts(rel)
         if not parts:
             raise OutsideRootError(errno.EINVAL, f"{self.path}: the root itself has no parent here")
-        with self.dir("/".join(parts[:-1]), create=create) as fd:
+        fd = self._walk(parts[:-1], create)  # what dir() walks, without parsing the joined name again
+        try:
             yield fd, parts[-1]
+        finally:
+            os.close(fd)
 
     # ---- looking -------------------------------------------------------------------------------------
 
     def lstat(self, rel: Rel) -> os.stat_result | None:
         """``rel``'s own stat (a symlink is not followed), or None when it, or a directory on its way, is
         missing, a symlink or not a directory."""
-        parts = self.parts(rel)
+        parts = self.parts(rel)  # parsed once: parent() would parse it again, and dir() the rest again
         try:
             if not parts:
                 return os.stat(self.path)
-            with self.parent(rel) as (fd, name):
-                return os.stat(name, dir_fd=fd, follow_symlinks=False)
+            fd = self._walk(parts[:-1], False)
+            try:
+                return os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
+            finally:
+                os.close(fd)
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as e:
