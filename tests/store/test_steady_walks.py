@@ -36,23 +36,25 @@ def _manager(root: Path) -> safepoint.CheckpointManager:
 
 
 def test_a_steady_save_makes_its_directory_in_one_walk(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither the save's directory nor retention's delete (inline here) looks at .pending apart from the
+    walk that uses it; the root's own path is not made again."""
     state = _state()
     made: list[str] = []
     looked: list[str] = []
-    real_makedirs, real_kind = os.makedirs, RootDir.kind
+    real_makedirs, real_lstat = os.makedirs, RootDir.lstat
 
     def makedirs(path: Any, *args: Any, **kwargs: Any) -> None:
         made.append(os.fspath(path))
         real_makedirs(path, *args, **kwargs)
 
-    def kind(self: RootDir, rel: Any) -> str | None:
+    def lstat(self: RootDir, rel: Any) -> os.stat_result | None:  # kind() and isdir() ask through it
         looked.append(os.fspath(rel))
-        return real_kind(self, rel)
+        return real_lstat(self, rel)
 
     with _manager(root) as mgr:
         mgr.save(1, state)
         monkeypatch.setattr(os, "makedirs", makedirs)
-        monkeypatch.setattr(RootDir, "kind", kind)
+        monkeypatch.setattr(RootDir, "lstat", lstat)
         mgr.save(2, state)
         mgr.save(3, state)
         monkeypatch.undo()
@@ -94,7 +96,9 @@ def test_a_pending_that_is_not_a_directory_is_named_and_nothing_is_made(
     assert list(outside.iterdir()) == []
 
 
-def test_one_root_dir_per_root_serves_the_commit_protocol(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_root_dir_per_root_serves_the_commit_protocol(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     state = _state()
     made: list[str] = []
     real_init = RootDir.__init__

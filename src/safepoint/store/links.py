@@ -99,8 +99,8 @@ class Linker:
             self._stack = contextlib.ExitStack()
             fs = root_dir(os.path.commonpath([self.source, self.target]))
             try:
-                src = self._stack.enter_context(fs.dir(fs.name(self.source)))
-                dst = self._stack.enter_context(fs.dir(fs.name(self.target)))
+                src = self._stack.enter_context(fs.dir(self.source))  # a Path: parsed once, by dir()
+                dst = self._stack.enter_context(fs.dir(self.target))
             except OSError:
                 return None  # the previous step is gone (or not a real directory): nothing is linked
             self._fds = (src, dst)

@@ -356,13 +356,15 @@ class Layout:
             raise OSError(f"not deleting {src}: it is {problem}, not a checkpoint directory")
         expected = None if st is None else (st.st_dev, st.st_ino)  # before the fence: what was decided
         self.fence(f"deleting step {step}")
-        if not fs.isdir(PENDING_DIR):
-            # In place: through a symlinked .pending it would go outside ROOT.
-            if not _remove_manifest_first(src, expected):
+        doomed = self.pending_root / f"{_DELETING_PREFIX}{src.name}-{uuid.uuid4().hex[:8]}"
+        try:  # the move's walk refuses a .pending that is no real directory (ELOOP, ENOTDIR): moved nothing
+            fs.move(src, doomed)
+        except OSError:
+            if fs.isdir(PENDING_DIR):  # asked only now: one walk less per delete (every save's retention)
+                raise
+            if not _remove_manifest_first(src, expected):  # in place: via a symlinked .pending, outside ROOT
                 self._lost(f"deleting step {step}", f"{src} was replaced meanwhile")
             return
-        doomed = self.pending_root / f"{_DELETING_PREFIX}{src.name}-{uuid.uuid4().hex[:8]}"
-        fs.move(src, doomed)
         if _identity(doomed) != expected:  # a step-N committed since the fence (a new owner's): put back
             fs.move(doomed, src)
             self._lost(f"deleting step {step}", f"{src} was replaced meanwhile")
