@@ -34,10 +34,19 @@ from safepoint.store.posix_layout import Layout
 from safepoint.store.rootfs import RootDir
 from safepoint.store.storage import _ChecksummingFileSystem
 
-_FILES = ("safepoint.json", ".metadata", "rank-0.state", "rank-0.fingerprints", "__0_0.distcp", "__0_1.distcp")
+_FILES = (
+    "safepoint.json",
+    ".metadata",
+    "rank-0.state",
+    "rank-0.fingerprints",
+    "__0_0.distcp",
+    "__0_1.distcp",
+)
 
 
-def _blocks(blocks: int, per: int, prepare: Callable[[int], object], run: Callable[[object], object]) -> float:
+def _blocks(
+    blocks: int, per: int, prepare: Callable[[int], object], run: Callable[[object], object]
+) -> float:
     """Median over ``blocks`` of the mean thread CPU (us) of ``run(prepare(i))``, ``prepare`` untimed."""
     out, n = [], 0
     for _ in range(blocks):

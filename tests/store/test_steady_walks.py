@@ -117,3 +117,24 @@ def test_one_root_dir_per_root_serves_the_commit_protocol(
     assert root_cache.root_dir(root) is root_cache.root_dir(str(root))
     relative = root_cache.root_dir("ckpt-relative")
     assert relative is not root_cache.root_dir("ckpt-relative")  # resolved against the cwd of each call
+
+
+def test_a_read_builds_its_full_path_only_for_a_refusal(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root.mkdir()
+    (root / "sub").mkdir()
+    (root / "sub" / "file").write_bytes(b"x")
+    os.mkfifo(root / "sub" / "fifo")
+    fs = RootDir(root)
+    full: list[Any] = []
+    real_full = RootDir.full
+
+    def counted(self: RootDir, rel: Any) -> Path:
+        full.append(rel)
+        return real_full(self, rel)
+
+    monkeypatch.setattr(RootDir, "full", counted)
+    os.close(fs.open_read("sub/file"))
+    assert full == []
+    with pytest.raises(OSError, match=rf"{root}/sub/fifo is a FIFO, not a regular file"):
+        fs.open_read(Path(root / "sub" / "fifo"))
+    assert len(full) == 1

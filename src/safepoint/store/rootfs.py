@@ -247,7 +247,7 @@ class RootDir:
         The caller closes it. OSError (ELOOP, ENOENT, ...) or NotRegularFileError otherwise."""
         with self.parent(rel) as (dfd, name):
             fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
-        return keep_if_regular(fd, self.full(rel))
+        return keep_if_regular(fd, lambda: self.full(rel))
 
     def read(self, rel: Rel, limit: int) -> bytes:
         """The whole regular file ``rel``, at most ``limit`` bytes: a larger one raises OSError (EFBIG)
@@ -297,7 +297,7 @@ class RootDir:
         flags |= os.O_WRONLY | os.O_APPEND if append else os.O_RDWR
         with self.parent(rel) as (dfd, name):
             fd = os.open(name, flags, 0o666, dir_fd=dfd)
-        return keep_if_regular(fd, self.full(rel))
+        return keep_if_regular(fd, lambda: self.full(rel))
 
     def write(self, rel: Rel, data: bytes, *, durable: bool = True) -> None:
         """:meth:`create` ``rel`` holding ``data`` (fsync'd when ``durable``)."""
