@@ -241,10 +241,14 @@ class ChecksummingWriter:
         self._size = 0
         self._closed = False
         self._helper: concurrent.futures.ThreadPoolExecutor | None = None
-        self._overlap = _usable_cpus() >= _OVERLAP_MIN_CPUS
+        # Asked at the first write big enough to overlap, not per stream: a save's small files (its
+        # .metadata, manifest, side file) never overlap, and the affinity call was one system call each.
+        self._overlap: bool | None = None
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
+        if view.nbytes >= _OVERLAP_MIN and self._overlap is None:
+            self._overlap = _usable_cpus() >= _OVERLAP_MIN_CPUS
         if view.nbytes < _OVERLAP_MIN or not self._overlap:
             n = self._raw.write(data)
             written = view[: n if n is not None else None]

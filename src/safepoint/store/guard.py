@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -64,13 +65,15 @@ def open_regular(path: str | os.PathLike[str]) -> int:
     return keep_if_regular(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC), path)
 
 
-def keep_if_regular(fd: int, what: str | os.PathLike[str]) -> int:
+def keep_if_regular(fd: int, what: str | os.PathLike[str] | Callable[[], os.PathLike[str]]) -> int:
     """``fd`` (opened with O_NONBLOCK, so a FIFO never blocked the open) back in blocking mode if it is a
-    regular file; otherwise closed, and NotRegularFileError naming ``what``."""
+    regular file; otherwise closed, and NotRegularFileError naming ``what`` (a callable: its answer, asked
+    only then; RootDir's reads build the full path for the message alone, ~5 us a read)."""
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise NotRegularFileError(f"{os.fspath(what)} is {describe_mode(mode)}, not a regular file")
+            named = os.fspath(what() if callable(what) else what)
+            raise NotRegularFileError(f"{named} is {describe_mode(mode)}, not a regular file")
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)

@@ -16,6 +16,7 @@ from pathlib import Path
 from safepoint.store.checksum import crc_hex, fd_range_crc32c
 from safepoint.store.guard import file_identity as file_identity  # re-exported
 from safepoint.store.guard import link_at
+from safepoint.store.root_cache import root_dir
 from safepoint.store.rootfs import RootDir
 
 Key = tuple[str, tuple[int, ...]]  # (fqn, chunk offsets): one item of a rank's plan
@@ -96,10 +97,10 @@ class Linker:
     def _dirs(self) -> tuple[int, int] | None:
         if self._stack is None:
             self._stack = contextlib.ExitStack()
-            fs = RootDir(os.path.commonpath([self.source, self.target]))
+            fs = root_dir(os.path.commonpath([self.source, self.target]))
             try:
-                src = self._stack.enter_context(fs.dir(fs.name(self.source)))
-                dst = self._stack.enter_context(fs.dir(fs.name(self.target)))
+                src = self._stack.enter_context(fs.dir(self.source))  # a Path: parsed once, by dir()
+                dst = self._stack.enter_context(fs.dir(self.target))
             except OSError:
                 return None  # the previous step is gone (or not a real directory): nothing is linked
             self._fds = (src, dst)

@@ -71,6 +71,7 @@ class Layout:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
+        self.pending_root = self.root / PENDING_DIR  # made once: a save asked for it ~6 times (~5 us a Path)
         # RootDir holds no descriptor (each call opens the root afresh), only the root's absolute path: one
         # made here serves every call (a save asked for a new one ~6 times). A relative root is resolved
         # against the working directory of each call, as before, so it gets a new one each time.
@@ -88,10 +89,6 @@ class Layout:
     def fs(self) -> RootDir:
         """ROOT, touched only through the guarded walk: no symlink below it followed (store/rootfs.py)."""
         return self._fs or RootDir(self.root)
-
-    @property
-    def pending_root(self) -> Path:
-        return self.root / PENDING_DIR
 
     def step_path(self, step: int) -> Path:
         return self.root / step_name(step)
@@ -359,13 +356,15 @@ class Layout:
             raise OSError(f"not deleting {src}: it is {problem}, not a checkpoint directory")
         expected = None if st is None else (st.st_dev, st.st_ino)  # before the fence: what was decided
         self.fence(f"deleting step {step}")
-        if not fs.isdir(PENDING_DIR):
-            # In place: through a symlinked .pending it would go outside ROOT.
-            if not _remove_manifest_first(src, expected):
+        doomed = self.pending_root / f"{_DELETING_PREFIX}{src.name}-{uuid.uuid4().hex[:8]}"
+        try:  # the move's walk refuses a .pending that is no real directory (ELOOP, ENOTDIR): moved nothing
+            fs.move(src, doomed)
+        except OSError:
+            if fs.isdir(PENDING_DIR):  # asked only now: one walk less per delete (every save's retention)
+                raise
+            if not _remove_manifest_first(src, expected):  # in place: via a symlinked .pending, outside ROOT
                 self._lost(f"deleting step {step}", f"{src} was replaced meanwhile")
             return
-        doomed = self.pending_root / f"{_DELETING_PREFIX}{src.name}-{uuid.uuid4().hex[:8]}"
-        fs.move(src, doomed)
         if _identity(doomed) != expected:  # a step-N committed since the fence (a new owner's): put back
             fs.move(doomed, src)
             self._lost(f"deleting step {step}", f"{src} was replaced meanwhile")

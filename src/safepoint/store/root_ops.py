@@ -17,12 +17,13 @@ from pathlib import Path
 from safepoint.store.checksum import fd_range_crc32c
 from safepoint.store.guard import MISSING, describe_mode, parse_step
 from safepoint.store.manifest import MANIFEST_NAME
+from safepoint.store.root_cache import root_dir
 from safepoint.store.rootfs import RootDir
 
 
 def root_of(path: Path) -> RootDir:
     """The ROOT that ``path`` lies in: ROOT/step-N's parent, or ROOT/.pending/<name>'s grandparent."""
-    return RootDir(path.parent if parse_step(path.name) is not None else path.parent.parent)
+    return root_dir(path.parent if parse_step(path.name) is not None else path.parent.parent)
 
 
 def identity(path: Path) -> tuple[int, int] | None:
@@ -40,7 +41,7 @@ def rename_exchange(a: Path, b: Path) -> bool:
 def write_file_durably(path: Path, data: bytes) -> None:
     """``data`` as the new file ``path`` in a save's directory (ROOT/.pending/<save>/<name>), fsync'd: a
     link planted at the name is unlinked, never written through (RootDir.write)."""
-    RootDir(path.parent.parent.parent).write(path, data)
+    root_dir(path.parent.parent.parent).write(path, data)
 
 
 def remove_tree(path: Path) -> str | None:

@@ -153,20 +153,26 @@ class RootDir:
         parts = self.parts(rel)
         if not parts:
             raise OutsideRootError(errno.EINVAL, f"{self.path}: the root itself has no parent here")
-        with self.dir("/".join(parts[:-1]), create=create) as fd:
+        fd = self._walk(parts[:-1], create)  # what dir() walks, without parsing the joined name again
+        try:
             yield fd, parts[-1]
+        finally:
+            os.close(fd)
 
     # ---- looking -------------------------------------------------------------------------------------
 
     def lstat(self, rel: Rel) -> os.stat_result | None:
         """``rel``'s own stat (a symlink is not followed), or None when it, or a directory on its way, is
         missing, a symlink or not a directory."""
-        parts = self.parts(rel)
+        parts = self.parts(rel)  # parsed once: parent() would parse it again, and dir() the rest again
         try:
             if not parts:
                 return os.stat(self.path)
-            with self.parent(rel) as (fd, name):
-                return os.stat(name, dir_fd=fd, follow_symlinks=False)
+            fd = self._walk(parts[:-1], False)
+            try:
+                return os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
+            finally:
+                os.close(fd)
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as e:
@@ -241,7 +247,7 @@ class RootDir:
         The caller closes it. OSError (ELOOP, ENOENT, ...) or NotRegularFileError otherwise."""
         with self.parent(rel) as (dfd, name):
             fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
-        return keep_if_regular(fd, self.full(rel))
+        return keep_if_regular(fd, lambda: self.full(rel))
 
     def read(self, rel: Rel, limit: int) -> bytes:
         """The whole regular file ``rel``, at most ``limit`` bytes: a larger one raises OSError (EFBIG)
@@ -291,7 +297,7 @@ class RootDir:
         flags |= os.O_WRONLY | os.O_APPEND if append else os.O_RDWR
         with self.parent(rel) as (dfd, name):
             fd = os.open(name, flags, 0o666, dir_fd=dfd)
-        return keep_if_regular(fd, self.full(rel))
+        return keep_if_regular(fd, lambda: self.full(rel))
 
     def write(self, rel: Rel, data: bytes, *, durable: bool = True) -> None:
         """:meth:`create` ``rel`` holding ``data`` (fsync'd when ``durable``)."""
