@@ -170,13 +170,17 @@ def run_forked_rank_job(
     kill_at: int | None = None,
     kill: Callable[[int], None] | None = None,
     rank_servers: int = 0,
+    lightning_ranks: int = 0,
 ) -> tuple[dict[tuple[int, int], str], int, str]:
     """tests/helpers/rank_jobs.py ``run_rank_job`` for ``python ARGV...``, its first process forked from the
     fork server that ran ``imports`` (it leads its own session, as there): a job that launches its other
-    processes itself (Lightning's rank 1, torchrun's workers) still starts them as fresh interpreters. With
+    processes itself (Lightning's rank 1, torchrun's workers) starts them as fresh interpreters unless told
+    below. With
     ``kill_at``, ``kill(pid)`` once rank 0 printed that step (default: kill -9 of the process group).
     ``rank_servers``: ARGV is ``-m torch.distributed.run ...`` and its ranks are forked too
-    (tests/helpers/launch.py ``Agent``). Returns ``{(rank, step): loss}``, the exit code and stderr."""
+    (tests/helpers/launch.py ``Agent``). ``lightning_ranks``: ARGV is a Lightning job, and this many of the
+    ranks its launcher starts are forked from rank servers of rank 0 (tests/helpers/rank_servers.py
+    ``fork_lightning_ranks``). Returns ``{(rank, step): loss}``, the exit code and stderr."""
     env = dict(job_env(), CUDA_VISIBLE_DEVICES="")
     err_path = root.parent / f"{root.name}-{time.monotonic_ns()}.stderr"
     losses: dict[tuple[int, int], str] = {}
@@ -185,7 +189,9 @@ def run_forked_rank_job(
         out_r, out_w = os.pipe()
         try:
             proc = forkserver.spawn(
-                imports, argv, env, out_w, err.fileno(), str(REPO), rank_servers=rank_servers,
+                imports, argv, env, out_w, err.fileno(), str(REPO),
+                rank_servers=rank_servers or lightning_ranks,
+                ranks_for="lightning" if lightning_ranks else "torchrun",
                 # an agent's server: keyed and started as tests/helpers/launch.py ``Agent``'s
                 per_run=AGENT_PER_RUN if rank_servers else (),
                 server_env={"OMP_NUM_THREADS": "1"} if rank_servers else None,

@@ -70,7 +70,8 @@ def _own_hostname(name: str) -> None:
 
 def _become(request: dict[str, object], fds: list[int], sock: socket.socket, ready_w: int) -> None:
     """In the child: turn into ``python argv[0] argv[1:]`` and run it; never returns to the server loop."""
-    os.setsid()
+    if request.get("session", True):  # False: a rank Lightning starts (``Popen`` without a new session)
+        os.setsid()
     hostname = request.get("hostname")
     if hostname is not None:
         assert isinstance(hostname, str)
@@ -100,9 +101,9 @@ def _become(request: dict[str, object], fds: list[int], sock: socket.socket, rea
         argv = argv[1:]
         _unbuffered()
     ranks = request.get("rank_servers")
-    if ranks:  # a torchrun agent whose ranks are forked (below), before torchrun starts a thread
+    if ranks:  # a torchrun agent or Lightning rank 0 whose ranks are forked (below), before a thread starts
         assert isinstance(ranks, int)
-        _fork_ranks(ranks)
+        _fork_ranks(ranks, str(request.get("ranks_for", "torchrun")))
     if argv[0] == "-c":  # ``python -c CODE ARGS``: argv[0] is "-c", sys.path[0] "" (the working directory)
         sys.argv = ["-c", *(str(a) for a in argv[2:])]
         sys.path[0] = ""
@@ -150,12 +151,13 @@ def _unbuffered() -> None:
         setattr(sys, f"__{name}__", stream)
 
 
-# Ranks forked for a torchrun agent (``spawn(..., rank_servers=N)``): tests/helpers/rank_servers.py. The
-# environment the server's imports ran under, for it to tell whether a rank's may differ.
+# Ranks forked for a torchrun agent or Lightning's rank 0 (``spawn(..., rank_servers=N)``):
+# tests/helpers/rank_servers.py. The environment the server's imports ran under, for it to tell whether a
+# rank's may differ.
 _IMPORT_ENV: dict[str, str] = {}
 
 
-def _fork_ranks(count: int) -> None:
+def _fork_ranks(count: int, ranks_for: str) -> None:
     """Load tests/helpers/rank_servers.py by its path (this server runs as a script: ``tests`` may not be on
     its path) and fork the rank servers."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_servers.py")
@@ -163,7 +165,8 @@ def _fork_ranks(count: int) -> None:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.fork_ranks(count, serve, _IMPORT_ENV, _PER_TEST)
+    fork = module.fork_lightning_ranks if ranks_for == "lightning" else module.fork_ranks
+    fork(count, serve, _IMPORT_ENV, _PER_TEST)
 
 
 def main() -> None:
@@ -266,10 +269,14 @@ class ForkServer:
         cwd: str,
         hostname: str | None,
         rank_servers: int = 0,
+        ranks_for: str = "torchrun",
     ) -> Child:
         """Fork ``python argv...`` with these descriptors as its stdout and stderr."""
         assert not self.busy, "one job at a time per fork server"
-        request = {"argv": argv, "env": env, "cwd": cwd, "hostname": hostname, "rank_servers": rank_servers}
+        request = {
+            "argv": argv, "env": env, "cwd": cwd, "hostname": hostname, "rank_servers": rank_servers,
+            "ranks_for": ranks_for,
+        }  # fmt: skip
         socket.send_fds(self.sock, [json.dumps(request).encode()], [stdout, stderr])
         self.busy = True
         return Child(self, self.receive("pid", 60))
@@ -311,6 +318,7 @@ def spawn(
     hostname: str | None = None,
     server_env: dict[str, str] | None = None,
     rank_servers: int = 0,
+    ranks_for: str = "torchrun",
 ) -> Child:
     """Fork ``python argv...`` from a server that ran ``imports`` under this environment (started on
     first use, kept for the rest of the pytest process; another one is started while every such server is
@@ -322,7 +330,9 @@ def spawn(
     ``OMP_NUM_THREADS=1`` for a torchrun agent whose ranks use the job's own setting.
     ``hostname``: the child gets a UTS namespace of its own with this host name (as ``unshare --uts``).
     ``rank_servers``: the child is a torchrun agent (``-m torch.distributed.run``) whose first this many
-    local ranks are forked from rank servers (see ``_fork_ranks``), not started as fresh interpreters."""
+    local ranks are forked from rank servers (see ``_fork_ranks``), not started as fresh interpreters;
+    ``ranks_for="lightning"``: the child is a Lightning job's rank 0, and this many of the ranks Lightning
+    starts itself (``Popen([python, SCRIPT, ...])``) are forked the same way."""
     fresh = {k: v for k, v in env.items() if k not in _PER_TEST and k not in per_run}
     fresh.update(server_env or {})
     key = (imports, frozenset(fresh.items()))
@@ -334,7 +344,7 @@ def spawn(
     if server is None:  # busy ones stay: their jobs still report to them
         server = ForkServer(imports, fresh)
         pool.append(server)
-    return server.spawn(argv, env, stdout, stderr, cwd, hostname, rank_servers)
+    return server.spawn(argv, env, stdout, stderr, cwd, hostname, rank_servers, ranks_for)
 
 
 def run(
