@@ -39,7 +39,7 @@ from typing import Any
 import pytest
 
 import safepoint
-from tests.helpers import mutations, store_errors
+from tests.helpers import botocore_data, mutations, store_errors
 
 CONTROL = "/__safepoint__/"
 
@@ -349,37 +349,10 @@ class _QuietServer(http.server.ThreadingHTTPServer):
         pass  # clients hanging up on a reset or a killed process: expected here
 
 
-_MISSING = object()
-
-
-def _share_botocore_data(mp: pytest.MonkeyPatch) -> None:
-    """botocore's data files (endpoints.json, S3's service model and rule set, ...), parsed once for the test
-    process instead of once per botocore session.
-
-    Why: every s3fs filesystem opens an aiobotocore session of its own, and each session's loader parses
-    those files again (~0.1-0.3 s of CPU per session, JSON into OrderedDicts): profiled with py-spy, ~12 %
-    of the CPU of tests/remote's S3 files. botocore already shares what one loader parsed between all the
-    clients of its session (``instance_cache``): the parsed data is read, never changed, by what uses it, so
-    sessions can share it the same way. Only the parsing is shared: every session, client, request and
-    retry stays real (and child processes parse as before)."""
-    from botocore import loaders
-
-    real = loaders.JSONFileLoader.load_file
-    parsed: dict[str, Any] = {}
-
-    def load_file(self: Any, file_path: str) -> Any:
-        data = parsed.get(file_path, _MISSING)
-        if data is _MISSING:
-            data = parsed.setdefault(file_path, real(self, file_path))
-        return data
-
-    mp.setattr(loaders.JSONFileLoader, "load_file", load_file)
-
-
 @pytest.fixture(scope="session")
 def moto_endpoint() -> Iterator[str]:
     with pytest.MonkeyPatch.context() as mp:
-        _share_botocore_data(mp)
+        botocore_data.share(mp.setattr)  # botocore's data files parsed once for this process
         yield from _moto_endpoint()
 
 
