@@ -157,6 +157,76 @@ def spawn_job(argv: list[str], stdout: int, stderr: int) -> forkserver.Child:
     return forkserver.spawn(JOB_IMPORTS, argv, job_env(), stdout, stderr, str(REPO))
 
 
+class PipedJob:
+    """What the tests use of ``Popen([python, *argv], stdin=PIPE, stdout=PIPE, text=True, env=...)``, the
+    process forked from the suite's fork server (its own session, the interpreter's own exit): ``stdin``,
+    ``stdout``, ``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal``, ``kill``, ``communicate``. Its
+    stderr is the test's. ``extra_env``: variables added to the suite's job environment; ``per_run``: those
+    of them that nothing imported reads (they key no fork server of their own, ~5 s of CPU each);
+    ``hostname``: a UTS namespace of its own with that host name (what ``unshare --uts`` and ``hostname``
+    give)."""
+
+    def __init__(
+        self,
+        argv: list[str],
+        *,
+        extra_env: dict[str, str] | None = None,
+        per_run: tuple[str, ...] = (),
+        hostname: str | None = None,
+    ) -> None:
+        self.args = [sys.executable, *argv]
+        env = dict(job_env(), **(extra_env or {}))
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        try:
+            self._child = forkserver.spawn(
+                JOB_IMPORTS, argv, env, out_w, 2, str(REPO), per_run=per_run, hostname=hostname, stdin=in_r
+            )
+        except BaseException:
+            os.close(in_w)
+            os.close(out_r)
+            raise
+        finally:
+            os.close(in_r)
+            os.close(out_w)
+        self.stdin = open(in_w, "w")  # noqa: SIM115 - closed by communicate or the job's end
+        self.stdout = open(out_r)  # noqa: SIM115
+        self.pid = self._child.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._child.returncode
+
+    def poll(self) -> int | None:
+        return self._child.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        try:
+            code = self._child.wait(timeout)
+        except TimeoutError:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0) from None
+        for f in (self.stdin, self.stdout):
+            with contextlib.suppress(BrokenPipeError):
+                f.close()
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, input: str = "", timeout: float | None = None) -> tuple[str, None]:
+        with contextlib.suppress(BrokenPipeError):
+            if input:
+                self.stdin.write(input)
+            self.stdin.close()
+        out = self.stdout.read()
+        self.wait(timeout)
+        return out, None
+
+
 def _killpg(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)

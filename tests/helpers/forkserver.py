@@ -7,7 +7,8 @@ of them; a forked child starts in tens of milliseconds. What the test sees is wh
 - the child is the leader of a new session and process group (``os.setsid``), so ``os.killpg(pid, sig)``
   reaches it and its DataLoader workers, as with ``Popen(start_new_session=True)``; its pid is announced only
   once it leads its group;
-- its stdin is ``/dev/null``; its stdout and stderr are the descriptors the test sent (a pipe, a file);
+- its stdin is ``/dev/null`` unless the test sent a third descriptor (its end of a pipe); its stdout and
+  stderr are the descriptors the test sent (a pipe, a file);
 - its environment, working directory, ``sys.argv`` and ``sys.path[0]`` are what ``python SCRIPT`` (or
   ``python -m MODULE``) would have;
 - signal dispositions and mask are the fresh interpreter's: the server never changes them;
@@ -82,7 +83,7 @@ def _become(request: dict[str, object], fds: list[int], sock: socket.socket, rea
     os.close(ready_w)  # the server announces the pid only now: a killpg can no longer miss the child
     sock.close()
     devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
+    os.dup2(fds[2] if len(fds) > 2 else devnull, 0)  # a third descriptor: the test's pipe to its stdin
     os.dup2(fds[0], 1)
     os.dup2(fds[1], 2)
     for fd in {devnull, *fds} - {0, 1, 2}:
@@ -212,7 +213,7 @@ def serve(sock: socket.socket) -> None:
     """Fork one child per request until the client goes away. Returns in the server (client gone) and,
     once its script has run, in each child (see _become)."""
     while True:
-        msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
+        msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
         if not msg:
             return  # the client went away
         request = json.loads(msg)
@@ -331,14 +332,17 @@ class ForkServer:
         hostname: str | None,
         rank_servers: int = 0,
         ranks_for: str = "torchrun",
+        stdin: int | None = None,
     ) -> Child:
-        """Fork ``python argv...`` with these descriptors as its stdout and stderr."""
+        """Fork ``python argv...`` with these descriptors as its stdout and stderr (and stdin: else
+        ``/dev/null``)."""
         assert not self.busy, "one job at a time per fork server"
         request = {
             "argv": argv, "env": env, "cwd": cwd, "hostname": hostname, "rank_servers": rank_servers,
             "ranks_for": ranks_for,
         }  # fmt: skip
-        socket.send_fds(self.sock, [json.dumps(request).encode()], [stdout, stderr])
+        fds = [stdout, stderr] if stdin is None else [stdout, stderr, stdin]
+        socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
         self.busy = True
         return Child(self, self.receive("pid", 60))
 
@@ -371,6 +375,7 @@ def spawn(
     server_env: dict[str, str] | None = None,
     rank_servers: int = 0,
     ranks_for: str = "torchrun",
+    stdin: int | None = None,
 ) -> Child:
     """Fork ``python argv...`` from a server that ran ``imports`` under this environment (started on
     first use, kept for the rest of the pytest process; while every such server is busy with a job, another
@@ -398,7 +403,7 @@ def spawn(
     server = next((s for s in preload.servers if not s.busy), None)
     if server is None:  # busy ones stay: their jobs still report to them
         server = preload.server()
-    return server.spawn(argv, env, stdout, stderr, cwd, hostname, rank_servers, ranks_for)
+    return server.spawn(argv, env, stdout, stderr, cwd, hostname, rank_servers, ranks_for, stdin)
 
 
 def run(
