@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO, Any
 
 from tests.conftest import REPO
 from tests.helpers import forkserver
@@ -161,7 +162,7 @@ class PipedJob:
     """What the tests use of ``Popen([python, *argv], stdin=PIPE, stdout=PIPE, text=True, env=...)``, the
     process forked from the suite's fork server (its own session, the interpreter's own exit): ``stdin``,
     ``stdout``, ``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal``, ``kill``, ``communicate``. Its
-    stderr is the test's. ``extra_env``: variables added to the suite's job environment; ``per_run``: those
+    stderr is the test's unless ``stderr`` names a descriptor; ``text=False``: binary pipes. ``extra_env``: variables added to the suite's job environment; ``per_run``: those
     of them that nothing imported reads (they key no fork server of their own, ~5 s of CPU each);
     ``hostname``: a UTS namespace of its own with that host name (what ``unshare --uts`` and ``hostname``
     give)."""
@@ -173,6 +174,8 @@ class PipedJob:
         extra_env: dict[str, str] | None = None,
         per_run: tuple[str, ...] = (),
         hostname: str | None = None,
+        stderr: int = 2,
+        text: bool = True,
     ) -> None:
         self.args = [sys.executable, *argv]
         env = dict(job_env(), **(extra_env or {}))
@@ -180,8 +183,9 @@ class PipedJob:
         out_r, out_w = os.pipe()
         try:
             self._child = forkserver.spawn(
-                JOB_IMPORTS, argv, env, out_w, 2, str(REPO), per_run=per_run, hostname=hostname, stdin=in_r
-            )
+                JOB_IMPORTS, argv, env, out_w, stderr, str(REPO), per_run=per_run, hostname=hostname,
+                stdin=in_r,
+            )  # fmt: skip
         except BaseException:
             os.close(in_w)
             os.close(out_r)
@@ -189,8 +193,9 @@ class PipedJob:
         finally:
             os.close(in_r)
             os.close(out_w)
-        self.stdin = open(in_w, "w")  # noqa: SIM115 - closed by communicate or the job's end
-        self.stdout = open(out_r)  # noqa: SIM115
+        mode = "" if text else "b"
+        self.stdin: IO[Any] = open(in_w, "w" + mode)  # noqa: SIM115 - closed by communicate or wait
+        self.stdout: IO[Any] = open(out_r, "r" + mode)  # noqa: SIM115
         self.pid = self._child.pid
 
     @property
