@@ -18,6 +18,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -174,16 +175,21 @@ class PipedJob:
         extra_env: dict[str, str] | None = None,
         per_run: tuple[str, ...] = (),
         hostname: str | None = None,
-        stderr: int = 2,
+        stderr: int | None = 2,
         text: bool = True,
     ) -> None:
         self.args = [sys.executable, *argv]
+        # stderr=None: captured (``communicate`` returns it), as ``Popen(stderr=PIPE)`` without a pipe to
+        # drain: a file.
+        self._err = tempfile.TemporaryFile() if stderr is None else None  # noqa: SIM115 - closed by communicate
+        err_fd = self._err.fileno() if self._err is not None else stderr
+        assert err_fd is not None
         env = dict(job_env(), **(extra_env or {}))
         in_r, in_w = os.pipe()
         out_r, out_w = os.pipe()
         try:
             self._child = forkserver.spawn(
-                JOB_IMPORTS, argv, env, out_w, stderr, str(REPO), per_run=per_run, hostname=hostname,
+                JOB_IMPORTS, argv, env, out_w, err_fd, str(REPO), per_run=per_run, hostname=hostname,
                 stdin=in_r,
             )  # fmt: skip
         except BaseException:
@@ -222,14 +228,19 @@ class PipedJob:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
-    def communicate(self, input: str = "", timeout: float | None = None) -> tuple[str, None]:
+    def communicate(self, input: str = "", timeout: float | None = None) -> tuple[str, str | None]:
         with contextlib.suppress(BrokenPipeError):
             if input:
                 self.stdin.write(input)
             self.stdin.close()
         out = self.stdout.read()
         self.wait(timeout)
-        return out, None
+        if self._err is None:
+            return out, None
+        self._err.seek(0)
+        err = self._err.read().decode(errors="replace")
+        self._err.close()
+        return out, err
 
 
 def _killpg(pid: int) -> None:
