@@ -1,6 +1,6 @@
 """Fencing: only the lease holder commits or deletes. A job frozen (SIGSTOP) inside a save after its lease
 check, whose root another job took over meanwhile, must fail that save when it resumes, and the new owner's
-checkpoints must stay intact (issue 13, finding 2). Real processes, a real second host (``unshare --uts``)."""
+checkpoints must stay intact (issue 13, finding 2). Real processes, a real second host (a UTS namespace of its own)."""
 
 from __future__ import annotations
 

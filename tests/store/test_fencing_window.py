@@ -4,7 +4,7 @@ step N the new owner committed: locally the rename refuses a step-N that appeare
 decision to replace is taken before it), on an object store the manifest is created only if absent.
 
 Real processes: job A freezes inside its commit (a hook after the real fence check announces itself, the
-test SIGSTOPs A there); job B runs as another host (``unshare --uts``), takes the root over once A's lease
+test SIGSTOPs A there); job B runs as another host (a UTS namespace of its own), takes the root over once A's lease
 is stale, commits steps 2 and 3; then A resumes. Sequenced by pipes, never by sleeps.
 """
 

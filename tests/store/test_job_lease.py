@@ -1,6 +1,6 @@
 """A restart never waits on its own lease (issue 15, item 1): the lease records the job, a restart of the
 same job takes it over at once on any host, another job stays refused, and the old holder is fenced out.
-Real processes, each on its own host (``unshare --uts``); the staleness limit is an hour, so only the job
+Real processes, each on its own host (a UTS namespace of its own); the staleness limit is an hour, so only the job
 rule can let anyone in."""
 
 from __future__ import annotations
