@@ -16,11 +16,10 @@ import torch
 
 import safepoint
 from tests.conftest import REPO
-from tests.helpers import forkserver
+from tests.helpers.example_runs import run_job
 from tests.helpers.launch import run_agent
 
 EXAMPLES = REPO / "examples"
-QUICKSTART_IMPORTS = ("import torch", "import safepoint")
 BATCH = 16  # per rank, as in ddp.py and fsdp2.py
 GPU_ONLY = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL run: needs 2 GPUs (one per rank)")
 # Runs an example with every rank but 0 seeing the checkpoint root as a lagging NFS client can: without the
@@ -40,15 +39,15 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def test_quickstart_runs_and_resumes(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     cmd = [str(EXAMPLES / "quickstart.py"), str(root)]
-    # ``python quickstart.py ROOT``, forked from a fork server that imported torch and safepoint once
-    # (tests/helpers/forkserver.py: its own session, fresh signal dispositions, the interpreter's exit).
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1")
-    first = forkserver.run(QUICKSTART_IMPORTS, cmd, env, timeout=240)
+    # ``python quickstart.py ROOT``, forked from the fork server that imported torch and safepoint once
+    # (tests/helpers/forkserver.py: its own session, fresh signal dispositions, the interpreter's exit): the
+    # suite's server for its own jobs, in their environment, so no server of its own (~4-5 s of CPU).
+    first = run_job(cmd, timeout=240)
     assert first.returncode == 0, first.stderr[-4000:]
     assert "finished at step 200, tokens_seen=1600" in first.stdout
     assert sorted(p.name for p in root.glob("step-*")) == ["step-100", "step-150", "step-200"]
     # A second run resumes at 200 and has nothing left to do; the counters come back with it.
-    again = forkserver.run(QUICKSTART_IMPORTS, cmd, env, timeout=240)
+    again = run_job(cmd, timeout=240)
     assert again.returncode == 0, again.stderr[-4000:]
     assert "finished at step 200, tokens_seen=1600" in again.stdout
 
@@ -63,7 +62,9 @@ def torchrun(example: str, nproc: int, root: Path, steps: int, device: str, lagg
         *("--standalone", f"--nproc-per-node={nproc}"),
         *(*script, str(root), "--steps", str(steps), "--save-every", "3"),
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
+    # The PYTHONPATH of the suite's other agents (tests/helpers/launch.py ``start``): any other keys a fork
+    # server of its own (~5 s of CPU to import torch, DCP and safepoint once more).
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}")
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # the examples pick NCCL whenever they see a GPU
     # The agent forked from a fork server (tests/helpers/launch.py); the example's ranks are fresh processes.

@@ -64,6 +64,25 @@ def test_a_forked_child_looks_like_a_fresh_process(tmp_path: Path) -> None:
             assert all(r.stderr.rstrip().endswith("ValueError: boom") for r in (fresh, forked))
 
 
+def test_a_forked_child_reads_the_pipe_the_test_gave_as_its_stdin(tmp_path: Path) -> None:
+    """A third descriptor (tests/helpers/example_runs.py ``PipedJob``) is the child's stdin: what the test
+    writes, then EOF once the test closes its end."""
+    code = "import sys; print(repr(sys.stdin.readline())); print(repr(sys.stdin.read()), flush=True)"
+    in_r, in_w = os.pipe()
+    out_r, out_w = os.pipe()
+    try:
+        child = forkserver.spawn((), ["-c", code], dict(os.environ), out_w, 2, str(tmp_path), stdin=in_r)
+    finally:
+        os.close(in_r)
+        os.close(out_w)
+    with open(in_w, "w") as f:
+        f.write("go\nrest")
+    with open(out_r) as f:
+        out = f.read()
+    assert child.wait(60) == 0
+    assert out.splitlines() == ["'go\\n'", "'rest'"]
+
+
 def test_a_forked_python_c_looks_like_a_fresh_one(tmp_path: Path) -> None:
     """``python -c CODE ARGS``: argv[0] "-c", sys.path[0] "", ``__main__``, exit codes, atexit."""
     for mode, code in (("3", 3), ("raise", 1)):

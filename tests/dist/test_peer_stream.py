@@ -5,12 +5,13 @@ a receiver must refuse (wrong crc32c, short or absent on the sender). Memory sta
 
 from __future__ import annotations
 
+import contextlib
 import json
-import subprocess
-import sys
+import os
+import signal
 from pathlib import Path
 
-from tests.conftest import SUBPROCESS_ENV
+from tests.helpers.example_runs import spawn_job
 
 WORKER = Path(__file__).parents[1] / "helpers" / "procs" / "peer_stream_worker.py"
 
@@ -20,11 +21,17 @@ def test_files_cross_in_chunks_checked_in_bounded_memory_and_never_through_a_lin
     # It holds a directory named like a file it receives ("exact") and a symlinked "below.part": the file
     # that cannot be put in place is left out (every rank still finishes: no peer waits for a rank that
     # raised mid-stream), and nothing is written through the symlink.
-    procs = [
-        subprocess.Popen([sys.executable, str(WORKER), str(rank), str(tmp_path)], env=SUBPROCESS_ENV)
-        for rank in range(3)
-    ]
-    assert [p.wait(timeout=300) for p in procs] == [0, 0, 0]
+    # The ranks are forked from the suite's fork server (torch, DCP and safepoint imported once: ~4.5 s of
+    # CPU each otherwise); their gloo group, their files and their memory are their own.
+    procs = [spawn_job([str(WORKER), str(rank), str(tmp_path)], 1, 2) for rank in range(3)]
+    try:
+        assert [p.wait(timeout=300) for p in procs] == [0, 0, 0]
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
     results = [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in range(3)]
     assert results[0]["received"] == ["big"]  # "wrong", "short" and "absent" are refused
     assert results[0]["files"] == ["big"]  # ... and leave no .part behind

@@ -18,9 +18,11 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO, Any
 
 from tests.conftest import REPO
 from tests.helpers import forkserver
@@ -157,6 +159,90 @@ def spawn_job(argv: list[str], stdout: int, stderr: int) -> forkserver.Child:
     return forkserver.spawn(JOB_IMPORTS, argv, job_env(), stdout, stderr, str(REPO))
 
 
+class PipedJob:
+    """What the tests use of ``Popen([python, *argv], stdin=PIPE, stdout=PIPE, text=True, env=...)``, the
+    process forked from the suite's fork server (its own session, the interpreter's own exit): ``stdin``,
+    ``stdout``, ``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal``, ``kill``, ``communicate``. Its
+    stderr is the test's unless ``stderr`` names a descriptor; ``text=False``: binary pipes. ``extra_env``: variables added to the suite's job environment; ``per_run``: those
+    of them that nothing imported reads (they key no fork server of their own, ~5 s of CPU each);
+    ``hostname``: a UTS namespace of its own with that host name (what ``unshare --uts`` and ``hostname``
+    give)."""
+
+    def __init__(
+        self,
+        argv: list[str],
+        *,
+        extra_env: dict[str, str] | None = None,
+        per_run: tuple[str, ...] = (),
+        hostname: str | None = None,
+        stderr: int | None = 2,
+        text: bool = True,
+    ) -> None:
+        self.args = [sys.executable, *argv]
+        # stderr=None: captured (``communicate`` returns it), as ``Popen(stderr=PIPE)`` without a pipe to
+        # drain: a file.
+        self._err = tempfile.TemporaryFile() if stderr is None else None  # noqa: SIM115 - closed by communicate
+        err_fd = self._err.fileno() if self._err is not None else stderr
+        assert err_fd is not None
+        env = dict(job_env(), **(extra_env or {}))
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        try:
+            self._child = forkserver.spawn(
+                JOB_IMPORTS, argv, env, out_w, err_fd, str(REPO), per_run=per_run, hostname=hostname,
+                stdin=in_r,
+            )  # fmt: skip
+        except BaseException:
+            os.close(in_w)
+            os.close(out_r)
+            raise
+        finally:
+            os.close(in_r)
+            os.close(out_w)
+        mode = "" if text else "b"
+        self.stdin: IO[Any] = open(in_w, "w" + mode)  # noqa: SIM115 - closed by communicate or wait
+        self.stdout: IO[Any] = open(out_r, "r" + mode)  # noqa: SIM115
+        self.pid = self._child.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._child.returncode
+
+    def poll(self) -> int | None:
+        return self._child.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        try:
+            code = self._child.wait(timeout)
+        except TimeoutError:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0) from None
+        for f in (self.stdin, self.stdout):
+            with contextlib.suppress(BrokenPipeError):
+                f.close()
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, input: str = "", timeout: float | None = None) -> tuple[str, str | None]:
+        with contextlib.suppress(BrokenPipeError):
+            if input:
+                self.stdin.write(input)
+            self.stdin.close()
+        out = self.stdout.read()
+        self.wait(timeout)
+        if self._err is None:
+            return out, None
+        self._err.seek(0)
+        err = self._err.read().decode(errors="replace")
+        self._err.close()
+        return out, err
+
+
 def _killpg(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
@@ -170,13 +256,17 @@ def run_forked_rank_job(
     kill_at: int | None = None,
     kill: Callable[[int], None] | None = None,
     rank_servers: int = 0,
+    lightning_ranks: int = 0,
 ) -> tuple[dict[tuple[int, int], str], int, str]:
     """tests/helpers/rank_jobs.py ``run_rank_job`` for ``python ARGV...``, its first process forked from the
     fork server that ran ``imports`` (it leads its own session, as there): a job that launches its other
-    processes itself (Lightning's rank 1, torchrun's workers) still starts them as fresh interpreters. With
+    processes itself (Lightning's rank 1, torchrun's workers) starts them as fresh interpreters unless told
+    below. With
     ``kill_at``, ``kill(pid)`` once rank 0 printed that step (default: kill -9 of the process group).
     ``rank_servers``: ARGV is ``-m torch.distributed.run ...`` and its ranks are forked too
-    (tests/helpers/launch.py ``Agent``). Returns ``{(rank, step): loss}``, the exit code and stderr."""
+    (tests/helpers/launch.py ``Agent``). ``lightning_ranks``: ARGV is a Lightning job, and this many of the
+    ranks its launcher starts are forked from rank servers of rank 0 (tests/helpers/rank_servers.py
+    ``fork_lightning_ranks``). Returns ``{(rank, step): loss}``, the exit code and stderr."""
     env = dict(job_env(), CUDA_VISIBLE_DEVICES="")
     err_path = root.parent / f"{root.name}-{time.monotonic_ns()}.stderr"
     losses: dict[tuple[int, int], str] = {}
@@ -185,7 +275,9 @@ def run_forked_rank_job(
         out_r, out_w = os.pipe()
         try:
             proc = forkserver.spawn(
-                imports, argv, env, out_w, err.fileno(), str(REPO), rank_servers=rank_servers,
+                imports, argv, env, out_w, err.fileno(), str(REPO),
+                rank_servers=rank_servers or lightning_ranks,
+                ranks_for="lightning" if lightning_ranks else "torchrun",
                 # an agent's server: keyed and started as tests/helpers/launch.py ``Agent``'s
                 per_run=AGENT_PER_RUN if rank_servers else (),
                 server_env={"OMP_NUM_THREADS": "1"} if rank_servers else None,

@@ -7,7 +7,8 @@ of them; a forked child starts in tens of milliseconds. What the test sees is wh
 - the child is the leader of a new session and process group (``os.setsid``), so ``os.killpg(pid, sig)``
   reaches it and its DataLoader workers, as with ``Popen(start_new_session=True)``; its pid is announced only
   once it leads its group;
-- its stdin is ``/dev/null``; its stdout and stderr are the descriptors the test sent (a pipe, a file);
+- its stdin is ``/dev/null`` unless the test sent a third descriptor (its end of a pipe); its stdout and
+  stderr are the descriptors the test sent (a pipe, a file);
 - its environment, working directory, ``sys.argv`` and ``sys.path[0]`` are what ``python SCRIPT`` (or
   ``python -m MODULE``) would have;
 - signal dispositions and mask are the fresh interpreter's: the server never changes them;
@@ -22,8 +23,11 @@ so jobs forked from it run with ``OMP_NUM_THREADS=1``, as the suite's jobs do an
 (``CUDA_VISIBLE_DEVICES=""``).
 
 Protocol, on a Unix ``SOCK_SEQPACKET`` socket (its fd number is ``argv[1]``; the rest of argv are the import
-statements to run first, e.g. ``from transformers import Trainer``: many packages import lazily by name): the server sends ``{"ready": true}`` once imported; the client sends one JSON request ``{"argv": [...], "env": {...},
-"cwd": ...}`` with two descriptors attached (stdout, stderr); the server answers ``{"pid": P}``, then
+statements to run first, e.g. ``from transformers import Trainer``: many packages import lazily by name): the
+process sends ``{"ready": true}`` once imported; then, for each message of the client, it forks a server and
+answers with the client's end of that server's socket attached (jobs that run side by side each need a server:
+a fork, not the imports again). On a server's socket the client sends one JSON request ``{"argv": [...], "env":
+{...}, "cwd": ...}`` with two descriptors attached (stdout, stderr); the server answers ``{"pid": P}``, then
 ``{"status": S}`` (the raw wait status) when the child has ended. One run at a time per server.
 """
 
@@ -70,7 +74,8 @@ def _own_hostname(name: str) -> None:
 
 def _become(request: dict[str, object], fds: list[int], sock: socket.socket, ready_w: int) -> None:
     """In the child: turn into ``python argv[0] argv[1:]`` and run it; never returns to the server loop."""
-    os.setsid()
+    if request.get("session", True):  # False: a rank Lightning starts (``Popen`` without a new session)
+        os.setsid()
     hostname = request.get("hostname")
     if hostname is not None:
         assert isinstance(hostname, str)
@@ -78,7 +83,7 @@ def _become(request: dict[str, object], fds: list[int], sock: socket.socket, rea
     os.close(ready_w)  # the server announces the pid only now: a killpg can no longer miss the child
     sock.close()
     devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
+    os.dup2(fds[2] if len(fds) > 2 else devnull, 0)  # a third descriptor: the test's pipe to its stdin
     os.dup2(fds[0], 1)
     os.dup2(fds[1], 2)
     for fd in {devnull, *fds} - {0, 1, 2}:
@@ -100,9 +105,9 @@ def _become(request: dict[str, object], fds: list[int], sock: socket.socket, rea
         argv = argv[1:]
         _unbuffered()
     ranks = request.get("rank_servers")
-    if ranks:  # a torchrun agent whose ranks are forked (below), before torchrun starts a thread
+    if ranks:  # a torchrun agent or Lightning rank 0 whose ranks are forked (below), before a thread starts
         assert isinstance(ranks, int)
-        _fork_ranks(ranks)
+        _fork_ranks(ranks, str(request.get("ranks_for", "torchrun")))
     if argv[0] == "-c":  # ``python -c CODE ARGS``: argv[0] is "-c", sys.path[0] "" (the working directory)
         sys.argv = ["-c", *(str(a) for a in argv[2:])]
         sys.path[0] = ""
@@ -150,12 +155,13 @@ def _unbuffered() -> None:
         setattr(sys, f"__{name}__", stream)
 
 
-# Ranks forked for a torchrun agent (``spawn(..., rank_servers=N)``): tests/helpers/rank_servers.py. The
-# environment the server's imports ran under, for it to tell whether a rank's may differ.
+# Ranks forked for a torchrun agent or Lightning's rank 0 (``spawn(..., rank_servers=N)``):
+# tests/helpers/rank_servers.py. The environment the server's imports ran under, for it to tell whether a
+# rank's may differ.
 _IMPORT_ENV: dict[str, str] = {}
 
 
-def _fork_ranks(count: int) -> None:
+def _fork_ranks(count: int, ranks_for: str) -> None:
     """Load tests/helpers/rank_servers.py by its path (this server runs as a script: ``tests`` may not be on
     its path) and fork the rank servers."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_servers.py")
@@ -163,7 +169,8 @@ def _fork_ranks(count: int) -> None:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.fork_ranks(count, serve, _IMPORT_ENV, _PER_TEST)
+    fork = module.fork_lightning_ranks if ranks_for == "lightning" else module.fork_ranks
+    fork(count, serve, _IMPORT_ENV, _PER_TEST)
 
 
 def main() -> None:
@@ -176,14 +183,37 @@ def main() -> None:
     )
     sock = socket.socket(fileno=int(fd))
     _send(sock, {"ready": True})
-    serve(sock)
+    _fork_servers(sock)
+
+
+def _fork_servers(sock: socket.socket) -> None:
+    """Fork one server (a serve() loop) per request and send the client its end of the server's socket, until
+    the client goes away; then reap them (their CPU time, and their jobs', becomes this process's, which the
+    test process reaps). Returns in this process and, in each server, as serve() returns there."""
+    servers = []
+    while True:
+        if not sock.recv(1 << 16):
+            break  # the client went away
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:
+            sock.close()
+            mine.close()
+            serve(theirs)
+            return
+        theirs.close()
+        socket.send_fds(sock, [b"{}"], [mine.fileno()])
+        mine.close()
+        servers.append(pid)
+    for pid in servers:
+        os.waitpid(pid, 0)
 
 
 def serve(sock: socket.socket) -> None:
     """Fork one child per request until the client goes away. Returns in the server (client gone) and,
     once its script has run, in each child (see _become)."""
     while True:
-        msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
+        msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
         if not msg:
             return  # the client went away
         request = json.loads(msg)
@@ -232,28 +262,63 @@ class Child:
         return self.returncode
 
 
-class ForkServer:
-    """A running server that ran ``imports`` with environment ``env`` (see the module docstring)."""
+class _Preload:
+    """The process that ran ``imports`` with environment ``env`` (see the module docstring): it forks a
+    ``ForkServer`` per ``server()`` call, so jobs that run side by side (a simulated cluster's agents) each
+    get a server at the cost of a fork, not of the imports again (~5-6 s of CPU)."""
 
     def __init__(self, imports: tuple[str, ...], env: dict[str, str]) -> None:
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - the server's stderr, closed in close()
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - the process's stderr, closed in close()
         self.proc = subprocess.Popen(
             [sys.executable, __file__, str(theirs.fileno()), *imports],
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log,
             pass_fds=(theirs.fileno(),), start_new_session=True,
         )  # fmt: skip
         theirs.close()
-        self.busy = False
-        self.receive("ready", _START_TIMEOUT)
+        self.servers: list[ForkServer] = []
+        self.sock.settimeout(_START_TIMEOUT)
+        self.check(self.sock.recv(1 << 16))
 
-    def receive(self, key: str, timeout: float | None) -> int:
-        self.sock.settimeout(timeout)
-        msg = self.sock.recv(1 << 16)  # TimeoutError: still busy; a later spawn uses another server
+    def check(self, msg: bytes) -> None:
         if not msg:
             self.log.seek(0)
             err = self.log.read().decode(errors="replace")[-3000:]
             raise RuntimeError(f"the fork server exited ({self.proc.wait()}): {err}")
+
+    def server(self) -> ForkServer:
+        """A new server, forked from this process."""
+        self.sock.settimeout(60)
+        self.sock.send(b"{}")
+        msg, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 1)
+        self.check(msg)
+        server = ForkServer(self, socket.socket(fileno=fds[0]))
+        self.servers.append(server)
+        return server
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.sock.close()  # each server's recv ends: it exits once its job has
+        self.sock.close()  # this process's recv ends: it reaps its servers and exits
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+class ForkServer:
+    """A server forked from a ``_Preload``: it forks one job at a time (see the module docstring)."""
+
+    def __init__(self, preload: _Preload, sock: socket.socket) -> None:
+        self.preload, self.sock = preload, sock
+        self.busy = False
+
+    def receive(self, key: str, timeout: float | None) -> int:
+        self.sock.settimeout(timeout)
+        msg = self.sock.recv(1 << 16)  # TimeoutError: still busy; a later spawn uses another server
+        self.preload.check(msg)
         value: int = json.loads(msg)[key]
         return value
 
@@ -266,27 +331,25 @@ class ForkServer:
         cwd: str,
         hostname: str | None,
         rank_servers: int = 0,
+        ranks_for: str = "torchrun",
+        stdin: int | None = None,
     ) -> Child:
-        """Fork ``python argv...`` with these descriptors as its stdout and stderr."""
+        """Fork ``python argv...`` with these descriptors as its stdout and stderr (and stdin: else
+        ``/dev/null``)."""
         assert not self.busy, "one job at a time per fork server"
-        request = {"argv": argv, "env": env, "cwd": cwd, "hostname": hostname, "rank_servers": rank_servers}
-        socket.send_fds(self.sock, [json.dumps(request).encode()], [stdout, stderr])
+        request = {
+            "argv": argv, "env": env, "cwd": cwd, "hostname": hostname, "rank_servers": rank_servers,
+            "ranks_for": ranks_for,
+        }  # fmt: skip
+        fds = [stdout, stderr] if stdin is None else [stdout, stderr, stdin]
+        socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
         self.busy = True
         return Child(self, self.receive("pid", 60))
 
-    def close(self) -> None:
-        self.sock.close()  # the server's recv ends: it exits
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
 
-
-# Servers by what they imported and the environment they run under; several per key, as jobs run side by
-# side (a simulated cluster's agents): each serves one job at a time.
-_servers: dict[tuple[tuple[str, ...], frozenset[tuple[str, str]]], list[ForkServer]] = {}
+# The processes that ran the imports, by what they imported and the environment they ran under; each forks
+# as many servers as jobs run side by side (a simulated cluster's agents): each serves one job at a time.
+_preloads: dict[tuple[tuple[str, ...], frozenset[tuple[str, str]]], _Preload] = {}
 # Variables that change midway through a run and that nothing a server imports reads at import (a job gets
 # them in its environment all the same): pytest's per test; TORCHINDUCTOR_CACHE_DIR, which torch sets in
 # the test process to its own default the first time something compiles and reads only when it compiles;
@@ -311,10 +374,12 @@ def spawn(
     hostname: str | None = None,
     server_env: dict[str, str] | None = None,
     rank_servers: int = 0,
+    ranks_for: str = "torchrun",
+    stdin: int | None = None,
 ) -> Child:
     """Fork ``python argv...`` from a server that ran ``imports`` under this environment (started on
-    first use, kept for the rest of the pytest process; another one is started while every such server is
-    busy with a job).
+    first use, kept for the rest of the pytest process; while every such server is busy with a job, another
+    is forked from the process that ran the imports).
 
     ``per_run``: variables of ``env`` that nothing reads when ``imports`` run (only the job reads them, e.g.
     a torchrun agent's workers): they do not key the server, so jobs differing only in them share one.
@@ -322,19 +387,23 @@ def spawn(
     ``OMP_NUM_THREADS=1`` for a torchrun agent whose ranks use the job's own setting.
     ``hostname``: the child gets a UTS namespace of its own with this host name (as ``unshare --uts``).
     ``rank_servers``: the child is a torchrun agent (``-m torch.distributed.run``) whose first this many
-    local ranks are forked from rank servers (see ``_fork_ranks``), not started as fresh interpreters."""
+    local ranks are forked from rank servers (see ``_fork_ranks``), not started as fresh interpreters;
+    ``ranks_for="lightning"``: the child is a Lightning job's rank 0, and this many of the ranks Lightning
+    starts itself (``Popen([python, SCRIPT, ...])``) are forked the same way."""
     fresh = {k: v for k, v in env.items() if k not in _PER_TEST and k not in per_run}
     fresh.update(server_env or {})
     key = (imports, frozenset(fresh.items()))
-    pool = _servers.setdefault(key, [])
-    for dead in [s for s in pool if s.proc.poll() is not None]:
-        pool.remove(dead)
-        dead.close()
-    server = next((s for s in pool if not s.busy), None)
+    preload = _preloads.get(key)
+    if preload is not None and preload.proc.poll() is not None:
+        del _preloads[key]
+        preload.close()
+        preload = None
+    if preload is None:
+        preload = _preloads[key] = _Preload(imports, fresh)
+    server = next((s for s in preload.servers if not s.busy), None)
     if server is None:  # busy ones stay: their jobs still report to them
-        server = ForkServer(imports, fresh)
-        pool.append(server)
-    return server.spawn(argv, env, stdout, stderr, cwd, hostname, rank_servers)
+        server = preload.server()
+    return server.spawn(argv, env, stdout, stderr, cwd, hostname, rank_servers, ranks_for, stdin)
 
 
 def run(
@@ -359,10 +428,9 @@ def run(
 
 @atexit.register
 def _close_all() -> None:
-    for pool in _servers.values():
-        for server in pool:
-            server.close()
-    _servers.clear()
+    for preload in _preloads.values():
+        preload.close()
+    _preloads.clear()
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -91,7 +92,10 @@ _CATCHABLE = sorted(signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP})
 class _Rank:
     """What torchrun's SubprocessContext uses of a ``Popen``, for a rank a rank server forked."""
 
-    def __init__(self, sock: socket.socket, args: list[str], env: dict[str, str], out: int, err: int) -> None:
+    def __init__(
+        self, sock: socket.socket, args: list[str], env: dict[str, str], out: int, err: int, *,
+        session: bool = True, cwd: str | None = None,
+    ) -> None:  # fmt: skip
         self.args, self.sock = args, sock
         # The signal state ``exec`` hands a rank: the agent's mask, its ignored signals ignored, every other
         # disposition the default (torchrun handles SIGINT and SIGTERM by now; the rank server was forked
@@ -99,7 +103,9 @@ class _Rank:
         ignored = [int(n) for n in _CATCHABLE if signal.getsignal(n) == signal.SIG_IGN]
         mask = sorted(int(n) for n in signal.pthread_sigmask(signal.SIG_BLOCK, []))
         signals = {"ignored": ignored, "mask": mask}
-        request = {"argv": args[1:], "env": env, "cwd": os.getcwd(), "signals": signals}
+        request = {
+            "argv": args[1:], "env": env, "cwd": cwd or os.getcwd(), "signals": signals, "session": session
+        }  # fmt: skip
         socket.send_fds(sock, [json.dumps(request).encode()], [out, err])
         self.pid = self._receive("pid", 60)
         self.returncode: int | None = None
@@ -189,3 +195,50 @@ def fork_ranks(
 
     # The name api.py's SubprocessContext calls (its own import of it).
     setattr(api, "get_subprocess_handler", handler)  # noqa: B010
+
+
+# What Lightning's launcher sets for the ranks it starts, read once the trainer runs (not at import):
+# its cluster environment's NODE_RANK, and seed_everything's PL_GLOBAL_SEED / PL_SEED_WORKERS.
+_LIGHTNING_READ_AFTER_START = frozenset({"NODE_RANK", "PL_GLOBAL_SEED", "PL_SEED_WORKERS"})
+
+
+def fork_lightning_ranks(
+    count: int, serve: Callable[[socket.socket], None], import_env: dict[str, str], unkeyed: tuple[str, ...]
+) -> None:
+    """In a Lightning job's rank 0, before its script runs: fork ``count`` rank servers and have Lightning's
+    ``_SubprocessScriptLauncher`` start its other ranks (``Popen([python, SCRIPT, ...], env=..., cwd=...)``,
+    no new session) through them. Each rank is what that ``Popen`` gives: rank 0's session and process group
+    (a kill of the group reaches it), its stdout and stderr, the environment and signal state exec would
+    give, the interpreter's own exit; Lightning's observer polls and signals it as a ``Popen``. Any other
+    call, or a rank whose environment differs in a variable read at import, gets the real ``Popen``."""
+    from lightning.pytorch.strategies.launchers import subprocess_script
+
+    assert len(os.listdir("/proc/self/task")) == 1, (
+        "rank servers are forked from a single-threaded rank 0 only"
+    )
+    servers: list[socket.socket] = []
+    pids = []
+    for _ in range(count):
+        sock, pid = _fork_rank_server(servers, serve)
+        servers.append(sock)
+        pids.append(pid)
+    atexit.register(_reap, servers, pids)  # after the forks: the rank servers and their ranks lack it
+    started: list[_Rank] = []
+
+    def popen(args: Any, env: dict[str, str] | None = None, cwd: str | None = None, **kw: Any) -> Any:
+        args = [str(a) for a in args]
+        names = set(env or {}) | set(import_env)
+        changed = {n for n in names if (env or {}).get(n) != import_env.get(n)}
+        allowed = _READ_AFTER_START | _LIGHTNING_READ_AFTER_START
+        if (
+            kw or env is None or len(started) >= len(servers) or args[0] != sys.executable
+            or not all(n in allowed or n in unkeyed for n in changed)
+        ):  # fmt: skip
+            return subprocess.Popen(args, env=env, cwd=cwd, **kw)
+        rank = _Rank(servers[len(started)], args, env, 1, 2, session=False, cwd=cwd)
+        started.append(rank)
+        return rank
+
+    # The launcher module's only use of ``subprocess`` is its Popen call (and an annotation).
+    shim = types.SimpleNamespace(**{**vars(subprocess), "Popen": popen})
+    setattr(subprocess_script, "subprocess", shim)  # noqa: B010

@@ -39,7 +39,7 @@ from typing import Any
 import pytest
 
 import safepoint
-from tests.helpers import mutations, store_errors
+from tests.helpers import botocore_data, mutations, store_errors
 
 CONTROL = "/__safepoint__/"
 
@@ -351,6 +351,12 @@ class _QuietServer(http.server.ThreadingHTTPServer):
 
 @pytest.fixture(scope="session")
 def moto_endpoint() -> Iterator[str]:
+    with pytest.MonkeyPatch.context() as mp:
+        botocore_data.share(mp.setattr)  # botocore's data files parsed once for this process
+        yield from _moto_endpoint()
+
+
+def _moto_endpoint() -> Iterator[str]:
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)

@@ -17,9 +17,12 @@ kill -9 of the whole process group and started again (tests/integrations/lightni
 - ``DDPStrategy``: the same kill -9 and bitwise resume on two ranks (slow).
 
 Rank 0 of each run is forked from the fork server with the job's imports preloaded
-(tests/helpers/example_runs.py ``run_forked_rank_job``: its own session, the interpreter's own exit); Lightning
-starts rank 1 itself as a fresh ``python`` process, as it does for a user. This saves the ~6 s of CPU that
-importing torch and Lightning cost rank 0 in each of the default suite's six runs.
+(tests/helpers/example_runs.py ``run_forked_rank_job``: its own session, the interpreter's own exit); rank 1
+is started by Lightning's own launcher (its ``Popen([python, SCRIPT, ...])``, its environment, its observer),
+the process forked from a rank server of rank 0 (tests/helpers/rank_servers.py ``fork_lightning_ranks``: rank
+0's session and process group, so the kill -9 of the group ends it too, or the test would hang on its pipe).
+This saves the ~6-8 s of CPU that importing torch and Lightning cost each rank: the default test's four runs
+took 45 s of CPU with a fresh rank 1 and 26 s forked.
 """
 
 from __future__ import annotations
@@ -49,7 +52,9 @@ def _run(
     args += ["--out", str(out)] if out else []
     args += ["--step-sleep", "0.2"] if kill_at else []
     # kill -9 of the group: Lightning's ranks share it
-    return run_forked_rank_job(preload(str(JOB)), [str(JOB), *args], root, kill_at=kill_at)
+    return run_forked_rank_job(
+        preload(str(JOB)), [str(JOB), *args], root, kill_at=kill_at, lightning_ranks=devices - 1
+    )
 
 
 def _equal(a: object, b: object) -> bool:

@@ -1,6 +1,6 @@
 """Fencing: only the lease holder commits or deletes. A job frozen (SIGSTOP) inside a save after its lease
 check, whose root another job took over meanwhile, must fail that save when it resumes, and the new owner's
-checkpoints must stay intact (issue 13, finding 2). Real processes, a real second host (``unshare --uts``)."""
+checkpoints must stay intact (issue 13, finding 2). Real processes, a real second host (a UTS namespace of its own)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import safepoint
 from safepoint.store import heartbeat
 from safepoint.store.posix_layout import Layout
 from safepoint.tiers.base import ReadOnlyRootWarning
-from tests.conftest import PYTHON, SUBPROCESS_ENV
+from tests.helpers.example_runs import PipedJob
 from tests.helpers.s3 import storage_options
 
 STALE_S = 2.0  # short, so B takes over quickly; A is frozen, so no heartbeat of A's can interfere
@@ -99,11 +99,14 @@ needs_second_host = pytest.mark.skipif(
 )
 
 
-def _spawn(cmd: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=SUBPROCESS_ENV)
+def _spawn(argv: list[str], hostname: str | None = None) -> PipedJob:
+    """``python ARGV`` with pipes to its stdin and stdout, forked from the suite's fork server (a fresh
+    interpreter is not the subject: ~4.5 s of CPU each); ``hostname``: as its own host (a UTS namespace, as
+    ``unshare --uts`` and ``hostname`` give)."""
+    return PipedJob(argv, hostname=hostname)
 
 
-def _line(proc: subprocess.Popen[str]) -> str:
+def _line(proc: PipedJob) -> str:
     assert proc.stdout is not None
     return proc.stdout.readline().strip()
 
@@ -115,8 +118,8 @@ def _line(proc: subprocess.Popen[str]) -> str:
     ["sync", pytest.param("thread", marks=pytest.mark.slow), pytest.param("process", marks=pytest.mark.slow)],
 )
 def test_a_stale_owner_frozen_inside_save_never_commits_over_the_new_owner(root: Path, mode: str) -> None:
-    a = _spawn([PYTHON, "-c", JOB_A, str(root), mode])
-    b: subprocess.Popen[str] | None = None
+    a = _spawn(["-c", JOB_A, str(root), mode])
+    b: PipedJob | None = None
     try:
         assert _line(a) == "capturing"
         os.kill(a.pid, signal.SIGSTOP)  # frozen inside save(2), after its lease check
@@ -125,8 +128,7 @@ def test_a_stale_owner_frozen_inside_save_never_commits_over_the_new_owner(root:
         a.stdin.flush()
         job_b = root.parent / "job_b.py"
         job_b.write_text(JOB_B)
-        script = f"hostname nodeB && exec {PYTHON} {job_b} {root}"
-        b = _spawn(["unshare", "--uts", "sh", "-c", script])
+        b = _spawn([str(job_b), str(root)], hostname="nodeB")
         assert _line(b) == "B: committed on nodeB"
         before = {s: (root / f"step-{s}" / "safepoint.json").read_bytes() for s in (2, 3)}
         os.kill(a.pid, signal.SIGCONT)

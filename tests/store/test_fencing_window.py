@@ -4,7 +4,7 @@ step N the new owner committed: locally the rename refuses a step-N that appeare
 decision to replace is taken before it), on an object store the manifest is created only if absent.
 
 Real processes: job A freezes inside its commit (a hook after the real fence check announces itself, the
-test SIGSTOPs A there); job B runs as another host (``unshare --uts``), takes the root over once A's lease
+test SIGSTOPs A there); job B runs as another host (a UTS namespace of its own), takes the root over once A's lease
 is stale, commits steps 2 and 3; then A resumes. Sequenced by pipes, never by sleeps.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 import pytest
 
 import safepoint
-from tests.conftest import PYTHON, SUBPROCESS_ENV
+from tests.helpers.example_runs import PipedJob
 from tests.helpers.s3 import storage_options
 from tests.store.test_fencing import STALE_S, _line, needs_second_host
 
@@ -83,10 +82,10 @@ JOB_B = textwrap.dedent(
 ).replace("STALE", repr(STALE_S))
 
 
-def _spawn(cmd: list[str]) -> subprocess.Popen[str]:
-    # os.environ, not only SUBPROCESS_ENV: the moto fixture sets its dummy AWS keys after conftest's import.
-    env = dict(os.environ, PYTHONPATH=SUBPROCESS_ENV["PYTHONPATH"])
-    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+def _spawn(argv: list[str], hostname: str | None = None) -> PipedJob:
+    # The suite's job environment (os.environ: the moto fixture sets its dummy AWS keys after conftest's
+    # import), forked from its fork server (tests/store/test_fencing.py ``_spawn``).
+    return PipedJob(argv, hostname=hostname)
 
 
 def _frozen_after_the_fence(
@@ -94,8 +93,8 @@ def _frozen_after_the_fence(
 ) -> str:
     """Run A to its commit fence of step 2, freeze it, let B take over and commit 2 and 3, resume A.
     Returns A's verdict line; asserts B's manifests are untouched."""
-    a = _spawn([PYTHON, "-c", JOB_A, root, json.dumps(opts)])
-    b: subprocess.Popen[str] | None = None
+    a = _spawn(["-c", JOB_A, root, json.dumps(opts)])
+    b: PipedJob | None = None
     try:
         assert _line(a) == "fenced"
         os.kill(a.pid, signal.SIGSTOP)  # frozen after its fence check passed, before the commit
@@ -104,8 +103,7 @@ def _frozen_after_the_fence(
         a.stdin.flush()
         job_b = tmp / "job_b.py"
         job_b.write_text(JOB_B)
-        script = f"hostname nodeB && exec {PYTHON} {job_b} {root} '{json.dumps(opts)}'"
-        b = _spawn(["unshare", "--uts", "sh", "-c", script])
+        b = _spawn([str(job_b), root, json.dumps(opts)], hostname="nodeB")
         assert _line(b) == "B: committed on nodeB"
         before = manifests()
         os.kill(a.pid, signal.SIGCONT)

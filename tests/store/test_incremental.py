@@ -140,7 +140,7 @@ def _bypass_collective(t: torch.Tensor) -> None:
     # A real gloo collective from another process writes into this tensor's memory.
     import torch.distributed as dist
 
-    store_dir = Path(os.environ["SP_TEST_TMP"]) / f"store-{os.getpid()}"
+    store_dir = _TMP[0] / f"store-{os.getpid()}"
     # The peer rank is forked from the suite's fork server (a fresh interpreter is not the subject).
     peer = spawn_job(["-c", _PEER, str(store_dir), str(t.numel())], 1, 2)
     try:
@@ -155,6 +155,8 @@ def _bypass_collective(t: torch.Tensor) -> None:
             os.killpg(peer.pid, signal.SIGKILL)
             peer.wait()
 
+
+_TMP: list[Path] = []  # the running test's tmp_path (below)
 
 _PEER = """
 import sys, torch, torch.distributed as dist
@@ -176,7 +178,9 @@ def _path() -> str:
 def test_a_write_the_version_counter_misses_is_still_saved(
     tmp_path: Path, bypass: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("SP_TEST_TMP", str(tmp_path))
+    # The test's directory for the collective's rendezvous file: not an environment variable, which would
+    # key a fork server of its own for the peer (tests/helpers/forkserver.py: ~5 s of CPU).
+    monkeypatch.setattr(sys.modules[__name__], "_TMP", [tmp_path])
     root = tmp_path / "root"
     torch.manual_seed(0)
     holder = Holder(torch.randn(256 * 64))

@@ -8,8 +8,6 @@ import json
 import os
 import select
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,14 +25,12 @@ class Zygote:
     def __init__(self, log: Path) -> None:
         self.log = log
         self._err = open(log, "ab")  # noqa: SIM115 - lives as long as the zygote
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.torture.zygote"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._err,
-            cwd=REPO,
-            env=ENV,
-        )
+        # ``python -m tests.torture.zygote`` with pipes to its stdin and stdout, forked from the suite's fork
+        # server (tests/helpers/example_runs.py ``PipedJob``: torch and safepoint imported once, ~4 s of CPU
+        # less per pytest process; the zygote still warms up and forks its children itself).
+        from tests.helpers.example_runs import PipedJob  # the test side only: the zygote imports this module
+
+        self.proc = PipedJob(["-m", "tests.torture.zygote"], stderr=self._err.fileno(), text=False)
         self._buf = b""
         self._queue: list[dict[str, Any]] = []
         self._decoder = json.JSONDecoder()

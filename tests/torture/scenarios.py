@@ -506,8 +506,13 @@ SCENARIOS = {
 
 def warm_up(tmp: Path) -> None:
     """Run one save/restore cycle so the children forked later pay no lazy imports or first-use costs."""
-    # The object-store children's clients (imported only: their event-loop thread starts in the child).
+    # The object-store children's clients (imported only: their event-loop thread starts in the child), and
+    # botocore's data files parsed for every session a child opens (tests/helpers/botocore_data.py).
     import s3fs  # noqa: F401
+
+    from tests.helpers import botocore_data
+
+    botocore_data.preload()
 
     import safepoint.remote.object_lease
     import safepoint.remote.s3store
