@@ -169,7 +169,10 @@ class AzureStore(ObjectStore):
     def put_bytes(self, path: str, data: bytes, *, if_absent: bool = False) -> None:
         if if_absent:
             raise NotImplementedError("az:// creates conditionally through remote/conditional.py")
+        self.confirmed.forget(path)
         self.run(self.put_blob, path, data, f"write of {self.url(path)}")
+        # Azure checked the body's Content-MD5 (put_blob): the blob holds these bytes.
+        self.confirmed.remember(path, len(data), crc_hex(crc32c.crc32c(data)))
         self.fs.invalidate_cache(path)
 
     # ---- server-side copies -----------------------------------------------------------------------------
@@ -302,6 +305,7 @@ class AzureWriter(PartWriter):
 
     def _begin(self) -> None:
         self._s.versions.forget(self._path)
+        self._s.confirmed.forget(self._path)
         self._s.run(self._lease.begin)  # the blob leased before its first block goes up (azlease.py)
         self._leased = True
 
@@ -314,8 +318,11 @@ class AzureWriter(PartWriter):
     # to hold the crc32c of those bytes (the one DCP's stream records for the manifest).
     def _whole(self, data: bytes) -> None:
         self._s.versions.forget(self._path)
+        self._s.confirmed.forget(self._path)
         tag = self._s.run(self._s.put_blob, self._path, data, self._what)
-        self._s.versions.remember(self._path, tag, len(data), crc_hex(crc32c.crc32c(data)))
+        crc = crc_hex(crc32c.crc32c(data))
+        self._s.versions.remember(self._path, tag, len(data), crc)
+        self._s.confirmed.remember(self._path, len(data), crc)
         self._s.fs.invalidate_cache(self._path)
 
     def _finish(self, sent: list[str]) -> None:
@@ -323,7 +330,9 @@ class AzureWriter(PartWriter):
         tag = self._s.run(self._s.commit_blocks, self._path, sent, self._what, self._lease)
         self._leased = False
         self._s.run(functools.partial(self._lease.end, committed=True))
-        self._s.versions.remember(self._path, tag, sum(n for _, n in self._crcs), combine(self._crcs))
+        size, crc = sum(n for _, n in self._crcs), combine(self._crcs)
+        self._s.versions.remember(self._path, tag, size, crc)
+        self._s.confirmed.remember(self._path, size, crc)
         self._s.fs.invalidate_cache(self._path)
 
     def _drop(self) -> None:

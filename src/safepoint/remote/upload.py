@@ -23,6 +23,7 @@ from typing import IO, Any, TypeVar
 
 import crc32c
 
+from safepoint.remote.confirmed import ConfirmedWrites
 from safepoint.remote.retry import (
     DamagedInTransit,
     MiB,
@@ -120,6 +121,7 @@ class ObjectStore:
         # Set when the preemption grace ran out with the transfer still running: a thread parked at the
         # shut gate then raises instead of waiting forever (interpreter exit joins the pool's threads).
         self.abandoned = threading.Event()
+        self.confirmed = ConfirmedWrites()  # what this process wrote and saw confirmed (confirmed.py)
 
     def pass_gate(self) -> None:
         """Wait while the gate is shut; raise :class:`UploadError` once the transfer is abandoned."""
