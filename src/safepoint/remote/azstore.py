@@ -25,22 +25,20 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import concurrent.futures
 import contextlib
 import functools
 import hashlib
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 import crc32c
-from fsspec.asyn import sync
 
+from safepoint.remote.azbase import AzureBase
 from safepoint.remote.azlease import BlobLease, break_lease, lease_lost, put_over_lease
-from safepoint.remote.retry import DamagedInTransit, UploadError, lower_priority, next_delay, retry
+from safepoint.remote.retry import DamagedInTransit, UploadError, retry
 from safepoint.remote.stream import PartWriter
-from safepoint.remote.upload import FileCopy, ObjectStore, RawWriter, check_local, combine, read_range
-from safepoint.remote.versions import ProvenVersions
+from safepoint.remote.upload import FileCopy, RawWriter, check_local, combine, read_range
 from safepoint.store.checksum import crc_hex
 from safepoint.store.manifest import Parts
 
@@ -62,44 +60,8 @@ def _block_id(n: int, upload: str) -> str:
     return base64.b64encode(f"{upload}-{n:06d}".encode()).decode()
 
 
-class AzureStore(ObjectStore):
+class AzureStore(AzureBase):
     """ObjectStore for adlfs.AzureBlobFileSystem: blocks and blobs checked by Azure's Content-MD5."""
-
-    def __init__(self, fs: Any, cfg: Any = None) -> None:
-        super().__init__(fs, cfg)
-        self._sem: asyncio.Semaphore | None = None
-        init = lower_priority if self.cfg.background else None
-        # Reading parts from disk and hashing them (hashlib and crc32c release the GIL) off the event loop.
-        self._pool = concurrent.futures.ThreadPoolExecutor(self.cfg.concurrency, initializer=init)
-        self.versions = ProvenVersions()
-        """The blob versions whose bytes this process proved (module docstring; remote/versions.py)."""
-
-    # ---- plumbing ---------------------------------------------------------------------------------------
-
-    def client(self, path: str) -> Any:
-        container, _, blob = path.partition("/")
-        return self.fs.service_client.get_blob_client(container, blob)
-
-    def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        return sync(self.fs.loop, fn, *args)  # type: ignore[no-any-return]
-
-    async def aretry(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return await fn()
-            except Exception as e:
-                await asyncio.sleep(next_delay(what, e, attempt, self.cfg))
-
-    @property
-    def sem(self) -> asyncio.Semaphore:
-        if self._sem is None:  # made on first use, inside the event loop's thread
-            self._sem = asyncio.Semaphore(self.cfg.concurrency)
-        return self._sem
-
-    async def _in_pool(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def stage(self, path: str, block_id: str, data: bytes, what: str, lease: BlobLease) -> None:
         headers = await self._in_pool(md5_header, data)
