@@ -6,16 +6,25 @@ object exists), and a copy (``copy``) with path expansion (two such stats) befor
 checkpoint's paths are always objects, never directories, so one object GET answers the stat (size and
 the crc32c GCS computed of the bytes it holds: the same answer ``info`` returns) and one rewrite makes the
 copy. What is proven of an object does not change: the crc32c is GCS's own either way (docs/storage.md).
+
+Writes of up to one part (``TransferOptions.part_size``: every manifest, record and small checkpoint file)
+are one simple upload, whose answer is the object's resource with the crc32c GCS computed of the bytes it
+stored: compared with ours there, the object is confirmed by the answer (remote/confirmed.py: the commit
+does not ask again), and a different value is sent again (``DamagedInTransit``). gcsfs's own stream would
+start a resumable upload for them (two requests) and confirm nothing. A longer stream goes on through
+gcsfs's stream, and the commit confirms it by a stat.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import crc32c
 from fsspec.asyn import sync
 
-from safepoint.remote.retry import UploadError, retry
-from safepoint.remote.upload import ObjectStore, hex_crc
+from safepoint.remote.retry import DamagedInTransit, UploadError, retry
+from safepoint.remote.upload import ObjectStore, RawWriter, _FsWriter, hex_crc
+from safepoint.store.checksum import crc_hex
 from safepoint.store.manifest import Parts
 
 
@@ -41,3 +50,63 @@ class GcsStore(ObjectStore):
         afterwards by the caller from the copy's crc32c, which GCS computes (incremental_copy.proven_copy)."""
         retry(f"copy of {self.url(src)}", lambda: self._run(self.fs._cp_file, src, dst), self.cfg)
         self.fs.invalidate_cache(dst)
+
+    def put_bytes(self, path: str, data: bytes, *, if_absent: bool = False) -> None:
+        if if_absent:
+            raise NotImplementedError("gs:// creates conditionally through remote/conditional.py")
+        self.upload(path, data)
+
+    def upload(self, path: str, data: bytes) -> None:
+        """One simple upload of ``data`` to ``path``, confirmed by GCS's answer (the module docstring)."""
+        from gcsfs.core import simple_upload
+
+        bucket, key, _ = self.fs.split_path(path)
+        crc = crc_hex(crc32c.crc32c(data))
+        self.confirmed.forget(path)
+
+        def once() -> None:
+            answer = self._run(simple_upload, self.fs, bucket, key, data)
+            got = (int(answer.get("size") or -1), hex_crc(str(answer.get("crc32c"))))
+            if got != (len(data), crc):
+                raise DamagedInTransit(
+                    f"GCS stored {got[0]} bytes of crc32c {got[1]}; sent {len(data)}, {crc}"
+                )
+
+        retry(f"write of {self.url(path)}", once, self.cfg)
+        self.confirmed.remember(path, len(data), crc)
+        self.fs.invalidate_cache(path)
+
+    def open_writer(self, path: str) -> RawWriter:
+        return _GcsWriter(self, path)
+
+
+class _GcsWriter(RawWriter):
+    """Up to one part buffered and sent as one confirmed upload at close; past that, gcsfs's stream."""
+
+    def __init__(self, store: GcsStore, path: str) -> None:
+        self._s, self._path = store, path
+        self._buf: bytearray | None = bytearray()
+        self._stream: RawWriter | None = None
+
+    def write(self, data: Any) -> int:
+        n = len(memoryview(data))
+        if self._buf is not None and len(self._buf) + n <= self._s.cfg.part_size:
+            self._buf += data
+            return n
+        if self._stream is None:
+            self._stream = _FsWriter(self._s.fs, self._path)
+            self._stream.write(bytes(self._buf or b""))
+            self._buf = None
+        return self._stream.write(data)
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+        elif self._buf is not None:
+            data, self._buf = bytes(self._buf), None
+            self._s.upload(self._path, data)
+
+    def abort(self) -> None:
+        self._buf = None  # nothing was sent: nothing appears
+        if self._stream is not None:
+            self._stream.abort()
