@@ -59,10 +59,10 @@ STEADY_SAVE = {
     },
 }
 # The root listed; the newest manifest (discovery, then verify); each object's size (verify), the data
-# object's again as the reader opens it (GCS: a stat and a listing), then .metadata, data, rank state read.
+# object's again as the reader opens it, then .metadata, the data and the rank state read.
 RESTORE = {
     "s3": {"GET listing": 1, "GET manifest": 2, "HEAD object": 5, "GET object": 3},
-    "gs": {"GET listing": 2, "GET manifest": 2, "GET object": 9},
+    "gs": {"GET listing": 1, "GET manifest": 2, "GET object": 8},
     "az": {"GET listing": 1, "GET manifest": 2, "HEAD object": 5, "GET object": 3},
 }
 

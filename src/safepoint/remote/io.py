@@ -233,7 +233,7 @@ class SafeStoreReader(SafeReader):
         # Read ahead one piece at most (s3fs's default is 50 MiB, on top of what is read); readahead named,
         # since gcsfs caches nothing by default: a request per item read (22 for a small model's file).
         path = posixpath.join(self.path, name)
-        with self._store.fs.open(path, "rb", block_size=READ_PIECE, cache_type="readahead") as f:
+        with self._store.open_read(path, block_size=READ_PIECE, cache_type="readahead") as f:
             if f.size != size:
                 self._changed(name, f"size {f.size} != {size}")
 

@@ -298,6 +298,10 @@ class ObjectStore:
 
         return combine(self._parallel(part, ranges)) if ranges else crc_hex(0)
 
+    def open_read(self, path: str, *, block_size: int, cache_type: str = "readahead") -> Any:
+        """``path`` open for reading (fsspec's file: ``size``, ``seek``, ``read``)."""
+        return self.fs.open(path, "rb", block_size=block_size, cache_type=cache_type)
+
     def download(self, path: str, fd: int, size: int) -> str:
         """Copy an object into the new local file open as ``fd`` (fsync'd); return the crc32c of the bytes
         written. The caller made the file through the guarded walk (store/rootfs.py RootDir.create) and
@@ -320,8 +324,7 @@ class ObjectStore:
             raise UploadError(f"download of {self.url(path)}: got {got} bytes, expected {size}")
         return crc_hex(value)
 
-    def abort_uploads(self, prefix: str) -> int:
-        """Abort the unfinished multipart uploads under ``prefix``; how many. None on a generic store."""
+    def abort_uploads(self, prefix: str) -> int:  # the multipart uploads aborted (S3; none elsewhere)
         return 0
 
     def copy(self, src: str, dst: str, size: int | None = None, crc: str | None = None) -> None:
