@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import posixpath
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 from safepoint.remote.retry import UploadError
-from safepoint.store.manifest import Manifest
+from safepoint.store.manifest import Manifest, Parts
 
-if TYPE_CHECKING:  # upload.py makes every store's registry: a runtime import would be circular
-    from safepoint.remote.upload import ObjectStore
+T = TypeVar("T")
 
 _LIMIT = 65_536
 """Entries kept; one forgotten is only asked of the store again at the commit."""
@@ -62,8 +62,32 @@ class ConfirmedWrites:
             return self._known.get(path) == (size, crc)
 
 
-def confirm(store: ObjectStore, prefix: str, manifest: Manifest, *, prove: bool = False) -> None:
-    """Every object of ``manifest`` under ``prefix`` matches it (size and crc32c) before the manifest is
+class _Store(Protocol):
+    """What ``confirm`` uses of an upload.ObjectStore (which holds the registry: importing it here would
+    make a cycle)."""
+
+    confirmed: ConfirmedWrites
+
+    def prove(self, path: str, size: int, crc: str, parts: Parts | None = None) -> str | None: ...
+
+    def check(
+        self,
+        path: str,
+        size: int,
+        crc: str,
+        *,
+        read: bool = True,
+        deep: bool = False,
+        parts: Parts | None = None,
+    ) -> str | None: ...
+
+    def url(self, path: str) -> str: ...
+
+    def _parallel(self, fn: Callable[[Any], T], items: Sequence[Any]) -> list[T]: ...
+
+
+def confirm(store: _Store, prefix: str, manifest: Manifest, *, prove: bool = False) -> None:
+    """Every object of ``manifest`` under ``prefix`` of ``store`` matches it, size and crc32c, before it is
     written; UploadError naming the first that does not. ``prove``: as a server-side copy must be
     (``store.prove``: never by its size), asked of the store for every object; otherwise the objects this
     process confirmed as it wrote them are not asked again (the module docstring)."""
