@@ -23,16 +23,9 @@ import crc32c
 from fsspec.asyn import sync
 from fsspec.caching import caches
 
+from safepoint.remote.rawwriter import FsWriter, RawWriter
 from safepoint.remote.retry import DamagedInTransit, UploadError, retry
-from safepoint.remote.upload import (
-    FileCopy,
-    ObjectStore,
-    RawWriter,
-    _FsWriter,
-    check_local,
-    hex_crc,
-    read_range,
-)
+from safepoint.remote.upload import FileCopy, ObjectStore, check_local, hex_crc, read_range
 from safepoint.store.checksum import crc_hex
 from safepoint.store.manifest import Parts
 
@@ -128,7 +121,7 @@ class _GcsWriter(RawWriter):
             self._buf += data
             return n
         if self._stream is None:
-            self._stream = _FsWriter(self._s.fs, self._path)
+            self._stream = FsWriter(self._s.fs, self._path)
             self._stream.write(bytes(self._buf or b""))
             self._buf = None
         return self._stream.write(data)
