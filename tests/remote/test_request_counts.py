@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import safepoint
+from safepoint.remote.open import open_store
 from tests.helpers.s3 import FaultProxy, running_proxy
 from tests.helpers.stores import Store
 from tests.helpers.tcpproxy import proxied_options
@@ -131,3 +132,22 @@ def test_requests_of_a_steady_save_and_a_restore(store: Store, quiet_timers: Non
     assert counts[3] == counts[4], counts  # steady: the same requests every save
     assert counts[4] == STEADY_SAVE[store.scheme], counts[4]
     assert restore == RESTORE[store.scheme], restore
+
+
+def test_an_azure_listing_is_one_request_and_leaves_directory_markers_out(azurite_endpoint: str) -> None:
+    """adlfs's find asked of the prefix whether it is a blob first; the listing is one List Blobs now, and a
+    hierarchical-namespace account's "directory" (a blob marked ``hdi_isfolder``) is not an object."""
+    from safepoint.remote.azstore import AzureStore
+    from tests.helpers.stores import azure_store
+
+    store = azure_store(azurite_endpoint)
+    container = store.make_bucket()
+    with running_proxy(store.endpoint) as proxy:
+        s, base = open_store(f"az://{container}/run", proxied_options(store, proxy.endpoint), None)
+        assert isinstance(s, AzureStore)
+        s.put_bytes(f"{base}/step-1/a", b"abc")
+        mark = s.fs.service_client.get_blob_client(container, "run/step-1/sub")
+        s.run(lambda: mark.upload_blob(b"", metadata={"hdi_isfolder": "true"}))
+        assert _counted(proxy, lambda: s.sizes(f"{base}/step-1")) == {"GET listing": 1}
+        assert s.sizes(f"{base}/step-1") == {"a": 3}
+        assert s.sizes(f"{base}/nothing") == {}

@@ -75,9 +75,11 @@ class AzureBase(ObjectStore):
         async def listing() -> dict[str, int]:
             from azure.core.exceptions import ResourceNotFoundError
 
-            blobs = self.fs.service_client.get_container_client(container).list_blobs(name_starts_with=base)
+            client = self.fs.service_client.get_container_client(container)
+            blobs = client.list_blobs(name_starts_with=base, include=["metadata"])
             try:
-                return {b.name[len(base) :]: int(b.size or 0) async for b in blobs}
+                # (a "directory" of a hierarchical-namespace account is a blob marked so, as adlfs reads it)
+                return {b.name[len(base) :]: int(b.size or 0) async for b in blobs if not _folder(b)}
             except ResourceNotFoundError:  # no container: nothing under it (check_root says why)
                 return {}
 
@@ -110,3 +112,8 @@ class AzureBase(ObjectStore):
                 raise FileNotFoundError(self.url(path)) from None
             raise
         return int(props.size or 0), None
+
+
+def _folder(blob: Any) -> bool:
+    meta = {str(k).lower(): v for k, v in (getattr(blob, "metadata", None) or {}).items()}
+    return bool(meta.get("is_directory") == "true" or meta.get("hdi_isfolder") == "true")
