@@ -96,3 +96,32 @@ def test_a_retried_save_does_not_count_what_an_earlier_attempt_confirmed(store: 
     with pytest.raises(UploadError, match=r"ours cannot be committed: size 16999 != 17000"):
         layout.commit(pending, _manifest(8, ours=DATA))
     assert layout.committed_steps() == []
+
+
+def test_a_gcs_read_that_fails_mid_restore_falls_back_to_the_older_step(gcs_endpoint: str) -> None:
+    """GCS reads go through GcsStore's own reader (one stat, ranged reads): a read the store keeps failing
+    is an OSError, as a file's is, so the restore warns and takes the older step, never a traceback."""
+    import torch
+    from torch import nn
+
+    import safepoint
+    from tests.helpers.s3 import running_proxy
+    from tests.helpers.tcpproxy import proxied_options
+
+    store = gcs_store(gcs_endpoint)
+    url = store.root()
+    model = nn.Linear(8, 8)
+    cfg = TransferOptions(backoff_s=0.0, max_backoff_s=0.0, attempts=2, client_retries=0)
+    with safepoint.CheckpointManager(url, storage_options=store.options, transfer=cfg) as mgr:
+        for step in (1, 2):
+            with torch.no_grad():
+                model.weight.fill_(float(step))
+            mgr.save(step, safepoint.TrainState(model=model))
+    with running_proxy(store.endpoint) as proxy:
+        proxy.add("503", method="GET", path=r"^/download/.*step-2%2F__0_0\.distcp")
+        fresh = nn.Linear(8, 8)
+        opts = proxied_options(store, proxy.endpoint)
+        with safepoint.CheckpointManager(url, storage_options=opts, transfer=cfg) as mgr:
+            assert mgr.restore(safepoint.TrainState(model=fresh)) == 1
+        assert proxy.faults() == 2  # both attempts of the read, then the older step
+    assert torch.equal(fresh.weight, torch.full((8, 8), 1.0))

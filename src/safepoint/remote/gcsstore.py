@@ -61,7 +61,10 @@ class GcsStore(ObjectStore):
 
         def fetch(start: int, end: int) -> bytes:
             what = f"read of {self.url(path)}"
-            return bytes(retry(what, lambda: self._run(self.fs._cat_file, path, start, end), self.cfg))
+            try:
+                return bytes(retry(what, lambda: self._run(self.fs._cat_file, path, start, end), self.cfg))
+            except UploadError as e:  # a failed read, as a file's (the restore falls back on OSError)
+                raise OSError(str(e)) from e
 
         return _RangedReader(caches[cache_type](block_size, fetch, size), size)
 
