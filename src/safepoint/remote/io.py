@@ -79,7 +79,8 @@ class _StoreFileSystem(FsspecFileSystem):
         stream.close()  # the upload completes (and is confirmed) here; only then is the file recorded
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
-        # DCP writes .metadata.tmp and renames it. A store copies server-side and deletes; nothing is
+        # DCP renames a rank's own __<r>.metadata.tmp where it saves without collectives (StoreWriter.finish
+        # writes .metadata in place otherwise). A store copies server-side and deletes; nothing is
         # visible to readers before our manifest anyway. The copy is proven to hold what this writer
         # streamed (size, crc32c recorded), as any copy is: never taken by its size where the store keeps no
         # crc32c (Azure; S3 without CRC32C), so the file altered in place meanwhile is never committed.
