@@ -22,7 +22,7 @@ from safepoint.errors import CorruptCheckpointError
 from safepoint.remote.object_layout import RemoteLayout
 from safepoint.remote.retry import DamagedInTransit
 from safepoint.remote.s3read import composite_value
-from safepoint.remote.s3store import S3Store, _answer_confirms
+from safepoint.remote.s3store import S3Store, answer_confirms
 from safepoint.remote.upload import FileCopy, MiB, TransferOptions, UploadError
 from safepoint.store.checksum import crc_hex
 from safepoint.store.manifest import MANIFEST_NAME, FileEntry, Manifest, Parts
@@ -172,11 +172,11 @@ def test_a_completion_answer_with_the_composite_value_needs_no_head() -> None:
     confirms): the value our parts make confirms the object, any other is damage, another kind is no answer."""
     crcs = [0x12345678, 0x9ABCDEF0, 0x0F0F0F0F]
     value = composite_value(crcs)
-    assert _answer_confirms({"ChecksumCRC32C": f"{value}-3", "ChecksumType": "COMPOSITE"}, "00000000", crcs)
-    assert _answer_confirms({"ChecksumCRC32C": f"{value}-3"}, "00000000", crcs)
+    assert answer_confirms({"ChecksumCRC32C": f"{value}-3", "ChecksumType": "COMPOSITE"}, "00000000", crcs)
+    assert answer_confirms({"ChecksumCRC32C": f"{value}-3"}, "00000000", crcs)
     with pytest.raises(DamagedInTransit):
-        _answer_confirms({"ChecksumCRC32C": f"{composite_value(crcs[:2])}-2"}, "00000000", crcs)
-    assert not _answer_confirms({"ChecksumCRC32C": "AAAAAA==", "ChecksumType": "FULL_OBJECT"}, "0", crcs)
-    assert not _answer_confirms({"ETag": "x"}, "00000000", crcs)
+        answer_confirms({"ChecksumCRC32C": f"{composite_value(crcs[:2])}-2"}, "00000000", crcs)
+    assert not answer_confirms({"ChecksumCRC32C": "AAAAAA==", "ChecksumType": "FULL_OBJECT"}, "0", crcs)
+    assert not answer_confirms({"ETag": "x"}, "00000000", crcs)
     with pytest.raises(ValueError, match="full_object_checksum"):
         TransferOptions(full_object_checksum="yes")  # type: ignore[arg-type]

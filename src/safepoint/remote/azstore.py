@@ -25,22 +25,20 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import concurrent.futures
 import contextlib
 import functools
 import hashlib
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 import crc32c
-from fsspec.asyn import sync
 
+from safepoint.remote.azbase import AzureBase
 from safepoint.remote.azlease import BlobLease, break_lease, lease_lost, put_over_lease
-from safepoint.remote.retry import DamagedInTransit, UploadError, lower_priority, next_delay, retry
+from safepoint.remote.retry import DamagedInTransit, UploadError, retry
 from safepoint.remote.stream import PartWriter
-from safepoint.remote.upload import FileCopy, ObjectStore, RawWriter, check_local, combine, read_range
-from safepoint.remote.versions import ProvenVersions
+from safepoint.remote.upload import FileCopy, RawWriter, check_local, combine, read_range
 from safepoint.store.checksum import crc_hex
 from safepoint.store.manifest import Parts
 
@@ -62,44 +60,8 @@ def _block_id(n: int, upload: str) -> str:
     return base64.b64encode(f"{upload}-{n:06d}".encode()).decode()
 
 
-class AzureStore(ObjectStore):
+class AzureStore(AzureBase):
     """ObjectStore for adlfs.AzureBlobFileSystem: blocks and blobs checked by Azure's Content-MD5."""
-
-    def __init__(self, fs: Any, cfg: Any = None) -> None:
-        super().__init__(fs, cfg)
-        self._sem: asyncio.Semaphore | None = None
-        init = lower_priority if self.cfg.background else None
-        # Reading parts from disk and hashing them (hashlib and crc32c release the GIL) off the event loop.
-        self._pool = concurrent.futures.ThreadPoolExecutor(self.cfg.concurrency, initializer=init)
-        self.versions = ProvenVersions()
-        """The blob versions whose bytes this process proved (module docstring; remote/versions.py)."""
-
-    # ---- plumbing ---------------------------------------------------------------------------------------
-
-    def client(self, path: str) -> Any:
-        container, _, blob = path.partition("/")
-        return self.fs.service_client.get_blob_client(container, blob)
-
-    def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        return sync(self.fs.loop, fn, *args)  # type: ignore[no-any-return]
-
-    async def aretry(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return await fn()
-            except Exception as e:
-                await asyncio.sleep(next_delay(what, e, attempt, self.cfg))
-
-    @property
-    def sem(self) -> asyncio.Semaphore:
-        if self._sem is None:  # made on first use, inside the event loop's thread
-            self._sem = asyncio.Semaphore(self.cfg.concurrency)
-        return self._sem
-
-    async def _in_pool(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def stage(self, path: str, block_id: str, data: bytes, what: str, lease: BlobLease) -> None:
         headers = await self._in_pool(md5_header, data)
@@ -169,7 +131,10 @@ class AzureStore(ObjectStore):
     def put_bytes(self, path: str, data: bytes, *, if_absent: bool = False) -> None:
         if if_absent:
             raise NotImplementedError("az:// creates conditionally through remote/conditional.py")
+        self.confirmed.forget(path)
         self.run(self.put_blob, path, data, f"write of {self.url(path)}")
+        # Azure checked the body's Content-MD5 (put_blob): the blob holds these bytes.
+        self.confirmed.remember(path, len(data), crc_hex(crc32c.crc32c(data)))
         self.fs.invalidate_cache(path)
 
     # ---- server-side copies -----------------------------------------------------------------------------
@@ -239,7 +204,8 @@ class AzureStore(ObjectStore):
         def once() -> None:
             self.versions.forget(item.remote)
             tag = self.run(self._put_file, item, what)
-            self.confirm(item)
+            if item.size > self.cfg.part_size:  # (one Put Blob: Azure checked its whole body's MD5)
+                self.confirm(item)  # the blob the committed block list made has the file's size
             self.versions.remember(item.remote, tag, item.size, item.crc32c)
 
         retry(what, once, self.cfg)
@@ -302,6 +268,7 @@ class AzureWriter(PartWriter):
 
     def _begin(self) -> None:
         self._s.versions.forget(self._path)
+        self._s.confirmed.forget(self._path)
         self._s.run(self._lease.begin)  # the blob leased before its first block goes up (azlease.py)
         self._leased = True
 
@@ -314,8 +281,11 @@ class AzureWriter(PartWriter):
     # to hold the crc32c of those bytes (the one DCP's stream records for the manifest).
     def _whole(self, data: bytes) -> None:
         self._s.versions.forget(self._path)
+        self._s.confirmed.forget(self._path)
         tag = self._s.run(self._s.put_blob, self._path, data, self._what)
-        self._s.versions.remember(self._path, tag, len(data), crc_hex(crc32c.crc32c(data)))
+        crc = crc_hex(crc32c.crc32c(data))
+        self._s.versions.remember(self._path, tag, len(data), crc)
+        self._s.confirmed.remember(self._path, len(data), crc)
         self._s.fs.invalidate_cache(self._path)
 
     def _finish(self, sent: list[str]) -> None:
@@ -323,7 +293,9 @@ class AzureWriter(PartWriter):
         tag = self._s.run(self._s.commit_blocks, self._path, sent, self._what, self._lease)
         self._leased = False
         self._s.run(functools.partial(self._lease.end, committed=True))
-        self._s.versions.remember(self._path, tag, sum(n for _, n in self._crcs), combine(self._crcs))
+        size, crc = sum(n for _, n in self._crcs), combine(self._crcs)
+        self._s.versions.remember(self._path, tag, size, crc)
+        self._s.confirmed.remember(self._path, size, crc)
         self._s.fs.invalidate_cache(self._path)
 
     def _drop(self) -> None:

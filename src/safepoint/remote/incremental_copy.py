@@ -62,12 +62,15 @@ def proven_copy(store: ObjectStore, src: str, dst: str, size: int, crc: str) -> 
     read back
     (``store.prove``): a store that keeps no checksum proves nothing of the bytes it copied, so its copy is
     never trusted by its size (a source altered in place at the same size would be listed)."""
+    store.confirmed.forget(dst)
     try:
         store.copy(src, dst, size, crc)
         problem = store.prove(dst, size, crc)
     except (UploadError, OSError) as e:
         problem = f"{type(e).__name__}: {e}"
-    if problem is not None:
+    if problem is None:
+        store.confirmed.remember(dst, size, crc)  # the commit need not ask again (remote/confirmed.py)
+    else:
         with contextlib.suppress(UploadError, OSError):
             store.delete([dst])  # a stray copy would lie unlisted in the step until it is deleted
     return problem

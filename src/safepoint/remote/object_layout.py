@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from safepoint.errors import CheckpointError, CorruptCheckpointError, LeaseError
 from safepoint.remote.conditional import create_if_absent
+from safepoint.remote.confirmed import confirm
 from safepoint.remote.incremental_copy import proven_copy
 from safepoint.remote.io import SafeStoreReader, StoreWriter
 from safepoint.remote.open import open_store
@@ -198,6 +199,7 @@ class RemoteLayout:
         try:
             self.store.stored_checksum(self._p(step_name(step), MANIFEST_NAME))
         except FileNotFoundError:
+            self.store.confirmed.begin(self.step_key(step))  # (a staged prefix is new: nothing under it)
             return self.step_key(step)
         return self._p(PENDING_DIR, f"{step_name(step)}-{save_id}")
 
@@ -234,7 +236,7 @@ class RemoteLayout:
         """Confirm every object against ``manifest``, then write the manifest (then promote if staged).
         ``confirmed``: every object was confirmed as it was uploaded (``put_files``): not checked again."""
         if not confirmed:
-            self._confirm(pending, manifest)
+            confirm(self.store, pending, manifest)
         final = self.step_key(manifest.step)
         self.fence(f"committing step {manifest.step}")  # the manifest write is the commit
         if pending == final:
@@ -256,22 +258,6 @@ class RemoteLayout:
                 "meanwhile; left as it is"
             )
 
-    def _confirm(self, prefix: str, manifest: Manifest, *, prove: bool = False) -> None:
-        """``prefix`` matches ``manifest`` (uploads: checked as they went up); ``prove``: as any copy is."""
-        names = sorted(manifest.files)
-
-        def check(name: str) -> str | None:
-            e, path = manifest.files[name], posixpath.join(prefix, name)
-            if prove:
-                return self.store.prove(path, e.size, e.crc32c, e.parts)
-            return self.store.check(path, e.size, e.crc32c, read=False, parts=e.parts)
-
-        for name, problem in zip(names, self.store._parallel(check, names), strict=True):
-            if problem:
-                raise UploadError(
-                    f"{self.store.url(posixpath.join(prefix, name))} cannot be committed: {problem}"
-                )
-
     def _promote(self, staged: str, manifest: Manifest) -> None:
         """Replace a committed step by a staged, confirmed copy; never without a complete copy somewhere."""
         final = self.step_key(manifest.step)
@@ -286,7 +272,7 @@ class RemoteLayout:
             lambda n: copy(posixpath.join(staged, n), posixpath.join(final, n), got[n].size, got[n].crc32c),
             sorted(got),
         )
-        self._confirm(final, manifest, prove=True)
+        confirm(self.store, final, manifest, prove=True)
         if not create_if_absent(self.store, posixpath.join(final, MANIFEST_NAME), manifest.to_json()):
             self._unfinished.pop(staged, None)  # another writer committed step N meanwhile: theirs stays
             self.fence(f"committing step {manifest.step}")
@@ -381,7 +367,7 @@ class RemoteLayout:
             if m and m.group(1) not in committed and f"{PENDING_DIR}/{name}/{MANIFEST_NAME}" in objects:
                 try:
                     manifest = Manifest.from_json(self.store.get_bytes(posixpath.join(prefix, MANIFEST_NAME)))
-                    self._confirm(prefix, manifest, prove=True)  # read once where unproven
+                    confirm(self.store, prefix, manifest, prove=True)  # read once where unproven
                     self._promote(prefix, manifest)
                     committed.add(m.group(1))
                     done.append(f"finished the interrupted replacement of {m.group(1)}")

@@ -1,4 +1,4 @@
-"""Which ``ObjectStore`` serves a root URL: S3's and Azure's verified stores, or the generic fsspec one."""
+"""Which ``ObjectStore`` serves a root URL: S3's, Azure's and GCS's stores, or the generic fsspec one."""
 
 from __future__ import annotations
 
@@ -36,6 +36,10 @@ def open_store(
         from safepoint.remote.azstore import AzureStore
 
         store = AzureStore(fs, cfg)
+    elif protocols & {"gs", "gcs"}:
+        from safepoint.remote.gcsstore import GcsStore
+
+        store = GcsStore(fs, cfg)
     else:
         store = ObjectStore(fs, cfg)
     if "://" in url and not store.local and protocol in protocols:

@@ -66,14 +66,17 @@ class S3Store(S3Reader):
         crc = crc_hex(crc32c.crc32c(data))
         # If-None-Match: * makes S3 refuse to overwrite (conditional write), the one atomic create S3 has.
         cond = {"IfNoneMatch": "*"} if if_absent else {}
+        self.confirmed.forget(path)
         try:
-            self.run(
+            answer = self.run(
                 self.aretry, f"write of {self.url(path)}", lambda: self._put(bucket, key, data, crc, cond)
             )
         except UploadError as e:
             if cause_code(e) in ("PreconditionFailed", "ConditionalRequestConflict"):
                 raise FileExistsError(self.url(path)) from e
             raise
+        if isinstance(answer, dict) and hex_crc(str(answer.get("ChecksumCRC32C"))) == crc:  # S3's own
+            self.confirmed.remember(path, len(data), crc)  # CRC32C of what it stored: the commit need not ask
         self.fs.invalidate_cache(path)
 
     async def _put(self, bucket: str, key: str, data: bytes, crc: str, cond: dict[str, str]) -> Any:
@@ -139,8 +142,7 @@ class S3Store(S3Reader):
     async def _delete(self, bucket: str, keys: list[str]) -> None:
         objects = {"Objects": [{"Key": k} for k in keys], "Quiet": True}
         r = await self.call("delete_objects", Bucket=bucket, Delete=objects)
-        failed = [e for e in r.get("Errors", []) if e.get("Code") != "NoSuchKey"]
-        if failed:
+        if failed := [e for e in r.get("Errors", []) if e.get("Code") != "NoSuchKey"]:
             raise KeyDeleteError(failed)
 
     # ---- files ------------------------------------------------------------------------------------------
@@ -239,7 +241,7 @@ class S3Store(S3Reader):
                 await self.abort_mpu(bucket, key, upload_id)
                 raise
         parts = None if full or not part_crcs else Parts(size=psize, crc32c=tuple(map(crc_hex, part_crcs)))
-        if not _answer_confirms(answer, item.crc32c, part_crcs if parts else None):  # (None: answer lost)
+        if not answer_confirms(answer, item.crc32c, part_crcs if parts else None):  # (None: answer lost)
             tag = sent_etag(md5s, bool(part_crcs))
             await self.aconfirm(item.remote, item.size, item.crc32c, what, part_crcs, tag)
         return parts
@@ -362,9 +364,7 @@ class S3Store(S3Reader):
 
 
 class KeyDeleteError(Exception):
-    """Keys a DeleteObjects request answered 200 but did not delete; shaped like botocore's ClientError (a
-    ``response`` with the first key's code) so that retry.py tells transient codes (InternalError,
-    SlowDown) from the rest."""
+    """Keys a DeleteObjects answered 200 but did not delete, shaped like botocore's ClientError (retry.py)."""
 
     def __init__(self, errors: list[dict[str, Any]]) -> None:
         first = errors[0]
@@ -373,7 +373,7 @@ class KeyDeleteError(Exception):
         super().__init__(f"{first.get('Code')}: {message}")
 
 
-def _answer_confirms(answer: Any, crc: str, parts: Sequence[int] | None) -> bool:
+def answer_confirms(answer: Any, crc: str, parts: Sequence[int] | None) -> bool:
     """Whether a PUT's or a multipart completion's answer already confirms the object: it carries the
     CRC32C the store holds for it, equal to ours: the full-object one, or (``parts``: a composite upload)
     the composite one those parts make. S3 computes those values from the bytes it received (and refuses a

@@ -2,7 +2,9 @@
 
 Parts of ``part_size`` go up as soon as they are full, at most ``concurrency`` per file in flight (memory
 stays bounded; the stream itself is stream.PartWriter, shared with Azure), each with its CRC32C; close
-completes the upload with the full-object CRC32C and confirms it with a HEAD. A file smaller than one part
+completes the upload with the full-object CRC32C. The store's answer confirms it where it carries S3's own
+CRC32C of the object, equal to ours (S3 computed it of the bytes it received); only an answer without one
+(a store that keeps none, a completion whose answer was lost) costs a HEAD. A file smaller than one part
 is a single PUT. ``abort`` drops everything: no object appears.
 """
 
@@ -14,7 +16,7 @@ from typing import Any
 import crc32c
 
 from safepoint.remote.s3read import MD5, sent_etag
-from safepoint.remote.s3store import S3Store
+from safepoint.remote.s3store import S3Store, answer_confirms
 from safepoint.remote.stream import PartWriter
 from safepoint.remote.upload import ObjectStore, RawWriter, combine
 from safepoint.store.checksum import crc_hex
@@ -38,6 +40,7 @@ class S3Writer(PartWriter):
     def _begin(self) -> None:
         s = self._s
         s.versions.forget(self._path)
+        s.confirmed.forget(self._path)
         self._upload_id = s.run(
             functools.partial(s.create_mpu, self._bucket, self._key, self._what, full=self._full)
         )
@@ -54,17 +57,22 @@ class S3Writer(PartWriter):
     def _whole(self, data: bytes) -> None:
         s, crc = self._s, crc_hex(crc32c.crc32c(data))
         s.versions.forget(self._path)
+        s.confirmed.forget(self._path)
         answer = s.run(s.aretry, self._what, lambda: s._put(self._bucket, self._key, data, crc, {}))
-        md5 = s.run(s.answer_md5, answer, data)
-        s.run(s.aconfirm, self._path, len(data), crc, self._what, (), sent_etag([md5], multipart=False))
+        if not answer_confirms(answer, crc, None):  # else S3's CRC32C of what it stored is ours: no HEAD
+            md5 = s.run(s.answer_md5, answer, data)
+            s.run(s.aconfirm, self._path, len(data), crc, self._what, (), sent_etag([md5], multipart=False))
+        s.confirmed.remember(self._path, len(data), crc)
 
     def _finish(self, sent: list[dict[str, Any]]) -> None:
         s, crc = self._s, combine(self._crcs)
         complete = functools.partial(s.complete_mpu, full=self._full)
-        s.run(complete, self._bucket, self._key, self._upload_id, sent, crc, self._what)
+        answer = s.run(complete, self._bucket, self._key, self._upload_id, sent, crc, self._what)
         size, crcs = sum(n for _, n in self._crcs), [c for c, _ in self._crcs]
-        tag = sent_etag([p.get(MD5) for p in sent], True)
-        s.run(s.aconfirm, self._path, size, crc, self._what, crcs, tag)
+        if not answer_confirms(answer, crc, None if self._full else crcs):  # None (answer lost): a HEAD
+            tag = sent_etag([p.get(MD5) for p in sent], True)
+            s.run(s.aconfirm, self._path, size, crc, self._what, crcs, tag)
+        s.confirmed.remember(self._path, size, crc)
 
     def _drop(self) -> None:
         if self._upload_id is not None:

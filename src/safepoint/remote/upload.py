@@ -19,10 +19,12 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import Any, TypeVar
 
 import crc32c
 
+from safepoint.remote.confirmed import ConfirmedWrites
+from safepoint.remote.rawwriter import FsWriter, RawWriter, StreamWriteError, write_at
 from safepoint.remote.retry import (
     DamagedInTransit,
     MiB,
@@ -36,7 +38,16 @@ from safepoint.store.guard import open_regular
 from safepoint.store.manifest import Parts
 from safepoint.store.rootfs import RootDir
 
-__all__ = ["FileCopy", "MiB", "ObjectStore", "RawWriter", "TransferOptions", "UploadError"]
+__all__ = [
+    "FileCopy",
+    "MiB",
+    "ObjectStore",
+    "RawWriter",
+    "StreamWriteError",
+    "TransferOptions",
+    "UploadError",
+    "write_at",
+]
 log = logging.getLogger("safepoint")
 T = TypeVar("T")
 GATE_POLL_S = 0.1
@@ -120,6 +131,7 @@ class ObjectStore:
         # Set when the preemption grace ran out with the transfer still running: a thread parked at the
         # shut gate then raises instead of waiting forever (interpreter exit joins the pool's threads).
         self.abandoned = threading.Event()
+        self.confirmed = ConfirmedWrites()  # what this process wrote and saw confirmed (confirmed.py)
 
     def pass_gate(self) -> None:
         """Wait while the gate is shut; raise :class:`UploadError` once the transfer is abandoned."""
@@ -296,6 +308,10 @@ class ObjectStore:
 
         return combine(self._parallel(part, ranges)) if ranges else crc_hex(0)
 
+    def open_read(self, path: str, *, block_size: int, cache_type: str = "readahead") -> Any:
+        """``path`` open for reading (fsspec's file: ``size``, ``seek``, ``read``)."""
+        return self.fs.open(path, "rb", block_size=block_size, cache_type=cache_type)
+
     def download(self, path: str, fd: int, size: int) -> str:
         """Copy an object into the new local file open as ``fd`` (fsync'd); return the crc32c of the bytes
         written. The caller made the file through the guarded walk (store/rootfs.py RootDir.create) and
@@ -318,8 +334,7 @@ class ObjectStore:
             raise UploadError(f"download of {self.url(path)}: got {got} bytes, expected {size}")
         return crc_hex(value)
 
-    def abort_uploads(self, prefix: str) -> int:
-        """Abort the unfinished multipart uploads under ``prefix``; how many. None on a generic store."""
+    def abort_uploads(self, prefix: str) -> int:  # the multipart uploads aborted (S3; none elsewhere)
         return 0
 
     def copy(self, src: str, dst: str, size: int | None = None, crc: str | None = None) -> None:
@@ -333,7 +348,7 @@ class ObjectStore:
         """A write stream that creates ``path`` on close (and nothing on abort)."""
         if self.local:
             self.fs.makedirs(self.fs._parent(path), exist_ok=True)
-        return _FsWriter(self.fs, path)
+        return FsWriter(self.fs, path)
 
     # ---- helpers ----------------------------------------------------------------------------------------
 
@@ -352,62 +367,3 @@ class ObjectStore:
                     f.cancel()  # start nothing more; the with-block waits for those running
                 raise failed[0]  # type: ignore[misc]
             return [f.result() for f in futures]
-
-
-class StreamWriteError(UploadError, OSError):
-    """An upload that failed inside ``write()``: an OSError too, as a failed file write is. torch's zip writer
-    turns an exception from the stream's write into "unexpected pos" RuntimeError and keeps the original
-    only as its context, where safepoint (saver.describe_exception) looks for an OSError to name the cause."""
-
-
-class RawWriter:
-    """What the DCP writer streams into: bytes go in, ``close`` makes the object, ``abort`` drops it."""
-
-    def write(self, data: Any) -> int:
-        raise NotImplementedError
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def abort(self) -> None:
-        raise NotImplementedError
-
-
-class _FsWriter(RawWriter):
-    def __init__(self, fs: Any, path: str) -> None:
-        self._fs, self._path = fs, path
-        self._f: IO[bytes] = fs.open(path, "wb")
-        self._done = False
-
-    def write(self, data: Any) -> int:
-        n = self._f.write(data)
-        return len(memoryview(data)) if n is None else int(n)
-
-    def close(self) -> None:
-        if not self._done:
-            self._done = True
-            self._f.close()
-
-    def abort(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        discard = getattr(self._f, "discard", None)
-        try:
-            if callable(discard):
-                discard()
-            self._f.close()
-        finally:
-            with contextlib.suppress(OSError):
-                self._fs.rm(self._path)
-
-
-def write_at(fd: int, data: bytes, offset: int) -> None:
-    """All of ``data`` at ``offset`` of ``fd`` (pwrite may write less than asked)."""
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
