@@ -70,7 +70,8 @@ class AzureBase(ObjectStore):
 
     def sizes(self, prefix: str) -> dict[str, int]:
         container, _, key = prefix.partition("/")
-        base = key.rstrip("/") + "/"
+        key = key.rstrip("/")
+        base = f"{key}/" if key else ""  # a root at the top of the bucket: every key is under it
 
         async def listing() -> dict[str, int]:
             from azure.core.exceptions import ResourceNotFoundError

@@ -96,7 +96,8 @@ class S3Reader(ObjectStore):
     def sizes(self, prefix: str) -> dict[str, int]:
         """{key relative to prefix: size} of every object under ``prefix``: one paginated LIST."""
         bucket, key = self._split(prefix)
-        base = key.rstrip("/") + "/"
+        key = key.rstrip("/")
+        base = f"{key}/" if key else ""  # a root at the top of the bucket: every key is under it
 
         async def listing() -> dict[str, int]:
             out: dict[str, int] = {}
