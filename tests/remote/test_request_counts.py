@@ -30,11 +30,14 @@ from tests.helpers.tcpproxy import proxied_options
 # 27 requests on S3, 47 on GCS, 36 on Azure; a restore 11, 38, 12 (docs/benchmarks.md).
 STEADY_SAVE = {
     # new step's manifest absent? (re-save check); 4 objects (.metadata, data, fingerprints, rank state),
-    # each confirmed by its PUT's answer; the lease read before the commit and before each delete; the
-    # manifest (conditional create); retention: a listing of the root, the old manifest, its objects.
+    # each confirmed by its PUT's answer, and asked about once more by the commit (in place: a stale
+    # owner's upload may have replaced one since, remote/confirmed.py); the lease read before the commit
+    # and before each delete; the manifest (conditional create); retention: a listing of the root, the old
+    # manifest, its objects.
     "s3": {
         "HEAD manifest": 1,
         "PUT object": 4,
+        "HEAD object": 4,
         "GET lease": 3,
         "PUT manifest": 1,
         "GET listing": 2,
@@ -44,6 +47,7 @@ STEADY_SAVE = {
     "gs": {
         "GET manifest": 1,
         "POST upload": 5,
+        "GET object": 4,
         "GET lease": 3,
         "GET listing": 2,
         "DELETE manifest": 1,
@@ -52,6 +56,7 @@ STEADY_SAVE = {
     "az": {
         "HEAD manifest": 1,
         "PUT object": 4,
+        "HEAD object": 4,
         "PUT manifest": 1,
         "GET lease": 3,
         "GET listing": 2,

@@ -10,7 +10,8 @@ common restart: a job that resumes from step N-k re-saves step N, which the kill
 writing). Those uploads land in the new owner's prefix after the new owner confirmed its own object: the
 new owner's fence passes (it owns the root) and it commits a manifest that no longer matches the store, a
 checkpoint that cannot be restored (docs/reliability.md: "a checkpoint that could not be restored is never
-committed"). Before the branch, the window was the commit's stat-to-manifest gap; now it is the whole save.
+committed"). The window had grown from the commit's stat-to-manifest gap to the whole save; the commit of
+an in-place save now asks the store about every object again (confirm's ``trust``), as before the branch.
 """
 
 from __future__ import annotations
@@ -36,11 +37,6 @@ def _manifest(step: int, **files: bytes) -> Manifest:
     return Manifest(step=step, files=entries)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rev4: the commit trusts rank 0's confirmed set; an object a stale owner replaced after it was "
-    "confirmed is committed (remote/confirmed.py skips the stat that refused it)",
-)
 def test_an_object_replaced_after_it_was_confirmed_is_not_committed(store: Store) -> None:
     layout = RemoteLayout(store.root(), store.options, transfer=CFG)
     pending = layout.new_pending(5, "a")

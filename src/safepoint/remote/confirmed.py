@@ -8,8 +8,13 @@ server-side copy counts once proven (incremental_copy.proven_copy). Committing t
 more for every object's size and checksum (a HEAD each, ``RemoteLayout.commit``) although nothing in the
 store had changed since: only a takeover of the root could, and the fence right before the manifest write
 refuses that. So the objects this process confirmed (path, size, crc32c) are remembered here, and the
-commit checks only the others (another rank's, on a store whose writes are not confirmed as they go up:
-GCS through gcsfs's stream; a small object written where the store kept no checksum to confirm it).
+commit of a *staged* save (a unique prefix under ``.pending/``, which no other writer names) checks only
+the others (another rank's, on a store whose writes are not confirmed as they go up: GCS through gcsfs's
+stream; a small object written where the store kept no checksum to confirm it). A save *in place* under
+``step-N/`` is checked whole at its commit, as before: a stale owner of the same step (killed but not yet
+dead, its root taken over by a restarted job that re-saves step N) can still have uploads in flight into
+that prefix; the fence stops its commit, not its uploads, so only a stat just before the manifest write
+sees an object it replaced after ours was confirmed (``confirm``'s ``trust``).
 
 Per store instance and per save: ``begin`` forgets everything under a save's prefix before it writes, so
 an entry under it at commit time was made by this save's own writes. Loading never trusts this: every byte
@@ -86,18 +91,24 @@ class _Store(Protocol):
     def _parallel(self, fn: Callable[[Any], T], items: Sequence[Any]) -> list[T]: ...
 
 
-def confirm(store: _Store, prefix: str, manifest: Manifest, *, prove: bool = False) -> None:
+def confirm(
+    store: _Store, prefix: str, manifest: Manifest, *, prove: bool = False, trust: bool = True
+) -> None:
     """Every object of ``manifest`` under ``prefix`` of ``store`` matches it, size and crc32c, before it is
     written; UploadError naming the first that does not. ``prove``: as a server-side copy must be
-    (``store.prove``: never by its size), asked of the store for every object; otherwise the objects this
-    process confirmed as it wrote them are not asked again (the module docstring)."""
-    known = store.confirmed
+    (``store.prove``: never by its size), asked of the store for every object; otherwise, with ``trust``,
+    the objects this process confirmed as it wrote them are not asked again (the module docstring).
+    ``trust=False`` for a prefix another writer may also write into: a save in place under ``step-N/``,
+    where a stale owner's upload of the same step, still in flight, can replace a confirmed object after
+    it was confirmed (the fence stops that owner's commit, not its uploads); only a stat just before the
+    manifest write sees it (tests/remote/test_rev4_confirmed_race.py)."""
+    known = store.confirmed if trust else None
 
     def check(name: str) -> str | None:
         e, path = manifest.files[name], posixpath.join(prefix, name)
         if prove:
             return store.prove(path, e.size, e.crc32c, e.parts)
-        if known.holds(path, e.size, e.crc32c):
+        if known is not None and known.holds(path, e.size, e.crc32c):
             return None
         return store.check(path, e.size, e.crc32c, read=False, parts=e.parts)
 

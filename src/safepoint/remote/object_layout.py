@@ -235,9 +235,9 @@ class RemoteLayout:
     def commit(self, pending: str, manifest: Manifest, *, confirmed: bool = False) -> str:
         """Confirm every object against ``manifest``, then write the manifest (then promote if staged).
         ``confirmed``: every object was confirmed as it was uploaded (``put_files``): not checked again."""
-        if not confirmed:
-            confirm(self.store, pending, manifest)
         final = self.step_key(manifest.step)
+        if not confirmed:  # in place: asked again, every object (remote/confirmed.py: confirm's trust)
+            confirm(self.store, pending, manifest, trust=pending != final)
         self.fence(f"committing step {manifest.step}")  # the manifest write is the commit
         if pending == final:
             self._create_manifest(final, manifest)
