@@ -156,6 +156,19 @@ def _reap(servers: list[socket.socket], pids: list[int]) -> None:
                 time.sleep(0.01)
 
 
+def _fork_rank_servers(count: int, serve: Callable[[socket.socket], None]) -> list[socket.socket]:
+    """``count`` rank servers forked from this process (``serve``: the fork server's loop), reaped at
+    exit (registered after the forks: the rank servers and their ranks lack it)."""
+    servers: list[socket.socket] = []
+    pids = []
+    for _ in range(count):
+        sock, pid = _fork_rank_server(servers, serve)
+        servers.append(sock)
+        pids.append(pid)
+    atexit.register(_reap, servers, pids)
+    return servers
+
+
 def fork_ranks(
     count: int, serve: Callable[[socket.socket], None], import_env: dict[str, str], unkeyed: tuple[str, ...]
 ) -> None:
@@ -169,13 +182,7 @@ def fork_ranks(
     assert len(os.listdir("/proc/self/task")) == 1, (
         "rank servers are forked from a single-threaded agent only"
     )
-    servers: list[socket.socket] = []
-    pids = []
-    for _ in range(count):
-        sock, pid = _fork_rank_server(servers, serve)
-        servers.append(sock)
-        pids.append(pid)
-    atexit.register(_reap, servers, pids)  # after the forks: the rank servers and their ranks lack it
+    servers = _fork_rank_servers(count, serve)
     ranks: dict[int, _Rank] = {}
 
     class Handler(SubprocessHandler):
@@ -216,13 +223,7 @@ def fork_lightning_ranks(
     assert len(os.listdir("/proc/self/task")) == 1, (
         "rank servers are forked from a single-threaded rank 0 only"
     )
-    servers: list[socket.socket] = []
-    pids = []
-    for _ in range(count):
-        sock, pid = _fork_rank_server(servers, serve)
-        servers.append(sock)
-        pids.append(pid)
-    atexit.register(_reap, servers, pids)  # after the forks: the rank servers and their ranks lack it
+    servers = _fork_rank_servers(count, serve)
     started: list[_Rank] = []
 
     def popen(args: Any, env: dict[str, str] | None = None, cwd: str | None = None, **kw: Any) -> Any:

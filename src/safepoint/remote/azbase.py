@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from fsspec.asyn import sync
 
-from safepoint.remote.retry import UploadError, lower_priority, next_delay
+from safepoint.remote.retry import UploadError, lower_priority, retry_async
 from safepoint.remote.upload import ObjectStore
 from safepoint.remote.versions import ProvenVersions
 from safepoint.store.manifest import Parts
@@ -48,13 +48,7 @@ class AzureBase(ObjectStore):
         return sync(self.fs.loop, fn, *args)  # type: ignore[no-any-return]
 
     async def aretry(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return await fn()
-            except Exception as e:
-                await asyncio.sleep(next_delay(what, e, attempt, self.cfg))
+        return await retry_async(what, fn, self.cfg)
 
     @property
     def sem(self) -> asyncio.Semaphore:

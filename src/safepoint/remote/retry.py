@@ -8,6 +8,7 @@ fix (access denied, no such bucket, a local file that no longer matches its mani
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import errno
@@ -16,7 +17,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from safepoint.errors import SaveError
@@ -214,6 +215,17 @@ def retry(what: str, fn: Callable[[], T], cfg: TransferOptions) -> T:
             return fn()
         except Exception as e:
             time.sleep(next_delay(what, e, attempt, cfg))
+
+
+async def retry_async(what: str, fn: Callable[[], Awaitable[T]], cfg: TransferOptions) -> T:
+    """``retry`` for a coroutine: awaits ``fn()``, pausing with ``asyncio.sleep`` between attempts."""
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return await fn()
+        except Exception as e:
+            await asyncio.sleep(next_delay(what, e, attempt, cfg))
 
 
 def cause_code(e: BaseException) -> str | None:

@@ -24,7 +24,7 @@ from safepoint.remote.retry import (
     UploadError,
     cause_code,
     lower_priority,
-    next_delay,
+    retry_async,
 )
 from safepoint.remote.upload import ObjectStore, b64_crc, combine, hex_crc, write_at
 from safepoint.remote.versions import ProvenVersions
@@ -72,13 +72,7 @@ class S3Reader(ObjectStore):
         return await fn(**self.fs._get_s3_method_kwargs(fn, **kw))
 
     async def aretry(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return await fn()
-            except Exception as e:
-                await asyncio.sleep(next_delay(what, e, attempt, self.cfg))
+        return await retry_async(what, fn, self.cfg)
 
     def _split(self, path: str) -> tuple[str, str]:
         bucket, key, _ = self.fs.split_path(path)
