@@ -4,6 +4,7 @@ async save never links stale bytes (save/staging.py ``FINGERPRINT_CPU_MIN_BYTES`
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -23,15 +24,20 @@ class _Small(nn.Module):
         self.trained = nn.Linear(4, 4)
 
 
-@pytest.mark.parametrize("how", ["numpy", "data", "inference"])
-def test_a_small_tensor_changed_without_a_version_bump_is_written(root: Path, how: str) -> None:
+@pytest.mark.parametrize(
+    ("how", "writer"),
+    [("numpy", "thread"), ("data", "thread"), ("inference", "thread"), ("numpy", "process")],
+)
+def test_a_small_tensor_changed_without_a_version_bump_is_written(root: Path, how: str, writer: str) -> None:
+    if writer == "process" and not hasattr(os, "memfd_create"):
+        pytest.skip("the process writer is Linux-only")
     torch.manual_seed(0)
     model = _Small()
     opt = torch.optim.Adam(model.trained.parameters())
     state = safepoint.TrainState(model=model, optimizer=opt, rng=False)
     assert all(int(t.nbytes) < staging.FINGERPRINT_CPU_MIN_BYTES for t in model.state_dict().values())
     with safepoint.CheckpointManager(
-        root, async_save=True, writer=safepoint.WriterOptions(async_writer="thread")
+        root, async_save=True, writer=safepoint.WriterOptions(async_writer=writer)
     ) as mgr:
         for step in (1, 2, 3, 4):
             if step == 4:  # linked at step 3; now changed behind the version counter's back
