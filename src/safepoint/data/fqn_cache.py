@@ -10,8 +10,9 @@ module and optimizers hold the same parameters.
 So the first call (and any call after a change) asks torch, and then checks that the plain recipe gives
 exactly torch's answer: the same keys in the same order, the same tensors (storage, shape, strides, dtype),
 equal values otherwise. Only then are the names kept, with what they were learned from: the model's
-state-dict keys, the identity of every parameter of the model and of the optimizers, in order. A later
-call takes the plain recipe only while all of that is unchanged; anything else (a wrapper that renames keys,
+state-dict keys, the identity of every parameter of the model and of the optimizers, in order, and of each
+module's children (which of two places sharing a module names it). A later call takes the plain recipe
+only while all of that is unchanged; anything else (a wrapper that renames keys,
 such as DDP or ``torch.compile``, a DTensor or FSDP parameter, a parameter replaced, a param group added,
 an optimizer with no state yet, which torch initialises with a step of zero gradients) asks torch.
 """
@@ -58,16 +59,24 @@ def state_dicts(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -
 
 
 def _identity(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> tuple[int, ...] | None:
-    """The ids of the model's parameters, then of each optimizer's (by group), with separators; None when
-    a parameter is not a plain ``nn.Parameter`` (a DTensor, FSDP's flat parameter: torch's path)."""
+    """The ids of each module's children and parameters, then of each optimizer's parameters (by group),
+    with separators; None when a parameter is not a plain ``nn.Parameter`` (a DTensor, FSDP's flat
+    parameter: torch's path)."""
     # Each module's own parameters, read from its ``_parameters`` in C (``map``), not through
     # ``model.parameters()``, whose de-duplication hashes every parameter in Python (``Tensor.__hash__``):
     # 3,000 parameters cost ~2 ms per save that way. The tuple is only ever compared with one made here, and
     # any parameter replaced, added, removed or moved still changes it (a tied one is listed twice, an
     # unset one, ``bias=None``, as None's id).
+    # Each module's children too, in order: the names torch gives (a parameter or module reached by two
+    # paths is named by the first) follow the module graph, which the parameters' ids alone do not fix
+    # (one module shared by a and b, then by b and c: the same parameters in the same order, the same
+    # state-dict keys, but the shared parameters named b.* now, not c.*; tests/data/test_rev5_fqn_swap.py).
     out: list[int] = []
     kinds: set[type] = set()
     for module in model.modules():
+        out.append(-3)
+        out.extend(map(id, module._modules.values()))
+        out.append(-4)
         params = module._parameters.values()
         if params:
             kinds.update(map(type, params))
