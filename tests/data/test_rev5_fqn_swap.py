@@ -35,3 +35,24 @@ def test_a_shared_module_moved_to_another_place_gets_torchs_names() -> None:
     got, want = fqn_cache.state_dicts(model, [opt]), get_state_dict(model, [opt])
     assert sorted(got[1]["state"]) == sorted(want[1]["state"])
     assert fqn_cache._same(got, want)
+
+
+def test_a_nested_shared_module_moved_and_a_child_set_to_none_get_torchs_names() -> None:
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(nn.Sequential(shared, nn.ReLU()), nn.Sequential(nn.Linear(4, 4), shared))
+    opt = torch.optim.Adam(model.parameters())
+
+    def step() -> None:
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    assert fqn_cache._same(fqn_cache.state_dicts(model, [opt]), get_state_dict(model, [opt]))
+    # The shared Linear reached first through the second branch now: torch names it 1.1.*, not 0.0.*.
+    model[0], model[1] = model[1], model[0]
+    step()
+    assert fqn_cache._same(fqn_cache.state_dicts(model, [opt]), get_state_dict(model, [opt]))
+    model[0][1] = nn.Identity()  # the same parameters, one fewer path to the shared one
+    step()
+    assert fqn_cache._same(fqn_cache.state_dicts(model, [opt]), get_state_dict(model, [opt]))

@@ -71,12 +71,22 @@ def _identity(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> 
     # paths is named by the first) follow the module graph, which the parameters' ids alone do not fix
     # (one module shared by a and b, then by b and c: the same parameters in the same order, the same
     # state-dict keys, but the shared parameters named b.* now, not c.*; tests/data/test_rev5_fqn_swap.py).
+    # Walked here, depth first, each module once (not ``model.modules()``, which builds every module's
+    # dotted name as it goes): only ever compared with a tuple made the same way.
     out: list[int] = []
     kinds: set[type] = set()
-    for module in model.modules():
-        out.append(-3)
-        out.extend(map(id, module._modules.values()))
-        out.append(-4)
+    seen = {id(model)}
+    todo = [model]
+    while todo:
+        module = todo.pop()
+        children = module._modules.values()
+        out.append(-3)  # one mark per module is enough: every id is of a live object, distinct
+        if children:
+            out.extend(map(id, children))
+            for child in reversed(children):  # reversed: popped in their order
+                if child is not None and id(child) not in seen:
+                    seen.add(id(child))
+                    todo.append(child)
         params = module._parameters.values()
         if params:
             kinds.update(map(type, params))
@@ -87,7 +97,7 @@ def _identity(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> 
         out.append(-1)
         for group in opt.param_groups:
             out.append(-2)
-            out.extend(id(p) for p in group["params"])
+            out.extend(map(id, group["params"]))
     return tuple(out)
 
 
