@@ -109,15 +109,22 @@ def test_a_replaced_file_is_never_linked(root: Path) -> None:
         os.replace(copy, old)
         mgr.save(3, state)
         third = _items_file(root, 3).stat().st_ino
+        # Held open while step 4 is saved: an unlinked file's inode number is free for the next file the
+        # file system makes (step 4's own, here), and the identity check below would then compare a
+        # reused number (it failed once so, on a fresh clone).
+        held = os.open(_items_file(root, 3), os.O_RDONLY)
         outside = root.parent / "outside.bin"
         shutil.copyfile(_items_file(root, 3), outside)
         _items_file(root, 3).unlink()
         _items_file(root, 3).symlink_to(outside)
-        mgr.save(4, state)
+        try:
+            mgr.save(4, state)
+            new = _items_file(root, 4)
+            assert new.stat().st_ino not in (third, outside.stat().st_ino)
+        finally:
+            os.close(held)
     assert third != old.stat().st_ino
-    new = _items_file(root, 4)
     assert not new.is_symlink() and new.stat().st_nlink == 1 and outside.stat().st_nlink == 1
-    assert new.stat().st_ino not in (third, outside.stat().st_ino)
     assert _restored_lr(root, 4) == 0.5
     assert _restored_lr(root, 2) == 0.5  # the copy put in by hand holds the same bytes
 
