@@ -79,16 +79,6 @@ def _tree(path: Path) -> list[str]:
     return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
 
 
-@pytest.fixture
-def outside(tmp_path: Path) -> Path:
-    """A directory outside ROOT with files that must survive anything done to ROOT."""
-    d = tmp_path / "outside"
-    (d / "sub").mkdir(parents=True)
-    (d / "precious.txt").write_text("keep me")
-    (d / "sub" / "also.txt").write_text("keep me too")
-    return d
-
-
 # ---- finding 1 and 10: symlinks are never followed when listing, cleaning or deleting ---------------------
 
 

@@ -22,15 +22,6 @@ def _tree(path: Path) -> list[str]:
     return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
 
 
-@pytest.fixture
-def outside(tmp_path: Path) -> Path:
-    d = tmp_path / "outside"
-    (d / "sub").mkdir(parents=True)
-    (d / "precious.txt").write_text("keep me")
-    (d / "sub" / "also.txt").write_text("keep me too")
-    return d
-
-
 def _state(seed: int) -> safepoint.TrainState:
     torch.manual_seed(seed)
     return safepoint.TrainState(model=torch.nn.Linear(4, 3), rng=False)
