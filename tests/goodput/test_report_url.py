@@ -108,3 +108,28 @@ def test_a_new_node_with_an_empty_local_root_appends_to_the_roots_journal(
     assert cli(["report", url, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["attempts"] == 2 and report["saves"] == 3 and report["last_step"] == 3
+
+
+def test_the_first_copy_is_not_held_back_on_a_machine_just_booted(
+    moto_endpoint: str, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # time.monotonic() counts from the boot: a fresh CI machine was 408 s up when a mirror whose "last
+    # copy" started at 0.0 held its first copy back for interval_s - 408 s (found by test_fencing's S3 test
+    # on a machine up a few minutes). The mirror's clock reads as if the machine came up 5 s ago; only its
+    # module sees that clock (asyncio's and boto's timers keep the real one).
+    import time as real_time
+    import types
+
+    from safepoint.tiers import journal_mirror
+
+    booted = real_time.monotonic() - 5.0
+    clock = types.SimpleNamespace(monotonic=lambda: real_time.monotonic() - booted)
+    monkeypatch.setattr(journal_mirror, "time", clock)
+    monkeypatch.setattr(journal_mirror, "DEFAULT_INTERVAL_S", 3600.0)
+    url, opts = f"s3://{bucket}/run", storage_options(moto_endpoint)
+    with safepoint.CheckpointManager(url, storage_options=opts) as mgr:
+        mgr.save(1, safepoint.TrainState(rng=False, extra={"n": 1}))
+        deadline = real_time.monotonic() + 60
+        while "run/.run/.journal.jsonl" not in _keys(moto_endpoint, bucket):
+            assert real_time.monotonic() < deadline, "the first copy after step 1's commit never came"
+            real_time.sleep(0.05)

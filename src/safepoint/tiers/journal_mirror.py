@@ -26,6 +26,7 @@ cap, then parsed by the same validating readers as a local root.
 from __future__ import annotations
 
 import logging
+import math
 import posixpath
 import tempfile
 import threading
@@ -95,7 +96,9 @@ class JournalMirror:
         self.interval_s = DEFAULT_INTERVAL_S if interval_s is None else interval_s
         self.fs = RootDir(spool)
         self._wake, self._stop = threading.Event(), threading.Event()
-        self._last = 0.0
+        # No copy yet: the first one is never throttled. (Not 0.0: time.monotonic() counts from the boot,
+        # so on a machine up for less than interval_s a 0.0 held the first copy back for the rest of it.)
+        self._last = -math.inf
         self._warned = False
         self._preempted = False
         self._copied: dict[str, bytes] = {}  # what the store holds of each file (as this mirror put it)
