@@ -14,16 +14,19 @@ unexport PYTHONDONTWRITEBYTECODE
 WHEELS := $(VENV)/.wheels
 LINT_PATHS := $(wildcard src tests benchmarks examples)
 # Test processes side by side (pytest-xdist); each test file stays on one worker (module fixtures run once).
-# Three on two cores: a worker spends much of its time waiting on the processes, pipes, disks and emulators
-# its tests drive, and two left a core idle a third of the run (pytest used ~1.3 cores on average);
-# measured on the 2-core VM in tests/torture/README.md ("The default suite").
+# Files are handed out longest first (tests/conftest.py LONG_FIRST; --no-loadscope-reorder keeps that
+# order, which xdist would otherwise re-sort by each file's number of tests). Three on two cores: a worker
+# spends much of its time waiting on the processes, pipes, disks and emulators its tests drive, and two
+# left a core idle a third of the run (pytest used ~1.3 cores on average); measured on the 2-core VM in
+# tests/torture/README.md ("The default suite").
 TEST_WORKERS ?= 3
 # The set-up side by side (the venv's install beside Azurite's), then the checks beside the suite: the
 # suite's workers wait on processes, pipes and disks a good share of the time, and mypy (~80 s of one core,
 # cold) fills that instead of running before the suite's first test (measured in tests/torture/README.md).
 # A failed check still fails `make test`. (No --output-sync: it would hold back the suite's progress
-# until its end.)
-MAKEFLAGS += --jobs=4
+# until its end.) Five: Azurite's install, the three checks and the suite all at once; with four the suite
+# waited for a slot until lint ended.
+MAKEFLAGS += --jobs=5
 
 TOOLS := .tools
 AZURITE_STAMP := $(TOOLS)/.azurite-3.37.0
@@ -76,7 +79,7 @@ test: lint typecheck docs tools suite
 # `tools`: Azurite installs beside the suite (above).
 suite: $(STAMP)
 	$(PY) -m compileall -q -j 0 src tests examples benchmarks >/dev/null
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 slow: $(STAMP) tools
 	$(VENV)/bin/pytest -q -m slow

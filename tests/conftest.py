@@ -55,30 +55,46 @@ def _no_leaked_heartbeat() -> Iterator[None]:
 
 
 # The files that take longest in wall time (multi-process jobs, crash campaigns, the writer process's
-# start-up), longest first, measured per file in a whole-suite run (tests/torture/README.md). pytest-xdist
-# (`--dist loadfile`) hands files to its workers in collection order; one of these left for the end (the
-# torture campaigns are collected last) kept one worker busy for minutes while the other had nothing to do.
-# Longest first, then everything else in its usual order: the workers finish together.
+# start-up), longest first, measured per file in a whole-suite run (tests/torture/README.md, "Longest first,
+# for real"). pytest-xdist (`--dist loadfile`) hands files to its workers in the order of its work queue;
+# one long file left for the end kept one worker busy while the others had nothing to do. Longest first,
+# then everything else in its usual order: the workers finish together. The Makefile passes
+# --no-loadscope-reorder: without it xdist 3.x re-sorts the files by their *number of tests*, which put
+# the long multi-process files (a few tests each) last.
 LONG_FIRST = (
-    "tests/integrations/test_lightning_ranks.py",
-    "tests/save/test_writer_process.py",
     "tests/torture/test_torture_objstore.py",
-    "tests/preempt/test_preemption_loader.py",
-    "tests/dist/test_nodes.py",
-    "tests/save/test_incremental_restart.py",
+    "tests/remote/test_object_store.py",
+    "tests/save/test_writer_process.py",
     "tests/integrations/test_framework_examples.py",
+    "tests/save/test_async.py",
+    "tests/integrations/test_lightning_ranks.py",
     "tests/dist/test_distributed.py",
     "tests/cli/test_demo.py",
-    "tests/dist/test_hostile_nodes.py",
-    "tests/test_examples.py",
-    "tests/remote/test_object_store.py",
-    "tests/dist/test_collectives.py",
-    "tests/save/test_incremental_process.py",
-    "tests/store/test_hostile_campaign.py",
+    "tests/torture/test_torture_crash.py",
     "tests/remote/test_incremental_direct.py",
+    "tests/preempt/test_preemption_loader.py",
+    "tests/save/test_incremental_process.py",
+    "tests/remote/test_copy_proof.py",
+    "tests/cli/test_cli.py",
     "tests/integrations/test_lightning_example.py",
-    "tests/preempt/test_preemption_grace.py",
+    "tests/dist/test_nodes.py",
+    "tests/remote/test_stores.py",
+    "tests/store/test_lease_namespaces.py",
+    "tests/preempt/test_preemption_tiered.py",
     "tests/torture/test_torture_faults.py",
+    "tests/store/test_hostile_campaign.py",
+    "tests/dist/test_hostile_nodes.py",
+    "tests/save/test_auto_writer.py",
+    "tests/preempt/test_preemption_grace.py",
+    "tests/integrations/test_lightning_callback.py",
+    "tests/test_examples.py",
+    "tests/integrations/test_torchtitan_fused.py",
+    "tests/save/test_crash.py",
+    "tests/remote/test_store_integrity.py",
+    "tests/save/test_incremental_restart.py",
+    "tests/remote/test_s3_versions.py",
+    "tests/remote/test_multipart_copy.py",
+    "tests/test_forkserver.py",
 )
 
 

@@ -34,12 +34,14 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-import safepoint
 from tests.helpers import botocore_data, mutations, store_errors
+
+if TYPE_CHECKING:
+    import safepoint
 
 CONTROL = "/__safepoint__/"
 
@@ -421,6 +423,10 @@ def proxy(moto_endpoint: str) -> Iterator[FaultProxy]:
 def tiered_manager(tmp_path: Path, proxy: FaultProxy, bucket: str, **kw: Any) -> safepoint.CheckpointManager:
     """A manager tiering from ``tmp_path/local`` to ``s3://bucket/run`` through ``proxy``: a save every 5
     steps, 5 kept locally."""
+    # Imported here, not at the top: the root conftest imports this module, and pytest-xdist's controller
+    # (which runs no test) would otherwise import torch and DCP before it starts the workers.
+    import safepoint
+
     return safepoint.CheckpointManager(
         f"s3://{bucket}/run",
         local_root=tmp_path / "local",
