@@ -31,14 +31,14 @@ import threading
 import time
 import urllib.parse
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tests.helpers import botocore_data, mutations, store_errors
+from tests.helpers import botocore_data, mutations, s3_pages, store_errors
 
 if TYPE_CHECKING:
     import safepoint
@@ -285,6 +285,9 @@ def _handler(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:
                 )
                 self._reply(status, data, headers)
                 return
+            if what == "one-upload-per-page":  # S3's paging of a multipart-upload listing (s3_pages.py)
+                self._forward(body, rewrite=lambda data: s3_pages.one_upload_per_page(self.path, data))
+                return
             self._forward(body)
 
         def _session(self, mutation: mutations.Mutation, body: bytes) -> None:
@@ -318,7 +321,9 @@ def _handler(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:
                 session.events.append({"ev": "lost", "i": n})
                 self._reset()
 
-        def _forward(self, body: bytes, answer: bool = True) -> int:
+        def _forward(
+            self, body: bytes, answer: bool = True, rewrite: Callable[[bytes], bytes] | None = None
+        ) -> int:
             conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream, timeout=120)
             try:
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
@@ -330,6 +335,8 @@ def _handler(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:
                 conn.close()
             if not answer:
                 return resp.status
+            if rewrite is not None and resp.status == 200:
+                data = rewrite(data)
             self.send_response(resp.status, resp.reason)
             for k, v in resp.getheaders():
                 if k.lower() not in ("transfer-encoding", "content-length", "connection", "date", "server"):

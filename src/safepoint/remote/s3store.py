@@ -40,6 +40,10 @@ _MAX_PARTS = 10_000
 _MAX_COPY = 5 * 1024**3  # CopyObject's limit; bigger objects are copied in parts (s3copy.py)
 
 
+# Where the next page of a multipart-upload listing starts: the request's parameter, the answer's field.
+_PAGE_MARKERS = (("KeyMarker", "NextKeyMarker"), ("UploadIdMarker", "NextUploadIdMarker"))
+
+
 class S3Store(S3Reader):
     """ObjectStore for s3fs.S3FileSystem: the writes (the requests, retries and reads: s3read.py)."""
 
@@ -330,12 +334,20 @@ class S3Store(S3Reader):
         """Abort the multipart uploads left open under ``prefix`` (by a killed writer: the owner calls this
         before it uploads anything itself). Their parts are invisible but billed until then."""
         bucket, key = self._split(prefix)
+        # A root at the bucket's top owns every key of it: no prefix (not "/", which no key starts with).
+        under = key.strip("/") + "/" if key.strip("/") else ""
 
         async def abort_all() -> int:
-            r = await self.call("list_multipart_uploads", Bucket=bucket, Prefix=key.rstrip("/") + "/")
-            for up in r.get("Uploads", []):
-                await self.abort_mpu(bucket, up["Key"], up["UploadId"])
-            return len(r.get("Uploads", []))
+            aborted, markers = 0, dict[str, str]()
+            while True:  # a listing holds at most 1,000 uploads: every page, each from where the last ended
+                r = await self.call("list_multipart_uploads", Bucket=bucket, Prefix=under, **markers)
+                for up in r.get("Uploads", []):
+                    await self.abort_mpu(bucket, up["Key"], up["UploadId"])
+                aborted += len(r.get("Uploads", []))
+                after = {name: str(r[field]) for name, field in _PAGE_MARKERS if r.get(field)}
+                if not r.get("IsTruncated") or "KeyMarker" not in after or after == markers:
+                    return aborted  # (a truncated page that names no new place to go on from ends it too)
+                markers = after
 
         return int(self.run(self.aretry, f"listing of open uploads under {self.url(prefix)}", abort_all))
 
