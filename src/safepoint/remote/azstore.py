@@ -46,6 +46,10 @@ T = TypeVar("T")
 # A Copy Blob Azure reports "pending" is polled from this interval (doubling to 1 s) for at most this long.
 COPY_POLL_S = 0.05
 COPY_WAIT_S = 600.0
+# azure-storage-blob's own limit for one Put Blob (its max_single_put_size, which adlfs leaves at the
+# default): above it upload_blob stages blocks itself and sends our whole-body Content-MD5 with each, which
+# Azure refuses. So a body above it goes up as our own blocks, each with its own Content-MD5.
+SINGLE_PUT_MAX = 64 * 1024 * 1024
 
 
 def md5_header(data: bytes | memoryview) -> dict[str, str]:
@@ -62,6 +66,11 @@ def _block_id(n: int, upload: str) -> str:
 
 class AzureStore(AzureBase):
     """ObjectStore for adlfs.AzureBlobFileSystem: blocks and blobs checked by Azure's Content-MD5."""
+
+    @property
+    def part_size(self) -> int:
+        """Block size and the largest file sent in one Put Blob: ``part_size``, at most SINGLE_PUT_MAX."""
+        return min(self.cfg.part_size, SINGLE_PUT_MAX)
 
     async def stage(self, path: str, block_id: str, data: bytes, what: str, lease: BlobLease) -> None:
         headers = await self._in_pool(md5_header, data)
@@ -204,7 +213,7 @@ class AzureStore(AzureBase):
         def once() -> None:
             self.versions.forget(item.remote)
             tag = self.run(self._put_file, item, what)
-            if item.size > self.cfg.part_size:  # (one Put Blob: Azure checked its whole body's MD5)
+            if item.size > self.part_size:  # (one Put Blob: Azure checked its whole body's MD5)
                 self.confirm(item)  # the blob the committed block list made has the file's size
             self.versions.remember(item.remote, tag, item.size, item.crc32c)
 
@@ -212,7 +221,7 @@ class AzureStore(AzureBase):
 
     async def _put_file(self, item: FileCopy, what: str) -> str | None:
         """Upload ``item`` (its blocks checked by Azure, their crc32c by the manifest); the blob's ETag."""
-        psize = self.cfg.part_size
+        psize = self.part_size
         if item.size <= psize:
             async with self.sem:
                 await self._in_pool(self.pass_gate)
@@ -259,7 +268,7 @@ class AzureWriter(PartWriter):
 
     def __init__(self, store: AzureStore, path: str) -> None:
         super().__init__(
-            store.fs.loop, store.cfg.part_size, store.cfg.concurrency, f"upload of {store.url(path)}"
+            store.fs.loop, store.part_size, store.cfg.concurrency, f"upload of {store.url(path)}"
         )
         self._s, self._path = store, path
         self._upload = uuid.uuid4().hex
