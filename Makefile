@@ -76,12 +76,13 @@ tools: $(AZURITE_STAMP)
 test: lint typecheck docs tools suite
 
 # Bytecode for the package and the tests first, so the test workers do not each compile them; beside it,
-# one process imports what every worker's collection imports (torch, DCP, safepoint, hypothesis), so their
-# bytecode is written once: the three workers start together and would each compile torch (~13 s of CPU
-# each; the xdist controller no longer imports torch, so it no longer does this first). Not after `tools`:
-# Azurite installs beside the suite (above).
+# one collection without workers, so that what every worker's collection imports (torch, DCP, numpy, ...)
+# is compiled once and pytest's assertion rewriting of each test module is written once: the three workers
+# start together and would each compile torch (~13 s of CPU each; the xdist controller no longer imports
+# torch, so it is no longer the first importer). Not after `tools`: Azurite installs beside the suite.
 suite: $(STAMP)
-	$(PY) -c "import safepoint, hypothesis" & $(PY) -m compileall -q -j 0 src tests examples benchmarks >/dev/null; wait
+	$(VENV)/bin/pytest -q --collect-only -p no:xdist >/dev/null & \
+		$(PY) -m compileall -q -j 0 src tests examples benchmarks >/dev/null; wait
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 slow: $(STAMP) tools
