@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -140,12 +140,29 @@ def test_a_stream_whose_lease_was_broken_fails_and_leaves_no_blob(
     assert not store.fs.exists(path)
 
 
-def _short_lease(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Renewals every 0.1 s and a lapse limit of 0.3 s: a stall of 0.6 s on the loop may have let it lapse."""
+def _stall(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """``stall()``: block the event loop's thread for 0.6 s (no renewal can be made) against a lapse limit
+    of 0.3 s for that moment only. The limit goes back to its default as soon as the lease is found to
+    have lapsed, so the upload made again is judged by the real limit: with 0.3 s throughout, a loaded
+    machine's renewals (requests to Azurite) could miss it again, and every attempt failed (seen once)."""
     from safepoint.remote import azlease
 
-    monkeypatch.setattr(azlease, "RENEW_S", 0.1)
-    monkeypatch.setattr(azlease, "LAPSE_S", 0.3)
+    default, real_check = azlease.LAPSE_S, azlease.BlobLease.check
+
+    def check(self: azlease.BlobLease) -> None:
+        try:
+            real_check(self)
+        except azlease.LeaseLapsed:
+            monkeypatch.setattr(azlease, "LAPSE_S", default)
+            raise
+
+    monkeypatch.setattr(azlease.BlobLease, "check", check)
+
+    def stall() -> None:
+        monkeypatch.setattr(azlease, "LAPSE_S", 0.3)
+        time.sleep(0.6)  # on the loop's thread: the renewals stall with it
+
+    return stall
 
 
 def test_a_lease_that_may_have_lapsed_makes_the_upload_start_again(
@@ -154,7 +171,7 @@ def test_a_lease_that_may_have_lapsed_makes_the_upload_start_again(
     """The event loop stalls (here for 0.6 s, against a lapse limit shrunk to 0.3 s) before the commit, so
     no renewal could be made: the lease may have lapsed and another writer's block gone in unseen, so that
     attempt commits nothing and the file is sent again."""
-    _short_lease(monkeypatch)
+    stall = _stall(monkeypatch)
     store, _, path = az
     data = os.urandom(SIZE)
     commits: list[str] = []
@@ -162,7 +179,7 @@ def test_a_lease_that_may_have_lapsed_makes_the_upload_start_again(
 
     async def commit(*args: Any, **kw: Any) -> Any:
         if not commits:
-            time.sleep(0.6)  # on the loop's thread: the renewals stall with it
+            stall()
         try:
             return await real(*args, **kw)
         except Exception as e:
@@ -212,7 +229,7 @@ def test_a_commit_retried_after_the_lease_may_have_lapsed_commits_nothing(
     even though no renewal had been made for longer than the lease may last, so another writer's block
     could have gone in meanwhile. Every attempt is checked now: that one commits nothing and the file is
     sent again."""
-    _short_lease(monkeypatch)
+    stall = _stall(monkeypatch)
     store, _, path = az
     data = os.urandom(SIZE)
     seen: list[str] = []
@@ -229,7 +246,7 @@ def test_a_commit_retried_after_the_lease_may_have_lapsed_commits_nothing(
         async def commit_block_list(*a: Any, **kw: Any) -> Any:
             if "stalled" not in seen:
                 seen.append("stalled")
-                time.sleep(0.6)  # on the loop's thread: the renewals stall with it
+                stall()
                 raise ConnectionError("no answer")
             seen.append("commit")
             return await commit(*a, **kw)
