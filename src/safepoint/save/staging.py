@@ -23,6 +23,7 @@ import logging
 import operator
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from itertools import compress
 from typing import Any
 
 import torch
@@ -271,22 +272,30 @@ class Stager:
         # unchanged and that has just been written: fingerprinted anyway, so that with its new fingerprint
         # recorded the next save can prove it unchanged again (store/incremental.py) instead of writing it
         # a second time unhashed. One that changes at every save is not (it would only say "changed").
-        moved = (
-            []
-            if seen is None
-            else [i for i, v, s in zip(range(len(lives)), versions, seen, strict=True)
-                  if s is not None and s != v and i not in still]
-        )  # fmt: skip
-        written = set(moved)
-        # Small tensors not written to: copied, the writer fingerprints the host copy, off the loop.
-        todo = moved + [i for i in small if i not in written]
-        check = [i for i in large if i not in written]
+        if seen is None:
+            moved: list[int] = []
+        elif not still and None not in seen:  # the same list, picked in C (no Python work per tensor)
+            moved = list(compress(range(len(lives)), map(operator.ne, versions, seen)))
+        else:
+            moved = [i for i, v, s in zip(range(len(lives)), versions, seen, strict=True)
+                     if s is not None and s != v and i not in still]  # fmt: skip
         was = plan.held
         held: list[bytes | None] = [None] * len(lives)
         plan.held = held  # None: the buffer's bytes are not proven (copied unhashed)
         # None: its counter moved, so it may have changed: the writer writes it without hashing it (a sync
         # save does the same with the live tensor; "unchanged" is never decided without a fingerprint).
         self.fingerprints = dict.fromkeys(map(plan.aliases.__getitem__, moved))
+        if not large:
+            # Every tensor is copied, written to or not (each too small to fingerprint here): the lists as
+            # they are, not picked index by index (a model's frozen part made of small tensors; on a GPU,
+            # every tensor under FINGERPRINT_CUDA_MIN_BYTES).
+            _copy_all(targets, lives)
+            _copy_opaque(plan, walked)
+            return
+        written = set(moved)
+        # Small tensors not written to: copied, the writer fingerprints the host copy, off the loop.
+        todo = moved + [i for i in small if i not in written]
+        check = [i for i in large if i not in written]
         for i, fp in zip(check, fingerprints([lives[i].detach() for i in check]), strict=True):
             held[i] = fp
             if fp is None:
