@@ -311,11 +311,12 @@ class CheckpointManager:
             saver = cast(SyncSaver, self._bg_saver)  # set when async
             with self._tiers.paused(), call.failing(SaveError), gc_paused():
                 call.begin()
-                staged = self._stager.stage(state.capture(self.comm.rank), call, self.comm.rank)
+                spent: list[Any] = [state.capture(self.comm.rank)]  # freed on the writer thread (submit)
+                staged = self._stager.stage(spent[0], call, self.comm.rank, spent)
             blocking = call.returned(bytes_written=self._stager.nbytes)  # counted when buffers were made
             parts, tiers, times = state.sections(), self._tiers, {"stage_s": blocking}
             self._writer.submit(
-                step, lambda: tiers.committed(saver.write(step, staged, parts, metrics, times))
+                step, lambda: tiers.committed(saver.write(step, staged, parts, metrics, times)), spent
             )
             self._schedule.saved(step, blocking, self._stager.nbytes)
         return True, None

@@ -161,6 +161,37 @@ def test_small_cpu_tensors_are_copied_not_fingerprinted_at_staging(stager: Stage
     assert stager.skipped == big.nbytes
 
 
+def test_a_state_of_small_tensors_only_is_copied_whole_and_only_the_moved_ones_marked_unhashed(
+    stager: Stager,
+) -> None:
+    # Every tensor under FINGERPRINT_CPU_MIN_BYTES (a frozen part made of small tensors): all copied at
+    # every save, whatever their counters say (one batched copy of the plan's lists, no index picking);
+    # only those whose counter moved are marked written-unhashed, the rest left to the writer to hash.
+    torch.manual_seed(0)
+    tied = torch.randn(20)
+    sd: dict[str, object] = {
+        "a": torch.randn(100), "b": torch.randn(4, 6).t(), "step": torch.tensor(2.0),
+        "emb": tied, "head": tied, "groups": [{"m": torch.randn(30), "lr": 0.1}],
+    }  # fmt: skip
+    a, b, step = sd["a"], sd["b"], sd["step"]
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and isinstance(step, torch.Tensor)
+    stager.stage(sd)
+    for _ in range(2):
+        with torch.no_grad():
+            a.add_(1.0)  # the counter moves
+            step.add_(1.0)
+        b.numpy()[1, 2] = 7.0  # a write the counter misses
+        tied.numpy()[3] += 1.0
+        snapshot = stager.stage(sd)
+        assert stager.allocations == 1 and stager.skipped == 0
+        for k in ("a", "b", "step", "emb", "head"):
+            assert torch.equal(snapshot[k], sd[k]), k  # type: ignore[arg-type]
+        assert snapshot["emb"] is snapshot["head"]
+        assert torch.equal(snapshot["groups"][0]["m"], sd["groups"][0]["m"])  # type: ignore[index]
+        # Exactly the two moved ones, unhashed: b, the tie and m are hashed by the writer from the copy.
+        assert len(stager.fingerprints) == 2 and set(stager.fingerprints.values()) == {None}
+
+
 class SmallFrozen(nn.Module):
     """A frozen part made only of small tensors (each under FINGERPRINT_CPU_MIN_BYTES) and a trained one."""
 

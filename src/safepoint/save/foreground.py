@@ -12,11 +12,13 @@ loop waits for ran at a fraction of its speed, whichever writer (thread or proce
 The gate removes that: while the training thread writes such a save, the background threads stop at their
 next *pause point* and wait, holding the GIL no longer (``threading.Event.wait`` releases it). The pause
 points lie where the waiting thread holds no lock the training thread's save could need: between the
-phases of the background save (save/saver.py), before each file it creates (store/storage.py), after the
-writer process's answer (save/process_writer.py) and before a background retention pass
-(policy/retainer.py). What the background save does meanwhile is not lost, only deferred: its bytes, its
-commit and its guarantees are the same, it finishes once the training thread's save has returned. The
-writer process itself is not stopped: it has its own interpreter (no GIL) and runs at a lower priority.
+phases of the background save (save/saver.py), at the start of the writer thread, before it frees what
+the async save's blocking part made (save/background.py), before each file it creates
+(store/storage.py), after the writer process's answer (save/process_writer.py) and before a background
+retention pass (policy/retainer.py). What the background save does meanwhile is not lost, only deferred:
+its bytes, its commit and its guarantees are the same, it finishes once the training thread's save has
+returned. The writer process itself is not stopped: it has its own interpreter (no GIL) and runs at a
+lower priority.
 
 A thread never parks on its own gate (the training thread may run a retention pass inline, which passes
 the same pause point), and the gate is released on any exit from the foreground save.
