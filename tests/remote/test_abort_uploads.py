@@ -17,7 +17,9 @@ from tests.helpers.s3 import FaultProxy, storage_options
 def _store(endpoint: str) -> S3Store:
     import s3fs
 
-    return S3Store(s3fs.S3FileSystem(skip_instance_cache=True, **storage_options(endpoint)), TransferOptions())
+    return S3Store(
+        s3fs.S3FileSystem(skip_instance_cache=True, **storage_options(endpoint)), TransferOptions()
+    )
 
 
 def _client(endpoint: str) -> Any:
@@ -61,5 +63,7 @@ def test_every_page_of_the_listing_is_aborted(proxy: FaultProxy, moto_endpoint: 
     proxy.add("one-upload-per-page", method="GET", path=r"\?uploads")
     assert _store(proxy.endpoint).abort_uploads(f"{bucket}/run") == len(keys)
     assert _still_open(moto_endpoint, bucket) == ["other/f"]
-    pages = [p for m, p, what in proxy.seen if m == "GET" and "uploads" in p and what == "one-upload-per-page"]
+    pages = [
+        p for m, p, what in proxy.seen if m == "GET" and "uploads" in p and what == "one-upload-per-page"
+    ]
     assert len(pages) == len(keys), pages  # one page per upload, the last one not truncated
