@@ -12,14 +12,20 @@ from itertools import chain
 from typing import Any
 
 import torch
+from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from safepoint.errors import SaveError, weights_only_reason
 
 _PLAIN = (int, float, str, bool, bytes, type(None))
 _CONTAINERS = (dict, list, tuple)
 _SAFE_CONTAINERS = (dict, list, tuple, OrderedDict)
-# What a container may hold and be returned as it is, with no call per item: plain tensors and values.
-_LEAVES = frozenset({torch.Tensor, torch.nn.Parameter, *_PLAIN})
+# What a container may hold and be returned as it is, with no call per item: plain tensors and values, and
+# the distributed tensors DCP writes as tensors of their own.
+_LEAVES = frozenset({torch.Tensor, torch.nn.Parameter, DTensor, ShardedTensor, *_PLAIN})
+# Wrapper tensor subclasses (torchao's NF4 and float8 tensors) restore has been seen to load, by type.
+_LOADABLE_WRAPPERS: set[type] = set()
 _DICT_ONLY = frozenset({dict})
 
 
@@ -31,9 +37,16 @@ def restorable(value: Any, path: str = "") -> Any:
     NumPy scalars are converted to the Python number of the same value (lossless: float64 and narrower
     floats, every integer width, bool; ``np.float64`` from ``lr=np.float64(1e-3)`` is common); containers
     holding one are copied, never changed in place (they may be the live optimizer's param groups). Any
-    other item is checked by the real rule: a round trip through ``torch.load(weights_only=True)``."""
-    if isinstance(value, torch.Tensor) or type(value) in _PLAIN:
+    other item is checked by the real rule: a round trip through ``torch.load(weights_only=True)``.
+
+    A tensor of a plain Python subclass of ``torch.Tensor`` is returned as a ``torch.Tensor`` over the same
+    memory: a sync save would pickle its class with it, which restore's load refuses (an async save's
+    staging copy was plain already); restore copies the values into the live subclass tensor. A wrapper
+    subclass (its data in inner tensors) is kept, checked once per type by the real rule."""
+    if type(value) in _LEAVES:
         return value
+    if isinstance(value, torch.Tensor):
+        return _tensor(value, path)
     if isinstance(value, _CONTAINERS):
         if _flat(value):
             return value  # a model's state dict, an optimizer's per-parameter state: nothing to check
@@ -47,7 +60,7 @@ def restorable(value: Any, path: str = "") -> Any:
         # A flat child (an optimizer's per-parameter state: thousands per save) is checked here, without a
         # call or a path of its own: a plain dict of plain leaves by one C-level check inline (a call of
         # ``_flat`` per child cost ~0.5 us each, 1.5 ms of a 3,000-parameter save), any other by ``_flat``.
-        changed = {k: new for k, v in pairs if not (type(v) in _LEAVES or isinstance(v, torch.Tensor))
+        changed = {k: new for k, v in pairs if type(v) not in _LEAVES
                    and not (type(v) is dict and _LEAVES.issuperset(map(type, v.values())))
                    and not _flat(v) and (new := restorable(v, f"{pre}{k}")) is not v}  # fmt: skip
         out = [changed.get(k, v) for k, v in pairs] if changed else None
@@ -61,6 +74,17 @@ def restorable(value: Any, path: str = "") -> Any:
     if plain is not None:
         return plain
     _check_weights_only(value, path)
+    return value
+
+
+def _tensor(value: torch.Tensor, path: str) -> torch.Tensor:
+    """A tensor subclass as restore will load it (see ``restorable``)."""
+    kind = type(value)
+    if not is_traceable_wrapper_subclass(value):
+        return value.as_subclass(torch.Tensor)
+    if kind not in _LOADABLE_WRAPPERS:
+        _check_weights_only(value, path)  # once per type: the whole tensor goes through torch.save
+        _LOADABLE_WRAPPERS.add(kind)
     return value
 
 

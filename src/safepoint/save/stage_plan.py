@@ -126,7 +126,7 @@ class _Walker:
                     new[k] = x
                 else:
                     new[k] = self.visit(x)
-            return new
+            return new if kind is dict else _same_kind(kind, new)
         if kind is list or kind is tuple or (kind not in _PLAIN_TYPES and isinstance(v, (list, tuple))):
             is_tuple = isinstance(v, tuple)
             append((_TUPLE if is_tuple else _LIST, len(v)))
@@ -143,7 +143,7 @@ class _Walker:
                     seq.append(x)
                 else:
                     seq.append(self.visit(x))
-            return tuple(seq) if is_tuple else seq
+            return seq if kind is list else tuple(seq) if kind is tuple else _same_kind(kind, seq)
         if kind in _SCALARS:
             append(None)
             return v
@@ -165,6 +165,17 @@ class _Walker:
             # too (position and all), which torch passes on as it is: no later write may reach the snapshot.
             return copy.deepcopy(v)
         return slots[i] if i < have else v  # type: ignore[index]
+
+
+def _same_kind(kind: Any, items: Any) -> Any:
+    """``items`` (the copied entries of a container of type ``kind``) as that type: an OrderedDict, a
+    ``torch.Size`` or a namedtuple stays what the state held (a sync save writes it so, and restore loads
+    it so); a type that cannot be built from its entries (a defaultdict) stays the plain dict, list or
+    tuple the copy was."""
+    try:
+        return kind._make(items) if isinstance(items, list) and hasattr(kind, "_make") else kind(items)
+    except Exception:
+        return tuple(items) if issubclass(kind, tuple) else items
 
 
 def _opaque_token(v: torch.Tensor) -> tuple[Any, ...]:
