@@ -16,26 +16,16 @@ import torch
 
 import safepoint
 from safepoint.errors import SaveError
+from tests.helpers.holder import Holder
 
 
 class _Sub(torch.Tensor):
     """A tensor subclass that restore's ``torch.load(weights_only=True)`` does not allow."""
 
 
-class _Holder:
-    def __init__(self, v: torch.Tensor) -> None:
-        self.v = v
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"v": self.v}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.v = sd["v"]
-
-
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_a_tensor_subclass_item_is_refused_at_save_or_restored(tmp_path: Path, async_save: bool) -> None:
-    obj = _Holder(torch.arange(3.0).as_subclass(_Sub))
+    obj = Holder(torch.arange(3.0).as_subclass(_Sub))
     state = safepoint.TrainState(objects={"o": obj}, rng=False)
     try:
         with safepoint.CheckpointManager(tmp_path / "ckpt", async_save=async_save) as mgr:
@@ -44,7 +34,7 @@ def test_a_tensor_subclass_item_is_refused_at_save_or_restored(tmp_path: Path, a
     except SaveError as e:
         assert "objects.o.v" in str(e)  # refused at save time, naming the item: fine
         return
-    back = _Holder(torch.zeros(3).as_subclass(_Sub))
+    back = Holder(torch.zeros(3).as_subclass(_Sub))
     with safepoint.CheckpointManager(tmp_path / "ckpt") as mgr:
         assert mgr.restore(safepoint.TrainState(objects={"o": back}, rng=False)) == 1
     assert torch.equal(back.v.as_subclass(torch.Tensor), torch.arange(3.0))
@@ -95,7 +85,7 @@ class _Wrapper(torch.Tensor):
 
 
 def test_a_wrapper_subclass_restore_would_refuse_is_refused_at_save_naming_it(tmp_path: Path) -> None:
-    obj = _Holder(_Wrapper(torch.arange(3.0)))
+    obj = Holder(_Wrapper(torch.arange(3.0)))
     state = safepoint.TrainState(objects={"o": obj}, rng=False)
     with safepoint.CheckpointManager(tmp_path / "ckpt") as mgr:
         with pytest.raises(SaveError, match="objects.o.v"):

@@ -6,32 +6,21 @@ and as a ``torch.Size`` by a sync save of the same state. The snapshot now keeps
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 import safepoint
-
-
-class _Holder:
-    def __init__(self, v: Any) -> None:
-        self.v = v
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"v": self.v}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.v = sd["v"]
+from tests.helpers.holder import Holder
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_a_torch_size_is_restored_as_a_torch_size(tmp_path: Path, async_save: bool) -> None:
-    state = safepoint.TrainState(objects={"o": _Holder({"shape": torch.Size([2, 3])})}, rng=False)
+    state = safepoint.TrainState(objects={"o": Holder({"shape": torch.Size([2, 3])})}, rng=False)
     with safepoint.CheckpointManager(tmp_path / "ckpt", async_save=async_save) as mgr:
         mgr.save(1, state)
         mgr.wait()
-    back = _Holder({"shape": torch.Size([0])})
+    back = Holder({"shape": torch.Size([0])})
     with safepoint.CheckpointManager(tmp_path / "ckpt") as mgr:
         assert mgr.restore(safepoint.TrainState(objects={"o": back}, rng=False)) == 1
     assert type(back.v["shape"]) is torch.Size and back.v["shape"] == torch.Size([2, 3])
