@@ -95,6 +95,12 @@ LONG_FIRST = (
     "tests/remote/test_s3_versions.py",
     "tests/remote/test_multipart_copy.py",
     "tests/test_forkserver.py",
+    "tests/store/test_lease.py",
+    "tests/torture/test_torture_kill.py",
+    "tests/preempt/test_preemption.py",
+    "tests/store/test_same_job_here.py",
+    "tests/torture/test_torture_soak.py",
+    "tests/store/test_own_files.py",
 )
 
 

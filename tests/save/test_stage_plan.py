@@ -341,6 +341,10 @@ def _alone_in_a_fork(check: Callable[[], str]) -> str:
     if pid == 0:  # pragma: no cover (the child)
         code = 1
         try:
+            # What the worker made before the fork is frozen out of the collector's sight: a collection
+            # would otherwise walk (and copy on write) the whole inherited heap of a long-running worker,
+            # ~35 s per check late in a whole-suite run. The check's own objects are all made after this.
+            gc.freeze()
             os.close(read)
             answer = check()
             os.write(write, answer.encode())
