@@ -24,8 +24,6 @@ _SAFE_CONTAINERS = (dict, list, tuple, OrderedDict)
 # What a container may hold and be returned as it is, with no call per item: plain tensors and values, and
 # the distributed tensors DCP writes as tensors of their own.
 _LEAVES = frozenset({torch.Tensor, torch.nn.Parameter, DTensor, ShardedTensor, *_PLAIN})
-# Wrapper tensor subclasses (torchao's NF4 and float8 tensors) restore has been seen to load, by type.
-_LOADABLE_WRAPPERS: set[type] = set()
 _DICT_ONLY = frozenset({dict})
 
 
@@ -42,7 +40,7 @@ def restorable(value: Any, path: str = "") -> Any:
     A tensor of a plain Python subclass of ``torch.Tensor`` is returned as a ``torch.Tensor`` over the same
     memory: a sync save would pickle its class with it, which restore's load refuses (an async save's
     staging copy was plain already); restore copies the values into the live subclass tensor. A wrapper
-    subclass (its data in inner tensors) is kept, checked once per type by the real rule."""
+    subclass (its data in inner tensors) is kept, each one checked by the real rule."""
     if type(value) in _LEAVES:
         return value
     if isinstance(value, torch.Tensor):
@@ -79,12 +77,11 @@ def restorable(value: Any, path: str = "") -> Any:
 
 def _tensor(value: torch.Tensor, path: str) -> torch.Tensor:
     """A tensor subclass as restore will load it (see ``restorable``)."""
-    kind = type(value)
     if not is_traceable_wrapper_subclass(value):
         return value.as_subclass(torch.Tensor)
-    if kind not in _LOADABLE_WRAPPERS:
-        _check_weights_only(value, path)  # once per type: the whole tensor goes through torch.save
-        _LOADABLE_WRAPPERS.add(kind)
+    # Every one, at every save: what restore refuses depends on the instance (its flatten context and
+    # attributes), not only on its type. The whole tensor goes through torch.save, in memory.
+    _check_weights_only(value, path)
     return value
 
 
