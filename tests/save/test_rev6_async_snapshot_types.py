@@ -1,7 +1,8 @@
 """Container types in an async save's snapshot (rev6 review; pre-existing on main): staging's walk rebuilt
-every tuple subclass as a plain ``tuple`` (and dict and list subclasses as plain ones), so a ``torch.Size``
-(which restore's ``weights_only`` load allows) was checkpointed and restored as a tuple by an async save
-and as a ``torch.Size`` by a sync save of the same state. The snapshot now keeps the state's types."""
+every tuple subclass as a plain ``tuple``, so a ``torch.Size`` (which restore's ``weights_only`` load
+allows) was checkpointed and restored as a tuple by an async save and as a ``torch.Size`` by a sync save
+of the same state. The snapshot now keeps a tuple's or list's own type (a dict's type DCP never stores:
+it stores the keys)."""
 
 from __future__ import annotations
 
