@@ -9,7 +9,6 @@ the save at once, naming the item."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ import torch
 import safepoint
 from safepoint.errors import SaveError
 from tests.helpers.holder import Holder
+from tests.helpers.wrapper_tensor import WrapperTensor
 
 
 class _Sub(torch.Tensor):
@@ -55,37 +55,8 @@ def test_a_model_whose_parameter_is_a_tensor_subclass_restores_after_a_sync_save
     assert type(back.weight.data) is _Sub and torch.equal(back.weight.detach(), lin.weight.detach())
 
 
-class _Wrapper(torch.Tensor):
-    """A wrapper subclass (its data in an inner tensor, as torchao's NF4 and float8 tensors keep theirs),
-    which restore's ``torch.load(weights_only=True)`` does not allow."""
-
-    @staticmethod
-    def __new__(cls, inner: torch.Tensor) -> _Wrapper:
-        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)  # type: ignore[no-any-return]
-
-    def __init__(self, inner: torch.Tensor) -> None:
-        self.inner = inner
-
-    def __tensor_flatten__(self) -> tuple[list[str], None]:
-        return ["inner"], None
-
-    @staticmethod
-    def __tensor_unflatten__(inner: dict[str, torch.Tensor], meta: Any, size: Any, stride: Any) -> _Wrapper:
-        return _Wrapper(inner["inner"])
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        unwrap = lambda x: x.inner if isinstance(x, _Wrapper) else x  # noqa: E731
-        out = func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
-        return (
-            _Wrapper(out)
-            if isinstance(out, torch.Tensor) and func is not torch.ops.aten.detach.default
-            else out
-        )
-
-
 def test_a_wrapper_subclass_restore_would_refuse_is_refused_at_save_naming_it(tmp_path: Path) -> None:
-    obj = Holder(_Wrapper(torch.arange(3.0)))
+    obj = Holder(WrapperTensor(torch.arange(3.0), None))  # its class is not allowlisted
     state = safepoint.TrainState(objects={"o": obj}, rng=False)
     with safepoint.CheckpointManager(tmp_path / "ckpt") as mgr:
         with pytest.raises(SaveError, match="objects.o.v"):

@@ -12,60 +12,26 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils._pytree import tree_map
 
 import safepoint
 from safepoint.errors import SaveError
 from tests.helpers.holder import Holder
+from tests.helpers.wrapper_tensor import WrapperTensor
 
 
 class _Opaque:
     """Not plain data: restore's ``torch.load(weights_only=True)`` refuses it."""
 
 
-class _Wrapper(torch.Tensor):
-    """A traceable wrapper subclass: its values in ``packed``, per-instance metadata in ``meta``."""
-
-    packed: torch.Tensor
-    meta: Any
-
-    @staticmethod
-    def __new__(cls, inner: torch.Tensor, meta: Any) -> _Wrapper:
-        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
-
-    def __init__(self, inner: torch.Tensor, meta: Any) -> None:
-        self.packed, self.meta = inner, meta
-
-    def __tensor_flatten__(self) -> tuple[list[str], Any]:
-        return ["packed"], self.meta
-
-    @staticmethod
-    def __tensor_unflatten__(inner: dict[str, torch.Tensor], meta: Any, size: Any, stride: Any) -> _Wrapper:
-        return _Wrapper(inner["packed"], meta)
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
-        def unwrap(x: Any) -> Any:
-            return x.packed if isinstance(x, _Wrapper) else x
-
-        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
-        if func in _REWRAPPED:  # as torchao's do: a detached or copied wrapper is a wrapper
-            return type(args[0])(out, args[0].meta)
-        return out
-
-
-_REWRAPPED = {torch.ops.aten.detach.default, torch.ops.aten.clone.default, torch.ops.aten.alias.default}
-
-
-class _One(_Wrapper):
+class _One(WrapperTensor):
     """One type per test: the check's cache is per type and per process."""
 
 
-class _Two(_Wrapper):
+class _Two(WrapperTensor):
     pass
 
 
-class _Three(_Wrapper):
+class _Three(WrapperTensor):
     pass
 
 
@@ -75,7 +41,7 @@ def _allowed() -> Any:
         yield
 
 
-def _restores(root: Path, kind: type[_Wrapper], step: int) -> None:
+def _restores(root: Path, kind: type[WrapperTensor], step: int) -> None:
     back = safepoint.TrainState(objects={"b": Holder(kind(torch.zeros(3), _Opaque()))}, rng=False)
     with safepoint.CheckpointManager(root) as mgr:
         assert mgr.restore(back, step) == step  # committed, so restore must load it
