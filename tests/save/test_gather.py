@@ -1,0 +1,157 @@
+"""Gathered staging (save/gather.py): many small device tensors reach their buffers through a few large
+transfers. The path is for CUDA tensors; here it runs on the CPU (the ``gather_on_cpu`` fixture), which
+exercises everything but the device: the packed layout, the chunks, the per-dtype copies, which buffers a
+chunk may write, a policy change, and async saves through both writers. tests/gpu/test_cuda.py runs it on a
+GPU."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import safepoint
+from safepoint.save import gather, staging
+from safepoint.save.shared_buffers import ALIGN, PACK_ALIGN, move_into_arena
+from safepoint.save.staging import Stager
+from tests.helpers.staging_check import check_mixed_state_staging
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the packed segment needs memfd")
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["thread", "process"])
+def test_a_mixed_state_is_gathered_and_staged_bit_for_bit(gather_on_cpu: None, shared: bool) -> None:
+    check_mixed_state_staging(torch.device("cpu"), shared, gathered=True)
+
+
+def test_the_cpu_is_not_gathered_by_default(stager: Stager) -> None:
+    # On the CPU the per-tensor copy is already cheap (gather.GATHER_DEVICE_TYPES): the thread writer's
+    # buffers stay torch's own, not a segment, and nothing goes through chunks.
+    sd = {f"t{i}": torch.randn(16) for i in range(50)}
+    for _ in range(2):
+        stager.stage(sd)
+        assert stager.gathered == 0
+    assert (stager._region is not None) == (stager.arena is not None)
+
+
+def _adjacent_runs(stager: Stager) -> list[gather._Chunk]:
+    split = stager._small
+    assert split is not None and split.gather is not None
+    return split.gather.chunks
+
+
+def test_a_packed_buffer_left_out_of_the_gather_is_never_written_by_a_chunk(
+    gather_on_cpu: None, stager: Stager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # All 90 tensors are small when the buffers are made, so all are packed side by side. Then the
+    # fingerprint floor drops under the 8 KiB ones: staging proves those unchanged and skips their copy,
+    # so they are no longer gathered, and a chunk that spanned one would write the device buffer's
+    # bytes there (never filled for it): the chunks must end at each of them.
+    torch.manual_seed(0)
+    sizes = [256, 256, 2048] * 30  # fp32: 1, 1 and 8 KiB
+    sd = {f"t{i}": torch.randn(n) for i, n in enumerate(sizes)}
+    stager.stage(sd)
+    assert stager.gathered == 90
+    monkeypatch.setattr(staging, "FINGERPRINT_CPU_MIN_BYTES", 4096)
+    for save in range(3):
+        with torch.no_grad():
+            for i, t in enumerate(sd.values()):
+                if sizes[i] == 256:
+                    t.add_(1.0)
+        snapshot = stager.stage(sd)
+        for k, t in sd.items():
+            assert torch.equal(snapshot[k], t), (save, k)
+        assert stager.gathered == 60
+        assert len(_adjacent_runs(stager)) == 30  # the pairs of 1 KiB ones: each 8 KiB one ends a chunk
+    assert stager.skipped == 30 * 8192  # the last save proved the 8 KiB ones unchanged: not copied
+    assert stager.allocations == 1
+
+
+def test_chunks_stay_within_the_chunk_size_and_reuse_one_device_buffer(
+    gather_on_cpu: None, stager: Stager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gather, "GATHER_CHUNK_BYTES", 4096)
+    torch.manual_seed(0)
+    sd = {"w": [torch.randn(250) for _ in range(40)], "steps": [torch.tensor(float(i)) for i in range(40)]}
+    buffers = set()
+    for _ in range(3):
+        with torch.no_grad():
+            for t in [*sd["w"], *sd["steps"]]:
+                t.add_(1.0)
+        snapshot = stager.stage(sd)
+        for a, b in zip(sd["w"] + sd["steps"], snapshot["w"] + snapshot["steps"], strict=True):
+            assert torch.equal(a, b)
+        chunks = _adjacent_runs(stager)
+        assert len(chunks) > 10 and all(c.dev.numel() <= 4096 for c in chunks)
+        assert stager._small is not None and stager._small.gather is not None
+        buffers.add(id(stager._small.gather.device_buffer))
+        assert stager.gathered == 80
+    assert len(buffers) == 1  # made once per buffer set, not per save
+
+
+def test_packing_lays_the_first_tensors_side_by_side_and_nothing_else_among_them() -> None:
+    first = [torch.empty(n) for n in (3, 1, 5)] + [torch.empty(2, dtype=torch.float64)]
+    rest = [torch.empty(7), torch.empty(0), torch.tensor(1.0)]
+    arena = move_into_arena(first + rest, pin=False, first=first)
+    try:
+        offsets = [t.data_ptr() - arena.base_ptr for t in first]
+        assert offsets == [0, 16, 32, 64]  # each at the next multiple of PACK_ALIGN
+        assert arena.packed == 80 and PACK_ALIGN == 16
+        after = [t.data_ptr() - arena.base_ptr for t in rest if t.numel()]
+        assert all(off >= arena.packed and off % ALIGN == 0 for off in after)
+    finally:
+        arena.release()
+
+
+class Many(nn.Module):
+    """A model of many small parameters (a ParameterList), as issue 27's 9,000-tensor state, shrunk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ps = nn.ParameterList(nn.Parameter(torch.randn(8, 8)) for _ in range(120))
+        self.register_buffer("flags", torch.zeros(10, dtype=torch.bool))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for p in self.ps:
+            x = torch.tanh(x @ p)
+        return x
+
+
+def _train(model: Many, opt: torch.optim.Optimizer, steps: int) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        model.flags.logical_not_()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_gathered_async_saves_resume_bit_for_bit(gather_on_cpu: None, root: Path, writer: str) -> None:
+    torch.manual_seed(0)
+    model = Many()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    state = safepoint.TrainState(model=model, optimizer=opt)
+    opts = safepoint.WriterOptions(async_writer=writer)
+    with safepoint.CheckpointManager(root, async_save=True, writer=opts) as mgr:
+        for step in (1, 2, 3):
+            _train(model, opt, 1)
+            mgr.save(step, state)  # the next step runs while the save is written
+            assert mgr._stager.gathered >= 3 * 120, mgr._stager.gathered
+        after = _train(model, opt, 3)
+        mgr.wait()
+    final = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(1)
+    model2 = Many()
+    opt2 = torch.optim.Adam(model2.parameters(), lr=1e-2)
+    with safepoint.CheckpointManager(root) as mgr:
+        assert mgr.restore(safepoint.TrainState(model=model2, optimizer=opt2)) == 3
+    assert _train(model2, opt2, 3) == after
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, final[k]), k
