@@ -155,3 +155,21 @@ def test_gathered_async_saves_resume_bit_for_bit(gather_on_cpu: None, root: Path
     assert _train(model2, opt2, 3) == after
     for k, v in model2.state_dict().items():
         assert torch.equal(v, final[k]), k
+
+
+def test_a_source_laid_out_unlike_its_buffer_is_copied_apart_from_the_others(
+    gather_on_cpu: None, stager: Stager
+) -> None:
+    # On CUDA one foreach call takes its fused route only if every (view, source) pair shares sizes and
+    # strides: a transposed weight among contiguous ones goes in a call of its own, so the others keep it.
+    torch.manual_seed(0)
+    sd = {"w": [torch.randn(8, 8) for _ in range(5)], "t": torch.randn(8, 4).t(), "h": torch.randn(3).half()}
+    for _ in range(2):
+        with torch.no_grad():
+            for t in [*sd["w"], sd["t"], sd["h"]]:
+                t.add_(1.0)
+        snapshot = stager.stage(sd)
+        assert torch.equal(snapshot["t"], sd["t"]) and torch.equal(snapshot["h"], sd["h"])
+        assert all(torch.equal(a, b) for a, b in zip(snapshot["w"], sd["w"], strict=True))
+    (chunk,) = _adjacent_runs(stager)
+    assert sorted(len(positions) for positions, _ in chunk.groups) == [1, 1, 5]

@@ -135,11 +135,15 @@ def plan_gather(
     for run in runs:
         start, end = run[0][0], run[-1][0] + run[-1][1]
         dev = device_buffer[: end - start]
-        groups: dict[torch.dtype, tuple[list[int], list[Any]]] = {}
+        # Per dtype, and apart the sources laid out unlike their views (a transposed weight): on CUDA a
+        # foreach copy takes its fused route only when every pair shares sizes and strides, and one odd
+        # pair would send the whole list tensor by tensor.
+        groups: dict[tuple[torch.dtype, bool], tuple[list[int], list[Any]]] = {}
         for off, nbytes, i in run:
             target = targets[i]
             view = dev[off - start : off - start + nbytes].view(target.dtype).view(target.shape)
-            positions, views = groups.setdefault(target.dtype, ([], []))
+            key = (target.dtype, lives[i].stride() == view.stride())
+            positions, views = groups.setdefault(key, ([], []))
             positions.append(i)
             views.append(view)
         chunks.append(_Chunk(dev, region.bytes_at(start, end - start), list(groups.values())))
