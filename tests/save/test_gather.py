@@ -17,7 +17,7 @@ import safepoint
 from safepoint.save import gather, staging
 from safepoint.save.shared_buffers import ALIGN, PACK_ALIGN, move_into_arena
 from safepoint.save.staging import Stager
-from tests.helpers.staging_check import check_mixed_state_staging
+from tests.helpers.staging_check import check_mixed_state_staging, check_odd_bits_staging
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the packed segment needs memfd")
 
@@ -155,3 +155,25 @@ def test_gathered_async_saves_resume_bit_for_bit(gather_on_cpu: None, root: Path
     assert _train(model2, opt2, 3) == after
     for k, v in model2.state_dict().items():
         assert torch.equal(v, final[k]), k
+
+
+# What CUDA's same-device ``torch._foreach_copy_`` moves bit for bit: its fused kernel loads each element,
+# converts it to the dtype's op type and back (bf16, fp16 and float8 through float32: a NaN's payload and
+# sign are not kept) and dispatches only these and those (no uint16-64, float8_e8m0fnu, complex32).
+BIT_EXACT_ON_CUDA = {torch.float32, torch.float64, torch.complex64, torch.complex128, torch.uint8, torch.int8,
+                     torch.int16, torch.int32, torch.int64}  # fmt: skip
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["thread", "process"])
+def test_odd_bit_patterns_and_dtypes_are_gathered_bit_for_bit(gather_on_cpu: None, shared: bool) -> None:
+    # NaNs with a payload or a sign, bool bytes other than 0 and 1, unsigned and float8 scale dtypes, a
+    # negative-bit view: each snapshot holds the live bits, and every chunk's batched copy runs in a dtype
+    # that CUDA's fused copy moves unchanged (the CPU's copy is exact whatever the dtype: the dtypes the
+    # chunks copy in are what a GPU would get; tests/gpu/test_cuda.py runs the same state there).
+    def each(stager: Stager) -> None:
+        assert stager.gathered == 24, stager.gathered
+        for chunk in _adjacent_runs(stager):
+            for _, views, *_ in chunk.groups:
+                assert {v.dtype for v in views} <= BIT_EXACT_ON_CUDA, {v.dtype for v in views}
+
+    check_odd_bits_staging(torch.device("cpu"), shared, each)
