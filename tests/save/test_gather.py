@@ -7,6 +7,7 @@ GPU."""
 from __future__ import annotations
 
 import os
+import resource
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,34 @@ def test_odd_bit_patterns_and_dtypes_are_gathered_bit_for_bit(gather_on_cpu: Non
                 assert {v.dtype for v in views} <= BIT_EXACT_ON_CUDA, {v.dtype for v in views}
 
     check_odd_bits_staging(torch.device("cpu"), shared, each)
+
+
+def test_the_thread_writer_stages_tensor_by_tensor_where_no_segment_can_be_made(gather_on_cpu: None) -> None:
+    # The gather only makes staging faster, and the thread writer's buffers need no segment otherwise: where
+    # none can be made (here no file descriptor is left, as for a job at its open-file limit; on a GPU, a
+    # segment the driver cannot pin), its saves still stage, tensor by tensor, into buffers of their own.
+    sd = {f"t{i}": torch.randn(16) for i in range(20)}
+    stager = Stager()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(int(fd) for fd in os.listdir("/proc/self/fd")) + 1, hard))
+    held = []
+    try:
+        while True:  # every descriptor number under the limit taken
+            try:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                break
+        for _ in range(3):
+            with torch.no_grad():
+                for t in sd.values():
+                    t.add_(1.0)
+            snapshot = stager.stage(sd)
+            for k, t in sd.items():
+                assert torch.equal(snapshot[k], t), k
+            assert stager.gathered == 0 and stager._region is None
+        assert stager.allocations == 1
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        stager.release()
