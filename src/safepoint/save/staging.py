@@ -224,7 +224,16 @@ class Stager:
         tie_buffers(sd, buffers)
         if laid:
             mine = walk(buffers, None).leaves  # paired with ``walked.leaves`` by position (as Plan does)
-            self._region = move_into_arena(buffers, pin=pin, first=[mine[i] for i in picks])
+            try:
+                self._region = move_into_arena(buffers, pin=pin, first=[mine[i] for i in picks])
+            except (OSError, RuntimeError) as e:
+                if self._shared:
+                    raise  # the writer process reads the segment: no save without one
+                # The gather only makes staging faster, and the thread writer needs no segment: fresh
+                # buffers of torch's own, pinned, as without a gather.
+                log.warning("safepoint: staging tensor by tensor: no staging segment (%s)", e)
+                buffers = own_copies(sd, _create_cpu_state_dict(sd, pin_memory=pin))
+                tie_buffers(sd, buffers)
             if self._shared:
                 self.arena = self._region
         self._buffers = buffers
