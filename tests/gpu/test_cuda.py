@@ -88,6 +88,27 @@ def test_the_copy_does_not_wait_for_other_streams() -> None:
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["thread-buffers", "process-arena"])
+def test_a_staging_that_fails_part_way_leaves_no_copy_in_flight(shared: bool) -> None:
+    # A tensor staging cannot copy (one on meta) fails the save after the small CUDA tensors' chunk
+    # transfers were queued behind the loop's busy stream: staging raises only once they have run, so the
+    # release that may follow (the manager's close: the segment unpinned, the buffers unmapped) never pulls
+    # memory from under a DMA still to write it.
+    sd = {
+        "small": [torch.randn(100, device="cuda") for _ in range(10)],
+        "meta": torch.empty(4, device="meta"),
+    }
+    stager = Stager(shared=shared)
+    try:
+        torch.cuda._sleep(SPIN_CYCLES)
+        with pytest.raises((NotImplementedError, RuntimeError)):
+            stager.stage(sd)
+        assert stager._stream is not None and stager._stream.query(), "a copy still in flight"
+    finally:
+        torch.cuda.synchronize()
+        stager.release()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["thread-buffers", "process-arena"])
 def test_many_small_cuda_tensors_are_gathered_and_see_every_queued_update(shared: bool) -> None:
     # save/gather.py: 3,000 small CUDA tensors reach their pinned buffers through a few chunk transfers on
     # the side stream, which waits for the loop's stream: updates queued behind a spinning kernel reach
