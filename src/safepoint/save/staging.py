@@ -257,10 +257,14 @@ class Stager:
             if self._stream is None or self._stream.device != device:
                 self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
             self._stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(self._stream):
-                # The fingerprints of the incremental check run here too, after the loop's queued work.
-                self._copy(plan, walked)
-            self._stream.synchronize()
+            try:
+                with torch.cuda.stream(self._stream):
+                    # The fingerprints of the incremental check run here too, after the loop's queued work.
+                    self._copy(plan, walked)
+            finally:
+                # A copy that failed part way too: the transfers it queued have run before the caller may
+                # release the buffers (the segment unpinned and unmapped under a DMA still to write it).
+                self._stream.synchronize()
 
     def _copy(self, plan: Plan, walked: Walked) -> None:
         """Copy the walked tensors into their buffers, except the plain tensors proven unchanged since their
