@@ -120,6 +120,26 @@ class Gather:
                     torch._foreach_copy_(views, sources, non_blocking=True)
                 chunk.host.copy_(chunk.dev, non_blocking=True)
 
+    def rekeyed(self, was: Sequence[torch.Tensor], now: Sequence[torch.Tensor]) -> Gather | None:
+        """This gather for a plan whose targets ``now`` are ``was`` (this one's) in another order
+        (``Plan.rekeyed``: the same buffers, re-paired by key): the same chunks, each member at its new
+        position. None where they are not the same buffers."""
+        if len(was) != len(now):
+            return None
+        at = {id(t): k for k, t in enumerate(now)}
+        moved = [at.get(id(t), -1) for t in was]
+        if -1 in moved:
+            return None
+        chunks = [
+            _Chunk(
+                c.dev,
+                c.host,
+                [([moved[i] for i in positions], views, bits) for positions, views, bits in c.groups],
+            )
+            for c in self.chunks
+        ]
+        return Gather(chunks, frozenset(moved[i] for i in self.members), self.device_buffer)
+
 
 def plan_gather(
     targets: Sequence[torch.Tensor],

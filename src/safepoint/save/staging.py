@@ -360,9 +360,10 @@ class Stager:
             FINGERPRINT_CPU_MIN_BYTES,
             tuple((d, cuda_fingerprint_floor(d)) for d in sorted(plan.devices, key=str)),
         )
-        if self._small is not None and self._small.plan is plan and self._small.key == key:
-            return self._small
-        self._small = None  # its gather's device buffer goes before the next one is made
+        was, self._small = self._small, None
+        if was is not None and was.plan is plan and was.key == key:
+            self._small = was
+            return was
         small: list[int] = []
         large: list[int] = []
         for i, t in enumerate(lives):
@@ -370,7 +371,14 @@ class Stager:
         # Gathered on one device only (the side stream's); a state across devices copies tensor by tensor.
         picks = [i for i in small if gatherable(lives[i], plan.nbytes[i])]
         one_device = len({lives[i].device for i in picks}) == 1 and len(plan.devices) <= 1
-        gather = plan_gather(plan.targets, lives, picks, self._region) if one_device else None
+        gather = None
+        if one_device and was is not None and was.gather is not None and was.key == key:
+            # A plan re-paired by key (Plan.rekeyed): the same buffers, so the same gather, re-paired too
+            # (built anew it is Python work per tensor at every reordered save).
+            gather = was.gather.rekeyed(was.plan.targets, plan.targets)
+        was = None  # its gather's device buffer goes before the next one is made
+        if one_device and gather is None:
+            gather = plan_gather(plan.targets, lives, picks, self._region)
         self._small = Split(plan, key, small, large, gather)
         return self._small
 
