@@ -30,6 +30,7 @@ from __future__ import annotations
 import operator
 import os
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -210,7 +211,7 @@ def plan_gather(
 def _as_bits(sources: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
     """``sources`` viewed as ``dtype`` (of their element size): the same memory, any strides."""
     try:
-        return [t.view(dtype) for t in sources]
+        return list(map(torch.Tensor.view, sources, repeat(dtype)))  # ~1 us a tensor, in the loop's wait
     except RuntimeError:  # a negative-bit or conjugate view has no such view: its values, resolved first
         return [t.resolve_conj().resolve_neg().view(dtype) for t in sources]
 
