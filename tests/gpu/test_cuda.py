@@ -23,7 +23,7 @@ import safepoint
 from safepoint.save.shared_buffers import buffer_tensors
 from safepoint.save.staging import Stager
 from tests.conftest import REPO
-from tests.helpers.staging_check import check_mixed_state_staging
+from tests.helpers.staging_check import check_mixed_state_staging, check_odd_bits_staging
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -88,6 +88,27 @@ def test_the_copy_does_not_wait_for_other_streams() -> None:
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["thread-buffers", "process-arena"])
+def test_a_staging_that_fails_part_way_leaves_no_copy_in_flight(shared: bool) -> None:
+    # A tensor staging cannot copy (one on meta) fails the save after the small CUDA tensors' chunk
+    # transfers were queued behind the loop's busy stream: staging raises only once they have run, so the
+    # release that may follow (the manager's close: the segment unpinned, the buffers unmapped) never pulls
+    # memory from under a DMA still to write it.
+    sd = {
+        "small": [torch.randn(100, device="cuda") for _ in range(10)],
+        "meta": torch.empty(4, device="meta"),
+    }
+    stager = Stager(shared=shared)
+    try:
+        torch.cuda._sleep(SPIN_CYCLES)
+        with pytest.raises((NotImplementedError, RuntimeError)):
+            stager.stage(sd)
+        assert stager._stream is not None and stager._stream.query(), "a copy still in flight"
+    finally:
+        torch.cuda.synchronize()
+        stager.release()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["thread-buffers", "process-arena"])
 def test_many_small_cuda_tensors_are_gathered_and_see_every_queued_update(shared: bool) -> None:
     # save/gather.py: 3,000 small CUDA tensors reach their pinned buffers through a few chunk transfers on
     # the side stream, which waits for the loop's stream: updates queued behind a spinning kernel reach
@@ -124,6 +145,17 @@ def test_batched_staging_of_a_mixed_cuda_state_is_bit_exact(shared: bool) -> Non
     # CPU tensor beside the CUDA ones. Every snapshot equals the live tensors bit for bit; a tensor replaced
     # by one of the same shape keeps its buffer; a changed shape gets new ones.
     check_mixed_state_staging(torch.device("cuda"), shared, gathered=True)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["thread-buffers", "process-arena"])
+def test_gathered_staging_keeps_every_bit_of_odd_values_and_dtypes(shared: bool) -> None:
+    # The fused foreach copy converts bf16, fp16 and float8 through float32 (NaN payloads and signs lost)
+    # and has no kernel for uint16-64, float8_e8m0fnu or complex32: save/gather.py copies them as
+    # same-size integers. Every snapshot holds the live bits (tests/save/test_gather.py: the CPU side).
+    def each(stager: Stager) -> None:
+        assert stager.gathered == 24, stager.gathered
+
+    check_odd_bits_staging(torch.device("cuda"), shared, each)
 
 
 class Net(nn.Module):

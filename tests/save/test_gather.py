@@ -7,6 +7,7 @@ GPU."""
 from __future__ import annotations
 
 import os
+import resource
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import safepoint
 from safepoint.save import gather, staging
 from safepoint.save.shared_buffers import ALIGN, PACK_ALIGN, move_into_arena
 from safepoint.save.staging import Stager
-from tests.helpers.staging_check import check_mixed_state_staging
+from tests.helpers.staging_check import check_mixed_state_staging, check_odd_bits_staging
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the packed segment needs memfd")
 
@@ -172,4 +173,90 @@ def test_a_source_laid_out_unlike_its_buffer_is_copied_apart_from_the_others(
         assert torch.equal(snapshot["t"], sd["t"]) and torch.equal(snapshot["h"], sd["h"])
         assert all(torch.equal(a, b) for a, b in zip(snapshot["w"], sd["w"], strict=True))
     (chunk,) = _adjacent_runs(stager)
-    assert sorted(len(positions) for positions, _ in chunk.groups) == [1, 1, 5]
+    assert sorted(len(positions) for positions, *_ in chunk.groups) == [1, 1, 5]
+
+
+# What CUDA's same-device ``torch._foreach_copy_`` moves bit for bit: its fused kernel loads each element,
+# converts it to the dtype's op type and back (bf16, fp16 and float8 through float32: a NaN's payload and
+# sign are not kept) and dispatches only these and those (no uint16-64, float8_e8m0fnu, complex32).
+BIT_EXACT_ON_CUDA = {torch.float32, torch.float64, torch.complex64, torch.complex128, torch.uint8, torch.int8,
+                     torch.int16, torch.int32, torch.int64}  # fmt: skip
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["thread", "process"])
+def test_odd_bit_patterns_and_dtypes_are_gathered_bit_for_bit(gather_on_cpu: None, shared: bool) -> None:
+    # NaNs with a payload or a sign, bool bytes other than 0 and 1, unsigned and float8 scale dtypes, a
+    # negative-bit view: each snapshot holds the live bits, and every chunk's batched copy runs in a dtype
+    # that CUDA's fused copy moves unchanged (the CPU's copy is exact whatever the dtype: the dtypes the
+    # chunks copy in are what a GPU would get; tests/gpu/test_cuda.py runs the same state there).
+    def each(stager: Stager) -> None:
+        assert stager.gathered == 24, stager.gathered
+        for chunk in _adjacent_runs(stager):
+            for _, views, *_ in chunk.groups:
+                assert {v.dtype for v in views} <= BIT_EXACT_ON_CUDA, {v.dtype for v in views}
+
+    check_odd_bits_staging(torch.device("cpu"), shared, each)
+
+
+def test_the_thread_writer_stages_tensor_by_tensor_where_no_segment_can_be_made(gather_on_cpu: None) -> None:
+    # The gather only makes staging faster, and the thread writer's buffers need no segment otherwise: where
+    # none can be made (here no file descriptor is left, as for a job at its open-file limit; on a GPU, a
+    # segment the driver cannot pin), its saves still stage, tensor by tensor, into buffers of their own.
+    sd = {f"t{i}": torch.randn(16) for i in range(20)}
+    stager = Stager()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(int(fd) for fd in os.listdir("/proc/self/fd")) + 1, hard))
+    held = []
+    try:
+        while True:  # every descriptor number under the limit taken
+            try:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                break
+        for _ in range(3):
+            with torch.no_grad():
+                for t in sd.values():
+                    t.add_(1.0)
+            snapshot = stager.stage(sd)
+            for k, t in sd.items():
+                assert torch.equal(snapshot[k], t), k
+            assert stager.gathered == 0 and stager._region is None
+        assert stager.allocations == 1
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        stager.release()
+
+
+def test_a_state_whose_keys_come_in_another_order_keeps_its_gather(
+    gather_on_cpu: None, stager: Stager
+) -> None:
+    # Plan.rekeyed re-pairs the same buffers by key when a dict lists its keys in another order (a new
+    # plan, the same buffers): the gather goes with them, re-paired too, not built again per reordered save
+    # (its views and checks are Python work per tensor: ~25 us each here, more than the copy it spares).
+    torch.manual_seed(0)
+    base = {f"t{i}": torch.randn(8 + i % 5) for i in range(60)}
+    base["h"] = torch.randn(4).half()
+    orders = [
+        base,
+        dict(reversed(list(base.items()))),
+        dict(sorted(base.items(), key=lambda kv: kv[1].numel())),
+    ]
+    stager.stage(base)
+    split = stager._small
+    assert split is not None and split.gather is not None
+    device_buffer = split.gather.device_buffer
+    for save in range(6):
+        sd = orders[save % 3]
+        with torch.no_grad():
+            for t in sd.values():
+                t.add_(1.0)
+        snapshot = stager.stage(sd)
+        assert list(snapshot) == list(sd)
+        for k, t in sd.items():
+            assert torch.equal(snapshot[k], t), (save, k)
+        assert stager.gathered == 61
+        assert stager._small is not None and stager._small.gather is not None
+        assert stager._small.gather.device_buffer is device_buffer, save
+    assert stager.allocations == 1

@@ -12,10 +12,16 @@ chunk, not a launch per tensor) and one device-to-host copy of that buffer onto 
 segment.
 
 Each buffer then holds what its own copy would have put there: it is a contiguous tensor of the live
-tensor's shape and dtype, and its bytes of the device buffer are a view of that shape and dtype at the same
-offset from the chunk's start (the ``copy_`` of a non-contiguous or conjugate-bit source is the same either
-way). A chunk's transfer covers only packed buffers of this gather and the alignment gaps between them: a
-packed buffer that is not gathered (the fingerprint policy changed since the buffers were made) ends the
+tensor's shape and dtype, and its bytes of the device buffer are a view of that shape at the same offset
+from the chunk's start (the ``copy_`` of a non-contiguous or conjugate-bit source is the same either way).
+That view has the live tensor's dtype only where CUDA's fused foreach copy moves every bit pattern of it
+unchanged (``copy_dtype``): the kernel converts each element to its op type and back, so bf16, fp16 and
+float8 would go through float32 (a NaN's payload and sign lost: not what the per-tensor ``cudaMemcpy``
+keeps), and it has no kernel for uint16-64, float8_e8m0fnu or complex32 (the save would fail). Those are
+copied as the integers of their size, source and view both.
+
+A chunk's transfer covers only packed buffers of this gather and the alignment gaps between them: a packed
+buffer that is not gathered (the fingerprint policy changed since the buffers were made) ends the
 chunk, so no other buffer's bytes are ever written by it.
 """
 
@@ -24,6 +30,7 @@ from __future__ import annotations
 import operator
 import os
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -47,19 +54,47 @@ buffer set lives (GPU memory taken from the caching allocator once, not per save
 is 32 chunks: 32 device-to-host transfers, each near the link's full bandwidth."""
 
 
+# What CUDA's same-device foreach copy moves bit for bit: its op type is the dtype itself.
+_AS_IS = frozenset({torch.float32, torch.float64, torch.complex64, torch.complex128, torch.uint8, torch.int8,
+                    torch.int16, torch.int32, torch.int64})  # fmt: skip
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def copy_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype a gathered tensor of ``dtype`` is copied in on the device: its own where the fused copy keeps
+    every bit, else the integer of its size (floating, complex32, bool and unsigned dtypes); None: not
+    gathered (a quantized or bits dtype)."""
+    if dtype in _AS_IS:
+        return dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype in (torch.bool, torch.uint16, torch.uint32,
+                                                                torch.uint64):  # fmt: skip
+        return _BITS.get(dtype.itemsize)
+    return None
+
+
 def gatherable(t: torch.Tensor, nbytes: int) -> bool:
     """Whether async staging gathers ``t`` (of ``nbytes``): a non-empty tensor under ``GATHER_MAX_BYTES`` on a
-    device of ``GATHER_DEVICE_TYPES``, not one it fingerprints (``staging.copied_unproven`` says that)."""
-    return 0 < nbytes < GATHER_MAX_BYTES and t.device.type in GATHER_DEVICE_TYPES
+    device of ``GATHER_DEVICE_TYPES`` whose dtype has a ``copy_dtype``, not one it fingerprints
+    (``staging.copied_unproven`` says that)."""
+    return (
+        0 < nbytes < GATHER_MAX_BYTES
+        and t.device.type in GATHER_DEVICE_TYPES
+        and copy_dtype(t.dtype) is not None
+    )
+
+
+Group = tuple[list[int], list[Any], torch.dtype | None]
+"""One batched copy of a chunk: the targets' positions, their views in the device buffer, and the dtype the
+live tensors are viewed as first (None: as they are)."""
 
 
 class _Chunk:
-    """One transfer: the device bytes ``dev`` onto the segment's bytes ``host``, after ``groups`` (per dtype:
-    the targets' positions and their views in ``dev``) filled ``dev`` from the live tensors."""
+    """One transfer: the device bytes ``dev`` onto the segment's bytes ``host``, after ``groups`` (per copy
+    dtype) filled ``dev`` from the live tensors."""
 
     __slots__ = ("dev", "groups", "host")
 
-    def __init__(self, dev: torch.Tensor, host: torch.Tensor, groups: list[tuple[list[int], list[Any]]]):
+    def __init__(self, dev: torch.Tensor, host: torch.Tensor, groups: list[Group]):
         self.dev, self.host, self.groups = dev, host, groups
 
 
@@ -79,9 +114,32 @@ class Gather:
         pick = lives.__getitem__
         with torch.no_grad():  # a Parameter source must not make the views part of its autograd graph
             for chunk in self.chunks:
-                for positions, views in chunk.groups:
-                    torch._foreach_copy_(views, list(map(pick, positions)), non_blocking=True)
+                for positions, views, bits in chunk.groups:
+                    sources = list(map(pick, positions))
+                    if bits is not None:
+                        sources = _as_bits(sources, bits)
+                    torch._foreach_copy_(views, sources, non_blocking=True)
                 chunk.host.copy_(chunk.dev, non_blocking=True)
+
+    def rekeyed(self, was: Sequence[torch.Tensor], now: Sequence[torch.Tensor]) -> Gather | None:
+        """This gather for a plan whose targets ``now`` are ``was`` (this one's) in another order
+        (``Plan.rekeyed``: the same buffers, re-paired by key): the same chunks, each member at its new
+        position. None where they are not the same buffers."""
+        if len(was) != len(now):
+            return None
+        at = {id(t): k for k, t in enumerate(now)}
+        moved = [at.get(id(t), -1) for t in was]
+        if -1 in moved:
+            return None
+        chunks = [
+            _Chunk(
+                c.dev,
+                c.host,
+                [([moved[i] for i in positions], views, bits) for positions, views, bits in c.groups],
+            )
+            for c in self.chunks
+        ]
+        return Gather(chunks, frozenset(moved[i] for i in self.members), self.device_buffer)
 
 
 def plan_gather(
@@ -135,20 +193,31 @@ def plan_gather(
     for run in runs:
         start, end = run[0][0], run[-1][0] + run[-1][1]
         dev = device_buffer[: end - start]
-        # Per dtype, and apart the sources laid out unlike their views (a transposed weight): on CUDA a
+        # Per copy dtype, and apart the sources laid out unlike their views (a transposed weight): on CUDA a
         # foreach copy takes its fused route only when every pair shares sizes and strides, and one odd
         # pair would send the whole list tensor by tensor.
-        groups: dict[tuple[torch.dtype, bool], tuple[list[int], list[Any]]] = {}
+        groups: dict[tuple[torch.dtype, bool, bool], Group] = {}
         for off, nbytes, i in run:
             target = targets[i]
-            view = dev[off - start : off - start + nbytes].view(target.dtype).view(target.shape)
-            key = (target.dtype, lives[i].stride() == view.stride())
-            positions, views = groups.setdefault(key, ([], []))
+            as_dtype = copy_dtype(target.dtype)
+            assert as_dtype is not None  # gatherable
+            view = dev[off - start : off - start + nbytes].view(as_dtype).view(target.shape)
+            bits = as_dtype if as_dtype != target.dtype else None
+            key = (as_dtype, bits is None, lives[i].stride() == view.stride())
+            positions, views, _ = groups.setdefault(key, ([], [], bits))
             positions.append(i)
             views.append(view)
         chunks.append(_Chunk(dev, region.bytes_at(start, end - start), list(groups.values())))
     members = frozenset(map(operator.itemgetter(2), (p for run in runs for p in run)))
     return Gather(chunks, members, device_buffer)
+
+
+def _as_bits(sources: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """``sources`` viewed as ``dtype`` (of their element size): the same memory, any strides."""
+    try:
+        return list(map(torch.Tensor.view, sources, repeat(dtype)))  # ~1 us a tensor, in the loop's wait
+    except RuntimeError:  # a negative-bit or conjugate view has no such view: its values, resolved first
+        return [t.resolve_conj().resolve_neg().view(dtype) for t in sources]
 
 
 def _aligned(n: int) -> int:

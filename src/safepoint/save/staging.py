@@ -224,7 +224,16 @@ class Stager:
         tie_buffers(sd, buffers)
         if laid:
             mine = walk(buffers, None).leaves  # paired with ``walked.leaves`` by position (as Plan does)
-            self._region = move_into_arena(buffers, pin=pin, first=[mine[i] for i in picks])
+            try:
+                self._region = move_into_arena(buffers, pin=pin, first=[mine[i] for i in picks])
+            except (OSError, RuntimeError) as e:
+                if self._shared:
+                    raise  # the writer process reads the segment: no save without one
+                # The gather only makes staging faster, and the thread writer needs no segment: fresh
+                # buffers of torch's own, pinned, as without a gather.
+                log.warning("safepoint: staging tensor by tensor: no staging segment (%s)", e)
+                buffers = own_copies(sd, _create_cpu_state_dict(sd, pin_memory=pin))
+                tie_buffers(sd, buffers)
             if self._shared:
                 self.arena = self._region
         self._buffers = buffers
@@ -248,10 +257,14 @@ class Stager:
             if self._stream is None or self._stream.device != device:
                 self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
             self._stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(self._stream):
-                # The fingerprints of the incremental check run here too, after the loop's queued work.
-                self._copy(plan, walked)
-            self._stream.synchronize()
+            try:
+                with torch.cuda.stream(self._stream):
+                    # The fingerprints of the incremental check run here too, after the loop's queued work.
+                    self._copy(plan, walked)
+            finally:
+                # A copy that failed part way too: the transfers it queued have run before the caller may
+                # release the buffers (the segment unpinned and unmapped under a DMA still to write it).
+                self._stream.synchronize()
 
     def _copy(self, plan: Plan, walked: Walked) -> None:
         """Copy the walked tensors into their buffers, except the plain tensors proven unchanged since their
@@ -347,9 +360,10 @@ class Stager:
             FINGERPRINT_CPU_MIN_BYTES,
             tuple((d, cuda_fingerprint_floor(d)) for d in sorted(plan.devices, key=str)),
         )
-        if self._small is not None and self._small.plan is plan and self._small.key == key:
-            return self._small
-        self._small = None  # its gather's device buffer goes before the next one is made
+        was, self._small = self._small, None
+        if was is not None and was.plan is plan and was.key == key:
+            self._small = was
+            return was
         small: list[int] = []
         large: list[int] = []
         for i, t in enumerate(lives):
@@ -357,7 +371,14 @@ class Stager:
         # Gathered on one device only (the side stream's); a state across devices copies tensor by tensor.
         picks = [i for i in small if gatherable(lives[i], plan.nbytes[i])]
         one_device = len({lives[i].device for i in picks}) == 1 and len(plan.devices) <= 1
-        gather = plan_gather(plan.targets, lives, picks, self._region) if one_device else None
+        gather = None
+        if one_device and was is not None and was.gather is not None and was.key == key:
+            # A plan re-paired by key (Plan.rekeyed): the same buffers, so the same gather, re-paired too
+            # (built anew it is Python work per tensor at every reordered save).
+            gather = was.gather.rekeyed(was.plan.targets, plan.targets)
+        was = None  # its gather's device buffer goes before the next one is made
+        if one_device and gather is None:
+            gather = plan_gather(plan.targets, lives, picks, self._region)
         self._small = Split(plan, key, small, large, gather)
         return self._small
 
