@@ -138,6 +138,29 @@ def test_many_small_cuda_tensors_are_gathered_and_see_every_queued_update(shared
         stager.release()
 
 
+def test_a_full_gpu_stages_its_small_tensors_one_by_one() -> None:
+    # A job that fills its GPU leaves no room for the gather's device buffer (save/gather.py): staging
+    # falls back to a transfer per tensor instead of failing the save.
+    sd = {f"t{i}": torch.randn(64, 64, device="cuda") for i in range(200)}
+    stager = Stager()
+    filler: list[torch.Tensor] = []
+    try:
+        size = 1 << 34
+        while size >= 1 << 20:  # take every block of at least 1 MiB the card has left
+            try:
+                filler.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+            except torch.cuda.OutOfMemoryError:
+                size //= 2
+        snap = stager.stage(sd)
+        assert stager.gathered == 0
+        for k, t in sd.items():
+            assert torch.equal(snap[k], t.cpu()), k
+    finally:
+        filler.clear()
+        stager.release()
+        torch.cuda.empty_cache()
+
+
 @pytest.mark.parametrize("shared", [False, True], ids=["thread-buffers", "process-arena"])
 def test_batched_staging_of_a_mixed_cuda_state_is_bit_exact(shared: bool) -> None:
     # The batched copy (one torch._foreach_copy_ on the side stream, save/stage_plan.py) with what a real

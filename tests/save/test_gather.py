@@ -260,3 +260,25 @@ def test_a_state_whose_keys_come_in_another_order_keeps_its_gather(
         assert stager._small is not None and stager._small.gather is not None
         assert stager._small.gather.device_buffer is device_buffer, save
     assert stager.allocations == 1
+
+
+def test_a_device_without_room_for_the_chunk_buffer_stages_tensor_by_tensor(
+    gather_on_cpu: None, stager: Stager, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A job that fills its GPU has no 16 MiB left for the gather's device buffer: its saves must still
+    # stage (tensor by tensor, as without the gather), not fail. A full GPU cannot be had here, so the
+    # allocation fails as CUDA's does; tests/gpu/test_cuda.py fills a real one.
+    def full(nbytes: int, device: torch.device) -> torch.Tensor:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 MiB")
+
+    monkeypatch.setattr(gather, "device_memory", full)
+    sd = {f"t{i}": torch.randn(16) for i in range(20)}
+    for _ in range(3):
+        with torch.no_grad():
+            for t in sd.values():
+                t.add_(1.0)
+        snapshot = stager.stage(sd)
+        for k, t in sd.items():
+            assert torch.equal(snapshot[k], t), k
+        assert stager.gathered == 0
+    assert "no 1280 bytes of cpu memory for gathering (CUDA out of memory." in caplog.text

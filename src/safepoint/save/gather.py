@@ -27,6 +27,7 @@ chunk, so no other buffer's bytes are ever written by it.
 
 from __future__ import annotations
 
+import logging
 import operator
 import os
 from collections.abc import Callable, Sequence
@@ -37,6 +38,8 @@ import torch
 
 from safepoint.save.shared_buffers import PACK_ALIGN, SharedArena
 from safepoint.save.stage_plan import Plan, Walked, cuda_devices, plain
+
+log = logging.getLogger("safepoint")
 
 GATHER_DEVICE_TYPES: frozenset[str] = frozenset({"cuda"})
 """The devices whose small tensors are gathered. Not the CPU: there the copy of a small tensor inside one
@@ -188,7 +191,14 @@ def plan_gather(
     if not runs:
         return None
     size = max(run[-1][0] + run[-1][1] - run[0][0] for run in runs)
-    device_buffer = torch.empty(size, dtype=torch.uint8, device=device)
+    try:
+        device_buffer = device_memory(size, device)
+    except torch.cuda.OutOfMemoryError as e:
+        # A job that fills its GPU leaves no room for the chunk buffer: it stages tensor by tensor, as
+        # without the gather, rather than failing every save (until the next buffer set tries again).
+        log.warning("safepoint: staging tensor by tensor: no %d bytes of %s memory for gathering (%s)",
+                    size, device, str(e).splitlines()[0] if str(e) else "out of memory")  # fmt: skip
+        return None
     chunks = []
     for run in runs:
         start, end = run[0][0], run[-1][0] + run[-1][1]
@@ -218,6 +228,11 @@ def _as_bits(sources: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tens
         return list(map(torch.Tensor.view, sources, repeat(dtype)))  # ~1 us a tensor, in the loop's wait
     except RuntimeError:  # a negative-bit or conjugate view has no such view: its values, resolved first
         return [t.resolve_conj().resolve_neg().view(dtype) for t in sources]
+
+
+def device_memory(nbytes: int, device: torch.device) -> torch.Tensor:
+    """The gather's device buffer (its own function: the tests make it fail as a full GPU would)."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def _aligned(n: int) -> int:
