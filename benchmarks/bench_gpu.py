@@ -12,11 +12,15 @@ A state of parameters + Adam moments lives on the GPU. Each round saves it with 
   ``pinned-foreach``'s come from torch's pinned allocator: whether that memory alone makes the copy of
   many small tensors slower (issue 27: at 9,000 tensors the process writer blocked 1.67x the pinned copy,
   the thread writer 1.02x, where on CPU both block alike).
+- ``pinned-bulk``: the same number of bytes in one device-to-host copy from one contiguous device tensor:
+  the transfer alone, without a launch per tensor (what gathered staging, save/gather.py, approaches for
+  a state of many small tensors).
 - ``sp-async-process`` / ``sp-async-thread``: ``CheckpointManager(async_save=True)`` with the writer process
   (default) or thread; blocked = the time ``save()`` took (capture + staging into pinned buffers). Each
   record also has ``cpu_s`` (the calling thread's CPU time in ``save()``), ``gc_s`` (cyclic collections
-  on that thread inside ``save()``) and ``copy_s`` (staging's copy, the side stream's synchronize
-  included), so a gap between the two writers shows where it lies.
+  on that thread inside ``save()``), ``copy_s`` (staging's copy, the side stream's synchronize
+  included), so a gap between the two writers shows where it lies, and ``gathered`` (the tensors staging
+  copied through save/gather.py's chunks).
 - ``sp-sync``: a sync save, the whole write; ``torch-save``: ``torch.save`` of the state + fsync.
 - ``dcp-async``: ``dcp.async_save`` with its default stager (thread), blocked = its return.
 
@@ -50,8 +54,8 @@ import safepoint
 
 SCENARIOS = ("step", "frozen-steps", "frozen-half")
 KEEP = safepoint.Keep(last=1)  # one checkpoint per manager: the bench holds GiBs in /dev/shm
-VARIANTS = ("pinned-copy", "pinned-foreach", "pinned-arena", "sp-async-process", "sp-async-thread", "sp-sync",
-            "torch-save", "dcp-async")  # fmt: skip
+VARIANTS = ("pinned-copy", "pinned-foreach", "pinned-arena", "pinned-bulk", "sp-async-process",
+            "sp-async-thread", "sp-sync", "torch-save", "dcp-async")  # fmt: skip
 
 
 class Bag(nn.Module):
@@ -131,6 +135,9 @@ class Runner:
         # The process writer's kind of pinned memory: one memfd segment, cudaHostRegister'd.
         self.arena_bufs = [torch.empty(t.shape, dtype=t.dtype) for t in src]
         self.arena = move_into_arena(self.arena_bufs, pin=pin)
+        nbytes = sum(t.numel() * t.element_size() for t in src)
+        self.bulk_src = torch.zeros(nbytes, dtype=torch.uint8, device=src[0].device)
+        self.bulk_dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
         self.mgrs = {
             "sp-async-process": safepoint.CheckpointManager(
                 base / "proc",
@@ -203,6 +210,12 @@ class Runner:
             sync()
             rec["blocked_s"] = time.perf_counter() - t0
             return rec
+        if variant == "pinned-bulk":
+            t0 = time.perf_counter()
+            self.bulk_dst.copy_(self.bulk_src, non_blocking=True)
+            sync()
+            rec["blocked_s"] = time.perf_counter() - t0
+            return rec
         if variant in self.mgrs:
             mgr = self.mgrs[variant]
             mgr.wait()
@@ -224,6 +237,7 @@ class Runner:
                 found = list(buffer_tensors(bufs))
                 rec["staging_pinned"] = all(t.is_pinned() for t in found if t.numel() > 1)
                 rec["staging_allocations"] = stager.allocations
+                rec["gathered"] = stager.gathered
             return rec
         if variant == "torch-save":
             path = self.base / f"torch-{self.step}.pt"

@@ -4,10 +4,10 @@
 # benchmark and the fingerprint benchmark (GPU_FP_BENCH=0 skips it). Results land in $OUT (or ./gpu-out).
 # Wheels the image lacks travel in .whl/ (crc32c, torchdata, torchtitan and its pure-Python needs); the
 # image's own torch (and the triton it comes with) is used. docs/benchmarks.md "The GPU path" has the results.
-# The process writer's gap at 9,000 tensors alone (issue 27; docs/benchmarks.md "Process writer at 9,000
-# tensors, CPU"), ~2 minutes:
-#   GPU_TESTS=tests/gpu/test_cuda.py GPU_SKIP_FRAMEWORKS=1 GPU_FP_BENCH=0 GPU_BENCH_ARGS="--cases 512x3000
-#   --rounds 5 --variants pinned-copy,pinned-foreach,pinned-arena,sp-async-process,sp-async-thread" bash benchmarks/gpu_check.sh
+# The 9,000-tensor blocking time alone with gathered staging (issue 27; docs/benchmarks.md "Gathered staging
+# of small device tensors"), ~3 minutes:
+#   GPU_TESTS=tests/gpu/test_cuda.py GPU_SKIP_FRAMEWORKS=1 GPU_FP_BENCH=0 GPU_BENCH_ARGS="--cases 512x3000,2048x300
+#   --rounds 5 --variants pinned-foreach,pinned-bulk,sp-async-process,sp-async-thread" bash benchmarks/gpu_check.sh
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then

@@ -14,7 +14,6 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ import safepoint
 from safepoint.save.shared_buffers import buffer_tensors
 from safepoint.save.staging import Stager
 from tests.conftest import REPO
+from tests.helpers.staging_check import check_mixed_state_staging, check_odd_bits_staging
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -88,65 +88,97 @@ def test_the_copy_does_not_wait_for_other_streams() -> None:
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["thread-buffers", "process-arena"])
+def test_a_staging_that_fails_part_way_leaves_no_copy_in_flight(shared: bool) -> None:
+    # A tensor staging cannot copy (one on meta) fails the save after the small CUDA tensors' chunk
+    # transfers were queued behind the loop's busy stream: staging raises only once they have run, so the
+    # release that may follow (the manager's close: the segment unpinned, the buffers unmapped) never pulls
+    # memory from under a DMA still to write it.
+    sd = {
+        "small": [torch.randn(100, device="cuda") for _ in range(10)],
+        "meta": torch.empty(4, device="meta"),
+    }
+    stager = Stager(shared=shared)
+    try:
+        torch.cuda._sleep(SPIN_CYCLES)
+        with pytest.raises((NotImplementedError, RuntimeError)):
+            stager.stage(sd)
+        assert stager._stream is not None and stager._stream.query(), "a copy still in flight"
+    finally:
+        torch.cuda.synchronize()
+        stager.release()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["thread-buffers", "process-arena"])
+def test_many_small_cuda_tensors_are_gathered_and_see_every_queued_update(shared: bool) -> None:
+    # save/gather.py: 3,000 small CUDA tensors reach their pinned buffers through a few chunk transfers on
+    # the side stream, which waits for the loop's stream: updates queued behind a spinning kernel reach
+    # the snapshot, every tensor bit for bit, and the segment is pinned.
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sd = {"w": [torch.randn(32, 64, device="cuda", generator=g) for _ in range(2000)],
+          "m": [torch.randn(100, device="cuda", generator=g).bfloat16() for _ in range(999)],
+          "step": torch.tensor(0.0, device="cuda")}  # fmt: skip
+    stager = Stager(shared=shared)
+    try:
+        stager.stage(sd)
+        for save in range(1, 4):
+            torch.cuda._sleep(SPIN_CYCLES // 4)
+            with torch.no_grad():
+                for t in [*sd["w"], *sd["m"]]:
+                    t.add_(1.0)
+                sd["step"].fill_(float(save))
+            snap = stager.stage(sd)
+            assert stager.gathered == 3000, stager.gathered
+            assert all(t.is_pinned() for t in buffer_tensors(snap))
+            for a, b in zip(
+                [*sd["w"], *sd["m"], sd["step"]], [*snap["w"], *snap["m"], snap["step"]], strict=True
+            ):
+                assert torch.equal(b, a.cpu()), save
+        assert stager.allocations == 1
+    finally:
+        stager.release()
+
+
+def test_a_full_gpu_stages_its_small_tensors_one_by_one() -> None:
+    # A job that fills its GPU leaves no room for the gather's device buffer (save/gather.py): staging
+    # falls back to a transfer per tensor instead of failing the save.
+    sd = {f"t{i}": torch.randn(64, 64, device="cuda") for i in range(200)}
+    stager = Stager()
+    filler: list[torch.Tensor] = []
+    try:
+        size = 1 << 34
+        while size >= 1 << 20:  # take every block of at least 1 MiB the card has left
+            try:
+                filler.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+            except torch.cuda.OutOfMemoryError:
+                size //= 2
+        snap = stager.stage(sd)
+        assert stager.gathered == 0
+        for k, t in sd.items():
+            assert torch.equal(snap[k], t.cpu()), k
+    finally:
+        filler.clear()
+        stager.release()
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["thread-buffers", "process-arena"])
 def test_batched_staging_of_a_mixed_cuda_state_is_bit_exact(shared: bool) -> None:
     # The batched copy (one torch._foreach_copy_ on the side stream, save/stage_plan.py) with what a real
     # state holds: a tied weight, a non-contiguous view, 0-d tensors, bf16, nested optimizer state, and a
     # CPU tensor beside the CUDA ones. Every snapshot equals the live tensors bit for bit; a tensor replaced
     # by one of the same shape keeps its buffer; a changed shape gets new ones.
-    check_mixed_state_staging(torch.device("cuda"), shared)
+    check_mixed_state_staging(torch.device("cuda"), shared, gathered=True)
 
 
-def check_mixed_state_staging(device: torch.device, shared: bool) -> None:
-    g = torch.Generator(device=device).manual_seed(0)
-    tied = torch.randn(64, 32, device=device, generator=g)
-    optim = {
-        f"p{i}": {"m": torch.randn(100, device=device, generator=g), "step": torch.tensor(1.0, device=device)}
-        for i in range(200)
-    }
-    sd: dict[str, Any] = {
-        "emb": tied,
-        "head": tied,
-        "t": torch.randn(48, 16, device=device, generator=g).t(),
-        "half": torch.randn(1000, device=device, generator=g).bfloat16(),
-        "opt": optim,
-        "cpu": torch.randn(10),
-        "lr": 0.1,
-    }
-    stager = Stager(shared=shared)
+@pytest.mark.parametrize("shared", [False, True], ids=["thread-buffers", "process-arena"])
+def test_gathered_staging_keeps_every_bit_of_odd_values_and_dtypes(shared: bool) -> None:
+    # The fused foreach copy converts bf16, fp16 and float8 through float32 (NaN payloads and signs lost)
+    # and has no kernel for uint16-64, float8_e8m0fnu or complex32: save/gather.py copies them as
+    # same-size integers. Every snapshot holds the live bits (tests/save/test_gather.py: the CPU side).
+    def each(stager: Stager) -> None:
+        assert stager.gathered == 24, stager.gathered
 
-    def check() -> None:
-        snap = stager.stage(sd)
-        assert snap["emb"] is snap["head"]
-        if device.type == "cuda":
-            assert all(t.is_pinned() for t in buffer_tensors(snap) if t.numel() > 1), "not pinned"
-            if shared:  # the 0-d steps too: they lie in the pinned segment (shared_buffers.move_into_arena)
-                assert all(t.is_pinned() for t in buffer_tensors(snap) if t.numel() > 0), "0-d not pinned"
-        for (k, a), (_, b) in zip(_flat(sd), _flat(snap), strict=True):
-            if isinstance(a, torch.Tensor):
-                assert b.device.type == "cpu" and b is not a and torch.equal(b, a.cpu()), k
-            else:
-                assert a == b, k
-
-    try:
-        for _ in range(3):
-            with torch.no_grad():
-                for t in [sd["emb"], sd["t"], sd["half"], *(v for p in optim.values() for v in p.values())]:
-                    t.add_(1.0)
-            check()
-        optim["p3"]["m"] = torch.randn(100, device=device, generator=g)  # replaced, same shape
-        check()
-        assert stager.allocations == 1
-        optim["p4"]["m"] = torch.randn(101, device=device, generator=g)  # another shape
-        check()
-        assert stager.allocations == 2
-    finally:
-        stager.release()
-
-
-def _flat(sd: Any, path: str = "") -> list[tuple[str, Any]]:
-    if isinstance(sd, dict):
-        return [leaf for k, v in sd.items() for leaf in _flat(v, f"{path}.{k}")]
-    return [(path, sd)]
+    check_odd_bits_staging(torch.device("cuda"), shared, each)
 
 
 class Net(nn.Module):

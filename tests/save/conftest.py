@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from safepoint.save import gather
 from safepoint.save.staging import Stager
 
 
@@ -32,3 +33,9 @@ def stager(request: pytest.FixtureRequest) -> Iterator[Stager]:
     s = Stager(shared=request.param)
     yield s
     s.release()
+
+
+@pytest.fixture()
+def gather_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Async staging gathers small CPU tensors as it does CUDA ones (save/gather.py): its path, run here."""
+    monkeypatch.setattr(gather, "GATHER_DEVICE_TYPES", frozenset({"cpu", "cuda"}))

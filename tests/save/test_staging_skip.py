@@ -203,10 +203,16 @@ class SmallFrozen(nn.Module):
         self.trained = nn.Linear(8, 8)
 
 
-def test_an_async_save_still_links_small_unchanged_tensors(root: Path) -> None:
+@pytest.mark.parametrize("gathered", [False, True], ids=["per-tensor", "gathered"])
+def test_an_async_save_still_links_small_unchanged_tensors(
+    root: Path, gathered: bool, request: pytest.FixtureRequest
+) -> None:
     # Staging copied them without a fingerprint: the writer fingerprints the staged copies and links them
     # from the previous checkpoint when unchanged, as when staging fingerprinted them (step 2 puts them in
-    # a stable group, step 3 links it: the same figures as main's); every key restores bit for bit.
+    # a stable group, step 3 links it: the same figures as main's); every key restores bit for bit. The
+    # same when they reach their buffers through save/gather.py's chunks.
+    if gathered:
+        request.getfixturevalue("gather_on_cpu")
     torch.manual_seed(0)
     model = SmallFrozen()
     opt = torch.optim.Adam(model.trained.parameters())
@@ -221,6 +227,7 @@ def test_an_async_save_still_links_small_unchanged_tensors(root: Path) -> None:
             opt.step()
             opt.zero_grad()
             mgr.save(step, state)
+            assert mgr._stager.gathered == (5 + 6 if gathered else 0)  # the model's 5, Adam's 2 x 3
             mgr.wait()
     stats = json.loads((root / "step-3" / "safepoint.json").read_text())["extra"]["incremental"]
     assert stats["linked"] >= frozen, stats

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -22,6 +22,9 @@ from torch.distributed.tensor import DTensor
 
 # Each tensor starts on a cache line: copies into the buffers and the writer's reads stay aligned.
 ALIGN = 64
+# The packed tensors (``move_into_arena``'s ``first``) start on a multiple of the largest element size
+# (complex128), so that each one's offset from any other is a multiple of its own element size.
+PACK_ALIGN = 16
 _ids = itertools.count(1)
 
 
@@ -42,6 +45,8 @@ class SharedArena:
             raise
         self.base_ptr = torch.frombuffer(self._map, dtype=torch.uint8).data_ptr()
         self._pinned = False
+        self.packed = 0
+        """The leading bytes that hold only the tensors ``move_into_arena`` packed (``first``)."""
 
     @classmethod
     def create(cls, nbytes: int, *, pin: bool = False) -> SharedArena:
@@ -76,6 +81,10 @@ class SharedArena:
         view = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=offset)
         return view.untyped_storage()
 
+    def bytes_at(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor over ``nbytes`` of the segment at ``offset`` (it keeps the mapping alive)."""
+        return torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=offset)
+
     def offset_of(self, ptr: int, nbytes: int) -> int | None:
         """Where ``[ptr, ptr + nbytes)`` lies in the segment, or None if it is not inside it."""
         off = ptr - self.base_ptr
@@ -108,8 +117,12 @@ def buffer_tensors(buffers: Any) -> Iterator[torch.Tensor]:
             yield from buffer_tensors(v)
 
 
-def move_into_arena(buffers: Any, *, pin: bool) -> SharedArena:
+def move_into_arena(buffers: Any, *, pin: bool, first: Sequence[torch.Tensor] = ()) -> SharedArena:
     """Re-home every staging tensor of ``buffers`` into one new SharedArena (in place, shapes unchanged).
+
+    ``first`` (tensors of ``buffers``): laid at the start of the segment, in that order, each at the next
+    multiple of ``PACK_ALIGN`` after the one before; the segment's ``packed`` bytes hold them and nothing
+    else (save/gather.py copies them in a few large transfers, gaps included).
 
     Zero-size tensors stay where they are (no bytes to map: sent to the writer by value), and so does a
     one-element tensor that is not a plain CPU tensor over a storage of its own. The other 0-d and
@@ -118,17 +131,22 @@ def move_into_arena(buffers: Any, *, pin: bool) -> SharedArena:
     parameters); in the segment, a steady save sends nothing for them (handoff.py).
     """
     tensors: list[torch.Tensor] = []
+    offsets: list[int] = []
     seen: set[int] = set()
-    for t in buffer_tensors(buffers):
-        if t.numel() == 0 or id(t) in seen or (t.numel() == 1 and not _own_cpu_storage(t)):
-            continue
-        seen.add(id(t))
-        tensors.append(t)
-    offsets, total = [], 0
-    for t in tensors:
-        offsets.append(total)
-        total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    total, packed = 0, None
+    for align, group in ((PACK_ALIGN, first), (ALIGN, buffer_tensors(buffers))):
+        if packed is None and group is not first:
+            packed = total  # the end of ``first``'s bytes: what follows starts on ALIGN past it
+        total = -(-total // align) * align
+        for t in group:
+            if t.numel() == 0 or id(t) in seen or (t.numel() == 1 and not _own_cpu_storage(t)):
+                continue
+            seen.add(id(t))
+            tensors.append(t)
+            offsets.append(total)
+            total += -(-t.numel() * t.element_size() // align) * align
     arena = SharedArena.create(total, pin=pin)
+    arena.packed = packed or 0
     with torch.no_grad():
         for t, off in zip(tensors, offsets, strict=True):
             nbytes = t.numel() * t.element_size()

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from safepoint.save.kinds import same_dict, same_kind
 from safepoint.save.shared_buffers import buffer_tensors
 
 _PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
@@ -100,11 +101,12 @@ class _Walker:
     keep each walk's signature, tensors and snapshot alive until the cyclic collector ran, ~40,000 objects
     per save at 9,000 tensors, collected inside a later save's blocking time)."""
 
-    __slots__ = ("have", "out", "slots")
+    __slots__ = ("have", "out", "slots", "whole")
 
     def __init__(self, out: Walked, slots: Sequence[Any] | None) -> None:
         self.out, self.slots = out, slots
         self.have = len(slots) if slots is not None else 0
+        self.whole = 0  # > 0 inside a tuple: DCP pickles a tuple whole, container types and all
 
     def visit(self, v: Any) -> Any:
         kind = type(v)
@@ -127,11 +129,13 @@ class _Walker:
                 else:
                     new[k] = self.visit(x)
             # A plain dict even for a model's OrderedDict: DCP stores a dict's keys, never its type (and
-            # OrderedDict(new) at 9,000 keys cost 2-6 ms of the loop's wait per save).
-            return new
+            # OrderedDict(new) at 9,000 keys cost 2-6 ms of the loop's wait per save). Not inside a tuple,
+            # which DCP stores as one pickled value: there the type is saved, as a sync save saves it.
+            return new if kind is dict or not self.whole else same_dict(v, new)
         if kind is list or kind is tuple or (kind not in _PLAIN_TYPES and isinstance(v, (list, tuple))):
             is_tuple = isinstance(v, tuple)
             append((_TUPLE if is_tuple else _LIST, len(v)))
+            self.whole += is_tuple
             seq = []
             for x in v:
                 t = type(x)
@@ -145,7 +149,8 @@ class _Walker:
                     seq.append(x)
                 else:
                     seq.append(self.visit(x))
-            return seq if kind is list else tuple(seq) if kind is tuple else _same_kind(kind, seq)
+            self.whole -= is_tuple
+            return seq if kind is list else tuple(seq) if kind is tuple else same_kind(kind, seq)
         if kind in _SCALARS:
             append(None)
             return v
@@ -167,16 +172,6 @@ class _Walker:
             # too (position and all), which torch passes on as it is: no later write may reach the snapshot.
             return copy.deepcopy(v)
         return slots[i] if i < have else v  # type: ignore[index]
-
-
-def _same_kind(kind: Any, items: Any) -> Any:
-    """``items`` (the copied entries of a list or tuple subclass ``kind``) as that type: a ``torch.Size`` or
-    a namedtuple stays what the state held (a sync save writes it so, and restore loads it so); a type that
-    cannot be built from its entries stays the plain list or tuple the copy was."""
-    try:
-        return kind._make(items) if isinstance(items, list) and hasattr(kind, "_make") else kind(items)
-    except Exception:
-        return tuple(items) if issubclass(kind, tuple) else items
 
 
 def _opaque_token(v: torch.Tensor) -> tuple[Any, ...]:

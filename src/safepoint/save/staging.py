@@ -31,6 +31,7 @@ from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_st
 
 from safepoint.errors import SaveError, describe_exception
 from safepoint.events import SaveCall
+from safepoint.save.gather import Split, gather_picks, gatherable, plan_gather
 from safepoint.save.shared_buffers import SharedArena, move_into_arena
 from safepoint.save.stage_buffers import own_copies, tie_buffers
 from safepoint.save.stage_plan import Plan, Walked, cuda_devices, walk
@@ -154,7 +155,12 @@ class Stager:
         for a buffer copied because the tensor's version counter moved (written, not hashed)."""
         self.skipped = 0
         """Bytes the last ``stage`` did not copy: tensors proven unchanged since the buffers got them."""
-        self._small: tuple[Plan, Any, list[int], list[int]] | None = None  # ``_split``'s, of one plan
+        self._small: Split | None = None  # ``_split``'s, of one plan and policy
+        # The segment the buffers lie in where small device tensors are gathered (save/gather.py): the
+        # writer process's ``arena``, or one of this stager's own for the thread writer.
+        self._region: SharedArena | None = None
+        self.gathered = 0
+        """Tensors the last ``stage`` copied through the gathered path (save/gather.py)."""
 
     def stage(
         self, sd: dict[str, Any], call: SaveCall | None = None, rank: int = 0, spent: list[Any] | None = None
@@ -211,11 +217,25 @@ class Stager:
         if self._before_alloc is not None:
             self._before_alloc()
         pin = bool(cuda_devices(walked))
-        # Shared: untouched pages, re-homed below without a copy.
-        buffers = own_copies(sd, _create_cpu_state_dict(sd, pin_memory=pin and not self._shared))
+        picks = gather_picks(walked, copied_unproven)
+        # In a segment (shared, or gathered): untouched pages, re-homed below without a copy.
+        laid = self._shared or bool(picks)
+        buffers = own_copies(sd, _create_cpu_state_dict(sd, pin_memory=pin and not laid))
         tie_buffers(sd, buffers)
-        if self._shared:
-            self.arena = move_into_arena(buffers, pin=pin)
+        if laid:
+            mine = walk(buffers, None).leaves  # paired with ``walked.leaves`` by position (as Plan does)
+            try:
+                self._region = move_into_arena(buffers, pin=pin, first=[mine[i] for i in picks])
+            except (OSError, RuntimeError) as e:
+                if self._shared:
+                    raise  # the writer process reads the segment: no save without one
+                # The gather only makes staging faster, and the thread writer needs no segment: fresh
+                # buffers of torch's own, pinned, as without a gather.
+                log.warning("safepoint: staging tensor by tensor: no staging segment (%s)", e)
+                buffers = own_copies(sd, _create_cpu_state_dict(sd, pin_memory=pin))
+                tie_buffers(sd, buffers)
+            if self._shared:
+                self.arena = self._region
         self._buffers = buffers
         self.allocations += 1
         self.nbytes = tensor_bytes(buffers)
@@ -237,10 +257,14 @@ class Stager:
             if self._stream is None or self._stream.device != device:
                 self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
             self._stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(self._stream):
-                # The fingerprints of the incremental check run here too, after the loop's queued work.
-                self._copy(plan, walked)
-            self._stream.synchronize()
+            try:
+                with torch.cuda.stream(self._stream):
+                    # The fingerprints of the incremental check run here too, after the loop's queued work.
+                    self._copy(plan, walked)
+            finally:
+                # A copy that failed part way too: the transfers it queued have run before the caller may
+                # release the buffers (the segment unpinned and unmapped under a DMA still to write it).
+                self._stream.synchronize()
 
     def _copy(self, plan: Plan, walked: Walked) -> None:
         """Copy the walked tensors into their buffers, except the plain tensors proven unchanged since their
@@ -251,6 +275,7 @@ class Stager:
         staged copy. A tied tensor (one buffer, two keys) is copied once. The copies go in one
         ``torch._foreach_copy_`` (one call, not one per tensor)."""
         lives, targets = plan.lives(walked), plan.targets
+        self.gathered = 0
         # The memory of each tensor is fixed by the plan's signature: its version counter says the rest.
         try:
             versions: list[int | None] = [t._version for t in lives]
@@ -264,10 +289,11 @@ class Stager:
             # as the lines below would decide one by one.
             plan.held = [None] * len(lives)
             self.fingerprints = plan.unhashed.copy()  # the hashes of its keys computed once per plan
-            _copy_all(targets, lives)
+            self._copy_every(plan, lives)
             _copy_opaque(plan, walked)
             return
-        small, large = self._split(plan, lives)
+        split = self._split(plan, lives)
+        small, large = split.small, split.large
         # Written to since the last staging: copied, not fingerprinted, except a tensor that staging proved
         # unchanged and that has just been written: fingerprinted anyway, so that with its new fingerprint
         # recorded the next save can prove it unchanged again (store/incremental.py) instead of writing it
@@ -289,12 +315,16 @@ class Stager:
             # Every tensor is copied, written to or not (each too small to fingerprint here): the lists as
             # they are, not picked index by index (a model's frozen part made of small tensors; on a GPU,
             # every tensor under FINGERPRINT_CUDA_MIN_BYTES).
-            _copy_all(targets, lives)
+            self._copy_every(plan, lives)
             _copy_opaque(plan, walked)
             return
         written = set(moved)
         # Small tensors not written to: copied, the writer fingerprints the host copy, off the loop.
         todo = moved + [i for i in small if i not in written]
+        if split.gather is not None:  # those it copies (all small ones: copied whatever their counter)
+            split.gather.copy(lives)
+            self.gathered = len(split.gather.members)
+            todo = [i for i in todo if i not in split.gather.members]
         check = [i for i in large if i not in written]
         for i, fp in zip(check, fingerprints([lives[i].detach() for i in check]), strict=True):
             held[i] = fp
@@ -312,28 +342,54 @@ class Stager:
         _copy_all([targets[i] for i in todo], [lives[i] for i in todo])
         _copy_opaque(plan, walked)
 
-    def _split(self, plan: Plan, lives: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+    def _copy_every(self, plan: Plan, lives: list[torch.Tensor]) -> None:
+        """Copy every target: the gathered ones through their chunks, the others in one batched call."""
+        split = self._split(plan, lives)
+        if split.gather is None:
+            _copy_all(plan.targets, lives)
+            return
+        split.gather.copy(lives)
+        self.gathered = len(split.gather.members)
+        _copy_all(split.other_targets, list(map(lives.__getitem__, split.others)))
+
+    def _split(self, plan: Plan, lives: list[torch.Tensor]) -> Split:
         """The targets copied whatever their version counter says (``copied_unproven``) and the others, in
-        order; fixed by the plan's signature (device and size of each target) and the policy, so computed
-        once per plan and policy, not per save."""
+        order, and the gather of the small device ones; fixed by the plan's signature (device and size of
+        each target) and the policy, so computed once per plan and policy, not per save."""
         key = (
             FINGERPRINT_CPU_MIN_BYTES,
             tuple((d, cuda_fingerprint_floor(d)) for d in sorted(plan.devices, key=str)),
         )
-        if self._small is not None and self._small[0] is plan and self._small[1] == key:
-            return self._small[2], self._small[3]
+        was, self._small = self._small, None
+        if was is not None and was.plan is plan and was.key == key:
+            self._small = was
+            return was
         small: list[int] = []
         large: list[int] = []
         for i, t in enumerate(lives):
             (small if copied_unproven(t, plan.nbytes[i]) else large).append(i)
-        self._small = (plan, key, small, large)
-        return small, large
+        # Gathered on one device only (the side stream's); a state across devices copies tensor by tensor.
+        picks = [i for i in small if gatherable(lives[i], plan.nbytes[i])]
+        one_device = len({lives[i].device for i in picks}) == 1 and len(plan.devices) <= 1
+        gather = None
+        if one_device and was is not None and was.gather is not None and was.key == key:
+            # A plan re-paired by key (Plan.rekeyed): the same buffers, so the same gather, re-paired too
+            # (built anew it is Python work per tensor at every reordered save).
+            gather = was.gather.rekeyed(was.plan.targets, plan.targets)
+        was = None  # its gather's device buffer goes before the next one is made
+        if one_device and gather is None:
+            gather = plan_gather(plan.targets, lives, picks, self._region)
+        self._small = Split(plan, key, small, large, gather)
+        return self._small
 
     def release(self) -> None:
         self._plan = None  # its incremental records go with the buffers they describe
         self._small = None  # it holds the plan, and so the buffers
         self._buffers = None
         self.nbytes = 0
+        if self._region is not None and self._region is not self.arena:
+            self._region.release()
+        self._region = None
         if self.arena is not None:
             self.arena.release()  # the memory goes with the last tensor that maps it
             self.arena = None
