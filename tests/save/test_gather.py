@@ -213,15 +213,8 @@ def test_the_thread_writer_stages_tensor_by_tensor_where_no_segment_can_be_made(
                 held.append(os.open(os.devnull, os.O_RDONLY))
             except OSError:
                 break
-        for _ in range(3):
-            with torch.no_grad():
-                for t in sd.values():
-                    t.add_(1.0)
-            snapshot = stager.stage(sd)
-            for k, t in sd.items():
-                assert torch.equal(snapshot[k], t), k
-            assert stager.gathered == 0 and stager._region is None
-        assert stager.allocations == 1
+        _saves_not_gathered(stager, sd)
+        assert stager._region is None and stager.allocations == 1
     finally:
         for fd in held:
             os.close(fd)
@@ -272,7 +265,12 @@ def test_a_device_without_room_for_the_chunk_buffer_stages_tensor_by_tensor(
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 MiB")
 
     monkeypatch.setattr(gather, "device_memory", full)
-    sd = {f"t{i}": torch.randn(16) for i in range(20)}
+    _saves_not_gathered(stager, {f"t{i}": torch.randn(16) for i in range(20)})
+    assert "no 1280 bytes of cpu memory for gathering (CUDA out of memory." in caplog.text
+
+
+def _saves_not_gathered(stager: Stager, sd: dict[str, torch.Tensor]) -> None:
+    """Three saves, every tensor written before each: each snapshot exact, nothing through the gather."""
     for _ in range(3):
         with torch.no_grad():
             for t in sd.values():
@@ -281,4 +279,3 @@ def test_a_device_without_room_for_the_chunk_buffer_stages_tensor_by_tensor(
         for k, t in sd.items():
             assert torch.equal(snapshot[k], t), k
         assert stager.gathered == 0
-    assert "no 1280 bytes of cpu memory for gathering (CUDA out of memory." in caplog.text
