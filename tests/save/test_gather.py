@@ -18,6 +18,7 @@ import safepoint
 from safepoint.save import gather, staging
 from safepoint.save.shared_buffers import ALIGN, PACK_ALIGN, move_into_arena
 from safepoint.save.staging import Stager
+from tests.helpers.forked import alone_in_a_fork
 from tests.helpers.staging_check import check_mixed_state_staging, check_odd_bits_staging
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the packed segment needs memfd")
@@ -202,12 +203,14 @@ def test_the_thread_writer_stages_tensor_by_tensor_where_no_segment_can_be_made(
     # The gather only makes staging faster, and the thread writer's buffers need no segment otherwise: where
     # none can be made (here no file descriptor is left, as for a job at its open-file limit; on a GPU, a
     # segment the driver cannot pin), its saves still stage, tensor by tensor, into buffers of their own.
-    sd = {f"t{i}": torch.randn(16) for i in range(20)}
-    stager = Stager()
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (max(int(fd) for fd in os.listdir("/proc/self/fd")) + 1, hard))
-    held = []
-    try:
+    # In a forked child: the worker's other threads must not meet the exhausted limit.
+    def exhausted() -> str:
+        sd = {f"t{i}": torch.randn(16) for i in range(20)}
+        stager = Stager()
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1, hard))
+        held = []
         while True:  # every descriptor number under the limit taken
             try:
                 held.append(os.open(os.devnull, os.O_RDONLY))
@@ -215,11 +218,9 @@ def test_the_thread_writer_stages_tensor_by_tensor_where_no_segment_can_be_made(
                 break
         _saves_not_gathered(stager, sd)
         assert stager._region is None and stager.allocations == 1
-    finally:
-        for fd in held:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-        stager.release()
+        return "staged"
+
+    assert alone_in_a_fork(exhausted) == "staged"
 
 
 def test_a_state_whose_keys_come_in_another_order_keeps_its_gather(

@@ -6,7 +6,6 @@ snapshot equals the live tensors bit for bit; the copy is one batched call; noth
 from __future__ import annotations
 
 import gc
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from safepoint.save import staging
 from safepoint.save.staging import Stager
+from tests.helpers.forked import alone_in_a_fork
 
 State = dict[str, Any]
 
@@ -328,39 +328,6 @@ def test_the_copy_is_one_batched_call() -> None:
     assert copies == ["aten._foreach_copy_.default"], ops.seen
 
 
-def _alone_in_a_fork(check: Callable[[], str]) -> str:
-    """``check()`` in a forked child, which has this thread and no other; its answer comes back by pipe.
-
-    The collector is process-wide: in a pytest worker, threads left by earlier tests (fsspec's event loop
-    closing an earlier store's idle aiohttp connections, an emulator's server threads) make cyclic garbage
-    of their own while a test runs (a whole-suite run once found 2,903 objects that staging did not make).
-    A fork copies only the calling thread, so whatever the child's collector finds, the check made.
-    """
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover (the child)
-        code = 1
-        try:
-            # What the worker made before the fork is frozen out of the collector's sight: a collection
-            # would otherwise walk (and copy on write) the whole inherited heap of a long-running worker,
-            # ~35 s per check late in a whole-suite run. The check's own objects are all made after this.
-            gc.freeze()
-            os.close(read)
-            answer = check()
-            os.write(write, answer.encode())
-            code = 0
-        except BaseException as e:  # every failure of the check goes back to the test
-            os.write(write, f"{type(e).__name__}: {e}".encode())
-        finally:
-            os._exit(code)
-    os.close(write)
-    with os.fdopen(read, "rb") as f:
-        answer = f.read().decode()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, answer
-    return answer
-
-
 @pytest.mark.parametrize("reorder", [False, True], ids=["same-order", "reordered"])
 def test_no_growth_and_no_cyclic_garbage_across_saves(stager: Stager, reorder: bool) -> None:
     sd = _state()
@@ -386,7 +353,7 @@ def test_no_growth_and_no_cyclic_garbage_across_saves(stager: Stager, reorder: b
         same = stager.allocations == 1 and _buffers(stager.stage(state)) == buffers
         return f"cyclic garbage {found}, objects grown {grown}, buffers reused {same}"
 
-    answer = _alone_in_a_fork(twenty_saves)
+    answer = alone_in_a_fork(twenty_saves)
     found, grown, same = (part.rsplit(" ", 1)[1] for part in answer.split(", "))
     assert found == "0", answer
     assert int(grown) < 100, answer
