@@ -14,7 +14,7 @@ A state of parameters + Adam moments lives on the GPU. Each round saves it with 
   the thread writer 1.02x, where on CPU both block alike).
 - ``pinned-bulk``: the same number of bytes in one device-to-host copy from one contiguous device tensor:
   the transfer alone, without a launch per tensor (what gathered staging, save/gather.py, approaches for
-  a state of many small tensors).
+  a state of many small tensors); ``x_bulk`` is each variant's ratio to it.
 - ``sp-async-process`` / ``sp-async-thread``: ``CheckpointManager(async_save=True)`` with the writer process
   (default) or thread; blocked = the time ``save()`` took (capture + staging into pinned buffers). Each
   record also has ``cpu_s`` (the calling thread's CPU time in ``save()``), ``gc_s`` (cyclic collections
@@ -304,10 +304,11 @@ def bench(
     ratios = {v: med[v] / med["pinned-copy"] for v in variants if "pinned-copy" in med}
     floors = [med[v] for v in ("pinned-copy", "pinned-foreach") if v in med]  # torch's pinned memory
     to_floor = {v: med[v] / min(floors) for v in variants} if floors else {}
+    to_bulk = {v: med[v] / med["pinned-bulk"] for v in variants} if "pinned-bulk" in med else {}
     nbytes = sum(t.numel() * t.element_size() for t in state_tensors(model, opt))
     return {"size_bytes": nbytes, "tensors": len(state_tensors(model, opt)), "median_blocked_s": med,
-            "x_pinned_copy": ratios, "x_floor": to_floor, "median_parts_s": parts, "loadavg": os.getloadavg(),
-            "runs": runs}  # fmt: skip
+            "x_pinned_copy": ratios, "x_floor": to_floor, "x_bulk": to_bulk, "median_parts_s": parts,
+            "loadavg": os.getloadavg(), "runs": runs}  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
