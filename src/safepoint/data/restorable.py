@@ -4,6 +4,7 @@ checkpoint that cannot be restored is found out only after the crash it was save
 
 from __future__ import annotations
 
+import copy
 import io
 import pickle
 import sys
@@ -53,7 +54,7 @@ def restorable(value: Any, path: str = "") -> Any:
         if isinstance(value, dict) and _dicts_of_leaves(value):
             return value  # an optimizer's per-parameter state: thousands of flat dicts, checked in C
         # Tensors and plain values as they are, no call or path built for each (this runs every save).
-        named, pre = isinstance(value, dict), f"{path}." if path or not isinstance(value, dict) else ""
+        pre = f"{path}." if path or not isinstance(value, dict) else ""
         pairs = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
         # A flat child (an optimizer's per-parameter state: thousands per save) is checked here, without a
         # call or a path of its own: a plain dict of plain leaves by one C-level check inline (a call of
@@ -65,9 +66,9 @@ def restorable(value: Any, path: str = "") -> Any:
         if out is None:
             return value
         kind: Any = type(value)  # rebuilt as it was: dict, OrderedDict, list, tuple, a namedtuple's class
-        return (
-            kind(zip(value, out, strict=True)) if named else kind._make(out) if _fields(kind) else kind(out)
-        )
+        if isinstance(value, dict):
+            return _same_dict(value, dict(zip(value, out, strict=True)))
+        return kind._make(out) if _fields(kind) else kind(out)
     plain = _numpy_scalar(value)
     if plain is not None:
         return plain
@@ -102,6 +103,19 @@ def _dicts_of_leaves(value: dict[Any, Any]) -> bool:
     return _DICT_ONLY.issuperset(map(type, children)) and _LEAVES.issuperset(
         map(type, chain.from_iterable(map(dict.values, children)))
     )
+
+
+def _same_dict(value: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]:
+    """``items`` in a dict of ``value``'s type. Not ``type(value)(pairs)``: a ``Counter`` counts the pairs
+    themselves, a ``defaultdict`` takes its first argument for its factory; a shallow copy of ``value``,
+    emptied and refilled, keeps what its constructor needs (as save/kinds.py does for a snapshot)."""
+    kind = type(value)
+    if kind is dict or kind is OrderedDict:
+        return kind(items)
+    out = copy.copy(value)
+    out.clear()
+    out.update(items)
+    return out
 
 
 def _fields(kind: type) -> bool:
