@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import safepoint
+from safepoint.save.staging import Stager
 from tests.helpers.holder import Holder
 
 
@@ -44,3 +46,21 @@ def test_a_dict_subclass_inside_a_tuple_keeps_its_type(tmp_path: Path, async_sav
     assert got == value
     assert type(got[0]) is OrderedDict and list(got[0]) == ["b", "a"]
     assert type(got[1][0]) is OrderedDict and type(got[1][0]["c"]["d"]) is OrderedDict
+
+
+def test_a_later_write_to_a_dict_attribute_never_reaches_the_snapshot() -> None:
+    # A dict inside a tuple is pickled whole, attributes and all (a module's state_dict() is an
+    # OrderedDict with a ``_metadata`` attribute): the snapshot's copy must not share them with the live
+    # dict, or a write after save() returned reaches the checkpoint the writer is still to write.
+    od: Any = OrderedDict(a=torch.ones(2))
+    od.meta = {"seen": [1, 2]}
+    stager = Stager()
+    try:
+        snapshot = stager.stage({"t": (od,)})
+        od.meta["seen"].append(3)
+        od.meta["new"] = True
+        got = snapshot["t"][0]
+        assert got.meta == {"seen": [1, 2]} and type(got) is OrderedDict
+        assert torch.equal(got["a"], torch.ones(2)) and got["a"] is not od["a"]
+    finally:
+        stager.release()
