@@ -12,12 +12,16 @@ from typing import Any
 
 def same_dict(v: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]:
     """``items`` (the copied entries of the dict subclass ``v``) in a dict of ``v``'s type: a shallow copy
-    of ``v`` emptied and refilled, so what its constructor needs (a defaultdict's factory) comes with it.
-    A type that cannot be copied so stays the plain dict the copy was."""
+    of ``v`` emptied and refilled, so what its constructor needs (a defaultdict's factory) comes with it,
+    and its attributes copied deep (pickled with it, as a state dict's ``_metadata``: no later write to the
+    live dict's may reach the snapshot). A type that cannot be copied so stays the plain dict the copy was."""
     try:
         out = copy.copy(v)
         out.clear()
         out.update(items)
+        state = getattr(v, "__dict__", None)
+        if state:
+            out.__dict__ = copy.deepcopy(state)
     except Exception:
         return items
     return out
