@@ -16,8 +16,8 @@ import torch
 def same_dict(v: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]:
     """``items`` (the copied entries of the dict subclass ``v``) in a dict of ``v``'s type: a shallow copy
     of ``v`` emptied and refilled, so what its constructor needs (a defaultdict's factory) comes with it,
-    and its attributes copied deep (pickled with it, as a state dict's ``_metadata``: no later write to the
-    live dict's may reach the snapshot). A type that cannot be copied so stays the plain dict the copy was."""
+    and its attributes copied deep (pickled with it, as a state dict's ``_metadata``: no later write to
+    the live ones may reach the snapshot). A type that cannot be copied so stays the plain dict it was."""
     try:
         out = copy.copy(v)
         out.clear()
