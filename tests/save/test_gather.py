@@ -270,6 +270,30 @@ def test_a_device_without_room_for_the_chunk_buffer_stages_tensor_by_tensor(
     assert "no 1280 bytes of cpu memory for gathering (CUDA out of memory." in caplog.text
 
 
+def test_a_full_device_is_asked_once_per_buffer_set_even_as_keys_change_order(
+    gather_on_cpu: None, stager: Stager, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A reordered state gets a new plan over the same buffers (Plan.rekeyed). Where the device had no room
+    # for the chunk buffer, that plan must not ask again at every reordered save: on CUDA each failed
+    # allocation first empties the caching allocator's free blocks (the loop's next allocations then go
+    # back to cudaMalloc) and logs the warning again.
+    asked = []
+
+    def full(nbytes: int, device: torch.device) -> torch.Tensor:
+        asked.append(nbytes)
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 MiB")
+
+    monkeypatch.setattr(gather, "device_memory", full)
+    base = {f"t{i}": torch.randn(16) for i in range(20)}
+    orders = [base, dict(reversed(list(base.items())))]
+    for save in range(6):
+        sd = orders[save % 2]
+        snapshot = stager.stage(sd)
+        assert all(torch.equal(snapshot[k], t) for k, t in sd.items()) and stager.gathered == 0
+    assert len(asked) == 1 and caplog.text.count("for gathering") == 1
+    assert stager.allocations == 1
+
+
 def _saves_not_gathered(stager: Stager, sd: dict[str, torch.Tensor]) -> None:
     """Three saves, every tensor written before each: each snapshot exact, nothing through the gather."""
     for _ in range(3):

@@ -4,10 +4,12 @@ checkpoint that cannot be restored is found out only after the crash it was save
 
 from __future__ import annotations
 
+import copy
 import io
 import pickle
 import sys
 from collections import OrderedDict
+from collections.abc import Mapping
 from itertools import chain
 from typing import Any
 
@@ -27,7 +29,7 @@ _LEAVES = frozenset({torch.Tensor, torch.nn.Parameter, DTensor, ShardedTensor, *
 _DICT_ONLY = frozenset({dict})
 
 
-def restorable(value: Any, path: str = "") -> Any:
+def restorable(value: Any, path: str = "", whole: bool = False) -> Any:
     """``value`` (a captured state dict) as restore will load it, or SaveError naming the first item it
     would refuse. Restore loads every non-tensor item with ``torch.load(weights_only=True)``; an item that
     fails that would make the checkpoint unrestorable, found only after the crash it was saved for.
@@ -40,7 +42,10 @@ def restorable(value: Any, path: str = "") -> Any:
     A tensor of a plain Python subclass of ``torch.Tensor`` is returned as a ``torch.Tensor`` over the same
     memory: a sync save would pickle its class with it, which restore's load refuses (an async save's
     staging copy was plain already); restore copies the values into the live subclass tensor. A wrapper
-    subclass (its data in inner tensors) is kept, each one checked by the real rule."""
+    subclass (its data in inner tensors) is kept, each one checked by the real rule.
+
+    ``whole``: ``value`` lies inside a tuple, which DCP stores as one pickled value, container types and
+    all (as it does a list of plain values): restore's load must refill each container there itself."""
     if type(value) in _LEAVES:
         return value
     if isinstance(value, torch.Tensor):
@@ -49,25 +54,29 @@ def restorable(value: Any, path: str = "") -> Any:
         if _flat(value):
             return value  # a model's state dict, an optimizer's per-parameter state: nothing to check
         if type(value) not in _SAFE_CONTAINERS:  # OrderedDict (a model's state dict), a namedtuple, ...
-            _check_weights_only(_shell(value), path)  # the container type alone, never its tensors
+            # The container type alone (with one plain item where it is pickled with its items), never
+            # its tensors.
+            items = whole or (isinstance(value, list) and _pickled_whole(value))
+            _check_weights_only(_shell(value, items), path)
         if isinstance(value, dict) and _dicts_of_leaves(value):
             return value  # an optimizer's per-parameter state: thousands of flat dicts, checked in C
         # Tensors and plain values as they are, no call or path built for each (this runs every save).
-        named, pre = isinstance(value, dict), f"{path}." if path or not isinstance(value, dict) else ""
+        pre = f"{path}." if path or not isinstance(value, dict) else ""
+        inner = whole or isinstance(value, tuple)
         pairs = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
         # A flat child (an optimizer's per-parameter state: thousands per save) is checked here, without a
         # call or a path of its own: a plain dict of plain leaves by one C-level check inline (a call of
         # ``_flat`` per child cost ~0.5 us each, 1.5 ms of a 3,000-parameter save), any other by ``_flat``.
         changed = {k: new for k, v in pairs if type(v) not in _LEAVES
                    and not (type(v) is dict and _LEAVES.issuperset(map(type, v.values())))
-                   and not _flat(v) and (new := restorable(v, f"{pre}{k}")) is not v}  # fmt: skip
+                   and not _flat(v) and (new := restorable(v, f"{pre}{k}", inner)) is not v}  # fmt: skip
         out = [changed.get(k, v) for k, v in pairs] if changed else None
         if out is None:
             return value
         kind: Any = type(value)  # rebuilt as it was: dict, OrderedDict, list, tuple, a namedtuple's class
-        return (
-            kind(zip(value, out, strict=True)) if named else kind._make(out) if _fields(kind) else kind(out)
-        )
+        if isinstance(value, dict):
+            return _same_dict(value, dict(zip(value, out, strict=True)))
+        return kind._make(out) if _fields(kind) else kind(out)
     plain = _numpy_scalar(value)
     if plain is not None:
         return plain
@@ -104,18 +113,49 @@ def _dicts_of_leaves(value: dict[Any, Any]) -> bool:
     )
 
 
+def _same_dict(value: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]:
+    """``items`` in a dict of ``value``'s type. Not ``type(value)(pairs)``: a ``Counter`` counts the pairs
+    themselves, a ``defaultdict`` takes its first argument for its factory; a shallow copy of ``value``,
+    emptied and refilled, keeps what its constructor needs (as save/kinds.py does for a snapshot)."""
+    kind = type(value)
+    if kind is dict or kind is OrderedDict:
+        return kind(items)
+    out = copy.copy(value)
+    out.clear()
+    out.update(items)
+    return out
+
+
 def _fields(kind: type) -> bool:
     return issubclass(kind, tuple) and hasattr(kind, "_fields") and hasattr(kind, "_make")  # a namedtuple
 
 
-def _shell(value: Any) -> Any:
-    """An empty ``value`` of the same container type (a namedtuple: its fields None); where the type cannot
-    be built empty, ``value`` itself (checked whole then)."""
+def _shell(value: Any, items: bool = False) -> Any:
+    """An empty ``value`` of the same container type (a namedtuple: its fields None); with ``items`` (it is
+    pickled with its items) a non-empty dict or list holds one plain item: restore's weights_only load
+    refills only a dict, OrderedDict, Counter or list, whatever types are allowed, and an empty one has
+    nothing to refill. Where the type cannot be built so, ``value`` itself (checked whole then)."""
     kind: Any = type(value)
     try:
-        return kind._make([None] * len(value)) if _fields(kind) else kind()
+        if _fields(kind):
+            return kind._make([None] * len(value))
+        shell = kind()
+        if items and value and isinstance(shell, dict):
+            shell.update({0: None})
+        elif items and value and isinstance(shell, list):
+            shell.append(None)
+        return shell
     except Exception:
         return value
+
+
+def _pickled_whole(value: list[Any]) -> bool:
+    """DCP's rule (torch.distributed.checkpoint._traverse): a list with no tensor and no mapping in it, or in
+    a list in it, is stored as one pickled value; any other list is walked item by item, its type not kept."""
+    return not any(
+        isinstance(x, (torch.Tensor, Mapping)) or (isinstance(x, list) and not _pickled_whole(x))
+        for x in value
+    )
 
 
 def _numpy_scalar(value: Any) -> int | float | bool | None:

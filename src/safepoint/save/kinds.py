@@ -2,22 +2,29 @@
 
 A tuple or list subclass keeps its type (a ``torch.Size``, a namedtuple: a sync save writes it so, and
 restore loads it so). A dict becomes a plain dict, since DCP stores a dict's keys, never its type, except
-inside a tuple, which DCP stores as one pickled value, container types and all."""
+inside a tuple, which DCP stores as one pickled value, container types and all; there a tensor's class and
+``requires_grad`` are pickled with it too (``as_pickled``)."""
 
 from __future__ import annotations
 
 import copy
 from typing import Any
 
+import torch
+
 
 def same_dict(v: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]:
     """``items`` (the copied entries of the dict subclass ``v``) in a dict of ``v``'s type: a shallow copy
-    of ``v`` emptied and refilled, so what its constructor needs (a defaultdict's factory) comes with it.
-    A type that cannot be copied so stays the plain dict the copy was."""
+    of ``v`` emptied and refilled, so what its constructor needs (a defaultdict's factory) comes with it,
+    and its attributes copied deep (pickled with it, as a state dict's ``_metadata``: no later write to
+    the live ones may reach the snapshot). A type that cannot be copied so stays the plain dict it was."""
     try:
         out = copy.copy(v)
         out.clear()
         out.update(items)
+        state = getattr(v, "__dict__", None)
+        if state:
+            out.__dict__ = copy.deepcopy(state)
     except Exception:
         return items
     return out
@@ -31,3 +38,22 @@ def same_kind(kind: Any, items: Any) -> Any:
         return kind._make(items) if isinstance(items, list) and hasattr(kind, "_make") else kind(items)
     except Exception:
         return tuple(items) if issubclass(kind, tuple) else items
+
+
+def pickled_apart(x: Any) -> bool:
+    """A plain strided tensor that a pickle tells apart from a plain tensor's copy: a Parameter, or one
+    that requires grad."""
+    return (
+        type(x) in (torch.Tensor, torch.nn.Parameter)
+        and x.layout is torch.strided
+        and (x.requires_grad or type(x) is not torch.Tensor)
+    )
+
+
+def as_pickled(live: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
+    """The snapshot's ``staged`` copy of the plain tensor ``live`` inside a tuple (pickled whole, a tensor's
+    class and ``requires_grad`` with it): a Parameter stays one, the flag is kept, as a sync save pickles
+    them (an object that sets a restored Parameter back on a module needs one). Over the same memory."""
+    if type(live) is torch.nn.Parameter:
+        return torch.nn.Parameter(staged, requires_grad=live.requires_grad)
+    return staged.detach().requires_grad_() if live.requires_grad else staged

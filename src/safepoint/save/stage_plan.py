@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from safepoint.save.kinds import same_dict, same_kind
+from safepoint.save.kinds import as_pickled, pickled_apart, same_dict, same_kind
 from safepoint.save.shared_buffers import buffer_tensors
 
 _PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
@@ -131,7 +131,12 @@ class _Walker:
             # A plain dict even for a model's OrderedDict: DCP stores a dict's keys, never its type (and
             # OrderedDict(new) at 9,000 keys cost 2-6 ms of the loop's wait per save). Not inside a tuple,
             # which DCP stores as one pickled value: there the type is saved, as a sync save saves it.
-            return new if kind is dict or not self.whole else same_dict(v, new)
+            if not self.whole:
+                return new
+            for k, x in v.items():
+                if (y := new[k]) is not x and pickled_apart(x):
+                    new[k] = as_pickled(x, y)
+            return new if kind is dict else same_dict(v, new)
         if kind is list or kind is tuple or (kind not in _PLAIN_TYPES and isinstance(v, (list, tuple))):
             is_tuple = isinstance(v, tuple)
             append((_TUPLE if is_tuple else _LIST, len(v)))
@@ -149,6 +154,11 @@ class _Walker:
                     seq.append(x)
                 else:
                     seq.append(self.visit(x))
+            if self.whole:
+                seq = [
+                    as_pickled(x, y) if y is not x and pickled_apart(x) else y
+                    for x, y in zip(v, seq, strict=True)
+                ]
             self.whole -= is_tuple
             return seq if kind is list else tuple(seq) if kind is tuple else same_kind(kind, seq)
         if kind in _SCALARS:

@@ -371,13 +371,16 @@ class Stager:
         # Gathered on one device only (the side stream's); a state across devices copies tensor by tensor.
         picks = [i for i in small if gatherable(lives[i], plan.nbytes[i])]
         one_device = len({lives[i].device for i in picks}) == 1 and len(plan.devices) <= 1
-        gather = None
-        if one_device and was is not None and was.gather is not None and was.key == key:
+        gather, build = None, one_device
+        if one_device and was is not None and was.key == key:
             # A plan re-paired by key (Plan.rekeyed): the same buffers, so the same gather, re-paired too
-            # (built anew it is Python work per tensor at every reordered save).
-            gather = was.gather.rekeyed(was.plan.targets, plan.targets)
+            # (built anew it is Python work per tensor at every reordered save), or none where it had none:
+            # a device without room for its buffer is asked once per buffer set (on CUDA each failed try
+            # first frees every cached block of the allocator, and warns).
+            gather = was.gather.rekeyed(was.plan.targets, plan.targets) if was.gather is not None else None
+            build = was.gather is not None and gather is None
         was = None  # its gather's device buffer goes before the next one is made
-        if one_device and gather is None:
+        if build:
             gather = plan_gather(plan.targets, lives, picks, self._region)
         self._small = Split(plan, key, small, large, gather)
         return self._small
