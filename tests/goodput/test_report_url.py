@@ -133,3 +133,22 @@ def test_the_first_copy_is_not_held_back_on_a_machine_just_booted(
         while "run/.run/.journal.jsonl" not in _keys(moto_endpoint, bucket):
             assert real_time.monotonic() < deadline, "the first copy after step 1's commit never came"
             real_time.sleep(0.05)
+
+
+def test_a_path_durable_root_with_a_local_root_gets_its_journal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    # A network file system as the durable root and a local disk as local_root (the root is then a
+    # file:// store): fsspec's local file system creates no parent directory for a small object, so
+    # ROOT/.run/ was never made and every copy of the journal failed ("No such file or directory").
+    durable = tmp_path / "durable"
+    state = safepoint.TrainState(model=torch.nn.Linear(4, 4), rng=False)
+    with caplog.at_level("WARNING", logger="safepoint"):
+        with safepoint.CheckpointManager(durable, local_root=tmp_path / "local") as mgr:
+            mgr.save(1, state)
+            mgr.save(2, state)
+    assert not [r for r in caplog.records if "run journal" in r.getMessage()]
+    assert sorted(p.name for p in (durable / ".run").iterdir()) == [".attempts.json", ".journal.jsonl"]
+    assert cli(["report", str(durable), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["attempts"] == 1 and report["saves"] == 2 and report["last_step"] == 2
