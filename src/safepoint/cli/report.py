@@ -4,8 +4,9 @@ Reads ROOT's attempts file (``.attempts.json``), run journal (``.journal.jsonl``
 (``.progress``), each as hostile input (regular files only, bounded, every record validated; a bad line is
 skipped and counted). For a URL root (``s3://...``) they are the objects ``ROOT/.run/`` that rank 0 of the job
 copies there (tiers/journal_mirror.py), downloaded into a temporary directory (each refused above its size
-cap) and read the same way. Read-only: it takes no lease and writes nothing under ROOT. The numbers are
-explained in policy/goodput.py and docs/goodput.md.
+cap) and read the same way; a path durable root of a tiered job holds that copy as ``ROOT/.run/`` files.
+Read-only: it takes no lease and writes nothing under ROOT. The numbers are explained in policy/goodput.py
+and docs/goodput.md.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from safepoint.cli.common import EXIT_OK, UsageError, add_flag, add_root, comman
 from safepoint.errors import CheckpointError
 from safepoint.policy.goodput import RunReport, build_report, report_lines
 from safepoint.remote.object_layout import RemoteLayout, is_url
-from safepoint.tiers.journal_mirror import RUN_PREFIX, fetch_run_files
+from safepoint.store.rootfs import RootDir
+from safepoint.tiers.journal_mirror import CAPS, RUN_PREFIX, fetch_run_files
 
 
 def url_report(url: str) -> RunReport:
@@ -49,9 +51,22 @@ def url_report(url: str) -> RunReport:
     return report
 
 
+def local_report(where: str) -> RunReport:
+    """The report of a local root: its own run files, or, where it has none, the copy in ``ROOT/.run/``
+    (a path durable root of a tiered job: the files live in ``local_root``, and rank 0 copies them to the
+    durable root's ``.run/`` as to a bucket's)."""
+    path = Path(where.removeprefix("file://"))
+    root = RootDir(path)
+    if root.isdir("") and not any(root.lexists(name) for name in CAPS) and root.isdir(RUN_PREFIX):
+        report = build_report(path / RUN_PREFIX)
+        report.root = str(path)
+        return report
+    return build_report(where)
+
+
 def cmd_report(args: argparse.Namespace, out: Console, err: Console) -> int:
     where = os.fspath(args.root)
-    report = url_report(where) if is_url(where) and not where.startswith("file://") else build_report(where)
+    report = url_report(where) if is_url(where) and not where.startswith("file://") else local_report(where)
     if args.plot is not None:
         if not args.plot.parent.is_dir():
             raise UsageError(f"--plot: no directory {args.plot.parent}")

@@ -162,6 +162,8 @@ class ObjectStore:
         """Write one small object (a manifest); ``if_absent``: fail with FileExistsError if it exists."""
         if if_absent:
             raise NotImplementedError(f"{self.protocol}:// has no conditional create")
+        if self.local:  # a store has no directories; a file:// root does (ROOT/.run/ of the run journal)
+            self.fs.makedirs(self.fs._parent(path), exist_ok=True)
         retry(f"write of {self.url(path)}", lambda: self.fs.pipe_file(path, data), self.cfg)
 
     def get_bytes(self, path: str) -> bytes:
