@@ -7,6 +7,11 @@ it at the boundary so callers never have to know.
 
 from __future__ import annotations
 
+import os
+import sys
+import types
+import warnings
+
 
 class CheckpointError(Exception):
     """Base class of every safepoint error."""
@@ -141,3 +146,19 @@ def weights_only_reason(e: BaseException) -> str:
     ]
     text = " ".join(kept) or type(e).__name__
     return text if len(text) <= 300 else f"{text[:297]}..."
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn_caller(message: str, category: type[Warning]) -> None:
+    """``warnings.warn`` attributed to the first frame outside safepoint: the user's ``mgr.restore(state)``.
+
+    Python prints the attributed line under the warning. A fixed ``stacklevel`` landed on whatever internal
+    line the call path happened to leave there (``tiers/resume.py: manifest = load()``), which reads as a
+    failure inside the library; on a background thread the walk ends at the thread's own entry."""
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import warnings
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -190,7 +189,7 @@ class Restorer:
         self.events.emit(ev.RESTORE_FALLBACK, e.step, reason=str(e))
         if self.comm.is_coordinator:
             msg = f"safepoint: skipping corrupt checkpoint: {e}; falling back to an older one"
-            warnings.warn(msg, CheckpointWarning, stacklevel=5)
+            errors.warn_caller(msg, CheckpointWarning)
             log.warning(msg)
 
     def restore(
@@ -323,11 +322,10 @@ class Restorer:
                     f"checkpoint step {step} has no {section!r} state (it holds {sorted(saved)}); restore "
                     f"without {section}=... or pick a checkpoint that has it (or restore(strict=False))"
                 )
-            warnings.warn(
+            errors.warn_caller(
                 f"safepoint: checkpoint step {step} has no {section!r} state; leaving it as is"
                 + (" (an imported checkpoint holds weights only)" if imported else ""),
                 CheckpointWarning,
-                stacklevel=3,
             )
         sections = [s for s in wanted if s in saved]
         rank = self.comm.rank

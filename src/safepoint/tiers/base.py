@@ -13,13 +13,12 @@ import errno
 import logging
 import os
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from safepoint import events as ev
 from safepoint.dist import Comm
-from safepoint.errors import CheckpointError, LeaseError
+from safepoint.errors import CheckpointError, LeaseError, warn_caller
 from safepoint.policy.emergency_plan import EmergencyPlan
 from safepoint.policy.history import TierEstimate, save_estimate
 from safepoint.remote.object_layout import RemoteLayout, is_url
@@ -263,7 +262,7 @@ def take_ownership(
             lease, layout.owner = None, None
             read_only = str(e)
             msg = f"safepoint: {read_only}; restoring without the lease, and saves will fail"
-            warnings.warn(msg, ReadOnlyRootWarning, stacklevel=4)
+            warn_caller(msg, ReadOnlyRootWarning)
             log.warning(msg)
         except (CheckpointError, OSError) as e:
             cause = _cannot_write(e)
@@ -273,7 +272,7 @@ def take_ownership(
                 lease, layout.owner = None, None
                 read_only = f"cannot take the lease on {root} ({cause.strerror or cause})"
                 msg = f"safepoint: {read_only}; restoring without it, and saves will fail"
-                warnings.warn(msg, ReadOnlyRootWarning, stacklevel=4)
+                warn_caller(msg, ReadOnlyRootWarning)
                 log.warning(msg)
             elif isinstance(e, CheckpointError):
                 error = e

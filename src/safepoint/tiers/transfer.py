@@ -19,13 +19,12 @@ import logging
 import os
 import re
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from safepoint.dist import Comm
-from safepoint.errors import CheckpointError, CorruptCheckpointError
+from safepoint.errors import CheckpointError, CorruptCheckpointError, warn_caller
 from safepoint.events import RESTORE_FALLBACK
 from safepoint.remote.object_layout import RemoteLayout
 from safepoint.remote.retry import UploadError
@@ -205,8 +204,7 @@ def choose_across_tiers(
         restorer.events.emit(RESTORE_FALLBACK, s, tier="durable", reason=f"unusable: {got}")
         if comm.is_coordinator:
             msg = f"safepoint: durable checkpoint step {s} is unusable ({got}); trying an older one"
-            # manager.restore -> Tiering.restore -> here: the warning points at the caller's line.
-            warnings.warn(msg, CheckpointWarning, stacklevel=4)
+            warn_caller(msg, CheckpointWarning)  # at the user's restore() line
             log.warning(msg)
     if missing is not None:
         raise missing
