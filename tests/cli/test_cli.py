@@ -494,6 +494,8 @@ def test_prune_refuses_while_writer_holds_root(
     with safepoint.CheckpointManager(root):
         rc, _, err = cli(capsys, "prune", root, "--keep-last", 1)
     assert rc == 2 and "in use by pid" in err
+    # One sentence after the other (the hint was glued on with "by hand.; `safepoint prune --force`").
+    assert ".;" not in err and ". `safepoint prune --force` takes the root over" in err
     assert steps_on_disk(root) == list(STEPS)
 
 
