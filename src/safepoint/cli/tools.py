@@ -352,8 +352,9 @@ def prune(
     try:
         lease.acquire()
     except LeaseError as e:
-        hint = "" if force else "; `safepoint prune --force` takes the root over (that job's next save fails)"
-        raise LeaseError(f"not pruning: {e}{hint}") from None
+        why = str(e) if str(e).endswith(".") or force else f"{e}."
+        hint = "" if force else " `safepoint prune --force` takes the root over (that job's next save fails)."
+        raise LeaseError(f"not pruning: {why}{hint}") from None
     try:
         kept, doomed, corrupt = _prune_plan(layout, retention)  # under the lease: nobody else is adding
         for step in doomed:
