@@ -344,6 +344,8 @@ class ObjectStore:
         ``src`` (a store that can check the copy against them itself does: S3's multipart copy); the
         caller still compares the copy with them afterwards (:meth:`check`): what each store proves of a
         copy is in docs/storage.md."""
+        if self.local:  # as put_bytes: step-N/ may not exist yet when its first file is a copy
+            self.fs.makedirs(self.fs._parent(dst), exist_ok=True)
         retry(f"copy of {self.url(src)}", lambda: self.fs.copy(src, dst), self.cfg)
 
     def open_writer(self, path: str) -> RawWriter:
