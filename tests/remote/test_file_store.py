@@ -20,7 +20,8 @@ def test_an_unchanged_tensor_is_copied_into_a_new_step_without_a_failed_copy(
     # any upload into step-N/, the directory did not exist, the copy failed with FileNotFoundError and the
     # file was uploaded again, with a WARNING at every such save.
     durable = tmp_path / "durable"
-    state = safepoint.TrainState(model=torch.nn.Linear(64, 64), rng=False)
+    model = torch.nn.Linear(64, 64)
+    state = safepoint.TrainState(model=model, rng=False)
     with caplog.at_level(logging.WARNING, logger="safepoint"):
         with safepoint.CheckpointManager(durable, local_root=tmp_path / "local") as mgr:
             for step in (1, 2, 3):
@@ -31,4 +32,4 @@ def test_an_unchanged_tensor_is_copied_into_a_new_step_without_a_failed_copy(
         assert [c.step for c in mgr.list()] == [1, 2, 3]
         fresh = torch.nn.Linear(64, 64)
         assert mgr.restore(safepoint.TrainState(model=fresh, rng=False), step=3) == 3
-    assert torch.equal(fresh.weight, state.model.weight)  # type: ignore[union-attr]
+    assert torch.equal(fresh.weight, model.weight)
