@@ -97,8 +97,7 @@ class _StoreFileSystem(FsspecFileSystem):
     def mkdir(self, path: str | os.PathLike[str]) -> None:
         # Stores have no directories, and s3fs's makedirs would create a missing *bucket*: a typo in a
         # URL must fail, not make buckets. Local paths (file://) do need the directory.
-        if self.store.local:
-            self.store.fs.makedirs(os.fspath(path), exist_ok=True)
+        self.store.makedirs(os.fspath(path))
 
     def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
         return posixpath.join(os.fspath(path), suffix)

@@ -8,6 +8,7 @@ from fsspec.core import url_to_fs
 
 from safepoint.remote.clientretry import with_client_retries
 from safepoint.remote.upload import ObjectStore, TransferOptions
+from safepoint.store.rootfs import RootDir
 
 
 def open_store(
@@ -42,6 +43,8 @@ def open_store(
         store = GcsStore(fs, cfg)
     else:
         store = ObjectStore(fs, cfg)
+    if store.local:  # its writes and deletes walk the root's directories (never through a symlink)
+        store.guard = RootDir(path.rstrip("/") or "/")
     if "://" in url and not store.local and protocol in protocols:
         store.scheme = protocol  # logs, listings and messages show the root as the user wrote it
     return store, path.rstrip("/")

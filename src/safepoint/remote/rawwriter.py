@@ -63,6 +63,38 @@ class FsWriter(RawWriter):
                 self._fs.rm(self._path)
 
 
+class FdWriter(RawWriter):
+    """A write stream into a file already created through the guarded walk (a ``file://`` root's
+    ``ObjectStore.guard``): written by descriptor, fsync'd on close; ``abort`` unlinks it through
+    ``remove`` (the walk again), so no path below the root is ever followed as a symlink."""
+
+    def __init__(self, fd: int, remove: Any) -> None:
+        self._f: IO[bytes] = os.fdopen(fd, "wb")
+        self._remove = remove
+        self._done = False
+
+    def write(self, data: Any) -> int:
+        n = self._f.write(data)
+        return len(memoryview(data)) if n is None else int(n)
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            with self._f:
+                self._f.flush()
+                os.fsync(self._f.fileno())
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._f.close()
+        finally:
+            with contextlib.suppress(OSError):
+                self._remove()
+
+
 def write_at(fd: int, data: bytes, offset: int) -> None:
     """All of ``data`` at ``offset`` of ``fd`` (pwrite may write less than asked)."""
     view = memoryview(data)

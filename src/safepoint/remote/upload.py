@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import crc32c
 
 from safepoint.remote.confirmed import ConfirmedWrites
-from safepoint.remote.rawwriter import FsWriter, RawWriter, StreamWriteError, write_at
+from safepoint.remote.rawwriter import FdWriter, FsWriter, RawWriter, StreamWriteError, write_at
 from safepoint.remote.retry import (
     DamagedInTransit,
     MiB,
@@ -125,6 +125,10 @@ class ObjectStore:
         self.protocol: str = protocol
         # Reading back to confirm costs a second transfer over a network; on a local disk it is cheap.
         self.local = protocol in ("file", "local")
+        self.guard: RootDir | None = None
+        """A ``file://`` root's directory (set by ``open_store``): every write and delete under it walks it
+        (store/rootfs.py), so a symlink planted below the root (``step-N``, ``.pending``, ``.run``) is
+        never written or deleted through, as on the local tier; fsspec's local file system follows them."""
         # Cleared while the training loop waits for a save (tiering): transfers start no new request.
         self.gate = threading.Event()
         self.gate.set()
@@ -162,8 +166,10 @@ class ObjectStore:
         """Write one small object (a manifest); ``if_absent``: fail with FileExistsError if it exists."""
         if if_absent:
             raise NotImplementedError(f"{self.protocol}:// has no conditional create")
-        if self.local:  # a store has no directories; a file:// root does (ROOT/.run/ of the run journal)
-            self.fs.makedirs(self.fs._parent(path), exist_ok=True)
+        if self.guard is not None:  # a file:// root: its directories made as it goes (ROOT/.run/, step-N/)
+            guard = self.guard
+            retry(f"write of {self.url(path)}", lambda: _write_new(guard, path, data), self.cfg)
+            return
         retry(f"write of {self.url(path)}", lambda: self.fs.pipe_file(path, data), self.cfg)
 
     def get_bytes(self, path: str) -> bytes:
@@ -191,6 +197,10 @@ class ObjectStore:
             retry(f"delete of {len(paths)} objects", lambda: self._rm_present(list(paths)), self.cfg)
 
     def _rm_present(self, paths: list[str]) -> None:
+        if self.guard is not None:  # unlinked through the walk: a link, never its target; missing is fine
+            for path in paths:
+                self.guard.remove(Path(path))
+            return
         try:
             self.fs.rm(paths)
         except FileNotFoundError:
@@ -218,11 +228,12 @@ class ObjectStore:
 
     def _stream_up(self, item: FileCopy) -> None:
         value, sent = 0, 0
-        if self.local:
-            self.fs.makedirs(self.fs._parent(item.remote), exist_ok=True)
+        guard = self.guard
         with (
             os.fdopen(open_local(item.local, item.root), "rb") as src,
-            self.fs.open(item.remote, "wb") as dst,
+            os.fdopen(guard.create(Path(item.remote), parents=True), "wb")
+            if guard is not None
+            else self.fs.open(item.remote, "wb") as dst,
         ):
             while chunk := src.read(self.cfg.part_size):
                 self.pass_gate()
@@ -344,15 +355,23 @@ class ObjectStore:
         ``src`` (a store that can check the copy against them itself does: S3's multipart copy); the
         caller still compares the copy with them afterwards (:meth:`check`): what each store proves of a
         copy is in docs/storage.md."""
-        if self.local:  # as put_bytes: step-N/ may not exist yet when its first file is a copy
-            self.fs.makedirs(self.fs._parent(dst), exist_ok=True)
+        if self.guard is not None:  # as put_bytes: step-N/ may not exist yet when its first file is a copy
+            guard = self.guard
+            retry(f"copy of {self.url(src)}", lambda: _copy_within(guard, src, dst), self.cfg)
+            return
         retry(f"copy of {self.url(src)}", lambda: self.fs.copy(src, dst), self.cfg)
 
     def open_writer(self, path: str) -> RawWriter:
         """A write stream that creates ``path`` on close (and nothing on abort)."""
-        if self.local:
-            self.fs.makedirs(self.fs._parent(path), exist_ok=True)
+        if self.guard is not None:
+            guard = self.guard
+            return FdWriter(guard.create(Path(path), parents=True), lambda: guard.remove(Path(path)))
         return FsWriter(self.fs, path)
+
+    def makedirs(self, path: str) -> None:
+        """A directory of a ``file://`` root (made through the walk); stores have none (nothing done)."""
+        if self.guard is not None:
+            self.guard.makedirs(Path(path))
 
     # ---- helpers ----------------------------------------------------------------------------------------
 
@@ -371,3 +390,27 @@ class ObjectStore:
                     f.cancel()  # start nothing more; the with-block waits for those running
                 raise failed[0]  # type: ignore[misc]
             return [f.result() for f in futures]
+
+
+def _write_new(guard: RootDir, path: str, data: bytes) -> None:
+    """``data`` as the file ``path`` of a ``file://`` root (directories made, fsync'd), via the walk."""
+    fd = guard.create(Path(path), parents=True)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _copy_within(guard: RootDir, src: str, dst: str) -> None:
+    """The file ``src`` of a ``file://`` root copied to ``dst`` (made, fsync'd), both through the walk."""
+    with (
+        os.fdopen(guard.open_read(Path(src)), "rb") as fin,
+        os.fdopen(guard.create(Path(dst), parents=True), "wb") as fout,
+    ):
+        while chunk := fin.read(8 << 20):
+            fout.write(chunk)
+        fout.flush()
+        os.fsync(fout.fileno())
