@@ -240,6 +240,9 @@ class ObjectStore:
                 value = crc32c.crc32c(chunk, value)
                 dst.write(chunk)
                 sent += len(chunk)
+            if guard is not None:  # a file:// root's file is on its disk before the manifest names it
+                dst.flush()
+                os.fsync(dst.fileno())
             if (sent, crc_hex(value)) != (item.size, item.crc32c):
                 # Raising inside the with-block leaves a partial object at most; no manifest points at it.
                 raise UploadError(
