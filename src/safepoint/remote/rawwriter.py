@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from typing import IO, Any
 
 from safepoint.remote.retry import UploadError
@@ -47,7 +48,10 @@ class FsWriter(RawWriter):
     def close(self) -> None:
         if not self._done:
             self._done = True
-            self._f.close()
+            self._finish()
+
+    def _finish(self) -> None:
+        self._f.close()
 
     def abort(self) -> None:
         if self._done:
@@ -60,39 +64,29 @@ class FsWriter(RawWriter):
             self._f.close()
         finally:
             with contextlib.suppress(OSError):
-                self._fs.rm(self._path)
+                self._drop()
+
+    def _drop(self) -> None:
+        self._fs.rm(self._path)
 
 
-class FdWriter(RawWriter):
+class FdWriter(FsWriter):
     """A write stream into a file already created through the guarded walk (a ``file://`` root's
     ``ObjectStore.guard``): written by descriptor, fsync'd on close; ``abort`` unlinks it through
     ``remove`` (the walk again), so no path below the root is ever followed as a symlink."""
 
-    def __init__(self, fd: int, remove: Any) -> None:
-        self._f: IO[bytes] = os.fdopen(fd, "wb")
+    def __init__(self, fd: int, remove: Callable[[], None]) -> None:
+        self._f = os.fdopen(fd, "wb")
         self._remove = remove
         self._done = False
 
-    def write(self, data: Any) -> int:
-        n = self._f.write(data)
-        return len(memoryview(data)) if n is None else int(n)
+    def _finish(self) -> None:
+        with self._f:
+            self._f.flush()
+            os.fsync(self._f.fileno())
 
-    def close(self) -> None:
-        if not self._done:
-            self._done = True
-            with self._f:
-                self._f.flush()
-                os.fsync(self._f.fileno())
-
-    def abort(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        try:
-            self._f.close()
-        finally:
-            with contextlib.suppress(OSError):
-                self._remove()
+    def _drop(self) -> None:
+        self._remove()
 
 
 def write_at(fd: int, data: bytes, offset: int) -> None:
