@@ -71,7 +71,8 @@ def cmd_import(args: argparse.Namespace, out: Console, err: Console) -> int:
         info = tools_convert.import_state(model_sd, layout, force=args.force)
     n = sum(1 for v in model_sd.values() if isinstance(v, torch.Tensor))
     out.print(
-        f"imported {n} tensors from {escape(args.src)} as step 0 in {escape(info.path)} "
+        f"imported {n} tensor{'' if n == 1 else 's'} from {escape(args.src)} as step 0 in "
+        f"{escape(info.path)} "
         f"({decimal(info.bytes)})"
     )
     if dropped:

@@ -125,11 +125,13 @@ class Resume:
                     f"restore(step={step}) loads a checkpoint, but this manager has resume='never'"
                 )
             if comm.is_coordinator and (steps := self.root.committed_steps()):
+                held = f"the {len(steps)} checkpoints in {self.where} (steps {steps[0]}..{steps[-1]}) are"
+                if len(steps) == 1:
+                    held = f"the checkpoint in {self.where} (step {steps[0]}) is"
                 log.warning(
-                    "safepoint: resume='never': starting at step 0; the %d checkpoints in %s (steps %d..%d) "
-                    "are kept, not loaded; retention counts them with this run's, and a restart with "
-                    "resume='auto' would load step %d",
-                    len(steps), self.where, steps[0], steps[-1], steps[-1],
+                    "safepoint: resume='never': starting at step 0; %s kept, not loaded; retention counts "
+                    "them with this run's, and a restart with resume='auto' would load step %d",
+                    held, steps[-1],
                 )  # fmt: skip
             return None
         manifest = load()
