@@ -29,6 +29,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 
 from safepoint.errors import CheckpointError, CorruptCheckpointError, LeaseError
+from safepoint.remote import rootstore
 from safepoint.remote.conditional import create_if_absent
 from safepoint.remote.confirmed import confirm
 from safepoint.remote.incremental_copy import proven_copy
@@ -178,7 +179,11 @@ class RemoteLayout:
     def read_range(self, step: int, name: str, offset: int, size: int) -> bytes:
         """``size`` bytes of step's object ``name`` from ``offset`` (one ranged read; verify's item check)."""
         path = self._p(step_name(step), name)
-        data = self.store.fs.cat_file(path, start=offset, end=offset + size) if size else b""
+        guard, end = self.store.guard, offset + size
+        if guard is not None:  # a file:// root: a regular file below it, never through a symlink
+            data = rootstore.read_range(guard, path, offset, end) if size else b""
+        else:
+            data = self.store.fs.cat_file(path, start=offset, end=end) if size else b""
         if len(data) != size:
             raise OSError(
                 f"{self.store.url(path)} ended at byte {offset + len(data)} (changed while verified?)"

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import crc32c
 
+from safepoint.remote import rootstore
 from safepoint.remote.confirmed import ConfirmedWrites
 from safepoint.remote.rawwriter import FdWriter, FsWriter, RawWriter, StreamWriteError, write_at
 from safepoint.remote.retry import (
@@ -168,11 +169,13 @@ class ObjectStore:
             raise NotImplementedError(f"{self.protocol}:// has no conditional create")
         if self.guard is not None:  # a file:// root: its directories made as it goes (ROOT/.run/, step-N/)
             guard = self.guard
-            retry(f"write of {self.url(path)}", lambda: _write_new(guard, path, data), self.cfg)
+            retry(f"write of {self.url(path)}", lambda: rootstore.write_new(guard, path, data), self.cfg)
             return
         retry(f"write of {self.url(path)}", lambda: self.fs.pipe_file(path, data), self.cfg)
 
     def get_bytes(self, path: str) -> bytes:
+        if (guard := self.guard) is not None:  # a file:// root: a regular file below it, never a symlink's
+            return retry(f"read of {self.url(path)}", lambda: rootstore.read_whole(guard, path), self.cfg)
         return bytes(retry(f"read of {self.url(path)}", lambda: self.fs.cat_file(path), self.cfg))
 
     def sizes(self, prefix: str) -> dict[str, int]:
@@ -302,8 +305,11 @@ class ObjectStore:
         """(size, crc32c the store computed) without reading the object; crc None if it has none. ``parts``:
         how the object went up, for a store whose checksum of a multipart object is a composite (S3)."""
         self.fs.invalidate_cache(path)
+        guard, what = self.guard, f"stat of {self.url(path)}"
         try:
-            info = retry(f"stat of {self.url(path)}", lambda: self.fs.info(path), self.cfg)
+            if guard is not None:  # a file:// root's file: regular, reached without a symlink (rootstore)
+                return retry(what, lambda: rootstore.size_of(guard, path), self.cfg), None
+            info = retry(what, lambda: self.fs.info(path), self.cfg)
         except UploadError as e:
             if isinstance(e.__cause__, FileNotFoundError):
                 raise e.__cause__ from None
@@ -317,15 +323,19 @@ class ObjectStore:
 
         def part(rng: tuple[int, int]) -> tuple[int, int]:
             off, n = rng
-            data = retry(
-                f"read of {self.url(path)}", lambda: self.fs.cat_file(path, start=off, end=off + n), self.cfg
-            )
+            guard, what = self.guard, f"read of {self.url(path)}"
+            if guard is not None:
+                data = retry(what, lambda: rootstore.read_range(guard, path, off, off + n), self.cfg)
+            else:
+                data = retry(what, lambda: self.fs.cat_file(path, start=off, end=off + n), self.cfg)
             return crc32c.crc32c(data), len(data)
 
         return combine(self._parallel(part, ranges)) if ranges else crc_hex(0)
 
     def open_read(self, path: str, *, block_size: int, cache_type: str = "readahead") -> Any:
         """``path`` open for reading (fsspec's file: ``size``, ``seek``, ``read``)."""
+        if self.guard is not None:
+            return rootstore.open_read(self.guard, path)
         return self.fs.open(path, "rb", block_size=block_size, cache_type=cache_type)
 
     def download(self, path: str, fd: int, size: int) -> str:
@@ -338,6 +348,10 @@ class ObjectStore:
             nonlocal value, got
             value, got = 0, 0
             os.ftruncate(fd, 0)  # a retry starts over
+            if self.guard is not None:  # never through a symlink, never a FIFO; no more than size + 1 bytes
+                value, got = rootstore.download(self.guard, path, fd, size, self.cfg.part_size)
+                os.fsync(fd)
+                return
             with self.fs.open(path, "rb") as src:
                 while chunk := src.read(self.cfg.part_size):
                     value = crc32c.crc32c(chunk, value)
@@ -360,7 +374,7 @@ class ObjectStore:
         copy is in docs/storage.md."""
         if self.guard is not None:  # as put_bytes: step-N/ may not exist yet when its first file is a copy
             guard = self.guard
-            retry(f"copy of {self.url(src)}", lambda: _copy_within(guard, src, dst), self.cfg)
+            retry(f"copy of {self.url(src)}", lambda: rootstore.copy_within(guard, src, dst), self.cfg)
             return
         retry(f"copy of {self.url(src)}", lambda: self.fs.copy(src, dst), self.cfg)
 
@@ -393,27 +407,3 @@ class ObjectStore:
                     f.cancel()  # start nothing more; the with-block waits for those running
                 raise failed[0]  # type: ignore[misc]
             return [f.result() for f in futures]
-
-
-def _write_new(guard: RootDir, path: str, data: bytes) -> None:
-    """``data`` as the file ``path`` of a ``file://`` root (directories made, fsync'd), via the walk."""
-    fd = guard.create(Path(path), parents=True)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _copy_within(guard: RootDir, src: str, dst: str) -> None:
-    """The file ``src`` of a ``file://`` root copied to ``dst`` (made, fsync'd), both through the walk."""
-    with (
-        os.fdopen(guard.open_read(Path(src)), "rb") as fin,
-        os.fdopen(guard.create(Path(dst), parents=True), "wb") as fout,
-    ):
-        while chunk := fin.read(8 << 20):
-            fout.write(chunk)
-        fout.flush()
-        os.fsync(fout.fileno())
