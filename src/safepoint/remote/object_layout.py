@@ -255,7 +255,10 @@ class RemoteLayout:
         """Write ``prefix``'s manifest only if none is there (conditional.create_if_absent): an owner frozen
         after its fence, whose root was taken over, never replaces a manifest the new owner wrote."""
         path = posixpath.join(prefix, MANIFEST_NAME)
-        if not create_if_absent(self.store, path, manifest.to_json()):
+        self.store.sync_dirs(prefix)  # a file:// root: the files' names on its disk before the manifest's
+        created = create_if_absent(self.store, path, manifest.to_json())
+        self.store.sync_dirs(prefix)  # ... and the manifest's: the commit itself
+        if not created:
             self._not_ours.add(prefix)  # discard() must leave the other writer's step alone
             self.fence(f"committing step {manifest.step}")  # a takeover is the usual cause: say so
             raise UploadError(
@@ -278,7 +281,10 @@ class RemoteLayout:
             sorted(got),
         )
         confirm(self.store, final, manifest, prove=True)
-        if not create_if_absent(self.store, posixpath.join(final, MANIFEST_NAME), manifest.to_json()):
+        self.store.sync_dirs(final)  # as _create_manifest
+        created = create_if_absent(self.store, posixpath.join(final, MANIFEST_NAME), manifest.to_json())
+        self.store.sync_dirs(final)
+        if not created:
             self._unfinished.pop(staged, None)  # another writer committed step N meanwhile: theirs stays
             self.fence(f"committing step {manifest.step}")
             raise UploadError(f"not replacing step {manifest.step}: another writer committed it meanwhile")

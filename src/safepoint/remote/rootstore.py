@@ -44,6 +44,14 @@ def write_new(guard: RootDir, path: str, data: bytes) -> None:
         os.close(fd)
 
 
+def sync_dirs(guard: RootDir, prefix: str) -> None:
+    """fsync the directory ``prefix`` and each one above it up to the root (deepest first): a file's own
+    fsync does not make its name durable, its directory's does, and ``step-N`` is a name in the root."""
+    parts = guard.parts(Path(prefix))
+    for n in range(len(parts), -1, -1):
+        guard.fsync_dir("/".join(parts[:n]))
+
+
 def copy_within(guard: RootDir, src: str, dst: str) -> None:
     """The file ``src`` copied to ``dst`` (made, fsync'd), both through the walk."""
     with (

@@ -385,6 +385,12 @@ class ObjectStore:
             return FdWriter(guard.create(Path(path), parents=True), lambda: guard.remove(Path(path)))
         return FsWriter(self.fs, path)
 
+    def sync_dirs(self, prefix: str) -> None:
+        """A ``file://`` root: ``prefix`` and the directories up to the root fsync'd, so that the entries
+        made in them (files, ``step-N/`` itself) outlive a power loss; a store has no directories."""
+        if self.guard is not None:
+            rootstore.sync_dirs(self.guard, prefix)
+
     def makedirs(self, path: str) -> None:
         """A directory of a ``file://`` root (made through the walk); stores have none (nothing done)."""
         if self.guard is not None:
