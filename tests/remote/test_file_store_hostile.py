@@ -88,6 +88,7 @@ def test_the_store_never_reads_through_a_planted_symlink_or_a_fifo(tmp_path: Pat
             ("get_bytes", lambda: store.get_bytes(key)),
             ("download", lambda: store.download(key, os.open(out, os.O_CREAT | os.O_WRONLY), size)),
             ("check", lambda: store.check(key, size, crc)),
+            ("open_read", lambda: store.open_read(key, block_size=1 << 20)),
         ):
             try:
                 results[f"{name} {what}"] = call()
@@ -105,3 +106,18 @@ def test_the_store_never_reads_through_a_planted_symlink_or_a_fifo(tmp_path: Pat
     for what, got in results.items():
         assert isinstance(got, (OSError, UploadError, str)), f"{what} read it: {got!r}"
         assert "\n" not in str(got)
+
+
+def test_the_store_reads_its_own_regular_files_whole_in_ranges_and_streamed(tmp_path: Path) -> None:
+    durable = tmp_path / "durable"
+    (durable / "step-1").mkdir(parents=True)
+    (durable / "step-1" / "a").write_bytes(b"0123456789")
+    store, base = open_store(f"file://{durable}/", None, None)
+    key = f"{base}/step-1/a"
+    assert store.get_bytes(key) == b"0123456789"
+    assert store.stored_checksum(key) == (10, None)
+    assert store.check(key, 10, store.read_crc(key, 10)) is None
+    with store.open_read(key, block_size=4) as f:
+        assert f.size == 10
+        f.seek(3)
+        assert f.read(4) == b"3456"
