@@ -39,6 +39,9 @@ def test_a_planted_symlink_below_a_path_durable_root_is_never_written_through(
             except safepoint.CheckpointError as e:
                 assert step == 2 and name == "step-2", e  # its upload refused, one line, nothing committed
                 assert "\n" not in str(e)
+                assert f"{durable}/step-2/" in str(e) and "a symlink" in str(e), (
+                    e
+                )  # not "Not a directory: 'step-2'"
     assert sorted(p.name for p in outside.iterdir()) == ["victim"]
     assert (outside / "victim").read_bytes() == b"not safepoint's"
     with safepoint.CheckpointManager(durable) as mgr:
