@@ -10,31 +10,61 @@ fsync'd before anything (a manifest) names it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import crc32c
 
 from safepoint.remote.rawwriter import write_at
+from safepoint.store.guard import NotRegularFileError
 from safepoint.store.rootfs import RootDir
 
 _PIECE = 8 << 20
 
 
-def _open(guard: RootDir, path: str) -> int:
-    """A read descriptor of the regular file ``path`` (RootDir.open_read), its refusal said in words."""
+@contextlib.contextmanager
+def _said(path: str) -> Iterator[None]:
+    """The walk's refusal in words: the kernel's ELOOP/ENOTDIR name only the component ("Not a directory:
+    'step-2'" for a step-2 that is a symlink to a directory)."""
     try:
-        return guard.open_read(Path(path))
+        yield
     except OSError as e:
-        if e.errno != errno.ELOOP:
+        if e.errno not in (errno.ELOOP, errno.ENOTDIR) or isinstance(e, NotRegularFileError):
             raise
-        raise OSError(errno.ELOOP, f"{path} is a symlink or lies under one; not followed") from None
+        raise OSError(
+            e.errno, f"{path}: a symlink (or a file) stands at it or on its way; not followed"
+        ) from None
+
+
+def _open(guard: RootDir, path: str) -> int:
+    """A read descriptor of the regular file ``path`` (RootDir.open_read: no FIFO, device or symlink)."""
+    with _said(path):
+        return guard.open_read(Path(path))
+
+
+def create(guard: RootDir, path: str) -> int:
+    """A new file ``path`` open for writing (RootDir.create: its directories made, nothing followed)."""
+    with _said(path):
+        return guard.create(Path(path), parents=True)
+
+
+def remove(guard: RootDir, path: str) -> None:
+    """Unlink ``path`` (a symlink there: the link; missing: fine)."""
+    with _said(path):
+        guard.remove(Path(path))
+
+
+def makedirs(guard: RootDir, path: str) -> None:
+    with _said(path):
+        guard.makedirs(Path(path))
 
 
 def write_new(guard: RootDir, path: str, data: bytes) -> None:
     """``data`` as the file ``path`` (directories made, fsync'd)."""
-    fd = guard.create(Path(path), parents=True)
+    fd = create(guard, path)
     try:
         view = memoryview(data)
         while view:
@@ -56,7 +86,7 @@ def copy_within(guard: RootDir, src: str, dst: str) -> None:
     """The file ``src`` copied to ``dst`` (made, fsync'd), both through the walk."""
     with (
         os.fdopen(_open(guard, src), "rb") as fin,
-        os.fdopen(guard.create(Path(dst), parents=True), "wb") as fout,
+        os.fdopen(create(guard, dst), "wb") as fout,
     ):
         while chunk := fin.read(_PIECE):
             fout.write(chunk)

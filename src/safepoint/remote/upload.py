@@ -202,7 +202,7 @@ class ObjectStore:
     def _rm_present(self, paths: list[str]) -> None:
         if self.guard is not None:  # unlinked through the walk: a link, never its target; missing is fine
             for path in paths:
-                self.guard.remove(Path(path))
+                rootstore.remove(self.guard, path)
             return
         try:
             self.fs.rm(paths)
@@ -234,7 +234,7 @@ class ObjectStore:
         guard = self.guard
         with (
             os.fdopen(open_local(item.local, item.root), "rb") as src,
-            os.fdopen(guard.create(Path(item.remote), parents=True), "wb")
+            os.fdopen(rootstore.create(guard, item.remote), "wb")
             if guard is not None
             else self.fs.open(item.remote, "wb") as dst,
         ):
@@ -382,7 +382,7 @@ class ObjectStore:
         """A write stream that creates ``path`` on close (and nothing on abort)."""
         if self.guard is not None:
             guard = self.guard
-            return FdWriter(guard.create(Path(path), parents=True), lambda: guard.remove(Path(path)))
+            return FdWriter(rootstore.create(guard, path), lambda: rootstore.remove(guard, path))
         return FsWriter(self.fs, path)
 
     def sync_dirs(self, prefix: str) -> None:
@@ -394,7 +394,7 @@ class ObjectStore:
     def makedirs(self, path: str) -> None:
         """A directory of a ``file://`` root (made through the walk); stores have none (nothing done)."""
         if self.guard is not None:
-            self.guard.makedirs(Path(path))
+            rootstore.makedirs(self.guard, path)
 
     # ---- helpers ----------------------------------------------------------------------------------------
 
