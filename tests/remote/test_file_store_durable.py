@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 import safepoint
@@ -19,8 +20,8 @@ _CHILD = textwrap.dedent(
     """
     import sys, torch, safepoint
     from tests.torture import faults
-    durable, local, journal = sys.argv[1:4]
-    faults.install(faults.Layer(durable, journal))
+    scope, durable, local, journal = sys.argv[1:5]
+    faults.install(faults.Layer(scope, journal))
     state = safepoint.TrainState(model=torch.nn.Linear(4, 4), rng=False)
     with safepoint.CheckpointManager(durable, local_root=local) as mgr:
         mgr.save(1, state)
@@ -29,11 +30,14 @@ _CHILD = textwrap.dedent(
 )
 
 
-def test_an_uploaded_step_survives_a_power_loss(tmp_path: Path) -> None:
-    durable, local, journal = tmp_path / "durable", tmp_path / "local", tmp_path / "journal"
-    durable.mkdir()
+@pytest.mark.parametrize("fresh", [False, True], ids=["existing root", "root made by the job"])
+def test_an_uploaded_step_survives_a_power_loss(tmp_path: Path, fresh: bool) -> None:
+    # The model covers `scope`; a root the job makes (and its parent directory) must be durable as well.
+    scope, journal = tmp_path / "scope", tmp_path / "journal"
+    durable, local = scope / "deep" / "durable", tmp_path / "local"
+    (scope if fresh else durable).mkdir(parents=True)
     run = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(durable), str(local), str(journal)],
+        [sys.executable, "-c", _CHILD, str(scope), str(durable), str(local), str(journal)],
         cwd=Path(__file__).parents[2],
         capture_output=True,
         text=True,
@@ -42,7 +46,7 @@ def test_an_uploaded_step_survives_a_power_loss(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr
     after = tmp_path / "after"
     model.rebuild_power(model.read(journal), after)
-    with safepoint.CheckpointManager(after) as mgr:
+    with safepoint.CheckpointManager(after / "deep" / "durable") as mgr:
         assert [c.step for c in mgr.list()] == [1]  # listed, every file there and intact
         state = safepoint.TrainState(model=torch.nn.Linear(4, 4), rng=False)
         assert mgr.restore(state) == 1
