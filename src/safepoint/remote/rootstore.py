@@ -19,6 +19,7 @@ from pathlib import Path
 import crc32c
 
 from safepoint.remote.rawwriter import write_at
+from safepoint.store.fsops import fsync_dir
 from safepoint.store.guard import NotRegularFileError
 from safepoint.store.rootfs import RootDir
 
@@ -72,6 +73,16 @@ def write_new(guard: RootDir, path: str, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def make_root(guard: RootDir) -> None:
+    """The root's own directory (the user's path, followed as given), and every parent made for it fsync'd
+    into its own parent, as the local tier's ensure_root does: else a power loss after the first upload
+    could lose the root's entry, and every checkpoint in it."""
+    missing = [p for p in (guard.path, *guard.path.parents) if RootDir(p).lstat("") is None]
+    guard.make()
+    for created in reversed(missing):
+        fsync_dir(created.parent)
 
 
 def sync_dirs(guard: RootDir, prefix: str) -> None:

@@ -156,7 +156,9 @@ class ObjectStore:
 
     def check_root(self, path: str) -> None:
         """Fail early and clearly if the root cannot be used (missing bucket, no access)."""
-        if self.local:
+        if self.guard is not None:
+            rootstore.make_root(self.guard)
+        elif self.local:
             self.fs.makedirs(path, exist_ok=True)
         else:
             self.sizes(path)
