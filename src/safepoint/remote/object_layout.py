@@ -29,6 +29,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 
 from safepoint.errors import CheckpointError, CorruptCheckpointError, LeaseError
+from safepoint.remote import rootstore
 from safepoint.remote.conditional import create_if_absent
 from safepoint.remote.confirmed import confirm
 from safepoint.remote.incremental_copy import proven_copy
@@ -178,7 +179,11 @@ class RemoteLayout:
     def read_range(self, step: int, name: str, offset: int, size: int) -> bytes:
         """``size`` bytes of step's object ``name`` from ``offset`` (one ranged read; verify's item check)."""
         path = self._p(step_name(step), name)
-        data = self.store.fs.cat_file(path, start=offset, end=offset + size) if size else b""
+        guard, end = self.store.guard, offset + size
+        if guard is not None:  # a file:// root: a regular file below it, never through a symlink
+            data = rootstore.read_range(guard, path, offset, end) if size else b""
+        else:
+            data = self.store.fs.cat_file(path, start=offset, end=end) if size else b""
         if len(data) != size:
             raise OSError(
                 f"{self.store.url(path)} ended at byte {offset + len(data)} (changed while verified?)"
@@ -250,7 +255,10 @@ class RemoteLayout:
         """Write ``prefix``'s manifest only if none is there (conditional.create_if_absent): an owner frozen
         after its fence, whose root was taken over, never replaces a manifest the new owner wrote."""
         path = posixpath.join(prefix, MANIFEST_NAME)
-        if not create_if_absent(self.store, path, manifest.to_json()):
+        self.store.sync_dirs(prefix)  # a file:// root: the files' names on its disk before the manifest's
+        created = create_if_absent(self.store, path, manifest.to_json())
+        self.store.sync_dirs(prefix)  # ... and the manifest's: the commit itself
+        if not created:
             self._not_ours.add(prefix)  # discard() must leave the other writer's step alone
             self.fence(f"committing step {manifest.step}")  # a takeover is the usual cause: say so
             raise UploadError(
@@ -273,7 +281,10 @@ class RemoteLayout:
             sorted(got),
         )
         confirm(self.store, final, manifest, prove=True)
-        if not create_if_absent(self.store, posixpath.join(final, MANIFEST_NAME), manifest.to_json()):
+        self.store.sync_dirs(final)  # as _create_manifest
+        created = create_if_absent(self.store, posixpath.join(final, MANIFEST_NAME), manifest.to_json())
+        self.store.sync_dirs(final)
+        if not created:
             self._unfinished.pop(staged, None)  # another writer committed step N meanwhile: theirs stays
             self.fence(f"committing step {manifest.step}")
             raise UploadError(f"not replacing step {manifest.step}: another writer committed it meanwhile")

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import crc32c
 
+from safepoint.remote import rootstore
 from safepoint.remote.confirmed import ConfirmedWrites
 from safepoint.remote.rawwriter import FdWriter, FsWriter, RawWriter, StreamWriteError, write_at
 from safepoint.remote.retry import (
@@ -155,7 +156,9 @@ class ObjectStore:
 
     def check_root(self, path: str) -> None:
         """Fail early and clearly if the root cannot be used (missing bucket, no access)."""
-        if self.local:
+        if self.guard is not None:
+            rootstore.make_root(self.guard)
+        elif self.local:
             self.fs.makedirs(path, exist_ok=True)
         else:
             self.sizes(path)
@@ -168,11 +171,13 @@ class ObjectStore:
             raise NotImplementedError(f"{self.protocol}:// has no conditional create")
         if self.guard is not None:  # a file:// root: its directories made as it goes (ROOT/.run/, step-N/)
             guard = self.guard
-            retry(f"write of {self.url(path)}", lambda: _write_new(guard, path, data), self.cfg)
+            retry(f"write of {self.url(path)}", lambda: rootstore.write_new(guard, path, data), self.cfg)
             return
         retry(f"write of {self.url(path)}", lambda: self.fs.pipe_file(path, data), self.cfg)
 
     def get_bytes(self, path: str) -> bytes:
+        if (guard := self.guard) is not None:  # a file:// root: a regular file below it, never a symlink's
+            return retry(f"read of {self.url(path)}", lambda: rootstore.read_whole(guard, path), self.cfg)
         return bytes(retry(f"read of {self.url(path)}", lambda: self.fs.cat_file(path), self.cfg))
 
     def sizes(self, prefix: str) -> dict[str, int]:
@@ -199,7 +204,7 @@ class ObjectStore:
     def _rm_present(self, paths: list[str]) -> None:
         if self.guard is not None:  # unlinked through the walk: a link, never its target; missing is fine
             for path in paths:
-                self.guard.remove(Path(path))
+                rootstore.remove(self.guard, path)
             return
         try:
             self.fs.rm(paths)
@@ -231,7 +236,7 @@ class ObjectStore:
         guard = self.guard
         with (
             os.fdopen(open_local(item.local, item.root), "rb") as src,
-            os.fdopen(guard.create(Path(item.remote), parents=True), "wb")
+            os.fdopen(rootstore.create(guard, item.remote), "wb")
             if guard is not None
             else self.fs.open(item.remote, "wb") as dst,
         ):
@@ -302,8 +307,11 @@ class ObjectStore:
         """(size, crc32c the store computed) without reading the object; crc None if it has none. ``parts``:
         how the object went up, for a store whose checksum of a multipart object is a composite (S3)."""
         self.fs.invalidate_cache(path)
+        guard, what = self.guard, f"stat of {self.url(path)}"
         try:
-            info = retry(f"stat of {self.url(path)}", lambda: self.fs.info(path), self.cfg)
+            if guard is not None:  # a file:// root's file: regular, reached without a symlink (rootstore)
+                return retry(what, lambda: rootstore.size_of(guard, path), self.cfg), None
+            info = retry(what, lambda: self.fs.info(path), self.cfg)
         except UploadError as e:
             if isinstance(e.__cause__, FileNotFoundError):
                 raise e.__cause__ from None
@@ -317,15 +325,19 @@ class ObjectStore:
 
         def part(rng: tuple[int, int]) -> tuple[int, int]:
             off, n = rng
-            data = retry(
-                f"read of {self.url(path)}", lambda: self.fs.cat_file(path, start=off, end=off + n), self.cfg
-            )
+            guard, what = self.guard, f"read of {self.url(path)}"
+            if guard is not None:
+                data = retry(what, lambda: rootstore.read_range(guard, path, off, off + n), self.cfg)
+            else:
+                data = retry(what, lambda: self.fs.cat_file(path, start=off, end=off + n), self.cfg)
             return crc32c.crc32c(data), len(data)
 
         return combine(self._parallel(part, ranges)) if ranges else crc_hex(0)
 
     def open_read(self, path: str, *, block_size: int, cache_type: str = "readahead") -> Any:
         """``path`` open for reading (fsspec's file: ``size``, ``seek``, ``read``)."""
+        if self.guard is not None:
+            return rootstore.open_read(self.guard, path)
         return self.fs.open(path, "rb", block_size=block_size, cache_type=cache_type)
 
     def download(self, path: str, fd: int, size: int) -> str:
@@ -338,6 +350,10 @@ class ObjectStore:
             nonlocal value, got
             value, got = 0, 0
             os.ftruncate(fd, 0)  # a retry starts over
+            if self.guard is not None:  # never through a symlink, never a FIFO; no more than size + 1 bytes
+                value, got = rootstore.download(self.guard, path, fd, size, self.cfg.part_size)
+                os.fsync(fd)
+                return
             with self.fs.open(path, "rb") as src:
                 while chunk := src.read(self.cfg.part_size):
                     value = crc32c.crc32c(chunk, value)
@@ -360,7 +376,7 @@ class ObjectStore:
         copy is in docs/storage.md."""
         if self.guard is not None:  # as put_bytes: step-N/ may not exist yet when its first file is a copy
             guard = self.guard
-            retry(f"copy of {self.url(src)}", lambda: _copy_within(guard, src, dst), self.cfg)
+            retry(f"copy of {self.url(src)}", lambda: rootstore.copy_within(guard, src, dst), self.cfg)
             return
         retry(f"copy of {self.url(src)}", lambda: self.fs.copy(src, dst), self.cfg)
 
@@ -368,13 +384,19 @@ class ObjectStore:
         """A write stream that creates ``path`` on close (and nothing on abort)."""
         if self.guard is not None:
             guard = self.guard
-            return FdWriter(guard.create(Path(path), parents=True), lambda: guard.remove(Path(path)))
+            return FdWriter(rootstore.create(guard, path), lambda: rootstore.remove(guard, path))
         return FsWriter(self.fs, path)
+
+    def sync_dirs(self, prefix: str) -> None:
+        """A ``file://`` root: ``prefix`` and the directories up to the root fsync'd, so that the entries
+        made in them (files, ``step-N/`` itself) outlive a power loss; a store has no directories."""
+        if self.guard is not None:
+            rootstore.sync_dirs(self.guard, prefix)
 
     def makedirs(self, path: str) -> None:
         """A directory of a ``file://`` root (made through the walk); stores have none (nothing done)."""
         if self.guard is not None:
-            self.guard.makedirs(Path(path))
+            rootstore.makedirs(self.guard, path)
 
     # ---- helpers ----------------------------------------------------------------------------------------
 
@@ -393,27 +415,3 @@ class ObjectStore:
                     f.cancel()  # start nothing more; the with-block waits for those running
                 raise failed[0]  # type: ignore[misc]
             return [f.result() for f in futures]
-
-
-def _write_new(guard: RootDir, path: str, data: bytes) -> None:
-    """``data`` as the file ``path`` of a ``file://`` root (directories made, fsync'd), via the walk."""
-    fd = guard.create(Path(path), parents=True)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _copy_within(guard: RootDir, src: str, dst: str) -> None:
-    """The file ``src`` of a ``file://`` root copied to ``dst`` (made, fsync'd), both through the walk."""
-    with (
-        os.fdopen(guard.open_read(Path(src)), "rb") as fin,
-        os.fdopen(guard.create(Path(dst), parents=True), "wb") as fout,
-    ):
-        while chunk := fin.read(8 << 20):
-            fout.write(chunk)
-        fout.flush()
-        os.fsync(fout.fileno())
