@@ -8,6 +8,8 @@ import os
 from collections.abc import Callable
 from typing import IO, Any
 
+import crc32c
+
 from safepoint.remote.retry import UploadError
 
 
@@ -87,6 +89,20 @@ class FdWriter(FsWriter):
 
     def _drop(self) -> None:
         self._remove()
+
+
+def stream_into(src: Any, fd: int, piece: int, limit: int | None = None) -> tuple[int, int]:
+    """``src`` (a readable file) written into ``fd`` from offset 0, ``piece`` bytes a read, at most ``limit``
+    bytes when given: (crc32c of what was written, bytes written)."""
+    value, got = 0, 0
+    while limit is None or got < limit:
+        chunk = src.read(piece if limit is None else min(piece, limit - got))
+        if not chunk:
+            break
+        value = crc32c.crc32c(chunk, value)
+        write_at(fd, chunk, got)
+        got += len(chunk)
+    return value, got
 
 
 def write_at(fd: int, data: bytes, offset: int) -> None:

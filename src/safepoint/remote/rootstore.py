@@ -16,9 +16,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-import crc32c
-
-from safepoint.remote.rawwriter import write_at
+from safepoint.remote.rawwriter import stream_into
 from safepoint.store.fsops import fsync_dir
 from safepoint.store.guard import NotRegularFileError
 from safepoint.store.rootfs import RootDir
@@ -65,14 +63,8 @@ def makedirs(guard: RootDir, path: str) -> None:
 
 def write_new(guard: RootDir, path: str, data: bytes) -> None:
     """``data`` as the file ``path`` (directories made, fsync'd)."""
-    fd = create(guard, path)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with _said(path):
+        guard.write(Path(path), data, parents=True)
 
 
 def make_root(guard: RootDir) -> None:
@@ -160,10 +152,5 @@ class RegularFile:
 def download(guard: RootDir, path: str, fd: int, size: int, piece: int) -> tuple[int, int]:
     """The regular file ``path`` written into ``fd`` from offset 0, at most ``size + 1`` bytes (one more
     than expected shows a file that grew; a longer read would only fill the local disk): (crc32c, bytes)."""
-    value, got = 0, 0
     with os.fdopen(_open(guard, path), "rb") as src:
-        while got <= size and (chunk := src.read(min(piece, size + 1 - got))):
-            value = crc32c.crc32c(chunk, value)
-            write_at(fd, chunk, got)
-            got += len(chunk)
-    return value, got
+        return stream_into(src, fd, piece, limit=size + 1)

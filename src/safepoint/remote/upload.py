@@ -25,7 +25,7 @@ import crc32c
 
 from safepoint.remote import rootstore
 from safepoint.remote.confirmed import ConfirmedWrites
-from safepoint.remote.rawwriter import FdWriter, FsWriter, RawWriter, StreamWriteError, write_at
+from safepoint.remote.rawwriter import FdWriter, FsWriter, RawWriter, StreamWriteError, stream_into, write_at
 from safepoint.remote.retry import (
     DamagedInTransit,
     MiB,
@@ -355,10 +355,7 @@ class ObjectStore:
                 os.fsync(fd)
                 return
             with self.fs.open(path, "rb") as src:
-                while chunk := src.read(self.cfg.part_size):
-                    value = crc32c.crc32c(chunk, value)
-                    write_at(fd, chunk, got)
-                    got += len(chunk)
+                value, got = stream_into(src, fd, self.cfg.part_size)
             os.fsync(fd)
 
         retry(f"download of {self.url(path)}", fetch, self.cfg)

@@ -299,9 +299,10 @@ class RootDir:
             fd = os.open(name, flags, 0o666, dir_fd=dfd)
         return keep_if_regular(fd, lambda: self.full(rel))
 
-    def write(self, rel: Rel, data: bytes, *, durable: bool = True) -> None:
-        """:meth:`create` ``rel`` holding ``data`` (fsync'd when ``durable``)."""
-        fd = self.create(rel)
+    def write(self, rel: Rel, data: bytes, *, durable: bool = True, parents: bool = False) -> None:
+        """:meth:`create` ``rel`` holding ``data`` (fsync'd when ``durable``; its directories made with
+        ``parents``)."""
+        fd = self.create(rel, parents=parents)
         try:
             view = memoryview(data)
             while view:
