@@ -75,7 +75,7 @@ def restorable(value: Any, path: str = "", whole: bool = False) -> Any:
             return value
         kind: Any = type(value)  # rebuilt as it was: dict, OrderedDict, list, tuple, a namedtuple's class
         if isinstance(value, dict):
-            return _same_dict(value, dict(zip(value, out, strict=True)))
+            return refilled(value, dict(zip(value, out, strict=True)))
         return kind._make(out) if _fields(kind) else kind(out)
     plain = _numpy_scalar(value)
     if plain is not None:
@@ -113,10 +113,10 @@ def _dicts_of_leaves(value: dict[Any, Any]) -> bool:
     )
 
 
-def _same_dict(value: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]:
+def refilled(value: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]:
     """``items`` in a dict of ``value``'s type. Not ``type(value)(pairs)``: a ``Counter`` counts the pairs
     themselves, a ``defaultdict`` takes its first argument for its factory; a shallow copy of ``value``,
-    emptied and refilled, keeps what its constructor needs (as save/kinds.py does for a snapshot)."""
+    emptied and refilled, keeps what its constructor needs (save/kinds.py's snapshot copies too)."""
     kind = type(value)
     if kind is dict or kind is OrderedDict:
         return kind(items)

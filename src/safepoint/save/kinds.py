@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from safepoint.data.restorable import refilled
+
 
 def same_dict(v: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]:
     """``items`` (the copied entries of the dict subclass ``v``) in a dict of ``v``'s type: a shallow copy
@@ -19,9 +21,7 @@ def same_dict(v: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]:
     and its attributes copied deep (pickled with it, as a state dict's ``_metadata``: no later write to
     the live ones may reach the snapshot). A type that cannot be copied so stays the plain dict it was."""
     try:
-        out = copy.copy(v)
-        out.clear()
-        out.update(items)
+        out = refilled(v, items)
         state = getattr(v, "__dict__", None)
         if state:
             out.__dict__ = copy.deepcopy(state)
