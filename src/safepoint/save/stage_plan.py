@@ -208,8 +208,11 @@ class Plan:
     Built once per buffer set (``Stager`` makes a new one whenever it allocates); per save, ``lives`` picks
     the walk's tensors to copy, in the order of ``targets``."""
 
-    def __init__(self, walked: Walked, buffers: Any) -> None:
-        mine = walk(buffers, None)
+    def __init__(self, walked: Walked, buffers: Any, mine: Walked | None = None) -> None:
+        """``mine``: ``walk(buffers, None)`` where the caller has it already (re-homing a buffer's memory
+        keeps its object: the walk still pairs)."""
+        if mine is None:
+            mine = walk(buffers, None)
         if len(mine.leaves) != len(walked.leaves):
             raise RuntimeError("staging buffers do not mirror the state (a bug in safepoint)")
         self._pair(walked.tokens, mine.leaves, mine.items(), walked.opaque, cuda_devices(walked))

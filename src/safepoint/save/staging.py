@@ -222,10 +222,11 @@ class Stager:
         laid = self._shared or bool(picks)
         buffers = own_copies(sd, _create_cpu_state_dict(sd, pin_memory=pin and not laid))
         tie_buffers(sd, buffers)
+        mine: Walked | None = None  # the buffers' walk, paired with ``walked`` by position (Plan's too)
         if laid:
-            mine = walk(buffers, None).leaves  # paired with ``walked.leaves`` by position (as Plan does)
+            mine = walk(buffers, None)
             try:
-                self._region = move_into_arena(buffers, pin=pin, first=[mine[i] for i in picks])
+                self._region = move_into_arena(buffers, pin=pin, first=[mine.leaves[i] for i in picks])
             except (OSError, RuntimeError) as e:
                 if self._shared:
                     raise  # the writer process reads the segment: no save without one
@@ -234,12 +235,13 @@ class Stager:
                 log.warning("safepoint: staging tensor by tensor: no staging segment (%s)", e)
                 buffers = own_copies(sd, _create_cpu_state_dict(sd, pin_memory=pin))
                 tie_buffers(sd, buffers)
+                mine = None
             if self._shared:
                 self.arena = self._region
         self._buffers = buffers
         self.allocations += 1
         self.nbytes = tensor_bytes(buffers)
-        self._plan = Plan(walked, buffers)  # after the arena move: the buffers' final memory
+        self._plan = Plan(walked, buffers, mine)  # after the arena move: the buffers' final memory
         return self._plan
 
     def _copy_on_side_stream(self, plan: Plan, walked: Walked, device: torch.device) -> None:
