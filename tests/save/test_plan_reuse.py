@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 
 import safepoint
 from safepoint.save.plan_reuse import PlanRecord, ReusingSavePlanner, structure_of
+from tests.helpers.holder import Holder
 
 
 @pytest.fixture
@@ -115,7 +116,7 @@ def test_a_changed_structure_is_planned_afresh_and_restores_exactly(
     root: Path, plans_built: list[int], change: str
 ) -> None:
     model = Params(a=torch.randn(3, 4), b=torch.randn(5))
-    state = safepoint.TrainState(model=model, rng=False, objects={"o": _Obj(torch.ones(2))})
+    state = safepoint.TrainState(model=model, rng=False, objects={"o": Holder(torch.ones(2))})
     with safepoint.CheckpointManager(root) as mgr:
         mgr.save(1, state)
         mgr.save(2, state)
@@ -129,7 +130,7 @@ def test_a_changed_structure_is_planned_afresh_and_restores_exactly(
             del model.a
             model.c = nn.Parameter(torch.randn(3, 4))
         else:
-            state.objects["o"].value = 7  # type: ignore[index]  # a tensor item becomes a byte item
+            state.objects["o"].v = 7  # type: ignore[index]  # a tensor item becomes a byte item
         mgr.save(4, state)
         # A dtype change: DCP's first plan, found "equal" by its cache (no dtype compared), is built again
         # as a new one (test_a_dtype_change_of_the_same_shape_is_recorded_in_the_metadata).
@@ -181,17 +182,6 @@ def test_a_dtype_change_of_the_same_shape_is_recorded_in_the_metadata(
         assert md[key].properties.dtype == want, step  # type: ignore[union-attr]
     capsys.readouterr()
     assert main(["verify", str(root), "--all"]) == 0, capsys.readouterr().out
-
-
-class _Obj:
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"v": self.value}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.value = sd["v"]
 
 
 def test_the_structure_covers_what_a_write_item_holds() -> None:
