@@ -23,6 +23,8 @@ the process issues them. Modes:
               one (DCP's extra writer thread) fails.
 
 ``no_exchange`` simulates a file system without renameat2 (the exchange fails with EINVAL).
+``dir_fsync_errno`` one whose directories cannot be fsynced: every fsync of a directory in ``scope`` fails
+with that errno (CIFS/SMB and some FUSE mounts answer EINVAL), journalled as the operation's error.
 
 The journal (JSON lines, written with the unpatched ``os.write`` to a descriptor outside ``scope``):
 
@@ -158,6 +160,7 @@ class Layer:
         err: int = errno_mod.EIO,
         sticky: tuple[str, ...] = (),
         no_exchange: bool = False,
+        dir_fsync_errno: int | None = None,
         in_thread: bool = False,
     ) -> None:
         assert mode in ("count", "crash", "fail"), mode
@@ -171,6 +174,7 @@ class Layer:
         )
         self.mode, self.at, self.err, self.sticky = mode, at, err, sticky
         self.no_exchange = no_exchange
+        self.dir_fsync_errno = dir_fsync_errno
         # in_thread: fail the first write issued by a thread other than the main one (``at`` unused), and
         # hold the main thread at its first data-file open until then, so that a second writer thread
         # surely takes a file (DCP starts its extra threads before the main one joins in).
@@ -346,6 +350,13 @@ class Layer:
     def fsync(self, fd: Any, *, which: str = "fsync") -> None:
         fileno = fd if isinstance(fd, int) else fd.fileno()
         path = _fd_path(fileno)
+        if self.dir_fsync_errno and self.in_scope(path) and stat.S_ISDIR(os.fstat(fileno).st_mode):
+            i = self.begin("fsync", path)
+            if i < 0:
+                self.raise_fault(-i, path)
+            err = OSError(self.dir_fsync_errno, os.strerror(self.dir_fsync_errno) + " (simulated)", path)
+            self.end(i, err)
+            raise err
         self.run("fsync", path, lambda: _os[which](fileno))
         if self.in_scope(path.removesuffix(" (deleted)")):
             st = os.fstat(fileno)

@@ -313,6 +313,31 @@ def test_a_partly_deleted_parked_copy_is_never_put_back(
     assert r.violations == []
 
 
+def test_a_file_system_without_directory_fsync_still_commits(
+    zygote: Zygote, scratch: Path, template: Path
+) -> None:
+    """CIFS/SMB and some FUSE mounts answer every fsync of a directory with EINVAL (they have none): every
+    save there raised "not committed" before (store/fsops.fsync_dir_fd). Now the whole workload (saves, a
+    replacement, retention) commits, and what it lists verifies and restores; EIO on a directory fsync
+    still fails its save (the campaigns above)."""
+    base = scratch / "no-dir-fsync"
+    base.mkdir()
+    case = checks.new_case(base, "run", template)
+    plan = [*scenarios.PLAN, (max(s for s, _ in scenarios.PLAN) + 1, 99)]
+    fault = {"mode": "count", "dir_fsync_errno": errno.EINVAL}
+    assert checks.run_workload(zygote, case, fault, plan=plan) == 0, zygote.log_tail()
+    refused = [
+        ev for ev in durable.read(case.journal).events if ev["ev"] == "err" and ev["errno"] == errno.EINVAL
+    ]
+    assert len(refused) >= len(plan), "the directory fsyncs were never refused"
+    outcomes = json.loads(case.out.read_text())["outcomes"]
+    assert [o["error"] for o in outcomes if not o["ok"]] == []
+    final = {int(s): v for s, v in outcomes[-1]["after"].items()}
+    assert len(final) == scenarios.KEEP_LAST
+    saves = [*scenarios.BASELINE, *((o["step"], o["version"]) for o in outcomes)]
+    assert checks.check_tree(case.root, checks.Expect(final, None, saves, set(), []), "kill") == []
+
+
 # ---- slow --------------------------------------------------------------------------------------------------
 
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import logging
 import os
 from pathlib import Path
+
+log = logging.getLogger("safepoint")
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -40,9 +43,34 @@ def rename_exchange_at(a_dir: int, a: str | bytes, b_dir: int, b: str | bytes, w
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.fsync(fd)
+        fsync_dir_fd(fd, path)
     finally:
         os.close(fd)
+
+
+_NO_DIR_FSYNC: set[int] = set()  # the devices already said to have no directory fsync (warned once each)
+
+
+def fsync_dir_fd(fd: int, what: str | os.PathLike[str]) -> None:
+    """fsync the directory open as ``fd`` (``what``: its path, for the message), which makes the names in it
+    durable. EINVAL means the file system has no directory fsync at all (the kernel's answer where it lacks
+    the operation: CIFS/SMB, some FUSE and object-store mounts), not that a write was lost: the names then
+    rest on the file system's own durability (an SMB server commits a rename before answering), as
+    PostgreSQL and SQLite treat such mounts; a save there would otherwise never commit. Said once per file
+    system. Any other error (EIO: a write-back failed) is raised, and the save it belongs to fails."""
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        dev = os.fstat(fd).st_dev
+        if dev not in _NO_DIR_FSYNC:
+            _NO_DIR_FSYNC.add(dev)
+            log.warning(
+                "safepoint: %s: this file system cannot fsync a directory (EINVAL); committed names rely on "
+                "its own durability (as on CIFS/SMB and some FUSE mounts)",
+                os.fspath(what),
+            )
 
 
 def write_file_durably(path: Path, data: bytes) -> None:

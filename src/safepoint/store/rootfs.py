@@ -34,7 +34,7 @@ from pathlib import Path
 
 from safepoint.store import held_dirs
 from safepoint.store.checksum import stream_crc32c
-from safepoint.store.fsops import rename_exchange_at
+from safepoint.store.fsops import fsync_dir_fd, rename_exchange_at
 from safepoint.store.guard import describe_mode, keep_if_regular, remove_flat
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -347,7 +347,7 @@ class RootDir:
 
     def fsync_dir(self, rel: Rel = "") -> None:
         with self.dir(rel) as fd:
-            os.fsync(fd)
+            fsync_dir_fd(fd, self.full(rel))
 
     # ---- deleting ------------------------------------------------------------------------------------
 
