@@ -3,7 +3,7 @@
 # Lightning FSDP/ModelParallel script and the real torchtitan Trainer run side by side, then the GPU
 # benchmark and the fingerprint benchmark (GPU_FP_BENCH=0 skips it). Results land in $OUT (or ./gpu-out).
 # Wheels the image lacks travel in .whl/ (crc32c, torchdata, torchtitan and its pure-Python needs); the
-# image's own torch (and the triton it comes with) is used. docs/benchmarks.md "The GPU path" has the results.
+# image's own torch (and the triton it comes with) is used. benchmarks/gpu_wheels.sh fetches the wheels (here, before the run). docs/benchmarks.md "The GPU path" has the results.
 # The 9,000-tensor blocking time alone with gathered staging (issue 27; docs/benchmarks.md "Gathered staging
 # of small device tensors"), ~3 minutes:
 #   GPU_TESTS=tests/gpu/test_cuda.py GPU_SKIP_FRAMEWORKS=1 GPU_FP_BENCH=0 GPU_BENCH_ARGS="--cases 512x3000,2048x300
