@@ -5,9 +5,11 @@ checkpoint that cannot be restored is found out only after the crash it was save
 from __future__ import annotations
 
 import copy
+import hashlib
 import io
 import pickle
 import sys
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from itertools import chain
@@ -89,8 +91,11 @@ def _tensor(value: torch.Tensor, path: str) -> torch.Tensor:
     if not is_traceable_wrapper_subclass(value):
         return value.as_subclass(torch.Tensor)
     # Every one, at every save: what restore refuses depends on the instance (its flatten context and
-    # attributes), not only on its type. The whole tensor goes through torch.save, in memory.
-    _check_weights_only(value, path)
+    # attributes), not only on its type. The real rule (the whole tensor through torch.save and back, in
+    # memory) runs once per pickled structure; later saves of the same structure only pickle it again.
+    if not _WRAPPERS.accepted(value):
+        _check_weights_only(value, path)
+        _WRAPPERS.accept(value)
     return value
 
 
@@ -169,6 +174,71 @@ def _numpy_scalar(value: Any) -> int | float | bool | None:
         item = value.item()
         return item if type(item) in (int, float, bool) else None
     return None
+
+
+class _Structure(pickle.Pickler):
+    """torch.save's pickle of a value without the bytes of its tensors: where torch.save names a record of a
+    storage's bytes (its ``persistent_id``), this names only that one is there. Restore's weights_only load
+    accepts or refuses a pickle by its opcodes and globals, never by a storage's bytes, so two values with
+    the same structure pickle get the same verdict."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, (torch.storage.TypedStorage, torch.UntypedStorage)):
+            return ("storage", type(obj).__name__)
+        return None
+
+
+class _WrapperVerdicts:
+    """The pickled structures of wrapper tensors restore's load accepted (``_Structure``), so that a frozen
+    NF4 base model is not serialised and loaded back in memory at every save (16 tensors of 16 MiB: 195-250
+    ms of CPU per save, against 6-12 ms for their structures; benchmarks/bench_wrapper_check.py). Keyed by
+    the structure's digest and by the
+    allowlist it was judged under (``torch.serialization.add_safe_globals``: a change forgets every
+    verdict); at most ``LIMIT`` kept (the least recently used dropped)."""
+
+    LIMIT = 4096
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._accepted: OrderedDict[bytes, None] = OrderedDict()
+        self._allowlist: list[Any] = []
+
+    def accepted(self, value: torch.Tensor) -> bool:
+        key = _digest(value)
+        with self._lock:
+            if key is None or not self._same_allowlist() or key not in self._accepted:
+                return False
+            self._accepted.move_to_end(key)
+            return True
+
+    def accept(self, value: torch.Tensor) -> None:
+        key = _digest(value)
+        if key is None:
+            return
+        with self._lock:
+            if not self._same_allowlist():
+                self._accepted.clear()
+                self._allowlist = torch.serialization.get_safe_globals()
+            self._accepted[key] = None
+            if len(self._accepted) > self.LIMIT:
+                self._accepted.popitem(last=False)
+
+    def _same_allowlist(self) -> bool:
+        return torch.serialization.get_safe_globals() == self._allowlist
+
+
+def _digest(value: Any) -> bytes | None:
+    """The digest of ``value``'s pickled structure (``_Structure``, torch.save's protocol), or None where it
+    cannot be pickled so (the real rule then says why)."""
+    buf = io.BytesIO()
+    try:
+        _Structure(buf, protocol=torch.serialization.DEFAULT_PROTOCOL).dump(value)
+    except Exception:
+        return None
+    return hashlib.blake2b(buf.getbuffer(), digest_size=32).digest()
+
+
+_WRAPPERS = _WrapperVerdicts()
 
 
 def _check_weights_only(value: Any, path: str) -> None:
