@@ -11,17 +11,19 @@ gives back is what pickling keeps:
 
 The async snapshot must give back the same (issue: async fidelity). So this walk, unlike the flattening
 one (save/stage_plan.py), stages *storages*: each storage met in the value is one tensor item of the walk,
-its leaf the storage's bytes (a uint8 tensor over all of it), and each tensor of the value is rebuilt in
-the snapshot as the same view of the buffer that holds those bytes. An object met again is the snapshot's
-object of its first meeting. Its items in the signature: the storage's leaf token for a tensor that first
-meets a storage, ``None`` for a tensor over a storage met before and for an object met before (what the
-buffers must fit is the storages alone; the views are rebuilt from the live state at every save).
+its leaf the storage's bytes (a flat tensor over all of it, in the dtype of the tensor that met it), and
+each tensor of the value is rebuilt in the snapshot as the same view of the buffer that holds those bytes.
+An object met again is the snapshot's object of its first meeting. Its items in the signature: the
+storage's leaf token for a tensor that first meets a storage, ``None`` for a tensor over a storage met
+before and for an object met before (what the buffers must fit is the storages alone; the views are
+rebuilt from the live state at every save).
 
-A leaf over the bytes of a live storage is a tensor of its own (its version counter never moves): the
-incremental check (save/staging.py) fingerprints such a tensor when it is large and copies it when small,
-which is always right (the counter is only ever a hint that a tensor *changed*). The buffers are the
-leaves' own copies, and the walk of the buffers (``walk(buffers, None)``, by ``Plan``) takes a buffer that
-is all of its storage as its own leaf, so buffers re-homed in a shared segment stay paired.
+A leaf is a view of the live tensor, so the incremental check (save/staging.py) reads its version counter
+as for any tensor; where it has to be bytes of its own (a conj view), its counter never moves, and the
+check fingerprints it when large and copies it when small: right either way (the counter is only ever a
+hint that a tensor *changed*). The buffers are the leaves' own copies, and the walk of the buffers
+(``walk(buffers, None)``, by ``Plan``) takes a buffer that is all of its storage as its own leaf, so
+buffers re-homed in a shared segment stay paired.
 
 Only values pickled whole pay for this: the walk of dicts and lists of tensors stays as it was.
 """
@@ -67,16 +69,27 @@ def terminal(v: Any) -> bool:
 
 
 def whole_bytes(t: Any, st: torch.UntypedStorage) -> bool:
-    """Whether ``t`` is a uint8 tensor over every byte of a storage the size of ``st`` (a staging buffer)."""
+    """Whether ``t`` is a flat tensor over every byte of a storage of as many bytes as ``st`` (a staging
+    buffer, or a live tensor that is all of its storage)."""
     return (
         type(t) is torch.Tensor
-        and t.dtype is _UINT8
         and t.dim() == 1
         and t.storage_offset() == 0
-        and t.numel() == st.nbytes()
         and t.is_contiguous()
-        and t.untyped_storage().nbytes() == t.numel()
+        and t.numel() * t.element_size() == st.nbytes() == t.untyped_storage().nbytes()
+        and not (t.is_conj() or t.is_neg())
     )
+
+
+def _bytes_of(v: torch.Tensor, st: torch.UntypedStorage) -> torch.Tensor:
+    """A flat tensor over every byte of ``v``'s storage ``st``, in ``v``'s dtype where it divides them: a
+    view of ``v``, so it shares its version counter (a tensor written to since the last save is copied
+    without a fingerprint, as in a dict: save/staging.py). As bytes where it cannot be one (a conj or neg
+    view would be copied resolved; a storage that is no whole number of ``v``'s elements)."""
+    size = v.element_size()
+    if not (v.is_conj() or v.is_neg()) and st.nbytes() % size == 0:
+        return v.detach().as_strided((st.nbytes() // size,), (1,), 0)
+    return torch.empty(0, dtype=_UINT8, device=v.device).set_(st)
 
 
 def view_of(live: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
@@ -133,8 +146,8 @@ class Pickled:
             if key in self.stores:
                 append(None)  # a view of a storage met before: its buffer is that storage's
             else:
-                leaf = v if whole_bytes(v, st) else torch.empty(0, dtype=_UINT8, device=v.device).set_(st)
-                append((leaf.device, leaf.data_ptr(), _UINT8, leaf.shape, leaf.stride()))
+                leaf = v if whole_bytes(v, st) else _bytes_of(v, st)
+                append((leaf.device, leaf.data_ptr(), leaf.dtype, leaf.shape, leaf.stride()))
                 out.leaves.append(leaf)
                 slot = self.slots[i] if i < self.have else None  # type: ignore[index]
                 # A slot of other bytes (a plan this walk will not fit: its snapshot is dropped and the
