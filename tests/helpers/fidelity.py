@@ -61,6 +61,10 @@ def save_and_restore(value: Any, template: Any, mode: str, root: Path) -> Any:
     writer = safepoint.WriterOptions(async_writer="thread" if mode == "sync" else mode)
     state = safepoint.TrainState(objects={"o": Holder(value)}, rng=False)
     with safepoint.CheckpointManager(root, async_save=mode != "sync", writer=writer) as mgr:
+        if mode == "process":
+            process = mgr._process
+            assert process is not None
+            process.wait_ready()  # the process writes the save, not the thread while it starts
         mgr.save(1, state)
         mgr.wait()
     back = Holder(template)

@@ -23,7 +23,6 @@ import itertools
 import struct
 from collections import OrderedDict, defaultdict, namedtuple
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -188,9 +187,11 @@ def save_then_restore(mgr: safepoint.CheckpointManager, step: int, spec: Any) ->
     return ("saved", canon(back.v))
 
 
-@pytest.fixture()
-def managers(tmp_path: Path) -> Iterator[dict[str, safepoint.CheckpointManager]]:
-    """A sync manager and an async one per writer, each on a root of its own, for the whole campaign."""
+@pytest.fixture(scope="module")
+def managers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, safepoint.CheckpointManager]]:
+    """A sync manager and an async one per writer, each on a root of its own, for every campaign of the
+    module (one writer process to start)."""
+    tmp_path = tmp_path_factory.mktemp("differential")
     mgrs = {
         mode: safepoint.CheckpointManager(
             tmp_path / mode,
@@ -200,6 +201,9 @@ def managers(tmp_path: Path) -> Iterator[dict[str, safepoint.CheckpointManager]]
         for mode in MODES
     }
     try:
+        process = mgrs["process"]._process
+        assert process is not None
+        process.wait_ready()  # the process writes every save, not the thread while it starts
         with torch.serialization.safe_globals([Pair]):
             yield mgrs
     finally:
