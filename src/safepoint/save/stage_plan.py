@@ -8,7 +8,8 @@ and that walk gives both the snapshot (the buffers in place of the tensors, any 
 own, a BytesIO too: no value of a snapshot is the live object) and a **signature** of the state's
 structure: each container's kind and keys (or length), a marker for each other value, and per tensor what
 makes it the very same tensor (device, data_ptr, dtype, shape, strides, conj and neg bits; a DTensor also
-its mesh, placements and global shape). The buffers are paired with the tensors by position in the walk, in
+its mesh, placements and global shape; inside a value DCP pickles whole, a tuple, each storage instead,
+save/pickled.py). The buffers are paired with the tensors by position in the walk, in
 a ``Plan``, which holds the signature of the state it was made for; a save reuses it when its own signature
 is equal, item for item (``fits``), or differs only in where plain tensors live, not in their device, dtype,
 shape or ties (``refit``: a tensor replaced by another like it). Any other change (a tensor resized, moved,
