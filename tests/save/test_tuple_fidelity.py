@@ -200,3 +200,23 @@ def test_a_large_storage_in_a_tuple_is_skipped_unchanged_and_copied_unhashed_onc
         assert torch.equal(snap["t"][0], big.t()) and snap["t"][1].untyped_storage().nbytes() == 32768
     finally:
         stager.release()
+
+
+def test_a_dtensor_inside_a_tuple_is_staged_once_per_object(stager: Stager, one_rank_group: None) -> None:
+    # A DTensor inside a pickled value keeps its own buffer (a DTensor over a host copy of its local
+    # tensor), met twice it is one object, and the plain tensors beside it are staged per storage.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    dt = distribute_tensor(torch.arange(16.0).reshape(4, 4), mesh, [Shard(0)])
+    x = torch.arange(6.0).reshape(2, 3)
+    for step in range(3):
+        with torch.no_grad():
+            dt.to_local().add_(step)
+        snap = stager.stage({"t": (dt, dt, x.t(), x)})
+        a, b, xt, xx = snap["t"]
+        assert isinstance(a, DTensor) and a is b and torch.equal(a.to_local(), dt.to_local())
+        assert a.to_local().data_ptr() != dt.to_local().data_ptr()
+        assert xt.untyped_storage().data_ptr() == xx.untyped_storage().data_ptr() and xt.stride() == (1, 3)
+    assert stager.allocations == 1
