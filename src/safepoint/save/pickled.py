@@ -88,15 +88,19 @@ def _bytes_of(v: torch.Tensor, st: torch.UntypedStorage) -> torch.Tensor:
     view would be copied resolved; a storage that is no whole number of ``v``'s elements)."""
     size = v.element_size()
     if not (v.is_conj() or v.is_neg()) and st.nbytes() % size == 0:
-        return v.detach().as_strided((st.nbytes() // size,), (1,), 0)
+        flat = v.detach() if v.requires_grad else v  # no autograd node for a view only read
+        return flat.as_strided((st.nbytes() // size,), (1,), 0)
     return torch.empty(0, dtype=_UINT8, device=v.device).set_(st)
 
 
 def view_of(live: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
     """``live``'s view (dtype, size, strides, offset, conj and neg bits) over the bytes of ``buf``; a
     Parameter or a tensor that requires grad as pickling keeps it (``as_pickled``)."""
-    t = torch.empty(0, dtype=live.dtype, device=buf.device)
-    t.set_(buf.untyped_storage(), live.storage_offset(), live.size(), live.stride())
+    if buf.dtype is live.dtype:  # one call where the buffer is of its dtype (all but a dtype view)
+        t = buf.as_strided(live.size(), live.stride(), live.storage_offset())
+    else:
+        t = torch.empty(0, dtype=live.dtype, device=buf.device)
+        t.set_(buf.untyped_storage(), live.storage_offset(), live.size(), live.stride())
     if live.is_conj():
         t = t.conj()
     if live.is_neg():
@@ -150,9 +154,11 @@ class Pickled:
                 append((leaf.device, leaf.data_ptr(), leaf.dtype, leaf.shape, leaf.stride()))
                 out.leaves.append(leaf)
                 slot = self.slots[i] if i < self.have else None  # type: ignore[index]
-                # A slot of other bytes (a plan this walk will not fit: its snapshot is dropped and the
+                # A slot of another size (a plan this walk will not fit: its snapshot is dropped and the
                 # walk redone) is not built on: a view may not fit in it, and a storage would be resized.
-                self.stores[key] = slot if whole_bytes(slot, st) else None
+                if type(slot) is not torch.Tensor or slot.untyped_storage().nbytes() != st.nbytes():
+                    slot = None
+                self.stores[key] = slot
             buf = self.stores[key]
             return v if buf is None else view_of(v, buf)
         if isinstance(v, DTensor) and plain(local := v._local_tensor):
