@@ -36,8 +36,9 @@ from typing import Any
 
 import torch
 
+from safepoint.save.kinds import plain
 from safepoint.save.shared_buffers import PACK_ALIGN, SharedArena
-from safepoint.save.stage_plan import Plan, Walked, cuda_devices, plain
+from safepoint.save.stage_plan import Plan, Walked, cuda_devices
 
 log = logging.getLogger("safepoint")
 

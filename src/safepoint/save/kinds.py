@@ -1,4 +1,5 @@
-"""The container types of an async save's snapshot (save/stage_plan.py's walk copies every container).
+"""The kinds of item an async save's walk meets (save/stage_plan.py, save/pickled.py), and the container
+types of its snapshot (the walk copies every container).
 
 A tuple or list subclass keeps its type (a ``torch.Size``, a namedtuple: a sync save writes it so, and
 restore loads it so). A dict becomes a plain dict, since DCP stores a dict's keys, never its type, except
@@ -13,6 +14,32 @@ from typing import Any
 import torch
 
 from safepoint.data.restorable import refilled
+
+PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+SCALARS = frozenset({int, float, str, bytes, bool, type(None)})
+# Tags of the signature's items that are not a tensor's: distinct objects, compared by identity.
+DICT, LIST, TUPLE, DTENSOR, OPAQUE = (object() for _ in range(5))
+
+
+def plain(t: Any) -> bool:
+    """A tensor staged by the batched copy: a plain strided Tensor or Parameter (not a subclass)."""
+    return type(t) in PLAIN_TYPES and t.layout is torch.strided
+
+
+def alias(t: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two tensors the very same values: (device, data_ptr, dtype, shape, strides, conj, neg).
+    The conj and neg bits too: ``z.conj()`` is the same memory, dtype and view as ``z`` but other values."""
+    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.is_conj(), t.is_neg())
+
+
+def opaque_token(v: torch.Tensor) -> tuple[Any, ...]:
+    """The structure of a tensor item copied by torch's function: its kind, dtype, shape, device; a
+    ShardedTensor's local shards (offset, shape, dtype, device each)."""
+    shards = getattr(v, "local_shards", None)
+    if callable(shards):  # a ShardedTensor: its buffer holds the same local shards
+        parts = tuple((tuple(s.metadata.shard_offsets), alias(s.tensor)) for s in shards())
+        return (OPAQUE, type(v), tuple(v.size()), parts)
+    return (OPAQUE, type(v), v.layout, v.device, v.dtype, tuple(v.shape))
 
 
 def same_dict(v: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]:
@@ -38,16 +65,6 @@ def same_kind(kind: Any, items: Any) -> Any:
         return kind._make(items) if isinstance(items, list) and hasattr(kind, "_make") else kind(items)
     except Exception:
         return tuple(items) if issubclass(kind, tuple) else items
-
-
-def pickled_apart(x: Any) -> bool:
-    """A plain strided tensor that a pickle tells apart from a plain tensor's copy: a Parameter, or one
-    that requires grad."""
-    return (
-        type(x) in (torch.Tensor, torch.nn.Parameter)
-        and x.layout is torch.strided
-        and (x.requires_grad or type(x) is not torch.Tensor)
-    )
 
 
 def as_pickled(live: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:

@@ -9,9 +9,30 @@ from typing import Any
 import torch
 from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 
-from safepoint.save.stage_plan import alias, plain
+from safepoint.save.kinds import SCALARS, alias, plain
+from safepoint.save.pickled import terminal
+from safepoint.save.stage_plan import walk
 
 Alias = tuple[Any, ...]
+
+
+def staged_form(sd: Any) -> Any:
+    """What the buffers are allocated for: ``sd`` with each value DCP pickles whole (save/pickled.py) in
+    place as the tuple of what its walk copies, in walk order (the bytes of each storage in it, its DTensors
+    and other tensors): the walk of the buffers then meets their leaves in the order of the state's walk.
+    ``sd`` itself where it holds no such value."""
+    if isinstance(sd, dict):
+        new = {k: staged_form(v) for k, v in sd.items()}
+        return sd if all(new[k] is v for k, v in sd.items()) else new
+    # As the walk decides: a list with more than numbers and strings in it is asked whether it is terminal.
+    if isinstance(sd, tuple) or (
+        isinstance(sd, list) and any(type(v) not in SCALARS for v in sd) and terminal(sd)
+    ):
+        return tuple(walk([sd], None).items())  # in a list: the walk of a list of it pickles it whole
+    if isinstance(sd, list):
+        new_list = [staged_form(v) for v in sd]
+        return sd if all(a is b for a, b in zip(new_list, sd, strict=True)) else new_list
+    return sd
 
 
 def _leaves(sd: Any, path: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], torch.Tensor]]:

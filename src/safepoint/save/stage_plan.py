@@ -8,7 +8,8 @@ and that walk gives both the snapshot (the buffers in place of the tensors, any 
 own, a BytesIO too: no value of a snapshot is the live object) and a **signature** of the state's
 structure: each container's kind and keys (or length), a marker for each other value, and per tensor what
 makes it the very same tensor (device, data_ptr, dtype, shape, strides, conj and neg bits; a DTensor also
-its mesh, placements and global shape). The buffers are paired with the tensors by position in the walk, in
+its mesh, placements and global shape; inside a value DCP pickles whole, a tuple, each storage instead,
+save/pickled.py). The buffers are paired with the tensors by position in the walk, in
 a ``Plan``, which holds the signature of the state it was made for; a save reuses it when its own signature
 is equal, item for item (``fits``), or differs only in where plain tensors live, not in their device, dtype,
 shape or ties (``refit``: a tensor replaced by another like it). Any other change (a tensor resized, moved,
@@ -39,14 +40,17 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from safepoint.save.kinds import as_pickled, pickled_apart, same_dict, same_kind
+from safepoint.save.kinds import DICT as _DICT
+from safepoint.save.kinds import DTENSOR as _DTENSOR
+from safepoint.save.kinds import LIST as _LIST
+from safepoint.save.kinds import PLAIN_TYPES as _PLAIN_TYPES
+from safepoint.save.kinds import SCALARS as _SCALARS
+from safepoint.save.kinds import TUPLE as _TUPLE
+from safepoint.save.kinds import alias, opaque_token, plain, same_kind
+from safepoint.save.pickled import Pickled, terminal
 from safepoint.save.shared_buffers import buffer_tensors
 
-_PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 _STRIDED = torch.strided
-_SCALARS = frozenset({int, float, str, bytes, bool, type(None)})
-# Tags of the signature's items that are not a tensor's: distinct objects, compared by identity.
-_DICT, _LIST, _TUPLE, _DTENSOR, _OPAQUE = (object() for _ in range(5))
 
 
 class Walked:
@@ -72,17 +76,6 @@ class Walked:
         return [self.wrapped.get(i, t) for i, t in enumerate(self.leaves)] if self.wrapped else self.leaves
 
 
-def plain(t: Any) -> bool:
-    """A tensor staged by the batched copy: a plain strided Tensor or Parameter (not a subclass)."""
-    return type(t) in _PLAIN_TYPES and t.layout is _STRIDED
-
-
-def alias(t: torch.Tensor) -> tuple[Any, ...]:
-    """What makes two tensors the very same values: (device, data_ptr, dtype, shape, strides, conj, neg).
-    The conj and neg bits too: ``z.conj()`` is the same memory, dtype and view as ``z`` but other values."""
-    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.is_conj(), t.is_neg())
-
-
 def walk(sd: Any, slots: Sequence[Any] | None) -> Walked:
     """Walk ``sd``: its signature, its tensor items, and its snapshot with ``slots[i]`` in place of the i-th
     tensor item (the item itself where ``slots`` has none: a walk to be redone once buffers exist).
@@ -101,12 +94,11 @@ class _Walker:
     keep each walk's signature, tensors and snapshot alive until the cyclic collector ran, ~40,000 objects
     per save at 9,000 tensors, collected inside a later save's blocking time)."""
 
-    __slots__ = ("have", "out", "slots", "whole")
+    __slots__ = ("have", "out", "slots")
 
     def __init__(self, out: Walked, slots: Sequence[Any] | None) -> None:
         self.out, self.slots = out, slots
         self.have = len(slots) if slots is not None else 0
-        self.whole = 0  # > 0 inside a tuple: DCP pickles a tuple whole, container types and all
 
     def visit(self, v: Any) -> Any:
         kind = type(v)
@@ -129,19 +121,15 @@ class _Walker:
                 else:
                     new[k] = self.visit(x)
             # A plain dict even for a model's OrderedDict: DCP stores a dict's keys, never its type (and
-            # OrderedDict(new) at 9,000 keys cost 2-6 ms of the loop's wait per save). Not inside a tuple,
-            # which DCP stores as one pickled value: there the type is saved, as a sync save saves it.
-            if not self.whole:
-                return new
-            for k, x in v.items():
-                if (y := new[k]) is not x and pickled_apart(x):
-                    new[k] = as_pickled(x, y)
-            return new if kind is dict else same_dict(v, new)
+            # OrderedDict(new) at 9,000 keys cost 2-6 ms of the loop's wait per save).
+            return new
         if kind is list or kind is tuple or (kind not in _PLAIN_TYPES and isinstance(v, (list, tuple))):
-            is_tuple = isinstance(v, tuple)
-            append((_TUPLE if is_tuple else _LIST, len(v)))
-            self.whole += is_tuple
+            if kind is not list and isinstance(v, tuple):
+                return Pickled(out, slots, have).visit(v)  # one pickled value (save/pickled.py)
+            mark = len(out.tokens)
+            append((_LIST, len(v)))
             seq = []
+            probe = True
             for x in v:
                 t = type(x)
                 if t in _PLAIN_TYPES and x.layout is _STRIDED:
@@ -153,14 +141,14 @@ class _Walker:
                     append(None)
                     seq.append(x)
                 else:
+                    # A list that holds no tensor and no dict (tuples, lists of numbers) is one pickled
+                    # value too; only a list with more than numbers and strings in it is asked (rarely).
+                    if probe and terminal(v):
+                        del out.tokens[mark:]  # no tensor before this item: nothing else to take back
+                        return Pickled(out, slots, have).visit(v)
+                    probe = False
                     seq.append(self.visit(x))
-            if self.whole:
-                seq = [
-                    as_pickled(x, y) if y is not x and pickled_apart(x) else y
-                    for x, y in zip(v, seq, strict=True)
-                ]
-            self.whole -= is_tuple
-            return seq if kind is list else tuple(seq) if kind is tuple else same_kind(kind, seq)
+            return seq if kind is list else same_kind(kind, seq)
         if kind in _SCALARS:
             append(None)
             return v
@@ -173,7 +161,7 @@ class _Walker:
             keep(local)
             out.wrapped[i] = v
         elif isinstance(v, torch.Tensor):
-            append(_opaque_token(v))
+            append(opaque_token(v))
             keep(v)
             out.opaque.append(i)
         else:
@@ -182,16 +170,6 @@ class _Walker:
             # too (position and all), which torch passes on as it is: no later write may reach the snapshot.
             return copy.deepcopy(v)
         return slots[i] if i < have else v  # type: ignore[index]
-
-
-def _opaque_token(v: torch.Tensor) -> tuple[Any, ...]:
-    """The structure of a tensor item copied by torch's function: its kind, dtype, shape, device; a
-    ShardedTensor's local shards (offset, shape, dtype, device each)."""
-    shards = getattr(v, "local_shards", None)
-    if callable(shards):  # a ShardedTensor: its buffer holds the same local shards
-        parts = tuple((tuple(s.metadata.shard_offsets), alias(s.tensor)) for s in shards())
-        return (_OPAQUE, type(v), tuple(v.size()), parts)
-    return (_OPAQUE, type(v), v.layout, v.device, v.dtype, tuple(v.shape))
 
 
 def cuda_devices(walked: Walked) -> set[torch.device]:

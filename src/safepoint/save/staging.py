@@ -33,7 +33,7 @@ from safepoint.errors import SaveError, describe_exception
 from safepoint.events import SaveCall
 from safepoint.save.gather import Split, gather_picks, gatherable, plan_gather
 from safepoint.save.shared_buffers import SharedArena, move_into_arena
-from safepoint.save.stage_buffers import own_copies, tie_buffers
+from safepoint.save.stage_buffers import own_copies, staged_form, tie_buffers
 from safepoint.save.stage_plan import Plan, Walked, cuda_devices, walk
 from safepoint.store.fingerprint import fast_path, fingerprints, version_counter
 
@@ -220,8 +220,9 @@ class Stager:
         picks = gather_picks(walked, copied_unproven)
         # In a segment (shared, or gathered): untouched pages, re-homed below without a copy.
         laid = self._shared or bool(picks)
-        buffers = own_copies(sd, _create_cpu_state_dict(sd, pin_memory=pin and not laid))
-        tie_buffers(sd, buffers)
+        form = staged_form(sd)  # a value pickled whole gets a buffer per storage (save/pickled.py)
+        buffers = own_copies(form, _create_cpu_state_dict(form, pin_memory=pin and not laid))
+        tie_buffers(form, buffers)
         mine: Walked | None = None  # the buffers' walk, paired with ``walked`` by position (Plan's too)
         if laid:
             mine = walk(buffers, None)
@@ -233,8 +234,8 @@ class Stager:
                 # The gather only makes staging faster, and the thread writer needs no segment: fresh
                 # buffers of torch's own, pinned, as without a gather.
                 log.warning("safepoint: staging tensor by tensor: no staging segment (%s)", e)
-                buffers = own_copies(sd, _create_cpu_state_dict(sd, pin_memory=pin))
-                tie_buffers(sd, buffers)
+                buffers = own_copies(form, _create_cpu_state_dict(form, pin_memory=pin))
+                tie_buffers(form, buffers)
                 mine = None
             if self._shared:
                 self.arena = self._region
