@@ -62,12 +62,18 @@ class _Bufs(torch.nn.Module):
             self.register_buffer(k, v)
 
 
-def _save(root: Path, mode: str, state: safepoint.TrainState, steps: int = 1) -> None:
-    writer = safepoint.WriterOptions(async_writer="thread" if mode == "sync" else mode)
+def _save(root: Path, mode: str, state: safepoint.TrainState, steps: int = 1) -> int:
+    """``steps`` saves of ``state``, the process writer's once its process is ready (a save before that is
+    written by the writer thread); the staging buffer sets allocated (0 for sync saves)."""
+    writer = safepoint.WriterOptions(async_writer="thread" if mode == "sync" else mode, if_busy="wait")
     with safepoint.CheckpointManager(root, async_save=mode != "sync", writer=writer) as mgr:
+        if mode == "process":
+            assert mgr._process is not None
+            mgr._process.wait_ready()
         for step in range(1, steps + 1):
             mgr.save(step, state)
             mgr.wait()
+        return mgr._stager.allocations if mgr._stager is not None else 0
 
 
 def stored(step_dir: Path) -> dict[str, Any]:
@@ -94,7 +100,9 @@ def _same_wrapper(a: Any, b: Any) -> None:
 
 
 @pytest.mark.parametrize("mode", ["thread", "process"])
-def test_an_async_save_stores_the_wrapper_a_sync_save_stores(tmp_path: Path, mode: str) -> None:
+def test_an_async_save_stores_the_wrapper_a_sync_save_stores(
+    tmp_path: Path, mode: str, caplog: pytest.LogCaptureFixture
+) -> None:
     def state() -> safepoint.TrainState:
         w = WrapperTensor(torch.arange(6.0).reshape(2, 3), {"block": 64})
         k = _Keeping(torch.arange(4, dtype=torch.int16), {"block": 32})
@@ -104,8 +112,11 @@ def test_an_async_save_stores_the_wrapper_a_sync_save_stores(tmp_path: Path, mod
         )
 
     _save(tmp_path / "sync", "sync", state())
-    _save(tmp_path / mode, mode, state())
-    want, got = stored(tmp_path / "sync" / "step-1"), stored(tmp_path / mode / "step-1")
+    with caplog.at_level(logging.INFO, logger="safepoint"):
+        _save(tmp_path / mode, mode, state(), steps=2)
+    assert "written by the thread" not in caplog.text  # the process wrote them
+    assert "outside the staging segment" not in caplog.text
+    want, got = stored(tmp_path / "sync" / "step-1"), stored(tmp_path / mode / "step-2")
     assert want.keys() == got.keys()
     assert type(want["model.w"]) is WrapperTensor and type(want["model.k"]) is _Keeping
     assert want["model.k"].extra == {"scale": 0.5}  # the control: a sync save stores the attribute
@@ -120,7 +131,7 @@ def test_an_async_save_stores_the_wrapper_a_sync_save_stores(tmp_path: Path, mod
             objects={"o": Holder(WrapperTensor(torch.zeros(3), [1, 2]))}, rng=False,
         )  # fmt: skip
         with safepoint.CheckpointManager(tmp_path / name) as mgr:
-            assert mgr.restore(tmpl) == 1
+            assert mgr.restore(tmpl) == (1 if name == "sync" else 2)
         back[name] = tmpl
     a, b = back["sync"], back[mode]
     for x, y in ((a.model.w, b.model.w), (a.model.k, b.model.k), (a.objects["o"].v, b.objects["o"].v)):
@@ -199,21 +210,29 @@ def _nf4() -> Any:
 
 
 @pytest.mark.parametrize("mode", ["thread", "process"])
-def test_an_nf4_base_saves_async_as_it_saves_sync(tmp_path: Path, mode: str) -> None:
+def test_an_nf4_base_saves_async_as_it_saves_sync(
+    tmp_path: Path, mode: str, caplog: pytest.LogCaptureFixture
+) -> None:
     nf4 = _nf4()
     torch.manual_seed(0)
-    weights = {f"w{i}": nf4.to_nf4(torch.randn(256, 512, dtype=torch.bfloat16)) for i in range(2)}
-    for name in ("sync", mode):
-        _save(tmp_path / name, name, safepoint.TrainState(model=_Bufs(**weights), rng=False), steps=2)
-    want, got = stored(tmp_path / "sync" / "step-2"), stored(tmp_path / mode / "step-2")
+    shapes = {"w0": (2048, 2048), "w1": (256, 512)}  # w0's packed 4-bit data: 2 MiB, over the warning's 1 MiB
+    weights = {k: nf4.to_nf4(torch.randn(*shape, dtype=torch.bfloat16)) for k, shape in shapes.items()}
+    with caplog.at_level(logging.INFO, logger="safepoint"):
+        for name in ("sync", mode):
+            state = safepoint.TrainState(model=_Bufs(**weights), rng=False)
+            assert _save(tmp_path / name, name, state, steps=3) == (name != "sync")  # one set for 3 saves
+    assert "written by the thread" not in caplog.text and "outside the staging segment" not in caplog.text
+    want, got = stored(tmp_path / "sync" / "step-3"), stored(tmp_path / mode / "step-3")
     assert want.keys() == got.keys()
     for key, v in want.items():
         assert type(v) is nf4.NF4Tensor and type(got[key]) is nf4.NF4Tensor, key
         _same_wrapper(got[key], v)
     for name in ("sync", mode):
-        back = _Bufs(**{k: nf4.to_nf4(torch.zeros(256, 512, dtype=torch.bfloat16)) for k in weights})
+        back = _Bufs(
+            **{k: nf4.to_nf4(torch.zeros(*shape, dtype=torch.bfloat16)) for k, shape in shapes.items()}
+        )
         with safepoint.CheckpointManager(tmp_path / name) as mgr:
-            assert mgr.restore(safepoint.TrainState(model=back, rng=False)) == 2
+            assert mgr.restore(safepoint.TrainState(model=back, rng=False)) == 3
         for k, w in weights.items():
             b = getattr(back, k)
             assert type(b) is nf4.NF4Tensor

@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from safepoint.save import shared_buffers, wrappers
 from safepoint.save.kinds import as_pickled, pickled_apart, same_dict, same_kind
-from safepoint.save.shared_buffers import buffer_tensors
 
 _PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 _STRIDED = torch.strided
@@ -185,20 +185,20 @@ class _Walker:
 
 
 def _opaque_token(v: torch.Tensor) -> tuple[Any, ...]:
-    """The structure of a tensor item copied by torch's function: its kind, dtype, shape, device; a
-    ShardedTensor's local shards (offset, shape, dtype, device each)."""
+    """The structure of a tensor item the batched copy does not take: a ShardedTensor's local shards (offset,
+    shape, dtype, device each), a wrapper subclass's ``wrappers.token``, else kind, dtype, shape, device."""
     shards = getattr(v, "local_shards", None)
     if callable(shards):  # a ShardedTensor: its buffer holds the same local shards
         parts = tuple((tuple(s.metadata.shard_offsets), alias(s.tensor)) for s in shards())
         return (_OPAQUE, type(v), tuple(v.size()), parts)
-    return (_OPAQUE, type(v), v.layout, v.device, v.dtype, tuple(v.shape))
+    return (_OPAQUE, *(wrappers.token(v) or (type(v), v.layout, v.device, v.dtype, tuple(v.shape))))
 
 
 def cuda_devices(walked: Walked) -> set[torch.device]:
     """The CUDA devices of a walk's tensors (a ShardedTensor's: of its local shards)."""
     out = {t.device for t in walked.leaves if isinstance(t, torch.Tensor) and t.is_cuda}
     for i in walked.opaque:
-        out |= {t.device for t in buffer_tensors(walked.leaves[i]) if t.is_cuda}
+        out |= {t.device for t in shared_buffers.buffer_tensors(walked.leaves[i]) if t.is_cuda}
     return out
 
 
