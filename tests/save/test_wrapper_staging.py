@@ -9,7 +9,6 @@ the shared segment."""
 
 from __future__ import annotations
 
-import io
 import logging
 import pickle
 from collections.abc import Iterator
@@ -18,12 +17,12 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 
 import safepoint
 from safepoint.save import handoff
 from safepoint.save.staging import Stager
 from tests.helpers.holder import Holder
+from tests.helpers.stored_items import stored
 from tests.helpers.wrapper_tensor import WrapperTensor
 
 MODES = ["sync", "thread", "process"]
@@ -76,18 +75,6 @@ def _save(root: Path, mode: str, state: safepoint.TrainState, steps: int = 1) ->
         return mgr._stager.allocations if mgr._stager is not None else 0
 
 
-def stored(step_dir: Path) -> dict[str, Any]:
-    """Every item of a committed step as its bytes load (weights_only, under the test's allowlist)."""
-    md = FileSystemReader(str(step_dir)).read_metadata()
-    out = {}
-    for index, info in md.storage_data.items():
-        with open(step_dir / info.relative_path, "rb") as f:
-            f.seek(info.offset)
-            raw = f.read(info.length)
-        out[index.fqn] = torch.load(io.BytesIO(raw), weights_only=True)
-    return out
-
-
 def _same_wrapper(a: Any, b: Any) -> None:
     assert type(a) is type(b)
     assert a.__dict__.keys() == b.__dict__.keys()
@@ -107,9 +94,9 @@ def test_an_async_save_stores_the_wrapper_a_sync_save_stores(
         w = WrapperTensor(torch.arange(6.0).reshape(2, 3), {"block": 64})
         k = _Keeping(torch.arange(4, dtype=torch.int16), {"block": 32})
         k.extra = {"scale": 0.5}  # not in flatten: pickled with the wrapper's __dict__
-        return safepoint.TrainState(
-            model=_Bufs(w=w, k=k), objects={"o": Holder(WrapperTensor(torch.ones(3), [1, 2]))}, rng=False
-        )
+        nested = WrapperTensor(WrapperTensor(torch.arange(4.0), 2), 1)
+        objects = {"o": Holder(WrapperTensor(torch.ones(3), [1, 2])), "n": Holder(nested)}
+        return safepoint.TrainState(model=_Bufs(w=w, k=k), objects=objects, rng=False)
 
     _save(tmp_path / "sync", "sync", state())
     with caplog.at_level(logging.INFO, logger="safepoint"):
@@ -120,7 +107,8 @@ def test_an_async_save_stores_the_wrapper_a_sync_save_stores(
     assert want.keys() == got.keys()
     assert type(want["model.w"]) is WrapperTensor and type(want["model.k"]) is _Keeping
     assert want["model.k"].extra == {"scale": 0.5}  # the control: a sync save stores the attribute
-    for key in ("model.w", "model.k", "objects.o.v"):
+    assert type(want["objects.n.v"].packed) is WrapperTensor
+    for key in ("model.w", "model.k", "objects.o.v", "objects.n.v"):
         _same_wrapper(got[key], want[key])
     # Restored into fresh templates: the same values either way.
     back = {}
@@ -128,13 +116,15 @@ def test_an_async_save_stores_the_wrapper_a_sync_save_stores(
         tmpl = safepoint.TrainState(
             model=_Bufs(w=WrapperTensor(torch.zeros(2, 3), {"block": 64}),
                         k=_Keeping(torch.zeros(4, dtype=torch.int16), {"block": 32})),
-            objects={"o": Holder(WrapperTensor(torch.zeros(3), [1, 2]))}, rng=False,
+            objects={"o": Holder(WrapperTensor(torch.zeros(3), [1, 2])),
+                     "n": Holder(WrapperTensor(WrapperTensor(torch.zeros(4), 2), 1))}, rng=False,
         )  # fmt: skip
         with safepoint.CheckpointManager(tmp_path / name) as mgr:
             assert mgr.restore(tmpl) == (1 if name == "sync" else 2)
         back[name] = tmpl
     a, b = back["sync"], back[mode]
-    for x, y in ((a.model.w, b.model.w), (a.model.k, b.model.k), (a.objects["o"].v, b.objects["o"].v)):
+    for x, y in ((a.model.w, b.model.w), (a.model.k, b.model.k), (a.objects["o"].v, b.objects["o"].v),
+                 (a.objects["n"].v, b.objects["n"].v)):  # fmt: skip
         _same_wrapper(x, y)
 
 
@@ -199,6 +189,25 @@ def test_a_wrapper_goes_to_the_writer_process_by_its_place_not_its_bytes(
         assert back.packed.data_ptr() == snap.packed.data_ptr()  # the segment's own bytes
     finally:
         stager.release()
+
+
+def test_a_nested_wrapper_and_a_transposed_inner_tensor_are_staged_as_they_are(stager: Stager) -> None:
+    inner = WrapperTensor(torch.arange(6.0).reshape(2, 3).t(), {"level": 2})  # strides (1, 3)
+    live = WrapperTensor(inner, {"level": 1})
+    snap = stager.stage({"w": live})["w"]
+    assert type(snap) is WrapperTensor and type(snap.packed) is WrapperTensor
+    assert snap.meta == {"level": 1} and snap.packed.meta == {"level": 2}
+    assert snap.packed.packed.stride() == (1, 3) and torch.equal(snap.packed.packed, inner.packed)
+    inner.packed.mul_(2)
+    snap = stager.stage({"w": live})["w"]
+    assert stager.allocations == 1 and torch.equal(
+        snap.packed.packed, torch.arange(6.0).reshape(2, 3).t() * 2
+    )
+    if stager.arena is not None:  # the writer process rebuilds both levels over the segment
+        back = handoff.materialize_value(handoff.value_of(snap, stager.arena), stager.arena)
+        assert type(back.packed) is WrapperTensor and back.packed.meta == {"level": 2}
+        assert back.packed.packed.data_ptr() == snap.packed.packed.data_ptr()
+        assert back.packed.packed.stride() == (1, 3)
 
 
 # torchao's NF4Tensor: the real case.
