@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from safepoint.data.restorable import refilled
+from safepoint.save import wrappers
 
 PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 SCALARS = frozenset({int, float, str, bytes, bool, type(None)})
@@ -33,13 +34,13 @@ def alias(t: torch.Tensor) -> tuple[Any, ...]:
 
 
 def opaque_token(v: torch.Tensor) -> tuple[Any, ...]:
-    """The structure of a tensor item copied by torch's function: its kind, dtype, shape, device; a
-    ShardedTensor's local shards (offset, shape, dtype, device each)."""
+    """The structure of a tensor item the batched copy does not take: a ShardedTensor's local shards (offset,
+    shape, dtype, device each), a wrapper subclass's ``wrappers.token``, else kind, dtype, shape, device."""
     shards = getattr(v, "local_shards", None)
     if callable(shards):  # a ShardedTensor: its buffer holds the same local shards
         parts = tuple((tuple(s.metadata.shard_offsets), alias(s.tensor)) for s in shards())
         return (OPAQUE, type(v), tuple(v.size()), parts)
-    return (OPAQUE, type(v), v.layout, v.device, v.dtype, tuple(v.shape))
+    return (OPAQUE, *(wrappers.token(v) or (type(v), v.layout, v.device, v.dtype, tuple(v.shape))))
 
 
 def same_dict(v: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]:
@@ -74,3 +75,26 @@ def as_pickled(live: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
     if type(live) is torch.nn.Parameter:
         return torch.nn.Parameter(staged, requires_grad=live.requires_grad)
     return staged.detach().requires_grad_() if live.requires_grad else staged
+
+
+class Walked:
+    """One walk of a state: its snapshot, its signature, and the tensors to copy, in order."""
+
+    __slots__ = ("leaves", "opaque", "snapshot", "tokens", "wrapped")
+
+    def __init__(self) -> None:
+        self.tokens: list[Any] = []
+        """The signature (see the module docstring)."""
+        self.leaves: list[Any] = []
+        """Per tensor item, in walk order: what its copy reads or writes (the plain tensor, a DTensor's
+        local tensor) or, for an ``opaque`` one, the item itself."""
+        self.wrapped: dict[int, Any] = {}
+        """The DTensor items, by position (``leaves`` holds their local tensors)."""
+        self.opaque: list[int] = []
+        """Positions of the tensor items that are neither plain nor a DTensor over a plain local tensor
+        (a ShardedTensor, a wrapper subclass, a sparse tensor): copied by save/wrappers.py ``copy_opaque``."""
+        self.snapshot: Any = None
+
+    def items(self) -> list[Any]:
+        """Per tensor item: the item itself (a DTensor where ``leaves`` has its local tensor)."""
+        return [self.wrapped.get(i, t) for i, t in enumerate(self.leaves)] if self.wrapped else self.leaves

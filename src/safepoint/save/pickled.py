@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -44,6 +44,7 @@ from safepoint.save.kinds import (
     PLAIN_TYPES,
     SCALARS,
     TUPLE,
+    Walked,
     alias,
     as_pickled,
     opaque_token,
@@ -51,9 +52,6 @@ from safepoint.save.kinds import (
     same_dict,
     same_kind,
 )
-
-if TYPE_CHECKING:
-    from safepoint.save.stage_plan import Walked
 
 _STRIDED = torch.strided
 _UINT8 = torch.uint8

@@ -20,6 +20,8 @@ import torch
 from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 from torch.distributed.tensor import DTensor
 
+from safepoint.save.wrappers import inner_tensors, stageable
+
 # Each tensor starts on a cache line: copies into the buffers and the writer's reads stay aligned.
 ALIGN = 64
 # The packed tensors (``move_into_arena``'s ``first``) start on a multiple of the largest element size
@@ -101,12 +103,15 @@ class SharedArena:
 
 
 def buffer_tensors(buffers: Any) -> Iterator[torch.Tensor]:
-    """The plain tensors holding the data of a (nested) state dict: DTensor locals, ShardedTensor shards."""
+    """The plain tensors holding the data of a (nested) state dict: DTensor locals, ShardedTensor shards, a
+    wrapper subclass's inner tensors (save/wrappers.py)."""
     if isinstance(buffers, ShardedTensor):
         for shard in buffers.local_shards():
             yield shard.tensor
     elif isinstance(buffers, DTensor):
         yield buffers._local_tensor
+    elif stageable(buffers):
+        yield from inner_tensors(buffers)
     elif isinstance(buffers, torch.Tensor):
         yield buffers
     elif isinstance(buffers, dict):

@@ -46,34 +46,12 @@ from safepoint.save.kinds import LIST as _LIST
 from safepoint.save.kinds import PLAIN_TYPES as _PLAIN_TYPES
 from safepoint.save.kinds import SCALARS as _SCALARS
 from safepoint.save.kinds import TUPLE as _TUPLE
+from safepoint.save.kinds import Walked as Walked
 from safepoint.save.kinds import alias, opaque_token, plain, same_kind
 from safepoint.save.pickled import Pickled, terminal
 from safepoint.save.shared_buffers import buffer_tensors
 
 _STRIDED = torch.strided
-
-
-class Walked:
-    """One walk of a state: its snapshot, its signature, and the tensors to copy, in order."""
-
-    __slots__ = ("leaves", "opaque", "snapshot", "tokens", "wrapped")
-
-    def __init__(self) -> None:
-        self.tokens: list[Any] = []
-        """The signature (see the module docstring)."""
-        self.leaves: list[Any] = []
-        """Per tensor item, in walk order: what its copy reads or writes (the plain tensor, a DTensor's
-        local tensor) or, for an ``opaque`` one, the item itself."""
-        self.wrapped: dict[int, Any] = {}
-        """The DTensor items, by position (``leaves`` holds their local tensors)."""
-        self.opaque: list[int] = []
-        """Positions of the tensor items that are neither plain nor a DTensor over a plain local tensor
-        (a ShardedTensor, another subclass, a sparse tensor): copied by torch's ``_copy_state_dict``."""
-        self.snapshot: Any = None
-
-    def items(self) -> list[Any]:
-        """Per tensor item: the item itself (a DTensor where ``leaves`` has its local tensor)."""
-        return [self.wrapped.get(i, t) for i, t in enumerate(self.leaves)] if self.wrapped else self.leaves
 
 
 def walk(sd: Any, slots: Sequence[Any] | None) -> Walked:

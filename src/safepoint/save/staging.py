@@ -27,7 +27,6 @@ from itertools import compress
 from typing import Any
 
 import torch
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
 from safepoint.errors import SaveError, describe_exception
 from safepoint.events import SaveCall
@@ -35,6 +34,7 @@ from safepoint.save.gather import Split, gather_picks, gatherable, plan_gather
 from safepoint.save.shared_buffers import SharedArena, move_into_arena
 from safepoint.save.stage_buffers import own_copies, staged_form, tie_buffers
 from safepoint.save.stage_plan import Plan, Walked, cuda_devices, walk
+from safepoint.save.wrappers import copy_opaque, cpu_buffers, inner_tensors, stageable
 from safepoint.store.fingerprint import fast_path, fingerprints, version_counter
 
 Alias = tuple[Any, ...]
@@ -96,6 +96,8 @@ def copied_unproven(t: torch.Tensor, nbytes: int) -> bool:
 
 def tensor_bytes(sd: Any) -> int:
     if isinstance(sd, torch.Tensor):
+        if stageable(sd):  # a wrapper subclass: the bytes of its inner tensors (save/wrappers.py)
+            return sum(map(tensor_bytes, inner_tensors(sd)))
         local = sd.to_local() if hasattr(sd, "to_local") else sd
         return int(local.numel() * local.element_size())
     if isinstance(sd, dict):
@@ -221,7 +223,7 @@ class Stager:
         # In a segment (shared, or gathered): untouched pages, re-homed below without a copy.
         laid = self._shared or bool(picks)
         form = staged_form(sd)  # a value pickled whole gets a buffer per storage (save/pickled.py)
-        buffers = own_copies(form, _create_cpu_state_dict(form, pin_memory=pin and not laid))
+        buffers = own_copies(form, cpu_buffers(form, pin_memory=pin and not laid))
         tie_buffers(form, buffers)
         mine: Walked | None = None  # the buffers' walk, paired with ``walked`` by position (Plan's too)
         if laid:
@@ -234,7 +236,7 @@ class Stager:
                 # The gather only makes staging faster, and the thread writer needs no segment: fresh
                 # buffers of torch's own, pinned, as without a gather.
                 log.warning("safepoint: staging tensor by tensor: no staging segment (%s)", e)
-                buffers = own_copies(form, _create_cpu_state_dict(form, pin_memory=pin))
+                buffers = own_copies(form, cpu_buffers(form, pin_memory=pin))
                 tie_buffers(form, buffers)
                 mine = None
             if self._shared:
@@ -410,6 +412,6 @@ def _copy_all(targets: list[torch.Tensor], lives: list[torch.Tensor]) -> None:
 
 
 def _copy_opaque(plan: Plan, walked: Walked) -> None:
-    """The tensor items only torch's own function copies (a ShardedTensor's shards, another subclass)."""
-    for i, buf in plan.opaque:
-        _copy_state_dict({"v": walked.leaves[i]}, {"v": buf}, non_blocking=True, type_check=False)
+    """The tensor items the batched copy does not take (a wrapper subclass's inner tensors, a ShardedTensor's
+    shards): save/wrappers.py ``copy_opaque``."""
+    copy_opaque([(buf, walked.leaves[i]) for i, buf in plan.opaque])

@@ -139,7 +139,7 @@ def serve(sock: socket.socket) -> None:
             else:
                 _, _key, _arena_id, path, thread_count, values, files = msg
             assert held is not None
-            data = held.data(values)
+            data = held.data(values, arena)
             results, written = _write(path, thread_count, held.plan, data, files)
             reply: tuple[Any, ...] = ("done", results, written)
             if msg[0] == "again" and results == held.results:
