@@ -145,22 +145,26 @@ class RemoteLease(HeartbeatLease):
         raise LeaseError(f"could not acquire {self._where()}: it keeps changing hands")
 
     def _renew(self) -> str | None:
-        try:
-            assert self.version is not None
-            self.version = self.obj.replace(self._record(), self.version)
-        except Conflict:
-            # Refused: someone else's version, or ours whose answer was lost and the retry bounced off it.
+        assert self.version is not None
+        for _ in range(2):
             try:
-                holder, version, _ = self._read()
-            except (UploadError, OSError) as e:
-                raise Unreadable(str(e)) from e
-            if holder is not None and holder.get("token") == self.token:
-                self.version = version
+                self.version = self.obj.replace(self._record(), self.version)
                 return None
-            return f"lease {self._where()} was {self._taken_by(holder, version)}"
-        except (UploadError, OSError) as e:
-            raise Unreadable(str(e)) from e  # transient: retried at the next beat, up to stale_after_s
-        return None
+            except Conflict:
+                # Refused: someone else's version, or ours that landed unheard of (an answer lost and the
+                # retry bouncing off it, or a renewal of an earlier beat delivered late). When ours was sent
+                # is not known, and the heartbeat counts from when the write that landed was sent: write
+                # again from the version read.
+                try:
+                    holder, version, _ = self._read()
+                except (UploadError, OSError) as e:
+                    raise Unreadable(str(e)) from e
+                if version is None or holder is None or holder.get("token") != self.token:
+                    return f"lease {self._where()} was {self._taken_by(holder, version)}"
+                self.version = version
+            except (UploadError, OSError) as e:
+                raise Unreadable(str(e)) from e  # transient: retried at the next beat, up to stale_after_s
+        raise Unreadable(f"{self._where()}: earlier renewals of ours kept landing late; not renewed now")
 
     @staticmethod
     def _taken_by(holder: dict[str, Any] | None, version: str | None) -> str:

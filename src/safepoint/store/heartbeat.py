@@ -187,6 +187,9 @@ class HeartbeatLease(abc.ABC):
         # When the write that last renewed the lease was *sent* (monotonic): the store applied it no
         # earlier, so nobody may judge the lease stale before _renewed + stale_after_s (see fence).
         self._renewed = time.monotonic()
+        # One renewal at a time (the heartbeat's or the fence's): then a write of ours that landed unheard
+        # of was sent by the renewal running, never by another one still on its way.
+        self._renewing = threading.Lock()
 
     def _owner(self) -> dict[str, Any]:
         """Who holds the lease: host and pid, plus the process start time against pid reuse, and the job
@@ -273,9 +276,10 @@ class HeartbeatLease(abc.ABC):
 
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
-            sent = time.monotonic()
             try:
-                lost = self._renew()
+                with self._renewing:
+                    sent = time.monotonic()
+                    lost = self._renew()
                 self.beats += 1
             except Unreadable as e:
                 self.beats += 1
@@ -321,7 +325,7 @@ class HeartbeatLease(abc.ABC):
 
     renews_to_fence = False
     """Whether :meth:`fence` renews the lease itself once the last renewal is half ``stale_after_s`` old
-    (``_renew`` may then run on two threads at once: the object lease's may, its write being conditional)."""
+    (the object lease: its renewal is a conditional write, so it can never replace another owner's)."""
 
     def fence(self, action: str) -> None:
         """Raise LeaseError unless the lease on the store still carries this owner's token. Called right
@@ -329,20 +333,45 @@ class HeartbeatLease(abc.ABC):
         notices a takeover only at its next beat, and a process frozen after its last check must find
         out before it changes anything. An unreadable lease refuses too: ownership cannot be confirmed.
 
-        Reading our own token proves that nobody took the root over *yet*. Where the last renewal was sent
-        more than half ``stale_after_s`` ago (failing heartbeats, a stalled store, a paused process), another
-        job may judge the lease stale at any moment, the next microsecond included, and the change about to
-        be made would land after its takeover: with ``renews_to_fence`` the fence then renews the lease
-        itself (a conditional write: it lands only if nobody took the lease meanwhile, and then nobody can
-        for another ``stale_after_s``) and refuses if that fails. So the holder stops committing and
-        deleting before anyone may take it over, and says why."""
+        Reading our own token proves only that nobody took the root over *yet*. Once the last renewal was
+        sent over half ``stale_after_s`` ago (failing heartbeats, a stalled store, a paused process), another
+        job may judge the lease stale the next moment, and the change about to be made would land after
+        its takeover: with ``renews_to_fence`` the fence then renews the lease itself (a conditional write:
+        it lands only if nobody took the lease, and then nobody may for another ``stale_after_s``) and
+        refuses if that fails: the holder stops changing the root before anyone may take it over."""
         if self.lost:
             raise LeaseError(f"not {action}: {self.lost}")
-        silent = time.monotonic() - self._renewed
-        if self.renews_to_fence and silent > self.stale_after_s / 2:
-            self._renew_to_fence(action, silent)
+        if not (self.renews_to_fence and time.monotonic() - self._renewed > self.stale_after_s / 2):
+            self._confirm(action)
             return
-        self._confirm(action)
+        # A renewal in flight (the heartbeat's, on a slow store) is waited for, a beat's time at most.
+        if not self._renewing.acquire(timeout=self.heartbeat_s):
+            self._confirm(action)  # taken over meanwhile: that is the news
+            raise LeaseError(
+                f"not {action}: a renewal of the lease has been in flight for over {self.heartbeat_s:g}s "
+                f"and none landed for {self.stale_after_s / 2:g}s: ownership cannot be confirmed"
+            )
+        try:
+            silent = time.monotonic() - self._renewed
+            if silent <= self.stale_after_s / 2:  # the heartbeat landed while we waited
+                self._confirm(action)
+                return
+            sent = time.monotonic()
+            try:
+                lost = self._renew()
+            except Unreadable as e:
+                self._confirm(action)  # taken over or removed meanwhile: that is the news, naming who
+                raise LeaseError(
+                    f"not {action}: the lease was last renewed {silent:.1f}s ago and renewing it now failed, "
+                    f"so another job may take the root over once {self.stale_after_s:g}s "
+                    f"(lease_stale_after_s) have passed; ownership cannot be confirmed ({e})"
+                ) from e
+        finally:
+            self._renewing.release()
+        if lost is not None:
+            self.lost = self.lost or f"{lost}; this job no longer owns the root"
+            raise LeaseError(f"not {action}: {lost}; this job no longer owns the root")
+        self._landed(sent)
 
     def _confirm(self, action: str) -> None:
         """LeaseError unless the lease on the store carries this owner's token (read, not written)."""
@@ -358,22 +387,6 @@ class HeartbeatLease(abc.ABC):
             return
         self.lost = self.lost or f"{why}; this job no longer owns the root"
         raise LeaseError(f"not {action}: {why}; this job no longer owns the root")
-
-    def _renew_to_fence(self, action: str, silent: float) -> None:
-        sent = time.monotonic()
-        try:
-            lost = self._renew()
-        except Unreadable as e:
-            self._confirm(action)  # taken over or removed meanwhile: that is the news, naming who
-            raise LeaseError(
-                f"not {action}: the lease was last renewed {silent:.1f}s ago and renewing it now failed, so "
-                f"another job may take the root over once {self.stale_after_s:g}s (lease_stale_after_s) have "
-                f"passed; ownership cannot be confirmed ({e})"
-            ) from e
-        if lost is not None:
-            self.lost = self.lost or f"{lost}; this job no longer owns the root"
-            raise LeaseError(f"not {action}: {lost}; this job no longer owns the root")
-        self._landed(sent)
 
     def stop(self) -> None:
         """End the heartbeat without waiting and without giving the lease back: it expires by itself."""
