@@ -22,7 +22,7 @@ import pytest
 import safepoint
 from tests.helpers.example_runs import PipedJob
 from tests.helpers.stores import Store
-from tests.store.test_fencing import STALE_S, _line, needs_second_host
+from tests.store.test_fencing import STALE_S, _line, freeze, needs_second_host
 
 # argv: root, storage options (JSON), where ("save": in save(2)'s capture; "gc": before retention's
 # first delete, after save(2) committed).
@@ -129,7 +129,7 @@ def test_a_holder_frozen_past_its_lease_neither_commits_nor_deletes(store: Store
         while said[-1] != "paused":  # (retention runs on its own thread: save(2) returns first)
             assert said[-1], said
             said.append(_line(a))
-        os.kill(a.pid, signal.SIGSTOP)  # every thread of A stops: its lease heartbeat too
+        freeze(a.pid)  # every thread of A stops: its lease heartbeat too
         assert a.stdin is not None
         a.stdin.write("go\n")  # read once A runs again
         a.stdin.flush()
