@@ -13,6 +13,7 @@ pipes; the only waits are for the lease to age past ``lease_stale_after_s``, whi
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -205,6 +206,48 @@ def test_a_holder_whose_renewals_keep_failing_stops_before_anyone_may_take_it_ov
         lease.release()
         if c is not None:
             _finish(c)
+
+
+def test_a_renewal_stuck_in_flight_makes_the_fence_refuse_within_a_beat(
+    store: Store, proxy: FaultProxy
+) -> None:
+    """H's renewal hangs (the store never answers it). Past half the limit, the fence waits for that
+    renewal a beat's time at most, then refuses in one line, rather than sending one of its own to hang
+    beside it (renewals are one at a time). Once the store answers, nobody having taken over, the
+    renewal lands and the fence passes again."""
+    url = store.root()
+    lease = _holder(store, proxy, url)
+    try:
+        method, path = WRITES[store.scheme]
+        proxy.hold(method=method, path=path)
+        assert proxy.held.wait(30), "H's renewal never came"
+        refused: list[str] = []
+
+        def fence() -> None:
+            try:
+                lease.fence("committing step 2")
+            except safepoint.LeaseError as e:
+                refused.append(str(e))
+
+        deadline = time.monotonic() + 30
+        while not refused:
+            t = threading.Thread(target=fence, daemon=True)
+            t.start()
+            t.join(10 * lease.heartbeat_s)
+            assert not t.is_alive(), "the fence hung on the stuck renewal"
+            assert time.monotonic() < deadline, "the fence never refused"
+            time.sleep(0.02)
+        assert refused[0].startswith("not committing step 2: a renewal of the lease has been in flight")
+        assert "\n" not in refused[0]
+        beats = lease.beats
+        proxy.release.set()
+        _wait_for(lambda: lease.beats >= beats + 2, "renewals to land again")
+        assert lease.lost is None
+        lease.fence("committing step 2")
+        assert _record(store, url)["token"] == lease.token
+    finally:
+        proxy.release.set()
+        lease.release()
 
 
 # ---- (1, 3) a renewal held in the network past a takeover, and one racing it ------------------------------
