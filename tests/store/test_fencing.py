@@ -106,6 +106,22 @@ def _spawn(argv: list[str], hostname: str | None = None) -> PipedJob:
     return PipedJob(argv, hostname=hostname)
 
 
+def freeze(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it has stopped: kill() returns before a thread
+    running on another core has (one was seen reading the next line of its stdin 6 ms later)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 30
+    while True:
+        states = set()
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                states.add(f.read().rsplit(b")", 1)[1].split()[0])
+        if states <= {b"T", b"t"}:
+            return
+        assert time.monotonic() < deadline, f"pid {pid} never stopped: {states}"
+        time.sleep(0.001)
+
+
 def _line(proc: PipedJob) -> str:
     assert proc.stdout is not None
     return proc.stdout.readline().strip()
@@ -122,7 +138,7 @@ def test_a_stale_owner_frozen_inside_save_never_commits_over_the_new_owner(root:
     b: PipedJob | None = None
     try:
         assert _line(a) == "capturing"
-        os.kill(a.pid, signal.SIGSTOP)  # frozen inside save(2), after its lease check
+        freeze(a.pid)  # frozen inside save(2), after its lease check
         assert a.stdin is not None
         a.stdin.write("go\n")  # read once A runs again
         a.stdin.flush()

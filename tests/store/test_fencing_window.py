@@ -23,7 +23,7 @@ import pytest
 import safepoint
 from tests.helpers.example_runs import PipedJob
 from tests.helpers.s3 import storage_options
-from tests.store.test_fencing import STALE_S, _line, needs_second_host
+from tests.store.test_fencing import STALE_S, _line, freeze, needs_second_host
 
 # argv: root, storage options (JSON). Saves step 1, then step 2, which stops right after its commit fence.
 JOB_A = textwrap.dedent(
@@ -97,7 +97,7 @@ def _frozen_after_the_fence(
     b: PipedJob | None = None
     try:
         assert _line(a) == "fenced"
-        os.kill(a.pid, signal.SIGSTOP)  # frozen after its fence check passed, before the commit
+        freeze(a.pid)  # frozen after its fence check passed, before the commit
         assert a.stdin is not None
         a.stdin.write("go\n")  # read once A runs again
         a.stdin.flush()

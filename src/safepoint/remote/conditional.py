@@ -9,12 +9,16 @@ This is what a lease needs from a store (remote/object_lease.py), and every stor
 
 Each request is retried on transient errors (retry.py); a request refused by its condition raises
 :class:`Conflict` at once. ``read`` also returns the object's age on the *store's* clock (its Date header
-minus the object's last modification), so judging a lease stale never depends on two hosts' clocks agreeing.
+minus the object's last modification), so judging a lease stale never depends on two hosts' clocks agreeing;
+both are whole seconds, so the age reported is their difference less one second: never more than the true
+age (a lease is never judged stale early). ``read`` fetches at most ``limit + 1`` bytes (a ranged read): a
+huge object at the key (hostile, or not ours) is never downloaded whole.
 """
 
 from __future__ import annotations
 
 import abc
+import datetime
 import email.utils
 import json
 import time
@@ -33,9 +37,15 @@ class Conflict(Exception):
     """The store refused the write or delete: the object exists, or it changed (or vanished) since read."""
 
 
+HTTP_DATE_RESOLUTION_S = 1.0
+"""``Date`` and ``Last-Modified`` are whole seconds (RFC 9110): each may stand up to this much before the
+moment it names, so their difference may exceed the true age by as much."""
+
+
 def _age(date: str | None, modified: float) -> float:
+    """The object's age on the store's clock, never more than the true one (module docstring)."""
     now = email.utils.parsedate_to_datetime(date).timestamp() if date else time.time()
-    return max(0.0, now - modified)
+    return max(0.0, now - modified - HTTP_DATE_RESOLUTION_S)
 
 
 class CondObject(abc.ABC):
@@ -66,8 +76,9 @@ class CondObject(abc.ABC):
             raise
 
     @abc.abstractmethod
-    def read(self) -> tuple[bytes, str, float] | None:
-        """(contents, version, age in seconds on the store's clock), or None if there is no object."""
+    def read(self, limit: int) -> tuple[bytes, str, float] | None:
+        """(contents, version, age in seconds on the store's clock), or None if there is no object. Only the
+        first ``limit + 1`` bytes at most: longer contents than ``limit`` mean the object is bigger."""
 
     @abc.abstractmethod
     def create(self, data: bytes) -> str:
@@ -96,13 +107,21 @@ class S3Object(CondObject):
                 raise Conflict(self.url()) from e
             raise
 
-    def read(self) -> tuple[bytes, str, float] | None:
+    def read(self, limit: int) -> tuple[bytes, str, float] | None:
         s = self.store
+        where = {"Bucket": self.bucket, "Key": self.key}
 
         async def get() -> tuple[bytes, str, float]:
-            r = await s.call("get_object", Bucket=self.bucket, Key=self.key)  # type: ignore[attr-defined]
-            async with r["Body"] as body:
-                data = bytes(await body.read())
+            try:
+                r = await s.call("get_object", **where, Range=f"bytes=0-{limit}")  # type: ignore[attr-defined]
+            except Exception as e:
+                if cause_code(e) != "InvalidRange":
+                    raise
+                r = await s.call("head_object", **where)  # type: ignore[attr-defined]  # empty: no byte 0
+                data = b""
+            else:
+                async with r["Body"] as body:
+                    data = bytes(await body.read())
             date = r["ResponseMetadata"]["HTTPHeaders"].get("date")
             return data, str(r["ETag"]), _age(date, r["LastModified"].timestamp())
 
@@ -131,7 +150,7 @@ class S3Object(CondObject):
     def delete(self, version: str) -> None:
         # S3 deletes only unconditionally on most implementations (If-Match on DELETE is recent and not
         # everywhere): check the version, then delete. The window between is the owner's own.
-        got = self.read()
+        got = self.read(0)
         if got is not None and got[1] != version:
             raise Conflict(self.url())
         self.store.delete([self.path])
@@ -144,21 +163,36 @@ class GcsObject(CondObject):
         super().__init__(store, path)
         self.bucket, self.key, _ = store.fs.split_path(path)
 
-    def read(self) -> tuple[bytes, str, float] | None:
+    def read(self, limit: int) -> tuple[bytes, str, float] | None:
         fs = self.store.fs
 
         def get() -> tuple[bytes, str, float] | None:
             try:
-                headers, data = fs.call("GET", "b/{}/o/{}", self.bucket, self.key, alt="media")
+                head = {"Range": f"bytes=0-{limit}"}
+                headers, data = fs.call("GET", "b/{}/o/{}", self.bucket, self.key, alt="media", headers=head)
             except FileNotFoundError:
                 return None
+            except Exception as e:
+                if getattr(e, "code", None) != 416:
+                    raise
+                return self._empty()  # an empty object has no byte 0 to range over
             gen = headers.get("x-goog-generation") or headers.get("X-Goog-Generation")
             if gen is None:  # an old emulator: ask for the object's metadata instead
                 gen = str(fs.info(self.path)["generation"])
             modified = email.utils.parsedate_to_datetime(headers["Last-Modified"]).timestamp()
-            return bytes(data), str(gen), _age(headers.get("Date"), modified)
+            return bytes(data)[: limit + 1], str(gen), _age(headers.get("Date"), modified)
 
         return self._retry("read of", get)
+
+    def _empty(self) -> tuple[bytes, str, float] | None:
+        """An empty object's version and age, from its metadata."""
+        try:
+            headers, raw = self.store.fs.call("GET", "b/{}/o/{}", self.bucket, self.key)
+        except FileNotFoundError:
+            return None
+        meta = json.loads(raw)
+        modified = datetime.datetime.fromisoformat(meta["updated"]).timestamp()
+        return b"", str(meta["generation"]), _age(headers.get("Date"), modified)
 
     def _upload(self, data: bytes, generation: str) -> str:
         fs = self.store.fs
@@ -235,12 +269,12 @@ class AzureObject(CondObject):
 
         return self._retry(what, call)
 
-    def read(self) -> tuple[bytes, str, float] | None:
+    def read(self, limit: int) -> tuple[bytes, str, float] | None:
         date: list[str] = []
 
         async def get() -> tuple[bytes, str, float]:
             hook = lambda r: date.append(r.http_response.headers.get("Date", ""))  # noqa: E731
-            dl = await self.client.download_blob(raw_response_hook=hook)
+            dl = await self.client.download_blob(offset=0, length=limit + 1, raw_response_hook=hook)
             data = await dl.readall()
             props = dl.properties
             return (

@@ -26,6 +26,7 @@ from safepoint.errors import LeaseError
 from safepoint.store.guard import NotRegularFileError
 from safepoint.store.heartbeat import (
     DEFAULT_STALE_AFTER_S,
+    MAX_LEASE_BYTES,
     UNREADABLE_WAIT_S,
     HeartbeatLease,
     Unreadable,
@@ -37,8 +38,6 @@ from safepoint.store.rootfs import RootDir
 
 log = logging.getLogger("safepoint")
 LEASE_NAME = ".lease"
-MAX_LEASE_BYTES = 64 << 10
-"""A lease record is a few hundred bytes; a larger ``.lease`` is not read past this (unparsable)."""
 
 
 class NotALeaseFile(Unreadable):

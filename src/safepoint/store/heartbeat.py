@@ -28,6 +28,9 @@ HEARTBEAT_S = 15.0
 """The heartbeat interval for the default ``lease_stale_after_s`` (120 s): a quarter of it at most."""
 MIN_STALE_AFTER_S = 1.0
 """The smallest ``lease_stale_after_s`` a manager accepts: below it the heartbeat would spin."""
+MAX_LEASE_BYTES = 64 << 10
+"""A lease record is a few hundred bytes; a larger one (a file, or an object: only this much of it is
+fetched) is not read past this: unreadable."""
 UNREADABLE_WAIT_S = 2.0
 """How long ``acquire`` keeps re-reading a lease file it cannot read (NFS EIO/ESTALE, a creator between
 its O_EXCL create and its write) before deciding by the file's age."""
@@ -181,7 +184,12 @@ class HeartbeatLease(abc.ABC):
         self.beats = 0  # heartbeat attempts so far (lets tests wait for beats instead of sleeping)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._renewed = time.monotonic()  # when the heartbeat last landed
+        # When the write that last renewed the lease was *sent* (monotonic): the store applied it no
+        # earlier, so nobody may judge the lease stale before _renewed + stale_after_s (see fence).
+        self._renewed = time.monotonic()
+        # One renewal at a time (the heartbeat's or the fence's): then a write of ours that landed unheard
+        # of was sent by the renewal running, never by another one still on its way.
+        self._renewing = threading.Lock()
 
     def _owner(self) -> dict[str, Any]:
         """Who holds the lease: host and pid, plus the process start time against pid reuse, and the job
@@ -256,16 +264,22 @@ class HeartbeatLease(abc.ABC):
             f"ClusterOptions.job_id), or delete {lease} by hand."
         )
 
-    def _start_heartbeat(self) -> None:
+    def _start_heartbeat(self, sent: float | None = None) -> None:
+        """``sent``: when the write that acquired the lease was sent (default: now)."""
         self._stop.clear()
-        self._renewed = time.monotonic()
+        self._renewed = time.monotonic() if sent is None else sent
         self._thread = threading.Thread(target=self._beat, name=self.thread_name, daemon=True)
         self._thread.start()
+
+    def _landed(self, sent: float) -> None:
+        self._renewed = max(self._renewed, sent)  # (the fence may renew too, from another thread)
 
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             try:
-                lost = self._renew()
+                with self._renewing:
+                    sent = time.monotonic()
+                    lost = self._renew()
                 self.beats += 1
             except Unreadable as e:
                 self.beats += 1
@@ -285,7 +299,7 @@ class HeartbeatLease(abc.ABC):
                 self.lost = lost
                 log.error("safepoint: %s", lost)
                 return
-            self._renewed = time.monotonic()
+            self._landed(sent)
 
     @abc.abstractmethod
     def _renew(self) -> str | None:
@@ -309,13 +323,58 @@ class HeartbeatLease(abc.ABC):
         if self.lost:
             raise LeaseError(self.lost)
 
+    renews_to_fence = False
+    """Whether :meth:`fence` renews the lease itself once the last renewal is half ``stale_after_s`` old
+    (the object lease: its renewal is a conditional write, so it can never replace another owner's)."""
+
     def fence(self, action: str) -> None:
         """Raise LeaseError unless the lease on the store still carries this owner's token. Called right
         before each commit rename and each delete (``action`` says which, for the message): the heartbeat
         notices a takeover only at its next beat, and a process frozen after its last check must find
-        out before it changes anything. An unreadable lease refuses too: ownership cannot be confirmed."""
+        out before it changes anything. An unreadable lease refuses too: ownership cannot be confirmed.
+
+        Reading our own token proves only that nobody took the root over *yet*. Once the last renewal was
+        sent over half ``stale_after_s`` ago (failing heartbeats, a stalled store, a paused process), another
+        job may judge the lease stale the next moment, and the change about to be made would land after
+        its takeover: with ``renews_to_fence`` the fence then renews the lease itself (a conditional write:
+        it lands only if nobody took the lease, and then nobody may for another ``stale_after_s``) and
+        refuses if that fails: the holder stops changing the root before anyone may take it over."""
         if self.lost:
             raise LeaseError(f"not {action}: {self.lost}")
+        if not (self.renews_to_fence and time.monotonic() - self._renewed > self.stale_after_s / 2):
+            self._confirm(action)
+            return
+        # A renewal in flight (the heartbeat's, on a slow store) is waited for, a beat's time at most.
+        if not self._renewing.acquire(timeout=self.heartbeat_s):
+            self._confirm(action)  # taken over meanwhile: that is the news
+            raise LeaseError(
+                f"not {action}: a renewal of the lease has been in flight for over {self.heartbeat_s:g}s "
+                f"and none landed for {self.stale_after_s / 2:g}s: ownership cannot be confirmed"
+            )
+        try:
+            silent = time.monotonic() - self._renewed
+            if silent <= self.stale_after_s / 2:  # the heartbeat landed while we waited
+                self._confirm(action)
+                return
+            sent = time.monotonic()
+            try:
+                lost = self._renew()
+            except Unreadable as e:
+                self._confirm(action)  # taken over or removed meanwhile: that is the news, naming who
+                raise LeaseError(
+                    f"not {action}: the lease was last renewed {silent:.1f}s ago and renewing it now failed, "
+                    f"so another job may take the root over once {self.stale_after_s:g}s "
+                    f"(lease_stale_after_s) have passed; ownership cannot be confirmed ({e})"
+                ) from e
+        finally:
+            self._renewing.release()
+        if lost is not None:
+            self.lost = self.lost or f"{lost}; this job no longer owns the root"
+            raise LeaseError(f"not {action}: {lost}; this job no longer owns the root")
+        self._landed(sent)
+
+    def _confirm(self, action: str) -> None:
+        """LeaseError unless the lease on the store carries this owner's token (read, not written)."""
         try:
             holder = self._holder()
         except Unreadable as e:
