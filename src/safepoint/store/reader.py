@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, NoReturn
@@ -16,6 +17,7 @@ from typing import IO, Any, NoReturn
 import crc32c
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import (
     FileSystem,
@@ -219,16 +221,33 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
+def _empty_bytes(*args: Any) -> bytes:
+    """``bytes()`` for restore's load, and only that: pickle protocol 2 (torch.save's) writes ``b""`` as a
+    call of the global ``bytes`` with no arguments, which ``weights_only`` refuses, so a state holding ``b""``
+    was committed and could not be restored. ``bytes(n)`` allocates n bytes: a hostile record could ask
+    for terabytes, so any argument is refused."""
+    if args:
+        raise pickle.UnpicklingError(
+            "global builtins.bytes is allowed with no arguments only"
+        )
+    return b""
+
+
+_LOAD_GLOBALS: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [(_empty_bytes, "builtins.bytes")]
+
+
 def weights_only_load(stream: IO[bytes], fqn: str) -> Any:
     """``torch.load(weights_only=True)`` of one item; a refused pickle is an UnsafeCheckpointError."""
     try:
-        return torch.load(stream, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(_LOAD_GLOBALS):
+            return torch.load(stream, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        # torch's message is a page long; its last line names the offending global.
+        # torch's message is a page long; what follows "WeightsUnpickler error:" (on its line or the next
+        # ones) names the offending global.
         detail = str(e).strip().splitlines()
-        why = next(
-            (ln.strip() for ln in detail if "WeightsUnpickler error" in ln), detail[-1] if detail else ""
-        )
+        found = re.search(r"WeightsUnpickler error:(.*?)(?:\n\s*Check the documentation|$)", str(e), re.S)
+        why = " ".join(found.group(1).split()) if found else ""
+        why = f"WeightsUnpickler error: {why}" if why else (detail[-1] if detail else "")
         if not any("global" in ln.lower() for ln in detail):
             # No refused global: these bytes are no pickle at all (an offset re-pointed inside a verified
             # file, say). Damage to fall back from, not a checkpoint that tried to run code.
@@ -246,6 +265,22 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     whole_items = False
     """Whether the last local plan was written directly (``whole_item_plan``) rather than by DCP."""
+
+    def set_up_planner(
+        self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
+        # The state flattened first, its ShardedTensors then: the order of DCP's *save* planner. DCP's load
+        # planner does the other, and flattening ShardedTensors rebuilds the state from its leaves, dropping
+        # an empty dict or list from a list walked item by item ({"a": [0, {}]}): the load asked for "a"
+        # where the save wrote "a.0", and the committed checkpoint could not be restored (torch 2.13's
+        # dcp.load fails on it too; tests/restore/test_empty_container_in_list.py).
+        sharded, self.flatten_sharded_tensors = self.flatten_sharded_tensors, False
+        try:
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+        finally:
+            self.flatten_sharded_tensors = sharded
+        if sharded:
+            self.state_dict = _flatten_sharded_tensors(self.state_dict)
 
     def create_local_plan(self) -> LoadPlan:
         if self.metadata is not None and self.flatten_state_dict:
