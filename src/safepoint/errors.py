@@ -37,6 +37,11 @@ class LeaseError(CheckpointError):
     """Another live process owns the checkpoint root."""
 
 
+class LeaseUnconfirmed(LeaseError):
+    """The lease could not be read (the store failed the read), so this owner cannot confirm it still owns
+    the root: this commit or delete is refused, but nothing says the lease is lost (a later one may go on)."""
+
+
 class StateMismatchError(CheckpointError):
     """The checkpoint does not fit the objects it is being restored into (keys or shapes differ)."""
 
