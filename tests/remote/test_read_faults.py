@@ -91,3 +91,32 @@ def test_retention_goes_on_after_the_lease_could_not_be_read(proxy: FaultProxy, 
         mgr.save(3, _state(3))
         mgr.wait()
         assert RemoteLayout(url, opts).committed_steps() == [3]
+
+
+@pytest.mark.parametrize("command", ["verify", "ls"])
+def test_the_cli_says_the_store_failed_never_that_an_intact_checkpoint_is_damaged(
+    proxy: FaultProxy,
+    bucket: str,
+    command: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The store fails every read of step 2's manifest (503 past every retry). `safepoint verify` printed
+    # "CORRUPT step 2: safepoint.json: cannot read manifest (...SlowDown...)" and exited 1 (a damaged
+    # checkpoint), `ls` listed it as corrupt: a script that quarantines or deletes damaged checkpoints would
+    # remove an intact one because the store was busy. It is an error of the store: exit 2, one line.
+    url, opts = f"s3://{bucket}/run", storage_options(proxy.endpoint)
+    _commit(url, opts, [1, 2])
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    proxy.add("503", method="GET", path=r"/run/step-2/safepoint\.json")
+    from safepoint.cli.main import main
+
+    code = main([command, url])
+    out = capsys.readouterr()
+    assert "corrupt" not in out.out.replace("0 corrupt", "").lower(), out.out
+    if command == "ls" and code == 0:
+        return  # (ls read what it shows without that GET)
+    assert code == 2, out.out + out.err
+    errors = [line for line in out.err.splitlines() if line.startswith("safepoint: error:")]
+    assert len(errors) == 1 and "SlowDown" in errors[0], out.err

@@ -28,7 +28,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from safepoint.errors import CheckpointError, CorruptCheckpointError, LeaseError
+from safepoint.errors import CheckpointError, CorruptCheckpointError, LeaseError, StoreReadError
 from safepoint.remote import rootstore
 from safepoint.remote.cleanup import clean_pending
 from safepoint.remote.conditional import create_if_absent
@@ -120,8 +120,10 @@ class RemoteLayout:
     def read_manifest(self, step: int) -> Manifest:
         try:
             data = self.manifest_bytes(step)
-        except OSError as e:
+        except FileNotFoundError as e:
             raise CorruptCheckpointError(step, MANIFEST_NAME, f"cannot read manifest ({e})") from e
+        except OSError as e:  # the store failed the read (manifest_bytes: its UploadError)
+            raise StoreReadError(step, MANIFEST_NAME, f"cannot read manifest ({e})") from e
         return Manifest.from_json(data, step_hint=step)
 
     def info(self, step: int, manifest: Manifest) -> CheckpointInfo:
@@ -160,7 +162,7 @@ class RemoteLayout:
         try:
             problems = self.store._parallel(check, names)
         except UploadError as e:
-            raise CorruptCheckpointError(step, None, f"cannot read from the store ({e})") from e
+            raise StoreReadError(step, None, f"cannot read from the store ({e})") from e
         for name, problem in zip(names, problems, strict=True):
             if problem:
                 raise CorruptCheckpointError(step, name, problem)
