@@ -33,8 +33,20 @@ class CorruptCheckpointError(CheckpointError):
         return type(self), (self.step, self.file, self.reason)
 
 
+class StoreReadError(CorruptCheckpointError):
+    """A checkpoint could not be read: the store failed the request past every retry (not proven damaged).
+    Restore falls back as for damage; ``safepoint verify`` and ``ls`` report an error of the store, never a
+    damaged checkpoint (a script acting on "damaged" must not remove an intact one because the store was
+    busy)."""
+
+
 class LeaseError(CheckpointError):
     """Another live process owns the checkpoint root."""
+
+
+class LeaseUnconfirmed(LeaseError):
+    """The lease could not be read (the store failed the read), so this owner cannot confirm it still owns
+    the root: this commit or delete is refused, but nothing says the lease is lost (a later one may go on)."""
 
 
 class StateMismatchError(CheckpointError):

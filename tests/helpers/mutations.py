@@ -11,6 +11,12 @@ this names each one in the same words for the three stores, and the object it ch
     mpu-abort      S3 multipart abort
     delete         one DELETE
     delete-batch   S3 DeleteObjects; GCS batch; Azure blob batch (``keys``: every object deleted)
+
+``read_kind`` names the requests that only read, in the same way (the read-fault campaign counts them):
+
+    get            an object's bytes (S3 GET, GCS ``alt=media``, Azure Get Blob), ranged or whole
+    head           an object's metadata (S3 HEAD, GCS object resource, Azure Get Blob Properties)
+    list           a listing (S3 ListObjectsV2 and ListMultipartUploads, GCS objects.list, Azure List Blobs)
 """
 
 from __future__ import annotations
@@ -133,3 +139,24 @@ def _azure(method: str, path: str, headers: Any, body: bytes) -> Mutation | None
             keys.append("/" + "/".join(rest))
         return Mutation("delete-batch", keys[0] if keys else key, keys) if keys else None
     return None
+
+
+def read_kind(method: str, path: str, headers: Any) -> str | None:
+    """``get``, ``head`` or ``list`` for a request that only reads (None: a mutation or something else)."""
+    if method not in ("GET", "HEAD"):
+        return None
+    u = urlsplit(path)
+    q = parse_qs(u.query, keep_blank_values=True)
+    if headers.get("x-ms-version"):
+        return "list" if q.get("comp") == ["list"] else "head" if method == "HEAD" else "get"
+    if u.path.startswith(("/storage/v1/", "/download/storage/v1/")):
+        if method == "GET" and re.match(r"^/storage/v1/b/[^/]+/o/?$", u.path):
+            return "list"
+        media = u.path.startswith("/download/") or q.get("alt") == ["media"]
+        return "get" if media else "head"
+    if method == "HEAD":
+        return "head"
+    key = u.path.strip("/")
+    if "/" not in key or "list-type" in q or "uploads" in q:  # a bucket-level GET: a listing
+        return "list"
+    return "get"

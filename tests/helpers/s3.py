@@ -72,11 +72,23 @@ class Session:
     count: int = 1  # fail: how many mutations in a row fail (when not sticky)
     armed: bool = True
     n: int = 0
+    # The read campaign (tests/torture/objreads.py): ``reads`` counts every read too (mode "count"), and
+    # mode "read" faults the ``at``-th read instead of a mutation (``error``: READ_FAULTS).
+    reads: bool = False
+    r: int = 0
     events: list[dict[str, Any]] = field(default_factory=list)
     dead: bool = False
 
+    def reached(self) -> bool:
+        return (self.r if self.mode == "read" else self.n) >= self.at
+
+    def read_action(self, r: int) -> str:
+        if not self.armed or self.mode != "read" or r < self.at:
+            return "forward"
+        return self.error if r < self.at + self.count or self.sticky else "forward"
+
     def action(self, n: int) -> str:
-        if not self.armed or self.mode == "count" or n < self.at:
+        if not self.armed or self.mode in ("count", "read") or n < self.at:
             return "forward"
         if self.mode == "crash" and n == self.at:
             return f"crash-{self.when}"
@@ -125,10 +137,13 @@ def storage_options(endpoint: str, **extra: Any) -> dict[str, Any]:
 
 @dataclass
 class Rule:
-    action: str  # "503" | "NoSuchUpload" (S3's words) | "reset" | "lost" (applied, answer lost) | "hold"
+    # "503" | "NoSuchUpload" (S3's words) | "reset" | "lost" (applied, answer lost) | "hold" | "short" (a
+    # listing cut to its first half, marked complete)
+    action: str
     method: str | None = None
     path: str | None = None  # regex searched in the request path
     count: int = -1  # how many requests it applies to; -1 = all
+    skip: int = 0  # let this many matching requests through first
     hits: int = 0
 
 
@@ -150,9 +165,15 @@ class FaultProxy:
         return f"http://127.0.0.1:{self.port}"
 
     def add(
-        self, action: str, *, method: str | None = None, path: str | None = None, count: int = -1
+        self,
+        action: str,
+        *,
+        method: str | None = None,
+        path: str | None = None,
+        count: int = -1,
+        skip: int = 0,
     ) -> Rule:
-        rule = Rule(action, method, path, count)
+        rule = Rule(action, method, path, count, skip)
         with self.lock:
             self.rules.append(rule)
         return rule
@@ -177,6 +198,9 @@ class FaultProxy:
                     continue
                 if rule.path and not re.search(rule.path, path):
                     continue
+                if rule.skip > 0:
+                    rule.skip -= 1
+                    return "forward"
                 rule.hits += 1
                 if rule.count > 0:
                     rule.count -= 1
@@ -192,16 +216,26 @@ class FaultProxy:
         what = path[len(CONTROL) :]
         with self.lock:
             if what == "hello":
-                fields = {f for f in Session.__dataclass_fields__ if f not in ("events", "n", "dead")}
+                fields = {f for f in Session.__dataclass_fields__ if f not in ("events", "n", "r", "dead")}
                 s = Session(**{k: v for k, v in msg.items() if k in fields})
                 s.events.append({"ev": "hello", **msg})
                 self.session = self.sessions[msg["case"]] = s
             elif self.session is not None and what == "mark":
                 self.session.events.append({"ev": "mark", **msg})
-            elif self.session is not None and what == "disarm" and self.session.n >= self.session.at:
+            elif self.session is not None and what == "disarm" and self.session.reached():
                 # (a fault not reached yet stays armed: the client disarms after every save)
                 self.session.armed = False
                 self.session.events.append({"ev": "disarm"})
+
+    def read(self, kind: str, key: str) -> tuple[Session | None, int, str]:
+        """Count a read in the open session, if it counts reads: (session, its number, what to do)."""
+        with self.lock:
+            s = self.session
+            if s is None or not (s.reads or s.mode == "read") or s.dead:
+                return None, 0, "forward"
+            s.r += 1
+            s.events.append({"ev": "read", "op": kind, "key": key, "j": s.r})
+            return s, s.r, s.read_action(s.r)
 
     def mutation(self, m: mutations.Mutation) -> tuple[Session | None, int, str]:
         """Count a mutation in the open session: (session, its number, what to do with it)."""
@@ -264,6 +298,13 @@ def _handler(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:
             if mutation is not None and proxy.session is not None:
                 self._session(mutation, body)
                 return
+            kind = mutations.read_kind(self.command, self.path, self.headers)
+            if kind is not None and proxy.session is not None:
+                session, j, what = proxy.read(kind, self.path)
+                if session is not None and what != "forward":
+                    session.events.append({"ev": "fail", "j": j, "error": what})
+                    self._read_fault(what, kind)
+                    return
             what = proxy.decide(self.command, self.path)
             proxy.seen.append((self.command, self.path, what))
             key = self.path.split("?")[0]
@@ -285,10 +326,39 @@ def _handler(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:
                 )
                 self._reply(status, data, headers)
                 return
+            if what == "short":  # a listing cut to its first half, marked complete (READ_FAULTS)
+                self._forward(body, rewrite=short_listing)
+                return
             if what == "one-upload-per-page":  # S3's paging of a multipart-upload listing (s3_pages.py)
                 self._forward(body, rewrite=lambda data: s3_pages.one_upload_per_page(self.path, data))
                 return
             self._forward(body)
+
+        def _read_fault(self, what: str, kind: str) -> None:
+            """A read answered wrong (READ_FAULTS): an error, no answer, half an answer, a short listing,
+            or an answer later than the client waits."""
+            if what == "503":
+                status, headers, data = store_errors.reply(
+                    store_errors.store_of(self.path, self.headers), what
+                )
+                if self.command == "HEAD":  # the length of the body a GET would get, and no body
+                    self.send_response(status)
+                    for k, v in {**headers, "Content-Length": str(len(data))}.items():
+                        self.send_header(k, v)
+                    self.end_headers()
+                else:
+                    self._reply(status, data, headers)
+            elif what == "reset":
+                self._reset()
+            elif what == "truncate" and kind != "head":  # the length announced, half the bytes sent
+                self._forward(b"", rewrite=_half, cut=True)
+            elif what == "short" and kind == "list":  # a listing that says it is complete, half of it
+                self._forward(b"", rewrite=short_listing)
+            elif what == "slow":
+                time.sleep(SLOW_S)  # past the client's read timeout: it gave up (and retried) already
+                self._forward(b"")
+            else:  # a HEAD has no body to cut: its answer is lost instead
+                self._reset()
 
         def _session(self, mutation: mutations.Mutation, body: bytes) -> None:
             session, n, what = proxy.mutation(mutation)
@@ -322,7 +392,11 @@ def _handler(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:
                 self._reset()
 
         def _forward(
-            self, body: bytes, answer: bool = True, rewrite: Callable[[bytes], bytes] | None = None
+            self,
+            body: bytes,
+            answer: bool = True,
+            rewrite: Callable[[bytes], bytes] | None = None,
+            cut: bool = False,
         ) -> int:
             conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream, timeout=120)
             try:
@@ -335,22 +409,60 @@ def _handler(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:
                 conn.close()
             if not answer:
                 return resp.status
-            if rewrite is not None and resp.status == 200:
+            full = len(data)
+            if rewrite is not None and (resp.status == 200 or (cut and resp.status == 206)):
                 data = rewrite(data)
             self.send_response(resp.status, resp.reason)
             for k, v in resp.getheaders():
                 if k.lower() not in ("transfer-encoding", "content-length", "connection", "date", "server"):
                     self.send_header(k, v)
             length = resp.getheader("Content-Length") if self.command == "HEAD" else None
+            if cut:  # the whole length announced, the (rewritten: shortened) bytes sent, then a reset
+                length = str(full)
             self.send_header("Content-Length", length or str(len(data)))
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(data)
+            if cut:
+                self.wfile.flush()
+                self._reset()
             return resp.status
 
         do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 
     return Handler
+
+
+# What the read campaign does to the chosen read (Session mode "read"): answer it with the store's 503,
+# reset the connection without an answer, send the headers and half the body, answer a listing with its
+# first half as if that were all (a store whose listing lags or drops keys), or answer after SLOW_S
+# (past the client's read timeout).
+READ_FAULTS = ("503", "reset", "truncate", "short", "slow")
+SLOW_S = 3.0
+
+
+def _half(data: bytes) -> bytes:
+    return data[: len(data) // 2]
+
+
+def short_listing(data: bytes) -> bytes:
+    """A listing page (S3's XML, GCS's or Azure's) cut to its first half of entries and marked complete."""
+    if data.lstrip().startswith(b"{"):  # GCS: {"items": [...], "nextPageToken": ...}
+        doc = json.loads(data)
+        items = doc.get("items", [])
+        doc["items"] = items[: len(items) // 2]
+        doc.pop("nextPageToken", None)
+        return json.dumps(doc).encode()
+    for tag in (b"Contents", b"Upload", b"Blob"):  # S3 objects, S3 multipart uploads, Azure blobs
+        entries = re.findall(rb"<" + tag + rb">.*?</" + tag + rb">", data, flags=re.S)
+        if entries:
+            for e in entries[len(entries) // 2 :]:
+                data = data.replace(e, b"", 1)
+            break
+    data = re.sub(rb"<IsTruncated>true</IsTruncated>", b"<IsTruncated>false</IsTruncated>", data)
+    data = re.sub(rb"<NextContinuationToken>.*?</NextContinuationToken>", b"", data)
+    data = re.sub(rb"<NextMarker>.+?</NextMarker>", b"<NextMarker/>", data)
+    return data
 
 
 class _QuietServer(http.server.ThreadingHTTPServer):

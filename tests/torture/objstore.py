@@ -411,6 +411,13 @@ class Store:
         for up in self.s3.list_multipart_uploads(Bucket=self.bucket, Prefix=prefix + "/").get("Uploads", []):
             self.s3.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
 
+    def get(self, key: str) -> bytes:
+        """The object ``key``'s bytes (b"" if there is none)."""
+        try:
+            return bytes(self.s3.get_object(Bucket=self.bucket, Key=key)["Body"].read())
+        except self.s3.exceptions.NoSuchKey:
+            return b""
+
     def open_uploads(self, prefix: str) -> int:
         return len(self.s3.list_multipart_uploads(Bucket=self.bucket, Prefix=prefix + "/").get("Uploads", []))
 
@@ -440,6 +447,12 @@ class FsStore(Store):
     def delete(self, prefix: str) -> None:
         if keys := self.keys(prefix):
             self.fs.rm([f"{self.bucket}/{prefix}/{k}" for k in keys])
+
+    def get(self, key: str) -> bytes:
+        try:
+            return bytes(self.fs.cat_file(f"{self.bucket}/{key}"))
+        except FileNotFoundError:
+            return b""
 
     def open_uploads(self, prefix: str) -> int:
         return 0  # uncommitted blocks and resumable sessions are invisible and expire by themselves

@@ -495,7 +495,15 @@ def objstore(layer: faults.Layer | None, **args: Any) -> dict[str, Any]:
     return o.workload(layer, **args)
 
 
+def objreads(layer: faults.Layer | None, **args: Any) -> dict[str, Any]:
+    """The object-store read-fault jobs (tests/torture/objreads.py): the proxy fails reads."""
+    from tests.torture import objreads as o
+
+    return o.workload(layer, **args)
+
+
 SCENARIOS = {
+    "objreads": objreads,
     "workload": workload,
     "async_next_call": async_next_call,
     "train": train,

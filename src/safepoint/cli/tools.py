@@ -20,7 +20,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from safepoint.errors import CheckpointError, CorruptCheckpointError, LeaseError
+from safepoint.errors import CheckpointError, CorruptCheckpointError, LeaseError, StoreReadError
 from safepoint.policy.rules import Retention
 from safepoint.remote.object_layout import RemoteLayout, is_url
 from safepoint.remote.upload import UploadError
@@ -158,6 +158,8 @@ def scan(layout: Layout | RemoteLayout, *, verify: bool = False) -> list[Entry]:
             continue
         try:
             manifest = layout.read_manifest(step)
+        except StoreReadError as e:
+            raise _store_failed(e) from None
         except CorruptCheckpointError as e:
             entries.append(Entry(step, path, CORRUPT, nbytes, reason=_where(e), tier=tier))
             continue
@@ -167,6 +169,8 @@ def scan(layout: Layout | RemoteLayout, *, verify: bool = False) -> list[Entry]:
         if verify:
             try:
                 layout.verify(step)
+            except StoreReadError as e:
+                raise _store_failed(e) from None
             except CorruptCheckpointError as e:
                 status, reason = CORRUPT, _where(e)
                 if e.reason == MISSING and isinstance(layout, Layout) and _intact_node_copy(layout, manifest):
@@ -239,6 +243,11 @@ class Problem:
         return f"step {self.step}: {self.file or 'checkpoint'}: {self.reason}"
 
 
+def _store_failed(e: StoreReadError) -> CheckpointError:
+    """An error of the store (exit 2), not a damaged checkpoint (exit 1): the store failed a read."""
+    return CheckpointError(f"cannot check step {e.step}: the store failed: {e.reason}")
+
+
 def _where(e: CorruptCheckpointError) -> str:
     return f"{e.file}: {e.reason}" if e.file else e.reason
 
@@ -254,12 +263,16 @@ def verify_step(
     """
     try:
         manifest = layout.read_manifest(step)
+    except StoreReadError as e:
+        raise _store_failed(e) from None
     except CorruptCheckpointError as e:
         return None, [Problem(step, e.file, e.reason)]
     problems: list[Problem] = []
     for name in sorted(manifest.files):
         try:
             layout.verify(step, files=[name])
+        except StoreReadError as e:
+            raise _store_failed(e) from None
         except CorruptCheckpointError as e:
             problems.append(Problem(step, e.file or name, e.reason))
         except KeyError:  # the manifest was replaced while we read it (a concurrent save of this step)

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 
 from safepoint import events as ev
-from safepoint.errors import CheckpointError, LeaseError
+from safepoint.errors import CheckpointError, LeaseError, LeaseUnconfirmed
 from safepoint.policy.rules import Retention, Verdicts
 from safepoint.store.posix_layout import CheckpointInfo, CheckpointStore, Layout
 from safepoint.store.shared_files import file_identities
@@ -246,6 +246,10 @@ class Retainer:
                 self._index.pop(step, None)
                 log.info("safepoint: retention removed step %d", step)
                 self.events.emit(ev.SAVE_DELETED, step, tier="root", get_old_steps_duration_secs=deciding)
+        except LeaseUnconfirmed as e:
+            # The lease could not be read (the store failing): not proof of another owner. Retried after
+            # the next save, whose commit fences again; stopping here would stop retention for good.
+            log.warning("safepoint: retention pass failed (%s); will retry after the next save", e)
         except LeaseError as e:
             # Another owner has the root: every later delete would be refused as well (and must be).
             with self._cond:

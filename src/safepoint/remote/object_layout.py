@@ -28,8 +28,9 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from safepoint.errors import CheckpointError, CorruptCheckpointError, LeaseError
+from safepoint.errors import CheckpointError, CorruptCheckpointError, LeaseError, StoreReadError
 from safepoint.remote import rootstore
+from safepoint.remote.cleanup import clean_pending
 from safepoint.remote.conditional import create_if_absent
 from safepoint.remote.confirmed import confirm
 from safepoint.remote.incremental_copy import proven_copy
@@ -46,8 +47,6 @@ from safepoint.store.storage import METADATA_NAME
 
 log = logging.getLogger("safepoint")
 _MANIFEST_KEY = re.compile(rf"^({STEP_PATTERN})/" + re.escape(MANIFEST_NAME) + "$")
-_STEP_DIR = re.compile(rf"^({STEP_PATTERN})/")
-_PENDING_STEP = re.compile(rf"^({STEP_PATTERN})-[0-9a-f]+$")
 
 
 def is_url(root: object) -> bool:
@@ -121,8 +120,10 @@ class RemoteLayout:
     def read_manifest(self, step: int) -> Manifest:
         try:
             data = self.manifest_bytes(step)
-        except OSError as e:
+        except FileNotFoundError as e:
             raise CorruptCheckpointError(step, MANIFEST_NAME, f"cannot read manifest ({e})") from e
+        except OSError as e:  # the store failed the read (manifest_bytes: its UploadError)
+            raise StoreReadError(step, MANIFEST_NAME, f"cannot read manifest ({e})") from e
         return Manifest.from_json(data, step_hint=step)
 
     def info(self, step: int, manifest: Manifest) -> CheckpointInfo:
@@ -161,7 +162,7 @@ class RemoteLayout:
         try:
             problems = self.store._parallel(check, names)
         except UploadError as e:
-            raise CorruptCheckpointError(step, None, f"cannot read from the store ({e})") from e
+            raise StoreReadError(step, None, f"cannot read from the store ({e})") from e
         for name, problem in zip(names, problems, strict=True):
             if problem:
                 raise CorruptCheckpointError(step, name, problem)
@@ -364,42 +365,9 @@ class RemoteLayout:
         self.discard(self.step_key(step), manifest_deleted=True)
 
     def clean_pending(self) -> list[str]:
-        """Run by the owner: finish interrupted replacements, delete uncommitted data. Returns what it did."""
-        if self.unguarded:
-            return [f"not cleaning up {self.root}: without a lease, uncommitted objects may be another job's"]
-        done: list[str] = []
-        self.fence("cleaning up abandoned saves")
-        objects = self.store.sizes(self.base)
-        committed = {m.group(1) for k in objects if (m := _MANIFEST_KEY.match(k))}
-        staged = {k.split("/")[1] for k in objects if k.startswith(PENDING_DIR + "/") and k.count("/") >= 2}
-        for name in sorted(staged):
-            prefix = self._p(PENDING_DIR, name)
-            m = _PENDING_STEP.match(name)
-            if m and m.group(1) not in committed and f"{PENDING_DIR}/{name}/{MANIFEST_NAME}" in objects:
-                try:
-                    manifest = Manifest.from_json(self.store.get_bytes(posixpath.join(prefix, MANIFEST_NAME)))
-                    confirm(self.store, prefix, manifest, prove=True)  # read once where unproven
-                    self._promote(prefix, manifest)
-                    committed.add(m.group(1))
-                    done.append(f"finished the interrupted replacement of {m.group(1)}")
-                    continue
-                except (CheckpointError, OSError) as e:
-                    if prefix in self._unfinished:  # failed midway: the staged copy is all there is
-                        done.append(f"could not finish replacing {m.group(1)} yet ({e}); will retry")
-                        continue
-                    log.warning("safepoint: staged copy %s is unusable (%s); removing it", name, e)
-            self.discard(prefix)
-            done.append(f"removed abandoned {PENDING_DIR}/{name}")
-        dirs = {m.group(1) for k in objects if (m := _STEP_DIR.match(k))}
-        for name in sorted(dirs - committed):
-            self.discard(self._p(name))
-            done.append(f"removed uncommitted {name} (an interrupted save or upload)")
-        try:
-            if aborted := self.store.abort_uploads(self.base):
-                done.append(f"aborted {aborted} multipart upload(s) left open by an interrupted save/upload")
-        except UploadError as e:
-            log.warning("safepoint: could not abort unfinished multipart uploads under %s: %s", self.root, e)
-        return done
+        """Run by the owner: finish interrupted replacements, delete uncommitted data. Returns what it did
+        (remote/cleanup.py)."""
+        return clean_pending(self)
 
     def lease(self, stale_after_s: float, job: str | None = None) -> Any:
         """The owner's lease on this root: S3 conditional writes, O_EXCL for file://; None elsewhere (then

@@ -20,7 +20,7 @@ import time
 import uuid
 from typing import Any
 
-from safepoint.errors import LeaseError
+from safepoint.errors import LeaseError, LeaseUnconfirmed
 from safepoint.store.guard import read_regular
 
 DEFAULT_STALE_AFTER_S = 120.0
@@ -40,6 +40,12 @@ log = logging.getLogger("safepoint")
 class HeldByThisJob(LeaseError):
     """The root is held by a live process of this same job on this host (an evaluation in the same
     allocation, say): never taken over; the manager restores without the lease and refuses saves."""
+
+
+# The tokens of leases this process gave back (``release``). A record that still carries one outlived its
+# release (the store failed the delete): no manager of this process holds it any more, so the next one
+# here takes it over instead of refusing a root "in use" by itself until the process exits.
+_GIVEN_UP: set[str] = set()
 
 
 class Unreadable(Exception):
@@ -225,7 +231,9 @@ class HeartbeatLease(abc.ABC):
         pid = askable_pid(holder)
         if pid is not None:
             if pid == os.getpid() and holder.get("token") != self.token:
-                return False  # another manager in this very process: alive by definition
+                # Another manager in this very process: alive by definition, unless it gave the lease back
+                # and only its record is left (_GIVEN_UP).
+                return holder.get("token") in _GIVEN_UP
             ticks = holder.get("start_ticks")
             return not _pid_alive(pid, ticks if type(ticks) is int else None)
         if self._same_job(holder):
@@ -378,7 +386,7 @@ class HeartbeatLease(abc.ABC):
         try:
             holder = self._holder()
         except Unreadable as e:
-            raise LeaseError(f"not {action}: cannot confirm this job still owns the root ({e})") from e
+            raise LeaseUnconfirmed(f"not {action}: cannot confirm this job still owns the root ({e})") from e
         if holder is None:
             why = f"lease {self._where()} was removed (by hand, or the root was deleted)"
         elif holder.get("token") != self.token:
@@ -398,6 +406,7 @@ class HeartbeatLease(abc.ABC):
         and if the process exits first the lease expires by itself (``stale_after_s``; on this host, as
         soon as the process is gone). Returns whether it was given back in time."""
         self._stop.set()
+        _GIVEN_UP.add(self.token)
         thread, self._thread = self._thread, None
 
         def finish() -> None:
