@@ -273,8 +273,24 @@ class AzureObject(CondObject):
         date: list[str] = []
 
         async def get() -> tuple[bytes, str, float]:
+            from azure.core.exceptions import HttpResponseError
+
             hook = lambda r: date.append(r.http_response.headers.get("Date", ""))  # noqa: E731
-            dl = await self.client.download_blob(offset=0, length=limit + 1, raw_response_hook=hook)
+            try:
+                dl = await self.client.download_blob(offset=0, length=limit + 1, raw_response_hook=hook)
+            except HttpResponseError as e:
+                # A ranged read of an empty blob is answered 416 InvalidRange (there is no byte 0): its
+                # properties say so, and it is read as empty (judged then as any unreadable lease).
+                if e.status_code != 416:
+                    raise
+                props = await self.client.get_blob_properties(raw_response_hook=hook)
+                if props.size:
+                    raise
+                return (
+                    b"",
+                    str(props.etag),
+                    _age(date[-1] if date else None, props.last_modified.timestamp()),
+                )
             data = await dl.readall()
             props = dl.properties
             return (

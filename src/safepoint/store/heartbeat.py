@@ -29,8 +29,7 @@ HEARTBEAT_S = 15.0
 MIN_STALE_AFTER_S = 1.0
 """The smallest ``lease_stale_after_s`` a manager accepts: below it the heartbeat would spin."""
 MAX_LEASE_BYTES = 64 << 10
-"""A lease record is a few hundred bytes; a larger one (a file, or an object: only this much of it is
-fetched) is not read past this: unreadable."""
+"""A lease record is a few hundred bytes: a larger one is not read past this (unreadable)."""
 UNREADABLE_WAIT_S = 2.0
 """How long ``acquire`` keeps re-reading a lease file it cannot read (NFS EIO/ESTALE, a creator between
 its O_EXCL create and its write) before deciding by the file's age."""
@@ -42,9 +41,8 @@ class HeldByThisJob(LeaseError):
     allocation, say): never taken over; the manager restores without the lease and refuses saves."""
 
 
-# The tokens of leases this process gave back (``release``). A record that still carries one outlived its
-# release (the store failed the delete): no manager of this process holds it any more, so the next one
-# here takes it over instead of refusing a root "in use" by itself until the process exits.
+# Tokens of leases this process gave back (``release``): a record still carrying one outlived its release
+# (a failed delete), so the next manager here takes it over rather than refuse a root "in use" by itself.
 _GIVEN_UP: set[str] = set()
 
 
@@ -193,8 +191,7 @@ class HeartbeatLease(abc.ABC):
         # When the write that last renewed the lease was *sent* (monotonic): the store applied it no
         # earlier, so nobody may judge the lease stale before _renewed + stale_after_s (see fence).
         self._renewed = time.monotonic()
-        # One renewal at a time (the heartbeat's or the fence's): then a write of ours that landed unheard
-        # of was sent by the renewal running, never by another one still on its way.
+        # One renewal at a time (heartbeat's or fence's): a write of ours landed unheard of is this one's.
         self._renewing = threading.Lock()
 
     def _owner(self) -> dict[str, Any]:

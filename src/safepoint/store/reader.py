@@ -227,9 +227,7 @@ def _empty_bytes(*args: Any) -> bytes:
     was committed and could not be restored. ``bytes(n)`` allocates n bytes: a hostile record could ask
     for terabytes, so any argument is refused."""
     if args:
-        raise pickle.UnpicklingError(
-            "global builtins.bytes is allowed with no arguments only"
-        )
+        raise pickle.UnpicklingError("global builtins.bytes is allowed with no arguments only")
     return b""
 
 
