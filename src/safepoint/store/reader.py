@@ -10,7 +10,9 @@ import io
 import os
 import pickle
 import re
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
@@ -227,19 +229,40 @@ def _empty_bytes(*args: Any) -> bytes:
     was committed and could not be restored. ``bytes(n)`` allocates n bytes: a hostile record could ask
     for terabytes, so any argument is refused."""
     if args:
-        raise pickle.UnpicklingError(
-            "global builtins.bytes is allowed with no arguments only"
-        )
+        raise pickle.UnpicklingError("global builtins.bytes is allowed with no arguments only")
     return b""
 
 
 _LOAD_GLOBALS: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [(_empty_bytes, "builtins.bytes")]
+_allowance_lock = threading.Lock()
+_allowance_users = 0
+
+
+@contextmanager
+def _load_allowance() -> Iterator[None]:
+    """``_LOAD_GLOBALS`` allowed while any restore's load runs. torch's allowlist is one set for the process
+    and ``safe_globals`` takes its entries away on exit, for every thread: a load ending in one thread left
+    another load mid-record without ``bytes()`` (its ``b""`` refused as unsafe). Counted, so the entries go
+    when the last load ends; user code's loads meanwhile may build ``b""`` too, never ``bytes(n)``."""
+    global _allowance_users
+    with _allowance_lock:
+        if _allowance_users == 0:
+            torch.serialization.add_safe_globals(_LOAD_GLOBALS)
+        _allowance_users += 1
+    try:
+        yield
+    finally:
+        with _allowance_lock:
+            _allowance_users -= 1
+            if _allowance_users == 0:
+                # torch has no public remove; this exit removes exactly these entries, no one else's.
+                torch.serialization.safe_globals(_LOAD_GLOBALS).__exit__(None, None, None)  # type: ignore[no-untyped-call]
 
 
 def weights_only_load(stream: IO[bytes], fqn: str) -> Any:
     """``torch.load(weights_only=True)`` of one item; a refused pickle is an UnsafeCheckpointError."""
     try:
-        with torch.serialization.safe_globals(_LOAD_GLOBALS):
+        with _load_allowance():
             return torch.load(stream, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         # torch's message is a page long; what follows "WeightsUnpickler error:" (on its line or the next
