@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,7 +35,12 @@ from torch.distributed.checkpoint.planner import (
 from torch.futures import Future
 
 from safepoint.data.own_keys import set_at
-from safepoint.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from safepoint.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+    weights_only_reason,
+)
 from safepoint.store.checksum import ReadCoverage, fd_range_crc32c
 from safepoint.store.direct_read import DescriptionCache, read_in_place
 from safepoint.store.rootfs import RootDir, around
@@ -265,12 +269,10 @@ def weights_only_load(stream: IO[bytes], fqn: str) -> Any:
         with _load_allowance():
             return torch.load(stream, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        # torch's message is a page long; what follows "WeightsUnpickler error:" (on its line or the next
-        # ones) names the offending global.
+        # torch's message is a page long; weights_only_reason keeps the lines that say what was refused (a
+        # blocked module's global, os.system say, has no "WeightsUnpickler error:" line at all).
         detail = str(e).strip().splitlines()
-        found = re.search(r"WeightsUnpickler error:(.*?)(?:\n\s*Check the documentation|$)", str(e), re.S)
-        why = " ".join(found.group(1).split()) if found else ""
-        why = f"WeightsUnpickler error: {why}" if why else (detail[-1] if detail else "")
+        why = weights_only_reason(e)
         if not any("global" in ln.lower() for ln in detail):
             # No refused global: these bytes are no pickle at all (an offset re-pointed inside a verified
             # file, say). Damage to fall back from, not a checkpoint that tried to run code.
