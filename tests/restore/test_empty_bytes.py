@@ -7,7 +7,10 @@ allocate n bytes, and is refused as unsafe, in one line."""
 from __future__ import annotations
 
 import io
+import threading
+import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -53,3 +56,54 @@ def test_the_allowance_ends_with_the_load() -> None:
     assert all("bytes" not in repr(g) for g in torch.serialization.get_safe_globals())
     with pytest.raises(Exception, match="bytes"):  # torch's own load, outside restore, still refuses it
         torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+
+
+class _PausingRecord(io.BytesIO):
+    """A record whose tensor's bytes are read only once ``go`` is set (``inside`` says the load got there):
+    its load is then inside restore's allowance, past ``{"t": ...}`` and before ``"b": b""``."""
+
+    def __init__(self, raw: bytes, inside: threading.Event, go: threading.Event) -> None:
+        super().__init__(raw)
+        info = zipfile.ZipFile(io.BytesIO(raw)).getinfo("archive/data/0")
+        self._span = range(info.header_offset, info.header_offset + 64 + info.compress_size)
+        self._inside, self._go = inside, go
+
+    def _pause(self) -> None:
+        if self.tell() in self._span and not self._inside.is_set():
+            self._inside.set()
+            assert self._go.wait(60), "the other load never finished"
+
+    def read(self, n: int | None = -1) -> bytes:
+        self._pause()
+        return super().read(n)
+
+    def readinto(self, b: Any) -> int:
+        self._pause()
+        return super().readinto(b)
+
+
+def test_a_load_ending_in_another_thread_leaves_the_allowance_to_a_load_still_running() -> None:
+    """Two restores in two threads of one process: torch's allowlist is process-wide, and the first load to
+    end took ``bytes`` away from the other, mid-record (its ``b""`` then refused as unsafe)."""
+    buf = io.BytesIO()
+    torch.save({"t": torch.arange(3.0), "b": b""}, buf)
+    inside, go = threading.Event(), threading.Event()
+    got: dict[str, Any] = {}
+
+    def paused() -> None:
+        try:
+            got["paused"] = weights_only_load(_PausingRecord(buf.getvalue(), inside, go), "x")
+        except Exception as e:  # reported below, in the test's thread
+            got["paused"] = e
+
+    t = threading.Thread(target=paused)
+    t.start()
+    try:
+        assert inside.wait(60)
+        assert weights_only_load(io.BytesIO(buf.getvalue()), "y")["b"] == b""  # starts and ends meanwhile
+    finally:
+        go.set()
+        t.join(60)
+    assert isinstance(got["paused"], dict), got["paused"]
+    assert got["paused"]["b"] == b"" and torch.equal(got["paused"]["t"], torch.arange(3.0))
+    assert all("bytes" not in repr(g) for g in torch.serialization.get_safe_globals())

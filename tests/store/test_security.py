@@ -4,6 +4,7 @@ when its checksums were forged to match."""
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 import safepoint
 from safepoint.store.checksum import file_crc32c
 from safepoint.store.manifest import MANIFEST_NAME, FileEntry, Manifest
+from safepoint.store.reader import weights_only_load
 from safepoint.store.storage import read_metadata_file
 
 
@@ -125,3 +127,23 @@ def test_malicious_tensor_item_runs_no_code(root: Path, tmp_path: Path) -> None:
         with pytest.raises(safepoint.UnsafeCheckpointError, match=r"model\.weight.*not plain data"):
             mgr.restore(safepoint.TrainState(model=torch.nn.Linear(3, 3)))
     assert not marker.exists()
+
+
+class _Shell:
+    """A record calling ``os.system``: torch refuses it for its blocked module, in a message with no
+    "WeightsUnpickler error:" line."""
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, ("true",))
+
+
+def test_a_refused_blocked_global_is_named_in_one_line() -> None:
+    """The why of the refusal names what the record tried to call (it said "Check the documentation of
+    torch.load ...", torch's last line, for a global of a blocked module: os.system among them)."""
+    buf = io.BytesIO()
+    torch.save(_Shell(), buf)
+    buf.seek(0)
+    with pytest.raises(safepoint.UnsafeCheckpointError) as e:
+        weights_only_load(buf, "extra.note")
+    msg = str(e.value)
+    assert "system" in msg and "Check the documentation" not in msg and "\n" not in msg, msg

@@ -9,8 +9,9 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import re
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
@@ -34,7 +35,12 @@ from torch.distributed.checkpoint.planner import (
 from torch.futures import Future
 
 from safepoint.data.own_keys import set_at
-from safepoint.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from safepoint.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+    weights_only_reason,
+)
 from safepoint.store.checksum import ReadCoverage, fd_range_crc32c
 from safepoint.store.direct_read import DescriptionCache, read_in_place
 from safepoint.store.rootfs import RootDir, around
@@ -232,20 +238,41 @@ def _empty_bytes(*args: Any) -> bytes:
 
 
 _LOAD_GLOBALS: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [(_empty_bytes, "builtins.bytes")]
+_allowance_lock = threading.Lock()
+_allowance_users = 0
+
+
+@contextmanager
+def _load_allowance() -> Iterator[None]:
+    """``_LOAD_GLOBALS`` allowed while any restore's load runs. torch's allowlist is one set for the process
+    and ``safe_globals`` takes its entries away on exit, for every thread: a load ending in one thread left
+    another load mid-record without ``bytes()`` (its ``b""`` refused as unsafe). Counted, so the entries go
+    when the last load ends; user code's loads meanwhile may build ``b""`` too, never ``bytes(n)``."""
+    global _allowance_users
+    with _allowance_lock:
+        if _allowance_users == 0:
+            torch.serialization.add_safe_globals(_LOAD_GLOBALS)
+        _allowance_users += 1
+    try:
+        yield
+    finally:
+        with _allowance_lock:
+            _allowance_users -= 1
+            if _allowance_users == 0:
+                # torch has no public remove; this exit removes exactly these entries, no one else's.
+                torch.serialization.safe_globals(_LOAD_GLOBALS).__exit__(None, None, None)  # type: ignore[no-untyped-call]
 
 
 def weights_only_load(stream: IO[bytes], fqn: str) -> Any:
     """``torch.load(weights_only=True)`` of one item; a refused pickle is an UnsafeCheckpointError."""
     try:
-        with torch.serialization.safe_globals(_LOAD_GLOBALS):
+        with _load_allowance():
             return torch.load(stream, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        # torch's message is a page long; what follows "WeightsUnpickler error:" (on its line or the next
-        # ones) names the offending global.
+        # torch's message is a page long; weights_only_reason keeps the lines that say what was refused (a
+        # blocked module's global, os.system say, has no "WeightsUnpickler error:" line at all).
         detail = str(e).strip().splitlines()
-        found = re.search(r"WeightsUnpickler error:(.*?)(?:\n\s*Check the documentation|$)", str(e), re.S)
-        why = " ".join(found.group(1).split()) if found else ""
-        why = f"WeightsUnpickler error: {why}" if why else (detail[-1] if detail else "")
+        why = weights_only_reason(e)
         if not any("global" in ln.lower() for ln in detail):
             # No refused global: these bytes are no pickle at all (an offset re-pointed inside a verified
             # file, say). Damage to fall back from, not a checkpoint that tried to run code.
