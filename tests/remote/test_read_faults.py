@@ -110,6 +110,12 @@ def test_the_cli_says_the_store_failed_never_that_an_intact_checkpoint_is_damage
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     proxy.add("503", method="GET", path=r"/run/step-2/safepoint\.json")
+    # The CLI reaches the store through the environment's endpoint: an S3 file system fsspec cached for an
+    # earlier test in this worker (the store's own endpoint, no proxy) would answer instead, and no fault
+    # would be injected.
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
     from safepoint.cli.main import main
 
     code = main([command, url])

@@ -37,6 +37,7 @@ from safepoint.remote.incremental_copy import proven_copy
 from safepoint.remote.io import SafeStoreReader, StoreWriter
 from safepoint.remote.open import open_store
 from safepoint.remote.upload import FileCopy, TransferOptions, UploadError
+from safepoint.store import posix_layout
 from safepoint.store.file_lease import Lease
 from safepoint.store.guard import STEP_PATTERN, STEP_PREFIX
 from safepoint.store.manifest import MANIFEST_NAME, Manifest, Parts
@@ -112,10 +113,20 @@ class RemoteLayout:
         return sorted(int(m.group(1).removeprefix(STEP_PREFIX)) for m in found if m)
 
     def manifest_bytes(self, step: int) -> bytes:
+        """The manifest's bytes, at most MAX_MANIFEST_BYTES (as a local root reads it: one byte more is
+        fetched, never a hostile object of gigabytes); FileNotFoundError where it is missing, larger or
+        empty (a corrupt step), OSError where the store failed the read."""
         try:
-            return self.store.get_bytes(self._p(step_name(step), MANIFEST_NAME))
+            data = self.store.get_bytes(
+                self._p(step_name(step), MANIFEST_NAME), limit=posix_layout.MAX_MANIFEST_BYTES
+            )
         except UploadError as e:
             raise OSError(str(e)) from e
+        if len(data) > posix_layout.MAX_MANIFEST_BYTES:
+            raise FileNotFoundError(
+                f"larger than {posix_layout.MAX_MANIFEST_BYTES >> 20} MiB, not a manifest"
+            )
+        return data
 
     def read_manifest(self, step: int) -> Manifest:
         try:

@@ -18,7 +18,7 @@ import random
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from safepoint.errors import SaveError
 
@@ -239,3 +239,28 @@ def cause_code(e: BaseException) -> str | None:
             return str(resp["Error"].get("Code", ""))
         cur = cur.__cause__
     return None
+
+
+def empty_if_unsatisfiable(cat: Callable[..., Any], path: str, start: int, end: int) -> bytes:
+    """``cat(path, start=start, end=end)`` (a ranged read from 0, never a hostile object of gigabytes
+    fetched whole where a small one is all that is valid), or ``b""`` where the store answers "416 Range
+    Not Satisfiable": from byte 0 that means an empty object."""
+    try:
+        return bytes(cat(path, start=start, end=end))
+    except Exception as e:
+        if start == 0 and _unsatisfiable(e):
+            return b""
+        raise
+
+
+def _unsatisfiable(e: BaseException) -> bool:
+    """A store's "416 Range Not Satisfiable" (gcsfs's HttpError ``code``, Azure's ``status_code``), along the
+    cause chain."""
+    cur: BaseException | None = e
+    for _ in range(8):
+        if cur is None:
+            return False
+        if 416 in (getattr(cur, "code", None), getattr(cur, "status_code", None)):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False

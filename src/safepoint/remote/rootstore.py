@@ -97,10 +97,12 @@ def copy_within(guard: RootDir, src: str, dst: str) -> None:
         os.fsync(fout.fileno())
 
 
-def read_whole(guard: RootDir, path: str) -> bytes:
-    """The regular file ``path``, whole (its size bounds the read: never a device read without end)."""
+def read_whole(guard: RootDir, path: str, limit: int | None = None) -> bytes:
+    """The regular file ``path``, whole (its size bounds the read: never a device read without end), or at
+    most its first ``limit + 1`` bytes."""
     with os.fdopen(_open(guard, path), "rb") as f:
-        return f.read(os.fstat(f.fileno()).st_size)
+        size = os.fstat(f.fileno()).st_size
+        return f.read(size if limit is None else min(size, limit + 1))
 
 
 def read_range(guard: RootDir, path: str, start: int, end: int) -> bytes:

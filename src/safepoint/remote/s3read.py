@@ -105,11 +105,17 @@ class S3Reader(ObjectStore):
 
         return dict(self.run(self.aretry, f"listing of {self.url(prefix)}", listing))
 
-    def get_bytes(self, path: str) -> bytes:
+    def get_bytes(self, path: str, limit: int | None = None) -> bytes:
         bucket, key = self._split(path)
+        ranged = {} if limit is None else {"Range": f"bytes=0-{limit}"}
 
         async def get() -> bytes:
-            r = await self.call("get_object", Bucket=bucket, Key=key)
+            try:
+                r = await self.call("get_object", Bucket=bucket, Key=key, **ranged)
+            except Exception as e:
+                if ranged and cause_code(e) == "InvalidRange":
+                    return b""  # no byte 0: an empty object (a range from 0 is unsatisfiable only so)
+                raise
             async with r["Body"] as body:
                 return bytes(await body.read())
 

@@ -31,6 +31,7 @@ from safepoint.remote.retry import (
     MiB,
     TransferOptions,
     UploadError,
+    empty_if_unsatisfiable,
     lower_priority,
     retry,
 )
@@ -175,10 +176,14 @@ class ObjectStore:
             return
         retry(f"write of {self.url(path)}", lambda: self.fs.pipe_file(path, data), self.cfg)
 
-    def get_bytes(self, path: str) -> bytes:
-        if (guard := self.guard) is not None:  # a file:// root: a regular file below it, never a symlink's
-            return retry(f"read of {self.url(path)}", lambda: rootstore.read_whole(guard, path), self.cfg)
-        return bytes(retry(f"read of {self.url(path)}", lambda: self.fs.cat_file(path), self.cfg))
+    def get_bytes(self, path: str, limit: int | None = None) -> bytes:
+        """The object ``path``; with ``limit``, at most its first ``limit + 1`` bytes (one ranged read)."""
+        what, guard = f"read of {self.url(path)}", self.guard
+        if guard is not None:  # a file:// root: a regular file below it, never a symlink's
+            return retry(what, lambda: rootstore.read_whole(guard, path, limit), self.cfg)
+        if limit is None:
+            return bytes(retry(what, lambda: self.fs.cat_file(path), self.cfg))
+        return retry(what, lambda: empty_if_unsatisfiable(self.fs.cat_file, path, 0, limit + 1), self.cfg)
 
     def sizes(self, prefix: str) -> dict[str, int]:
         """{path relative to prefix: size} of every object under ``prefix`` (fresh listing, no cache)."""
