@@ -137,5 +137,5 @@ def test_a_ranged_read_goes_through_the_retries_and_names_a_failing_store(
     proxy.add("503", method="GET", path=rf"/run/step-1/{name}", count=1)
     assert len(layout.read_range(1, name, 0, 8)) == 8  # one 503: retried
     proxy.add("503", method="GET", path=rf"/run/step-1/{name}")
-    with pytest.raises(UploadError, match="failed after 2 attempts"):
+    with pytest.raises(UploadError, match="failed after 2 attempts; last error: SlowDown"):
         layout.read_range(1, name, 0, 8)
