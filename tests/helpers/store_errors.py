@@ -58,7 +58,7 @@ def store_of(path: str, headers: Any) -> str:
     """Which store a request is for: ``s3``, ``gs`` or ``az`` (as tests/helpers/mutations.py tells)."""
     if headers.get("x-ms-version"):
         return "az"
-    if path.startswith(("/upload/storage/v1/", "/storage/v1/", "/batch/storage/v1")):
+    if path.startswith(("/upload/storage/v1/", "/storage/v1/", "/batch/storage/v1", "/download/storage/v1/")):
         return "gs"
     return "s3"
 

@@ -291,6 +291,8 @@ def verify_step(
         # must never count it as the newest intact checkpoint).
         try:
             metadata = layout.read_metadata(step, manifest)
+        except StoreReadError as e:
+            raise _store_failed(e) from None
         except CorruptCheckpointError as e:
             problems.append(Problem(step, e.file or METADATA_NAME, e.reason))
         else:
@@ -310,7 +312,9 @@ def _structure_problem(
             return items_problem(metadata, lambda name, off, n: layout.read_range(step, name, off, n), only)
         with local_ranges(layout.step_path(step)) as read:
             return items_problem(metadata, read, only)
-    except (OSError, UploadError) as e:
+    except UploadError as e:  # the store failed a read past every retry: its error, not damage
+        raise CheckpointError(f"cannot check step {step}: the store failed: {e}") from None
+    except OSError as e:
         return METADATA_NAME, f"cannot read the items it describes ({e})"
 
 

@@ -20,6 +20,7 @@ that window step N is not listed, but a complete copy always exists, and a new o
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import posixpath
 import re
@@ -36,6 +37,7 @@ from safepoint.remote.confirmed import confirm
 from safepoint.remote.incremental_copy import proven_copy
 from safepoint.remote.io import SafeStoreReader, StoreWriter
 from safepoint.remote.open import open_store
+from safepoint.remote.retry import is_transient, retry
 from safepoint.remote.upload import FileCopy, TransferOptions, UploadError
 from safepoint.store import posix_layout
 from safepoint.store.file_lease import Lease
@@ -184,8 +186,10 @@ class RemoteLayout:
         absolute storage path would otherwise read another bucket with the job's credentials."""
         try:
             data = self.store.get_bytes(self._p(step_name(step), METADATA_NAME))
-        except (UploadError, OSError) as e:
+        except FileNotFoundError as e:
             raise CorruptCheckpointError(step, METADATA_NAME, f"cannot read ({e})") from None
+        except (UploadError, OSError) as e:  # the store failed the read
+            raise StoreReadError(step, METADATA_NAME, f"cannot read ({e})") from None
         return load_checked_metadata(step, data, manifest.expected())
 
     def read_range(self, step: int, name: str, offset: int, size: int) -> bytes:
@@ -194,8 +198,16 @@ class RemoteLayout:
         guard, end = self.store.guard, offset + size
         if guard is not None:  # a file:// root: a regular file below it, never through a symlink
             data = rootstore.read_range(guard, path, offset, end) if size else b""
+        elif size:  # under the store's retries, as every other request (a 503 here failed verify)
+            read = functools.partial(self.store.fs.cat_file, path, start=offset, end=end)
+            try:
+                data = retry(f"read of {self.store.url(path)}", read, self.store.cfg)
+            except UploadError as e:
+                if not is_transient(e.__cause__ or e):  # missing, refused: the object, not the store's load
+                    raise OSError(str(e)) from e
+                raise  # the store failed past every retry (its UploadError: not the checkpoint's damage)
         else:
-            data = self.store.fs.cat_file(path, start=offset, end=end) if size else b""
+            data = b""
         if len(data) != size:
             raise OSError(
                 f"{self.store.url(path)} ended at byte {offset + len(data)} (changed while verified?)"

@@ -184,10 +184,15 @@ def _transient_one(e: BaseException) -> bool:
 
 
 def describe(e: BaseException) -> str:
-    resp = getattr(e, "response", None)
-    if isinstance(resp, dict) and isinstance(resp.get("Error"), dict):
-        status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        return f"{resp['Error'].get('Code')} (HTTP {status}): {resp['Error'].get('Message', '')}".strip()
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:  # s3fs raises OSError(EBUSY) from S3's "SlowDown": named
+        seen.add(id(cur))
+        resp = getattr(cur, "response", None)
+        if isinstance(resp, dict) and isinstance(resp.get("Error"), dict):
+            status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            return f"{resp['Error'].get('Code')} (HTTP {status}): {resp['Error'].get('Message', '')}".strip()
+        cur = cur.__cause__ or cur.__context__
     return f"{type(e).__name__}: {' '.join(str(e).split())}"  # one line (gcsfs: "Forbidden: <path>\n...")
 
 
