@@ -7,7 +7,6 @@ to the step before it. An empty manifest is corrupt too, never a failed read of 
 from __future__ import annotations
 
 import posixpath
-from pathlib import Path
 
 import pytest
 import torch
