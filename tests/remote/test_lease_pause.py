@@ -118,6 +118,11 @@ def _objects(store: Store, url: str) -> dict[str, str]:
 
 
 @needs_second_host
+@pytest.mark.parametrize(  # on S3 by default; GCS and Azure under -m slow (the suite's time)
+    "store",
+    ["s3", pytest.param("gs", marks=pytest.mark.slow), pytest.param("az", marks=pytest.mark.slow)],
+    indirect=True,
+)
 @pytest.mark.parametrize("where", ["save", "gc"])
 def test_a_holder_frozen_past_its_lease_neither_commits_nor_deletes(store: Store, where: str) -> None:
     url = store.root()
