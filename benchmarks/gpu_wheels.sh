@@ -4,11 +4,11 @@
 # then names ".whl" in carry, and gpu_check.sh installs them. Versions are the dev lock's. The image has torch,
 # triton, fsspec, rich, xxhash, numpy, lightning and pytest (device tool, KINDS.md); it lacks crc32c (every
 # check), and torchdata, torchtitan and its own needs (the torchtitan Trainer run, skipped with
-# GPU_SKIP_FRAMEWORKS=1). One version of each: two stop the install there.
+# GPU_SKIP_FRAMEWORKS=1), and torchao (the CUDA NF4 checks). One version of each: two stop the install there.
 set -eu
 cd "$(dirname "$0")/.."
 version() { grep -hiE "^$1==" requirements-dev.lock requirements-torchtitan.lock | head -1; }
-want=("$(version crc32c)")
+want=("$(version crc32c)" "$(version torchao)")  # torchao: tests/gpu/test_cuda_wrappers.py (NF4)
 if [ -z "${GPU_SKIP_FRAMEWORKS:-}" ]; then
     for name in torchdata torchtitan spmd-types tyro docstring-parser typeguard; do want+=("$(version "$name")"); done
 fi
