@@ -86,3 +86,27 @@ def test_a_trusted_wrapper_still_saves_and_restores_bit_for_bit(tmp_path: Path, 
     with safepoint.CheckpointManager(tmp_path / "ckpt") as mgr:
         assert mgr.restore(safepoint.TrainState(objects={"o": back}, rng=False)) == 3
     assert torch.equal(back.v.packed, torch.arange(6.0) + 3)
+
+
+class _Revoked:
+    """Allowlisted while the real rule judges it; its third pickle and any later one (the verdict being recorded) take it off
+    the allowlist, as another thread leaving ``torch.serialization.safe_globals`` would."""
+
+    pickles = 0
+
+    def __reduce__(self) -> tuple[object, tuple[()]]:
+        type(self).pickles += 1
+        if type(self).pickles >= 3:
+            kept = [g for g in torch.serialization.get_safe_globals() if g is not _Revoked]
+            torch.serialization.clear_safe_globals()
+            torch.serialization.add_safe_globals(kept)
+        return (_Revoked, ())
+
+
+def test_a_verdict_reached_under_an_allowlist_changed_since_is_not_kept() -> None:
+    with torch.serialization.safe_globals([_Nf4, _Revoked]):
+        w = _Nf4(torch.zeros(8), {"block": 64})
+        w.extra = _Revoked()  # type: ignore[attr-defined]
+        restorable({"w": w})  # accepted: _Revoked was allowlisted when the load judged it
+        with pytest.raises(SaveError):  # restore now refuses it: the save must too
+            restorable({"w": w})

@@ -93,9 +93,12 @@ def _tensor(value: torch.Tensor, path: str) -> torch.Tensor:
     # Every one, at every save: what restore refuses depends on the instance (its flatten context and
     # attributes), not only on its type. The real rule (the whole tensor through torch.save and back, in
     # memory) runs once per pickled structure; later saves of the same structure only pickle it again.
-    if not _WRAPPERS.accepted(value):
+    # The digest and the allowlist are taken once, before the rule runs: a verdict is recorded only under the
+    # allowlist it was reached under (another thread may leave a ``safe_globals`` block meanwhile).
+    key, allowlist = _digest(value), torch.serialization.get_safe_globals()
+    if not _WRAPPERS.accepted(key, allowlist):
         _check_weights_only(value, path)
-        _WRAPPERS.accept(value)
+        _WRAPPERS.accept(key, allowlist)
     return value
 
 
@@ -203,28 +206,25 @@ class _WrapperVerdicts:
         self._accepted: OrderedDict[bytes, None] = OrderedDict()
         self._allowlist: list[Any] = []
 
-    def accepted(self, value: torch.Tensor) -> bool:
-        key = _digest(value)
+    def accepted(self, key: bytes | None, allowlist: list[Any]) -> bool:
         with self._lock:
-            if key is None or not self._same_allowlist() or key not in self._accepted:
+            if key is None or allowlist != self._allowlist or key not in self._accepted:
                 return False
             self._accepted.move_to_end(key)
             return True
 
-    def accept(self, value: torch.Tensor) -> None:
-        key = _digest(value)
-        if key is None:
+    def accept(self, key: bytes | None, allowlist: list[Any]) -> None:
+        """Record ``key`` as accepted under ``allowlist``, the one the real rule judged it under; nothing if
+        the allowlist has changed since (the verdict may not hold under the new one)."""
+        if key is None or torch.serialization.get_safe_globals() != allowlist:
             return
         with self._lock:
-            if not self._same_allowlist():
+            if allowlist != self._allowlist:
                 self._accepted.clear()
-                self._allowlist = torch.serialization.get_safe_globals()
+                self._allowlist = allowlist
             self._accepted[key] = None
             if len(self._accepted) > self.LIMIT:
                 self._accepted.popitem(last=False)
-
-    def _same_allowlist(self) -> bool:
-        return torch.serialization.get_safe_globals() == self._allowlist
 
 
 def _digest(value: Any) -> bytes | None:
