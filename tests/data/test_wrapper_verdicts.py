@@ -61,7 +61,7 @@ def test_new_metadata_on_a_wrapper_already_accepted_is_judged_again(allowed: Non
     w.meta = _Opaque()  # what restore refuses, on the same tensor
     with pytest.raises(SaveError, match="'w'"):
         restorable({"w": w})
-    w.extra = _Opaque()  # an attribute of its own is pickled too (its __dict__)
+    w.extra = _Opaque()  # type: ignore[attr-defined]  # an attribute of its own is pickled too (its __dict__)
     w.meta = {"block": 64}
     with pytest.raises(SaveError, match="'w'"):
         restorable({"w": w})
