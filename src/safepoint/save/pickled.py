@@ -13,10 +13,12 @@ The async snapshot must give back the same (issue: async fidelity). So this walk
 one (save/stage_plan.py), stages *storages*: each storage met in the value is one tensor item of the walk,
 its leaf the storage's bytes (a flat tensor over all of it, in the dtype of the tensor that met it), and
 each tensor of the value is rebuilt in the snapshot as the same view of the buffer that holds those bytes.
-An object met again is the snapshot's object of its first meeting. Its items in the signature: the
-storage's leaf token for a tensor that first meets a storage, ``None`` for a tensor over a storage met
-before and for an object met before (what the buffers must fit is the storages alone; the views are
-rebuilt from the live state at every save).
+An object met again is the snapshot's object of its first meeting. A wrapper subclass (save/wrappers.py) is
+walked through its inner tensors as tensors of the value and rebuilt over their views at every save (its
+own buffer set, packed, lost the views and the ties a pickle keeps: rev9c review). Its items in the
+signature: the storage's leaf token for a tensor that first meets a storage, ``None`` for a tensor over
+a storage met before, for an object met before and for a wrapper (what the buffers must fit is the
+storages alone; the views and wrappers are rebuilt from the live state at every save).
 
 A leaf is a view of the live tensor, so the incremental check (save/staging.py) reads its version counter
 as for any tensor; where it has to be bytes of its own (a conj view), its counter never moves, and the
@@ -52,6 +54,7 @@ from safepoint.save.kinds import (
     same_dict,
     same_kind,
 )
+from safepoint.save.wrappers import flatten, stageable, unflatten, with_state
 
 _STRIDED = torch.strided
 _UINT8 = torch.uint8
@@ -159,6 +162,9 @@ class Pickled:
                 self.stores[key] = slot
             buf = self.stores[key]
             return v if buf is None else view_of(v, buf)
+        if stageable(v):
+            append(None)  # what the buffers must fit is its inner tensors' storages, met below
+            return self._wrapper(v)
         if isinstance(v, DTensor) and plain(local := v._local_tensor):
             append((DTENSOR, v.device_mesh, tuple(v.placements), v.shape, v.stride(), alias(local)))
             out.leaves.append(local)
@@ -171,3 +177,18 @@ class Pickled:
             append(None)
             return copy.deepcopy(v, self.copies)  # its own copy, as the flattening walk makes
         return self.slots[i] if i < self.have else v  # type: ignore[index]
+
+    def _wrapper(self, v: Any) -> Any:
+        """A wrapper subclass (save/wrappers.py) as a pickle keeps it: each inner tensor walked as any tensor
+        of the value (the same view of its storage's buffer, one storage with the value's other views of
+        it), the wrapper rebuilt over them with copies of its context and other attributes."""
+        names, ctx = flatten(v)
+        inner = {name: self.visit(getattr(v, name)) for name in names}
+        if names and all(inner[name] is getattr(v, name) for name in names):
+            return v  # no buffers yet: a walk to be redone
+        out = unflatten(type(v), inner, copy.deepcopy(ctx, self.copies), v.size(), v.stride())
+        if v.requires_grad:
+            out.requires_grad_()
+        keys = set(names)
+        state = [(k, None if k in keys else copy.deepcopy(x, self.copies)) for k, x in v.__dict__.items()]
+        return with_state(out, keys, state)
