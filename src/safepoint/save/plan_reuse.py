@@ -24,11 +24,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+
+from safepoint.store.flatten_order import set_up_sharded_last
 
 _BYTES = ("bytes",)  # the kind of a non-tensor item (a BYTE_IO WriteItem: its key is all there is)
 
@@ -88,20 +88,9 @@ class ReusingSavePlanner(DefaultSavePlanner):
         # DCP's own signature, ``storage_meta`` named: dcp.save inspects it and, where that name is missing,
         # warns on every save and calls it positionally, (state_dict, is_coordinator), so a ``*args``
         # pass-through handed is_coordinator to storage_meta and False to is_coordinator on every rank.
-        # DCP flattens the state dict (one walk of every value), then walks every value again for nested
-        # ShardedTensors, copying each into a new dict by its path. On a flattened dict without one that
-        # second walk gives an equal dict, the same keys in the same order (every value is a leaf: lists
-        # of tensors were flattened into their own keys), so it runs only where there is one (~0.1 ms of a
-        # small state's save, issue 27).
-        sharded, self.flatten_sharded_tensors = self.flatten_sharded_tensors, False
-        try:
-            super().set_up_planner(state_dict, storage_meta, is_coordinator)
-        finally:
-            self.flatten_sharded_tensors = sharded
-        if sharded and (
-            not self.flatten_state_dict or any(isinstance(v, ShardedTensor) for v in self.state_dict.values())
-        ):
-            self.state_dict = _flatten_sharded_tensors(self.state_dict)
+        # The state flattened, then its ShardedTensors only where there is one (store/flatten_order.py).
+        set_up_sharded_last(self, lambda: super(ReusingSavePlanner, self).set_up_planner(
+            state_dict, storage_meta, is_coordinator))  # fmt: skip
 
     def create_local_plan(self) -> SavePlan:
         self._structure = structure_of(self.state_dict, self.mappings, self.is_coordinator)

@@ -18,7 +18,6 @@ from typing import IO, Any, NoReturn
 import crc32c
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import (
     FileSystem,
@@ -43,6 +42,7 @@ from safepoint.errors import (
 )
 from safepoint.store.checksum import ReadCoverage, fd_range_crc32c
 from safepoint.store.direct_read import DescriptionCache, read_in_place
+from safepoint.store.flatten_order import set_up_sharded_last
 from safepoint.store.rootfs import RootDir, around
 from safepoint.store.storage import safe_load_metadata
 from safepoint.store.whole_plan import whole_item_plan
@@ -294,18 +294,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def set_up_planner(
         self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
     ) -> None:
-        # The state flattened first, its ShardedTensors then: the order of DCP's *save* planner. DCP's load
-        # planner does the other, and flattening ShardedTensors rebuilds the state from its leaves, dropping
-        # an empty dict or list from a list walked item by item ({"a": [0, {}]}): the load asked for "a"
-        # where the save wrote "a.0", and the committed checkpoint could not be restored (torch 2.13's
-        # dcp.load fails on it too; tests/restore/test_empty_container_in_list.py).
-        sharded, self.flatten_sharded_tensors = self.flatten_sharded_tensors, False
-        try:
-            super().set_up_planner(state_dict, metadata, is_coordinator)
-        finally:
-            self.flatten_sharded_tensors = sharded
-        if sharded:
-            self.state_dict = _flatten_sharded_tensors(self.state_dict)
+        # The state flattened first, its ShardedTensors then, as the save planner does (DCP's load planner
+        # does the other, and lost an empty container in a list: store/flatten_order.py).
+        set_up_sharded_last(self, lambda: super(SafeLoadPlanner, self).set_up_planner(
+            state_dict, metadata, is_coordinator))  # fmt: skip
 
     def create_local_plan(self) -> LoadPlan:
         if self.metadata is not None and self.flatten_state_dict:
